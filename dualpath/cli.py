@@ -1,0 +1,58 @@
+"""The `dualpath` command line. Each subsystem adds its own subcommands.
+
+Exit codes: 0 success, 1 runtime failure, 2 bad usage or bad config, 3 a remote
+service refused or could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dualpath import __version__
+from dualpath.errors import DualPathError, UsageError
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+
+# Modules with `register(subparsers)`; each sets `func` on its parsers.
+COMMAND_MODULES = [
+    "dualpath.cli_config",
+    "dualpath.cli_demo",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dualpath", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"dualpath {__version__}")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    from dualpath import log
+
+    log.setup(args.log_level)
+    try:
+        rc = args.func(args)
+    except UsageError as e:
+        print(f"dualpath: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except DualPathError as e:
+        print(f"dualpath: error: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""One clock for benches, the cost model and tests: monotonic seconds as float,
+and nanoseconds as int where precision matters."""
+
+from __future__ import annotations
+
+import time
+
+now = time.monotonic
+now_ns = time.monotonic_ns

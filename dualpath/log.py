@@ -1,0 +1,22 @@
+"""Logging set-up shared by every daemon and CLI command."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def setup(level: str | None = None, name: str = "dualpath") -> logging.Logger:
+    """Configure root logging once (idempotent) and return the ``name`` logger."""
+    level = (level or os.environ.get("DUALPATH_LOG", "INFO")).upper()
+    root = logging.getLogger()
+    if not getattr(root, "_dualpath_configured", False):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+        )
+        root.addHandler(handler)
+        root._dualpath_configured = True  # type: ignore[attr-defined]
+    root.setLevel(level)
+    return logging.getLogger(name)

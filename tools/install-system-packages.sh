@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install the Debian packages DualPath builds and tests with; a no-op when all are present.
+# Needs root (or sudo) only when something is missing.
+set -euo pipefail
+PKGS=(
+  libibverbs-dev librdmacm-dev rdma-core ibverbs-utils ibverbs-providers  # verbs build + tools
+  python3-pyverbs                                  # rdma-core's own bindings: our cross-check
+  qemu-system-x86 busybox-static kmod              # the SoftRoCE guest (tools/vm)
+  perftest ucx-utils fio tcpdump iproute2          # peers for the benches, packet capture
+)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+echo "install-system-packages: installing ${missing[*]}"
+SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"

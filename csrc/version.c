@@ -1,4 +1,4 @@
-/* version.c - the embedded package version (checked by dualpath/_native at import). */
+/* version.c - the embedded package version and build-time feature flags. */
 #include "dp.h"
 
 #ifndef DP_PKG_VERSION

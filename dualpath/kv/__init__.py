@@ -1,0 +1,1 @@
+"""KV-cache model profiles, block layouts, prefix identity and synthetic KV (pure code)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sysconfig
 from pathlib import Path
 
 from cffi import FFI
@@ -30,6 +32,22 @@ def _cdef() -> str:
     return m.group(1)
 
 
+def _probe(snippet: str) -> bool:
+    """True when `snippet` compiles against the installed verbs header (a feature probe)."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    src = "#include <infiniband/verbs.h>\n" + snippet + "\n"
+    r = subprocess.run(cc + ["-x", "c", "-fsyntax-only", "-Werror", "-"],
+                       input=src.encode(), capture_output=True)
+    return r.returncode == 0
+
+
+# Optional rdma-core features, probed at build time (exported as dp_has_dmabuf()).
+_FEATURES = [
+    ("DP_HAVE_DMABUF", "void *dp_probe(void) { return (void *)ibv_reg_dmabuf_mr; }"),
+    ("DP_HAVE_QUERY_GID_EX", "int dp_probe(struct ibv_context *c, struct ibv_gid_entry *e)"
+                             " { return ibv_query_gid_ex(c, 1, 0, e, 0); }"),
+]
+
 ffibuilder = FFI()
 ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
@@ -38,7 +56,8 @@ ffibuilder.set_source(
     sources=[str(p.relative_to(ROOT)) for p in sorted(CSRC.glob("*.c"))],
     include_dirs=[str(CSRC)],
     libraries=["ibverbs", "pthread"],
-    define_macros=[("DP_PKG_VERSION", '"%s"' % _version()), ("_GNU_SOURCE", "1")],
+    define_macros=[("DP_PKG_VERSION", '"%s"' % _version()), ("_GNU_SOURCE", "1")]
+    + [(name, "1") for name, snippet in _FEATURES if _probe(snippet)],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror",
                         "-Wno-unused-parameter"] + os.environ.get("DP_CFLAGS", "").split(),
 )

@@ -49,6 +49,9 @@ printf '%s\n' "$CMD" >"$RUN/cmd"
   printf 'export HOME=%q\n' "${HOME:-/root}"
   printf 'export LANG=%q\n' "${LANG:-C.UTF-8}"
   printf 'export PYTHONUNBUFFERED=1\n'
+  # The command's stdout is the guest's serial console, a tty: without this, programs
+  # would colour output that goes to a pipe or a CI log on the host.
+  if [ -t 1 ]; then printf 'export TERM=%q\n' "${TERM:-vt100}"; else echo 'export TERM=dumb'; fi
   while IFS= read -r name; do
     [[ $name == DUALPATH_* ]] && printf 'export %s=%q\n' "$name" "${!name}"
   done < <(compgen -e)

@@ -1,0 +1,78 @@
+"""dualpath.verbs where the host has no RDMA device (our dev and CI hosts: no
+CONFIG_INFINIBAND), and the argument checks that need no device at all."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from dualpath import verbs
+from dualpath._native import ffi, lib
+from dualpath.errors import RdmaError, UsageError
+
+
+def test_unknown_device_name_is_enodev():
+    # dp_ctx_open: no device has that name (true on every host).
+    with pytest.raises(RdmaError) as ei:
+        verbs.Device("no-such-rdma-device")
+    assert ei.value.errno == errno.ENODEV
+
+
+def test_no_devices_means_empty_list_and_enodev():
+    if verbs.list_devices():
+        pytest.skip(f"this host has RDMA devices {verbs.list_devices()}; "
+                    "the no-device path cannot be seen here")
+    assert lib.dp_device_list(ffi.NULL, 0, 0) == 0
+    with pytest.raises(RdmaError) as ei:
+        verbs.Device()
+    assert ei.value.errno == errno.ENODEV   # dp_ctx_open: no device with an ACTIVE port
+
+
+def test_null_handles_are_einval():
+    # Mechanism-level guards: a NULL handle never reaches libibverbs.
+    assert lib.dp_ctx_close(ffi.NULL) == -errno.EINVAL
+    assert lib.dp_pd_free(ffi.NULL) == -errno.EINVAL
+    assert lib.dp_cq_destroy(ffi.NULL) == -errno.EINVAL
+    assert lib.dp_qp_destroy(ffi.NULL) == -errno.EINVAL
+    assert lib.dp_mr_dereg(ffi.NULL) == -errno.EINVAL
+    n = ffi.new("uint32_t *", 7)
+    assert lib.dp_qp_post_write(ffi.NULL, ffi.NULL, 0, 1, n) == -errno.EINVAL
+    assert n[0] == 0
+    assert lib.dp_cq_poll(ffi.NULL, ffi.NULL, 0) == -errno.EINVAL
+    assert lib.dp_pd_alloc(ffi.NULL) == ffi.NULL and ffi.errno == errno.EINVAL
+
+
+def test_dmabuf_flag_is_a_build_time_boolean():
+    assert lib.dp_has_dmabuf() in (0, 1)
+
+
+def test_struct_layouts_shared_with_the_tcp_provider():
+    # csrc/verbs_ctl.c static_asserts the same sizes; the TCP provider relies on them.
+    assert ffi.sizeof("struct dp_item") == 40
+    assert ffi.sizeof("struct dp_wc") == 24
+    assert verbs.wc_dtype().itemsize == 24
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_send_wr", 0), ("max_send_wr", 65537), ("path_mtu", 1000), ("service_level", 16),
+    ("traffic_class", 256), ("gid_index", -2), ("retry_cnt", 8), ("port", 0),
+])
+def test_qp_config_rejects_out_of_range(field, value):
+    with pytest.raises(UsageError, match=field):
+        verbs.QpConfig(**{field: value})
+
+
+def test_write_batch_rejects_bad_items():
+    with pytest.raises(UsageError, match=r"items\[1\].length"):
+        verbs.WriteBatch([(0, 0, 1, 0, 0), (0, 0, 0, 0, 0)])
+    with pytest.raises(UsageError, match="rkey"):
+        verbs.WriteBatch([(0, 0, 1, 0, 1 << 32)])
+    assert len(verbs.WriteBatch([verbs.Item(1, 2, 3, 4, 5, 6)])) == 1
+
+
+def test_gid_ipv4_mapping():
+    g = verbs.Gid(1, bytes.fromhex("00000000000000000000ffff0a630001"), 1)
+    assert g.ipv4 == "10.99.0.1" and g.roce_v2 and str(g) == "::ffff:10.99.0.1"
+    link_local = verbs.Gid(0, bytes.fromhex("fe800000000000000000000000000001"), 1)
+    assert link_local.ipv4 is None

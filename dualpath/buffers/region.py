@@ -1,0 +1,170 @@
+"""One large pinned, registered DRAM region per process: the PE and DE buffers' backing.
+
+Life cycle: ``PinnedRegion(...)`` maps anonymous memory (2 MiB huge pages when the
+system has them reserved, plain pages otherwise, with transparent huge pages advised),
+locks it with ``mlock`` so it can never be paged out under an RDMA NIC, then registers
+it through the caller's ``register(addr, length)`` callback (an RDMA memory region in
+the engines, nothing in unit tests). ``close()`` undoes this in reverse: deregister,
+munlock, unmap. It is idempotent; the registration is a child and closes first.
+
+Pinning counts against RLIMIT_MEMLOCK (so does ``ibv_reg_mr``); when the limit is too
+low we fail at start-up with :class:`MemlockError`, naming the fix, instead of failing
+later in the middle of a transfer.
+
+Threads: create and close on one thread; views may be used from any thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as _errno
+import logging
+import mmap
+import os
+import resource
+from collections.abc import Callable
+from typing import Protocol, Self
+
+import numpy as np
+
+from dualpath.errors import DualPathError, UsageError
+
+log = logging.getLogger("dualpath.buffers")
+
+MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)   # Linux generic value
+HUGE_PAGE = 2 << 20
+HUGE_PAGE_MODES = ("auto", "on", "off")
+
+
+class Registration(Protocol):
+    """What ``register`` returns: a handle (e.g. dualpath.verbs.MemoryRegion) to close."""
+
+    def close(self) -> None: ...
+
+
+Register = Callable[[int, int], Registration]   # (address, length) -> registration
+
+
+class MemlockError(DualPathError, OSError):
+    """The region could not be pinned: RLIMIT_MEMLOCK too low (the message names the fix)."""
+
+
+class RegionError(DualPathError):
+    """The region could not be created as configured (e.g. huge pages demanded, none free)."""
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _mlock(addr: int, length: int) -> int:
+    """0 or the errno of mlock(2) (indirection so tests can inject a failure)."""
+    return 0 if _libc.mlock(addr, length) == 0 else ctypes.get_errno()
+
+
+def _munlock(addr: int, length: int) -> None:
+    _libc.munlock(addr, length)
+
+
+def memlock_fix_message(nbytes: int, err: int, what: str) -> str:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    return (f"cannot pin {nbytes} bytes of {what} in memory: mlock failed with "
+            f"{_errno.errorcode.get(err, err)} ({os.strerror(err)}); this process's locked-"
+            f"memory limit (RLIMIT_MEMLOCK) is {limit}. Raise it: run `ulimit -l unlimited` "
+            f"in the shell that starts dualpath, set LimitMEMLOCK=infinity in its systemd "
+            f"unit, or pass `--ulimit memlock=-1` to docker; or make buffers.pe_buffer_mib "
+            f"and buffers.de_buffer_mib smaller.")
+
+
+class PinnedRegion:
+    """A page-aligned anonymous mapping, mlocked and optionally registered."""
+
+    def __init__(self, nbytes: int, *, huge_pages: str = "auto", lock: bool = True,
+                 register: Register | None = None, what: str = "DualPath buffers"):
+        if nbytes <= 0:
+            raise UsageError(f"region size must be > 0, got {nbytes}")
+        if huge_pages not in HUGE_PAGE_MODES:
+            raise UsageError(f"huge_pages={huge_pages!r}; allowed: {', '.join(HUGE_PAGE_MODES)}")
+        self.what = what
+        self.huge = False
+        self.locked = False
+        self.registration: Registration | None = None
+        self._closed = False
+        self._map = self._map_memory(nbytes, huge_pages)
+        self.nbytes = len(self._map)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.addr = self.array.ctypes.data
+        try:
+            if lock:
+                err = _mlock(self.addr, self.nbytes)
+                if err:
+                    raise MemlockError(err, memlock_fix_message(self.nbytes, err, what))
+                self.locked = True
+            if register is not None:
+                self.registration = register(self.addr, self.nbytes)
+        except BaseException:
+            self.close()
+            raise
+        log.info("%s: %d MiB at 0x%x, %s pages, %s, %s", what, self.nbytes >> 20, self.addr,
+                 "2 MiB huge" if self.huge else "normal",
+                 "mlocked" if self.locked else "not locked",
+                 "registered" if self.registration is not None else "not registered")
+
+    def _map_memory(self, nbytes: int, huge_pages: str) -> mmap.mmap:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if huge_pages != "off":
+            size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+            try:
+                m = mmap.mmap(-1, size, flags=flags | MAP_HUGETLB)
+                self.huge = True
+                return m
+            except OSError as e:
+                if huge_pages == "on":
+                    raise RegionError(
+                        f"{self.what}: no 2 MiB huge pages for {size} bytes ({e.strerror}); "
+                        f"reserve them (sysctl vm.nr_hugepages={size // HUGE_PAGE}) or set "
+                        f"buffers.huge_pages = 'auto'") from None
+                log.debug("%s: huge pages unavailable (%s); using normal pages", self.what, e)
+        size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        m = mmap.mmap(-1, size, flags=flags)
+        if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                m.madvise(mmap.MADV_HUGEPAGE)   # transparent huge pages: fewer TLB misses
+            except OSError:
+                pass
+        return m
+
+    def view(self, offset: int, length: int) -> np.ndarray:
+        """A zero-copy uint8 view of ``[offset, offset + length)``."""
+        if offset < 0 or length < 0 or offset + length > self.nbytes:
+            raise UsageError(f"range {offset}+{length} outside the {self.nbytes}-byte region")
+        return self.array[offset:offset + length]
+
+    def close(self) -> None:
+        """Deregister, unlock, unmap (idempotent). Views still held keep the mapping alive."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.registration is not None:
+            reg, self.registration = self.registration, None
+            reg.close()
+        if self.locked:
+            _munlock(self.addr, self.nbytes)
+            self.locked = False
+        self.array = None  # type: ignore[assignment]
+        try:
+            self._map.close()
+        except BufferError:   # someone still holds a view: unmapped when the last one goes
+            log.debug("%s: views still alive at close; unmapping when they are freed", self.what)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,145 @@
+"""A node's queue of storage reads, measured in tokens (the scheduler's ``read_q``).
+
+The scheduler picks the reading side by comparing how much each node still has to read
+(paper §5, ``read_q``); its currency is tokens, so the queue counts the tokens of every
+block that is queued or in flight and drops them as each block lands. Reads are served
+FIFO by ``depth`` concurrent readers, each first taking the block's bytes from the
+node's storage-NIC limiter (when one is set), then reading through the BlockStore's
+worker pool.
+
+Threads: one asyncio loop owns a ReadQueue; call everything from that loop.
+Request lifecycle: ``read()`` enqueues blocks -> readers take them FIFO -> each block
+lands (hit or miss) -> ``read()`` returns. If the caller is cancelled or a block fails
+with an error, the request's queued blocks are dropped and ``read()`` waits for its
+in-flight blocks before returning: once it returns, nothing writes to its buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dualpath.errors import UsageError
+from dualpath.storage.format import HEADER_BYTES
+from dualpath.storage.ratelimit import RateLimiter
+from dualpath.storage.store import BlockStore
+
+
+@dataclass
+class _Job:
+    key: bytes
+    out: object
+    result: asyncio.Future
+    finished: asyncio.Future
+    running: bool = False
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """Per-block outcome of one request's read, in block order."""
+
+    hits: list[bool]
+    block_tokens: int
+
+    @property
+    def hit_tokens(self) -> int:
+        """Tokens of the leading run of blocks that arrived intact (usable prefix)."""
+        n = 0
+        for ok in self.hits:
+            if not ok:
+                break
+            n += 1
+        return n * self.block_tokens
+
+    @property
+    def all_hit(self) -> bool:
+        return all(self.hits)
+
+
+@dataclass
+class ReadQueue:
+    """Per-node FIFO of block reads; ``read_q_tokens`` is its length in tokens."""
+
+    store: BlockStore
+    limiter: RateLimiter | None = None
+    depth: int = 0                      # concurrent reads; 0 = the store's read workers
+    _queue: asyncio.Queue | None = field(default=None, init=False, repr=False)
+    _readers: list[asyncio.Task] = field(default_factory=list, init=False, repr=False)
+    _tokens: int = field(default=0, init=False)
+    _blocks: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.depth < 0:
+            raise UsageError(f"read queue depth must be >= 0, got {self.depth}")
+        self.depth = self.depth or self.store.read_workers
+        self.block_tokens = self.store.profile.block_tokens
+        self.file_bytes = HEADER_BYTES + self.store.layout.full_bytes
+
+    @property
+    def read_q_tokens(self) -> int:
+        """Tokens of blocks queued or being read on this node (the scheduler's read_q)."""
+        return self._tokens
+
+    @property
+    def read_q_blocks(self) -> int:
+        return self._blocks
+
+    async def read(self, keys: Sequence[bytes], outs: Sequence) -> ReadResult:
+        """Read ``keys`` into ``outs`` (one Full Block buffer each) FIFO; per-block hits."""
+        if len(keys) != len(outs):
+            raise UsageError(f"{len(keys)} keys but {len(outs)} buffers")
+        self._start()
+        loop = asyncio.get_running_loop()
+        jobs = [_Job(k, o, loop.create_future(), loop.create_future()) for k, o in zip(keys, outs)]
+        self._tokens += len(jobs) * self.block_tokens
+        self._blocks += len(jobs)
+        for job in jobs:
+            self._queue.put_nowait(job)
+        try:
+            hits = await asyncio.gather(*(j.result for j in jobs))
+        except BaseException:
+            for j in jobs:
+                j.result.cancel()          # readers skip cancelled jobs still queued
+            running = [j.finished for j in jobs if j.running and not j.finished.done()]
+            if running:
+                await asyncio.wait(running)
+            raise
+        return ReadResult(list(hits), self.block_tokens)
+
+    def _start(self) -> None:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._readers = [asyncio.create_task(self._reader(), name=f"read-queue-{i}")
+                             for i in range(self.depth)]
+
+    async def _reader(self) -> None:
+        while True:
+            job = await self._queue.get()
+            try:
+                if job.result.cancelled():
+                    continue
+                job.running = True
+                try:
+                    if self.limiter is not None:
+                        await self.limiter.acquire(self.file_bytes)
+                    ok = await self.store.aread(job.key, job.out)
+                except Exception as e:  # noqa: BLE001 - handed to the request; reader lives on
+                    if not job.result.done():
+                        job.result.set_exception(e)
+                else:
+                    if not job.result.done():
+                        job.result.set_result(ok)
+            finally:
+                self._tokens -= self.block_tokens
+                self._blocks -= 1
+                job.finished.set_result(None)
+
+    async def close(self) -> None:
+        """Stop the readers (idempotent); call when no ``read()`` is pending."""
+        for t in self._readers:
+            t.cancel()
+        if self._readers:
+            await asyncio.gather(*self._readers, return_exceptions=True)
+        self._readers = []
+        self._queue = None

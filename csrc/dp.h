@@ -52,7 +52,9 @@ struct dp_item {
  * 0 success, 4 LOC_PROT_ERR, 5 WR_FLUSH_ERR, 9 REM_INV_REQ_ERR, 10 REM_ACCESS_ERR,
  * 12 RETRY_EXC_ERR, 13 RNR_RETRY_EXC_ERR, ... */
 struct dp_wc {
-    uint64_t wr_id;        /* the signalled item's wr_id */
+    uint64_t wr_id;        /* the completed item's wr_id: the signalled one; with an
+                              error status the item that failed or was flushed (rxe
+                              flushes unsignalled items too, each retiring itself) */
     int32_t status;
     uint32_t qp_num;       /* which QP (or TCP connection id) it belongs to */
     uint32_t retired;      /* items of that QP this completion retires: the signalled
@@ -158,15 +160,20 @@ struct dp_qp_endpoint {
     uint8_t gid[16];
 };
 
-/* [handle] An RC QP in RESET with its prebuilt WR/SGE chain of max_send_wr entries. */
+/* [handle] An RC QP in RESET with its prebuilt WR/SGE chain of max_send_wr entries
+ * (EINVAL for a cfg out of range). Its CQs are grown (ibv_resize_cq) to hold a flush of
+ * every WR of every QP on them, so an error can never overflow a CQ. Creating or
+ * destroying a QP edits its CQs' QP tables: not while another thread polls them. */
 dp_qp *dp_qp_create(dp_pd *pd, dp_cq *send_cq, dp_cq *recv_cq, const struct dp_qp_cfg *cfg);
 /* [int] Local endpoint info for the peer. */
 int dp_qp_endpoint(dp_qp *qp, struct dp_qp_endpoint *out);
-/* [int] RESET/INIT -> INIT -> RTR -> RTS towards `remote`. */
+/* [int] RESET/INIT -> INIT -> RTR -> RTS towards `remote`, with the cfg's service level
+ * and (when gid_index >= 0) a GRH of its traffic class, hop limit and sgid_index; path
+ * MTU min(local, remote). -EISCONN when already past INIT (reset first). */
 int dp_qp_connect(dp_qp *qp, const struct dp_qp_endpoint *remote);
 /* [int] Move to RESET (recovery): outstanding credits are dropped, a new PSN is chosen;
  * connect again afterwards. Completions still in the CQ for this QP are discarded by the
- * next poll. */
+ * next poll (they occupy CQ entries until then: poll before posting again). */
 int dp_qp_reset(dp_qp *qp);
 /* [count] Current ibv_qp_state (0 RESET, 1 INIT, 2 RTR, 3 RTS, 4 SQD, 5 SQE, 6 ERR). */
 int dp_qp_state(dp_qp *qp);
@@ -185,15 +192,20 @@ int dp_qp_destroy(dp_qp *qp);
  * WRs outstanding on the QP nor more signalled WRs than the CQ's depth.
  * Returns 0 when all n went out; -EAGAIN when credits ran out after *n_posted items
  * (a normal partial result: poll, then post the rest); any other -errno when
- * ibv_post_send failed, with *n_posted = the items that did go out (the rest did not). */
+ * ibv_post_send failed, with *n_posted = the items that did go out (the rest did not;
+ * a provider that fails without naming bad_wr has queued them all: all count as posted).
+ * -EINVAL, nothing posted, when the QP is not in RTS (a provider may queue WRs on a RESET
+ * QP and run them after a later connect) or signal_every is 0. */
 int dp_qp_post_write(dp_qp *qp, const struct dp_item *items, uint32_t n,
                      uint32_t signal_every, uint32_t *n_posted);
 
 /* [count] Poll up to `max` completions into the caller's array without blocking;
- * returns credits to their QPs. */
+ * returns credits to their QPs. Completions from before a QP's last reset, of destroyed
+ * QPs, and of receives are discarded, not counted. -EIO when ibv_poll_cq fails first. */
 int dp_cq_poll(dp_cq *cq, struct dp_wc *out, uint32_t max);
 
-/* [count] Busy-poll until at least one completion or `timeout_ns` elapsed (0 then). */
+/* [count] Busy-poll until at least one completion or `timeout_ns` elapsed (0 then);
+ * after a short spin it yields the CPU between polls. timeout_ns < 0: -EINVAL. */
 int dp_cq_wait(dp_cq *cq, struct dp_wc *out, uint32_t max, int64_t timeout_ns);
 
 /* DP_CDEF_END */

@@ -208,6 +208,130 @@ int dp_cq_poll(dp_cq *cq, struct dp_wc *out, uint32_t max);
  * after a short spin it yields the CPU between polls. timeout_ns < 0: -EINVAL. */
 int dp_cq_wait(dp_cq *cq, struct dp_wc *out, uint32_t max, int64_t timeout_ns);
 
+/* ------------------------------------------------------------------ TCP provider */
+/*
+ * The verbs WRITE data path's semantics over TCP sockets, for hosts without an RDMA
+ * device (and for loopback tests). Same items, completions, statuses, credits and
+ * return conventions as dp_qp_post_write / dp_cq_poll; the handles map one to one:
+ *
+ *   dp_tcp       an engine ("device + PD + target"): a listening socket, the region table
+ *                (rkey == lkey, assigned here) and a server thread (epoll) that serves
+ *                peers' WRITEs into this engine's regions.
+ *   dp_tcp_mr    a registered region of an engine.
+ *   dp_tcp_cq    completions of the connections created on it (an epoll set).
+ *   dp_tcp_conn  an initiator connection to a remote engine (an RC QP).
+ *
+ * Wire (both ends run this code; little-endian): each WRITE is a 32-byte header (op,
+ * signalled flag, length, rkey, remote addr, sequence number) and its payload. The target
+ * checks rkey, REMOTE_WRITE access and bounds BEFORE writing, then receives the payload
+ * straight into the region (no bounce copy); an invalid WRITE's payload is drained and
+ * discarded. The target acks signalled WRITEs and every failure (status 10
+ * REM_ACCESS_ERR; the sequence number maps back to the wr_id, which never leaves the
+ * initiator). After a failure the target drops the rest of that connection, and the
+ * initiator completes every later item with 5 WR_FLUSH_ERR: an RC QP in ERR. An item
+ * whose local range is outside a region of the initiator's engine (lkey, bounds) is not
+ * sent: it completes with 4 LOC_PROT_ERR in order, after the items before it. A dead
+ * peer (EOF, reset, TCP user timeout) completes the first outstanding item with
+ * 12 RETRY_EXC_ERR (vendor_err = errno) and the rest with WR_FLUSH_ERR. reset + connect
+ * recovers, like dp_qp_reset + dp_qp_connect.
+ *
+ * Connection states (dp_tcp_conn_state, ibv_qp_state numbering): 0 RESET --connect-->
+ * 3 RTS --failure--> 6 ERR --reset--> 0 RESET. A post in RESET fails with ENOTCONN; a
+ * post in ERR is accepted and flushed (as verbs does).
+ *
+ * Progress: the initiator's bytes move only inside post, poll and wait (one gathered
+ * sendmsg per batch where the socket takes it; the rest when the socket drains), so the
+ * owner's data-path thread must keep polling while items are outstanding. The memory of
+ * an item must stay valid until the completion that retires it (as with verbs).
+ *
+ * Threads: the server thread is internal; it touches only the region table (under a
+ * rwlock) and its accepted sockets. Post on a connection and poll/wait/reset/destroy of
+ * it and its CQ: one thread at a time (the data-path thread). dp_tcp_conn_connect may run
+ * on another thread while the CQ is polled, as long as nothing posts on that connection
+ * meanwhile. dp_tcp_cq_wake: any thread, any time. reg/dereg: any thread.
+ */
+
+typedef struct dp_tcp dp_tcp;
+typedef struct dp_tcp_mr dp_tcp_mr;
+typedef struct dp_tcp_cq dp_tcp_cq;
+typedef struct dp_tcp_conn dp_tcp_conn;
+
+/* Engine configuration; zero fields take the defaults in brackets. */
+struct dp_tcp_cfg {
+    uint32_t max_regions;    /* region table slots [1024], at most 65535 */
+    uint32_t sockbuf_bytes;  /* SO_SNDBUF/SO_RCVBUF of accepted sockets [0 = autotuning] */
+};
+
+/* [handle] Listen on host:port (numeric or resolvable host; port 0 = any free port, see
+ * dp_tcp_port) and start the server thread. cfg may be NULL. */
+dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *cfg);
+/* [count] The bound TCP port. */
+int dp_tcp_port(dp_tcp *eng);
+/* [int] Stop the server thread (closing accepted sockets) and free the engine; its
+ * regions, CQs and connections must be gone (EBUSY otherwise). */
+int dp_tcp_destroy(dp_tcp *eng);
+
+/* [handle] Register host memory (the caller keeps it alive until dereg); out gets
+ * addr/length and lkey == rkey. ENOSPC when the table is full. A WRITE into it needs
+ * DP_ACCESS_REMOTE_WRITE; a WRITE from it needs nothing. */
+dp_tcp_mr *dp_tcp_mr_reg(dp_tcp *eng, void *addr, uint64_t length, uint32_t access,
+                         struct dp_mr_info *out);
+/* [int] After it returns no WRITE lands in the region: one in progress completes with
+ * REM_ACCESS_ERR at its initiator. */
+int dp_tcp_mr_dereg(dp_tcp_mr *mr);
+
+/* [handle] A CQ; posts never let more than `depth` signalled items be outstanding on it.
+ * [int] destroy: its connections must be gone (EBUSY). */
+dp_tcp_cq *dp_tcp_cq_create(dp_tcp *eng, uint32_t depth);
+int dp_tcp_cq_destroy(dp_tcp_cq *cq);
+
+/* Connection configuration; zero fields take the defaults in brackets. */
+struct dp_tcp_conn_cfg {
+    uint32_t max_send_wr;     /* [256] items outstanding (the credits), at most 65536 */
+    uint32_t sockbuf_bytes;   /* SO_SNDBUF/SO_RCVBUF [0 = autotuning] */
+    uint32_t user_timeout_ms; /* TCP_USER_TIMEOUT: data unacknowledged this long kills
+                                 the connection [0 = kernel default] */
+    uint32_t _pad;
+};
+
+/* [handle] A connection in RESET whose completions go to `cq`. cfg may be NULL. */
+dp_tcp_conn *dp_tcp_conn_create(dp_tcp *eng, dp_tcp_cq *cq, const struct dp_tcp_conn_cfg *cfg);
+/* [int] RESET -> RTS: connect to the engine listening on host:port within timeout_ns
+ * (ETIMEDOUT; ECONNREFUSED etc. as the socket says; EISCONN when not in RESET). */
+int dp_tcp_conn_connect(dp_tcp_conn *conn, const char *host, uint16_t port,
+                        int64_t timeout_ns);
+/* [int] Any state -> RESET (recovery): the socket is closed, outstanding items and their
+ * credits are dropped without completions. Connect again afterwards. */
+int dp_tcp_conn_reset(dp_tcp_conn *conn);
+/* [count] State: 0 RESET, 3 RTS, 6 ERR. */
+int dp_tcp_conn_state(dp_tcp_conn *conn);
+/* [count] Items posted and not yet retired. */
+int dp_tcp_conn_outstanding(dp_tcp_conn *conn);
+/* [count] The connection id reported in dp_wc.qp_num (unique per engine, kept by reset). */
+int dp_tcp_conn_id(dp_tcp_conn *conn);
+/* [int] Reset and free. Reset and destroy of a connection with nothing outstanding may
+ * run on any thread (they then leave the CQ alone). */
+int dp_tcp_conn_destroy(dp_tcp_conn *conn);
+
+/* [int] As dp_qp_post_write: post `n` WRITEs, sent with one gathered sendmsg (one
+ * "doorbell") where the socket takes them; every `signal_every`-th item (counted across
+ * posts) and the batch's last posted item are signalled; never more than max_send_wr
+ * items outstanding nor more signalled ones than the CQ's depth; no allocation.
+ * Returns 0 when all n were accepted; -EAGAIN when credits ran out after *n_posted items;
+ * -ENOTCONN in RESET; -EINVAL for bad arguments (*n_posted = 0). Socket failures are
+ * reported by completions, not here. */
+int dp_tcp_post_write(dp_tcp_conn *conn, const struct dp_item *items, uint32_t n,
+                      uint32_t signal_every, uint32_t *n_posted);
+
+/* [count] Move bytes and collect up to `max` completions of the CQ's connections without
+ * blocking; returns their credits. */
+int dp_tcp_cq_poll(dp_tcp_cq *cq, struct dp_wc *out, uint32_t max);
+/* [count] Sleep in epoll until at least one completion, timeout_ns elapsed, or
+ * dp_tcp_cq_wake (0 for the last two). */
+int dp_tcp_cq_wait(dp_tcp_cq *cq, struct dp_wc *out, uint32_t max, int64_t timeout_ns);
+/* [int] Make a dp_tcp_cq_wait in progress (or the next one) return. Any thread. */
+int dp_tcp_cq_wake(dp_tcp_cq *cq);
+
 /* DP_CDEF_END */
 
 #endif /* DP_H */

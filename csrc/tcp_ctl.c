@@ -1,0 +1,587 @@
+/*
+ * tcp_ctl.c - the TCP provider's control side: the engine (listener + server thread),
+ * the region table, CQs, and connection create/connect/reset/destroy. The data path
+ * (post, poll, the target's receive state machine) is in tcp_dp.c.
+ *
+ * Server thread: one per engine, blocked in epoll_wait on the listening socket, an
+ * eventfd that dp_tcp_destroy writes to stop it, and the accepted sockets (level-
+ * triggered). It owns the accepted sockets outright; the only state it shares is the
+ * region table, under eng->lock. Connections closed while handling one epoll batch are
+ * freed after the batch, so a later event of that batch never reads freed memory.
+ */
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tcp_internal.h"
+
+enum {
+    DEFAULT_MAX_REGIONS = 1024,
+    DEFAULT_MAX_SEND_WR = 256,
+    MAX_SEND_WR = 65536,
+    LISTEN_BACKLOG = 256,
+};
+
+int tcp_now_ns(int64_t *out)
+{
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) < 0)
+        return -1;
+    *out = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    return 0;
+}
+
+/* Latency over Nagle; optional fixed buffers (else the kernel autotunes them). */
+static void tune_socket(int fd, uint32_t sockbuf, uint32_t user_timeout_ms)
+{
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (sockbuf) {
+        int v = (int)sockbuf;
+        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof v);
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &v, sizeof v);
+    }
+    if (user_timeout_ms) {
+        unsigned int v = user_timeout_ms;
+        setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &v, sizeof v);
+    }
+}
+
+/* getaddrinfo's EAI_* as an errno. */
+static int resolve(const char *host, uint16_t port, int passive, struct addrinfo **out)
+{
+    char svc[8];
+    snprintf(svc, sizeof svc, "%u", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0)};
+    int rc = getaddrinfo(host && *host ? host : NULL, svc, &hints, out);
+    if (rc == 0)
+        return 0;
+    if (rc == EAI_SYSTEM)
+        return errno ? errno : EIO;
+    return rc == EAI_MEMORY ? ENOMEM : EADDRNOTAVAIL;
+}
+
+static void srv_close(dp_tcp *eng, struct tcp_srv_conn *c, struct tcp_srv_conn **dead)
+{
+    epoll_ctl(eng->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    close(c->fd);
+    c->fd = -1;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        eng->srv_conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    c->prev = NULL;
+    c->next = *dead;
+    *dead = c;
+}
+
+static void srv_set_events(dp_tcp *eng, struct tcp_srv_conn *c, uint32_t events)
+{
+    if (c->events == events)
+        return;
+    struct epoll_event ev = {.events = events, .data.ptr = c};
+    if (epoll_ctl(eng->epfd, EPOLL_CTL_MOD, c->fd, &ev) == 0)
+        c->events = events;
+}
+
+static void srv_accept(dp_tcp *eng)
+{
+    for (;;) {
+        int fd = accept4(eng->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0)
+            return;    /* EAGAIN: done; EMFILE etc.: the peer sees a reset, retries */
+        struct tcp_srv_conn *c = calloc(1, sizeof *c);
+        if (!c) {
+            close(fd);
+            continue;
+        }
+        tune_socket(fd, eng->sockbuf, 0);
+        c->fd = fd;
+        c->events = EPOLLIN;
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
+        if (epoll_ctl(eng->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+            close(fd);
+            free(c);
+            continue;
+        }
+        c->next = eng->srv_conns;
+        if (c->next)
+            c->next->prev = c;
+        eng->srv_conns = c;
+    }
+}
+
+static void *server_main(void *arg)
+{
+    dp_tcp *eng = arg;
+    struct epoll_event ev[TCP_EVENTS];
+    for (;;) {
+        int k = epoll_wait(eng->epfd, ev, TCP_EVENTS, -1);
+        if (k < 0 && errno != EINTR)
+            break;
+        struct tcp_srv_conn *dead = NULL;
+        for (int i = 0; i < k; i++) {
+            void *p = ev[i].data.ptr;
+            if (p == &eng->wake_fd)
+                goto out;
+            if (p == eng) {
+                srv_accept(eng);
+                continue;
+            }
+            struct tcp_srv_conn *c = p;
+            if (c->fd < 0)
+                continue;    /* closed earlier in this batch */
+            int rc = 0;
+            if (c->events & EPOLLOUT) {    /* paused until the acks drain */
+                rc = tcp_srv_flush_acks(c);
+                if (rc == 0)
+                    srv_set_events(eng, c, EPOLLIN);
+            }
+            if (rc == 0)
+                rc = tcp_srv_readable(eng, c);
+            if (rc < 0)
+                srv_close(eng, c, &dead);
+            else if (rc > 0)
+                srv_set_events(eng, c, EPOLLOUT);
+        }
+        while (dead) {
+            struct tcp_srv_conn *c = dead;
+            dead = c->next;
+            free(c);
+        }
+    }
+out:
+    while (eng->srv_conns) {
+        struct tcp_srv_conn *dead = NULL;
+        srv_close(eng, eng->srv_conns, &dead);
+        free(dead);
+    }
+    return NULL;
+}
+
+static int listen_on(dp_tcp *eng, const char *host, uint16_t port)
+{
+    struct addrinfo *ai;
+    int err = resolve(host, port, 1, &ai);
+    if (err)
+        return err;
+    err = EADDRNOTAVAIL;
+    for (struct addrinfo *a = ai; a; a = a->ai_next) {
+        int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
+                        a->ai_protocol);
+        if (fd < 0) {
+            err = errno;
+            continue;
+        }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, LISTEN_BACKLOG) == 0) {
+            eng->listen_fd = fd;
+            err = 0;
+            break;
+        }
+        err = errno;
+        close(fd);
+    }
+    freeaddrinfo(ai);
+    if (err)
+        return err;
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    if (getsockname(eng->listen_fd, (struct sockaddr *)&ss, &len) < 0)
+        return errno;
+    eng->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                               : ((struct sockaddr_in *)&ss)->sin_port);
+    return 0;
+}
+
+static void engine_free(dp_tcp *eng)
+{
+    if (eng->listen_fd >= 0)
+        close(eng->listen_fd);
+    if (eng->epfd >= 0)
+        close(eng->epfd);
+    if (eng->wake_fd >= 0)
+        close(eng->wake_fd);
+    pthread_rwlock_destroy(&eng->lock);
+    free(eng->regions);
+    free(eng->discard);
+    free(eng);
+}
+
+dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *cfg)
+{
+    struct dp_tcp_cfg c = cfg ? *cfg : (struct dp_tcp_cfg){0};
+    if (!c.max_regions)
+        c.max_regions = DEFAULT_MAX_REGIONS;
+    if (c.max_regions > 0xffff || c.sockbuf_bytes > (1u << 30)) {
+        errno = EINVAL;
+        return NULL;
+    }
+    dp_tcp *eng = calloc(1, sizeof *eng);
+    if (!eng)
+        return NULL;
+    eng->listen_fd = eng->epfd = eng->wake_fd = -1;
+    eng->max_regions = c.max_regions;
+    eng->sockbuf = c.sockbuf_bytes;
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+    /* reg/dereg must not starve behind the server thread's back-to-back read locks */
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&eng->lock, &attr);
+    pthread_rwlockattr_destroy(&attr);
+    eng->regions = calloc(c.max_regions, sizeof *eng->regions);
+    eng->discard = malloc(TCP_DISCARD);
+    int err = ENOMEM;
+    if (!eng->regions || !eng->discard)
+        goto fail;
+    err = listen_on(eng, host, port);
+    if (err)
+        goto fail;
+    eng->epfd = epoll_create1(EPOLL_CLOEXEC);
+    eng->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (eng->epfd < 0 || eng->wake_fd < 0) {
+        err = errno;
+        goto fail;
+    }
+    struct epoll_event ev_listen = {.events = EPOLLIN, .data.ptr = eng};
+    struct epoll_event ev_wake = {.events = EPOLLIN, .data.ptr = &eng->wake_fd};
+    if (epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->listen_fd, &ev_listen) < 0 ||
+        epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->wake_fd, &ev_wake) < 0) {
+        err = errno;
+        goto fail;
+    }
+    /* The server thread takes no signals: they belong to the embedding process's threads. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    err = pthread_create(&eng->thread, NULL, server_main, eng);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err)
+        goto fail;
+    eng->thread_started = 1;
+    return eng;
+fail:
+    engine_free(eng);
+    errno = err;
+    return NULL;
+}
+
+int dp_tcp_port(dp_tcp *eng)
+{
+    return eng ? eng->port : -EINVAL;
+}
+
+int dp_tcp_destroy(dp_tcp *eng)
+{
+    if (!eng)
+        return -EINVAL;
+    if (__atomic_load_n(&eng->n_mrs, __ATOMIC_ACQUIRE) ||
+        __atomic_load_n(&eng->n_cqs, __ATOMIC_ACQUIRE) ||
+        __atomic_load_n(&eng->n_conns, __ATOMIC_ACQUIRE))
+        return -EBUSY;
+    if (eng->thread_started) {
+        uint64_t one = 1;
+        if (write(eng->wake_fd, &one, sizeof one) < 0)
+            return -errno;
+        pthread_join(eng->thread, NULL);
+    }
+    engine_free(eng);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ regions */
+
+dp_tcp_mr *dp_tcp_mr_reg(dp_tcp *eng, void *addr, uint64_t length, uint32_t access,
+                         struct dp_mr_info *out)
+{
+    if (!eng || !addr || !length || !out ||
+        (access & ~(uint32_t)(DP_ACCESS_LOCAL_WRITE | DP_ACCESS_REMOTE_WRITE |
+                              DP_ACCESS_REMOTE_READ)) ||
+        (uintptr_t)addr + length < (uintptr_t)addr) {
+        errno = EINVAL;
+        return NULL;
+    }
+    dp_tcp_mr *mr = malloc(sizeof *mr);
+    if (!mr)
+        return NULL;
+    pthread_rwlock_wrlock(&eng->lock);
+    uint32_t slot = 0;
+    while (slot < eng->max_regions && eng->regions[slot].live)
+        slot++;
+    if (slot == eng->max_regions) {
+        pthread_rwlock_unlock(&eng->lock);
+        free(mr);
+        errno = ENOSPC;
+        return NULL;
+    }
+    struct tcp_region *r = &eng->regions[slot];
+    r->gen = (uint16_t)(r->gen == 0xffff ? 1 : r->gen + 1);   /* a stale rkey never matches */
+    r->addr = (uint64_t)(uintptr_t)addr;
+    r->length = length;
+    r->access = access;
+    r->live = 1;
+    uint32_t key = (uint32_t)r->gen << 16 | slot;
+    pthread_rwlock_unlock(&eng->lock);
+    mr->eng = eng;
+    mr->slot = slot;
+    mr->rkey = key;
+    out->addr = (uint64_t)(uintptr_t)addr;
+    out->length = length;
+    out->lkey = out->rkey = key;
+    __atomic_add_fetch(&eng->n_mrs, 1, __ATOMIC_RELEASE);
+    return mr;
+}
+
+int dp_tcp_mr_dereg(dp_tcp_mr *mr)
+{
+    if (!mr)
+        return -EINVAL;
+    dp_tcp *eng = mr->eng;
+    /* The write lock waits out any recvmsg into this region (they hold the read lock). */
+    pthread_rwlock_wrlock(&eng->lock);
+    eng->regions[mr->slot].live = 0;
+    pthread_rwlock_unlock(&eng->lock);
+    __atomic_sub_fetch(&eng->n_mrs, 1, __ATOMIC_RELEASE);
+    free(mr);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ CQs */
+
+dp_tcp_cq *dp_tcp_cq_create(dp_tcp *eng, uint32_t depth)
+{
+    if (!eng || depth == 0 || depth > (1u << 30)) {
+        errno = EINVAL;
+        return NULL;
+    }
+    dp_tcp_cq *cq = calloc(1, sizeof *cq);
+    if (!cq)
+        return NULL;
+    cq->eng = eng;
+    cq->depth = depth;
+    cq->epfd = epoll_create1(EPOLL_CLOEXEC);
+    cq->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    if (cq->epfd < 0 || cq->wake_fd < 0 ||
+        epoll_ctl(cq->epfd, EPOLL_CTL_ADD, cq->wake_fd, &ev) < 0) {
+        int err = errno;
+        if (cq->epfd >= 0)
+            close(cq->epfd);
+        if (cq->wake_fd >= 0)
+            close(cq->wake_fd);
+        free(cq);
+        errno = err;
+        return NULL;
+    }
+    __atomic_add_fetch(&eng->n_cqs, 1, __ATOMIC_RELEASE);
+    return cq;
+}
+
+int dp_tcp_cq_destroy(dp_tcp_cq *cq)
+{
+    if (!cq)
+        return -EINVAL;
+    if (__atomic_load_n(&cq->n_conns, __ATOMIC_ACQUIRE))
+        return -EBUSY;
+    close(cq->epfd);
+    close(cq->wake_fd);
+    __atomic_sub_fetch(&cq->eng->n_cqs, 1, __ATOMIC_RELEASE);
+    free(cq);
+    return 0;
+}
+
+int dp_tcp_cq_wake(dp_tcp_cq *cq)
+{
+    if (!cq)
+        return -EINVAL;
+    uint64_t one = 1;
+    /* EAGAIN means the counter is saturated: a wake-up is pending anyway. */
+    if (write(cq->wake_fd, &one, sizeof one) < 0 && errno != EAGAIN)
+        return -errno;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ connections */
+
+dp_tcp_conn *dp_tcp_conn_create(dp_tcp *eng, dp_tcp_cq *cq, const struct dp_tcp_conn_cfg *cfg)
+{
+    struct dp_tcp_conn_cfg c = cfg ? *cfg : (struct dp_tcp_conn_cfg){0};
+    if (!c.max_send_wr)
+        c.max_send_wr = DEFAULT_MAX_SEND_WR;
+    if (!eng || !cq || cq->eng != eng || c.max_send_wr > MAX_SEND_WR ||
+        c.sockbuf_bytes > (1u << 30)) {
+        errno = EINVAL;
+        return NULL;
+    }
+    uint32_t slots = 1;
+    while (slots < c.max_send_wr)
+        slots <<= 1;
+    dp_tcp_conn *conn = calloc(1, sizeof *conn);
+    if (!conn)
+        return NULL;
+    conn->ring = calloc(slots, sizeof *conn->ring);
+    conn->iov = calloc(TCP_IOV_MAX, sizeof *conn->iov);
+    if (!conn->ring || !conn->iov) {
+        free(conn->ring);
+        free(conn->iov);
+        free(conn);
+        errno = ENOMEM;
+        return NULL;
+    }
+    conn->eng = eng;
+    conn->cq = cq;
+    conn->cfg = c;
+    conn->mask = slots - 1;
+    conn->fd = -1;
+    conn->state = TCP_RESET;
+    conn->id = __atomic_add_fetch(&eng->next_conn_id, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&eng->n_conns, 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&cq->n_conns, 1, __ATOMIC_RELEASE);
+    return conn;
+}
+
+/* A non-blocking connect bounded by the deadline; the socket stays non-blocking. */
+static int connect_one(const struct addrinfo *a, const struct dp_tcp_conn_cfg *cfg,
+                       int64_t deadline, int *out_fd)
+{
+    int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
+                    a->ai_protocol);
+    if (fd < 0)
+        return errno;
+    tune_socket(fd, cfg->sockbuf_bytes, cfg->user_timeout_ms);
+    int err = 0;
+    if (connect(fd, a->ai_addr, a->ai_addrlen) < 0) {
+        err = errno;
+        while (err == EINPROGRESS || err == EINTR) {
+            int64_t now = 0;
+            if (tcp_now_ns(&now) < 0 || now >= deadline) {
+                err = ETIMEDOUT;
+                break;
+            }
+            struct pollfd p = {.fd = fd, .events = POLLOUT};
+            int64_t ms = (deadline - now + 999999) / 1000000;
+            int k = poll(&p, 1, ms > 1000000 ? 1000000 : (int)ms);
+            if (k < 0) {
+                err = errno;
+                continue;
+            }
+            if (k == 0)
+                continue;
+            socklen_t len = sizeof err;
+            if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0)
+                err = errno;
+        }
+    }
+    if (err) {
+        close(fd);
+        return err;
+    }
+    *out_fd = fd;
+    return 0;
+}
+
+int dp_tcp_conn_connect(dp_tcp_conn *conn, const char *host, uint16_t port, int64_t timeout_ns)
+{
+    if (!conn || !host || !port)
+        return -EINVAL;
+    if (conn->state != TCP_RESET)
+        return -EISCONN;
+    int64_t now;
+    if (tcp_now_ns(&now) < 0)
+        return -errno;
+    int64_t deadline = now + (timeout_ns > 0 ? timeout_ns : 0);
+    struct addrinfo *ai;
+    int err = resolve(host, port, 0, &ai);
+    if (err)
+        return -err;
+    int fd = -1;
+    err = EADDRNOTAVAIL;
+    for (struct addrinfo *a = ai; a && fd < 0; a = a->ai_next)
+        err = connect_one(a, &conn->cfg, deadline, &fd);
+    freeaddrinfo(ai);
+    if (fd < 0)
+        return -err;
+    conn->fd = fd;
+    conn->state = TCP_RTS;
+    /* Last: from here on the CQ's poller sees this connection's events. */
+    struct epoll_event ev = {.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET,
+                             .data.ptr = conn};
+    if (epoll_ctl(conn->cq->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+        err = errno;
+        close(fd);
+        conn->fd = -1;
+        conn->state = TCP_RESET;
+        return -err;
+    }
+    return 0;
+}
+
+int dp_tcp_conn_reset(dp_tcp_conn *conn)
+{
+    if (!conn)
+        return -EINVAL;
+    if (conn->fd >= 0) {
+        epoll_ctl(conn->cq->epfd, EPOLL_CTL_DEL, conn->fd, NULL);
+        close(conn->fd);
+        conn->fd = -1;
+    }
+    /* Touch the CQ only when needed: a connection that carries nothing (never posted,
+     * or already reset) can then be reset or destroyed while another thread polls. */
+    tcp_ready_remove(conn);
+    if (conn->sig_outstanding) {
+        conn->cq->sig_outstanding -= conn->sig_outstanding;
+        conn->sig_outstanding = 0;
+    }
+    conn->head = conn->send_idx = conn->tail;
+    conn->send_off = 0;
+    conn->unsig_run = 0;
+    conn->tx_blocked = conn->tx_stopped = conn->rx_more = 0;
+    conn->ack_pos = conn->ack_len = 0;
+    conn->fail_status = 0;
+    conn->fail_errno = 0;
+    conn->state = TCP_RESET;
+    return 0;
+}
+
+int dp_tcp_conn_state(dp_tcp_conn *conn)
+{
+    return conn ? conn->state : -EINVAL;
+}
+
+int dp_tcp_conn_outstanding(dp_tcp_conn *conn)
+{
+    return conn ? (int)(conn->tail - conn->head) : -EINVAL;
+}
+
+int dp_tcp_conn_id(dp_tcp_conn *conn)
+{
+    return conn ? (int)conn->id : -EINVAL;
+}
+
+int dp_tcp_conn_destroy(dp_tcp_conn *conn)
+{
+    if (!conn)
+        return -EINVAL;
+    dp_tcp_conn_reset(conn);
+    __atomic_sub_fetch(&conn->cq->n_conns, 1, __ATOMIC_RELEASE);
+    __atomic_sub_fetch(&conn->eng->n_conns, 1, __ATOMIC_RELEASE);
+    free(conn->ring);
+    free(conn->iov);
+    free(conn);
+    return 0;
+}

@@ -1,0 +1,177 @@
+/*
+ * tcp_internal.h - shared by tcp_ctl.c (control: engine, regions, CQs, connect/reset,
+ * the server thread's accept loop) and tcp_dp.c (data path: post, poll, wait and the
+ * target's receive path). Not part of the FFI.
+ */
+#ifndef DP_TCP_INTERNAL_H
+#define DP_TCP_INTERNAL_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "dp.h"
+
+/* ibv_wc_status numbering (dp.h). */
+enum {
+    TCP_WC_SUCCESS = 0,
+    TCP_WC_LOC_PROT_ERR = 4,
+    TCP_WC_WR_FLUSH_ERR = 5,
+    TCP_WC_REM_ACCESS_ERR = 10,
+    TCP_WC_RETRY_EXC_ERR = 12,
+};
+
+/* ibv_qp_state numbering (dp.h). */
+enum { TCP_RESET = 0, TCP_RTS = 3, TCP_ERR = 6 };
+
+enum {
+    TCP_MAGIC = 0xd7,        /* first header byte: a stray client is cut off, not obeyed */
+    TCP_OP_WRITE = 1,        /* header + `length` payload bytes into (rkey, remote_addr) */
+    TCP_OP_LOCERR = 2,       /* no payload: "fail here with LOC_PROT_ERR" (an ordered
+                                barrier so the items before it still complete first) */
+};
+
+/* One request on the wire: 32 bytes, little-endian. */
+struct tcp_req_hdr {
+    uint8_t magic;
+    uint8_t op;
+    uint8_t signalled;       /* 1: ack on success (failures are always acked) */
+    uint8_t _pad0;
+    uint32_t length;         /* payload bytes */
+    uint32_t rkey;
+    uint32_t _pad1;
+    uint64_t remote_addr;
+    uint64_t seq;            /* the initiator's ring position; the wr_id stays home */
+};
+_Static_assert(sizeof(struct tcp_req_hdr) == 32, "wire header is 32 bytes");
+
+/* One ack on the wire: 16 bytes, little-endian. */
+struct tcp_ack {
+    uint64_t seq;
+    int32_t status;          /* ibv_wc_status numbering */
+    uint32_t _pad;
+};
+_Static_assert(sizeof(struct tcp_ack) == 16, "wire ack is 16 bytes");
+
+enum {
+    TCP_IOV_MAX = 1024,                  /* entries per sendmsg (Linux UIO_MAXIOV) */
+    TCP_ACKBUF = 4096 * 16,              /* initiator: ack bytes read per recv */
+    TCP_SRV_ACKS = 1024,                 /* target: acks queued per connection */
+    TCP_DISCARD = 64 * 1024,             /* target: drain buffer for invalid WRITEs */
+    TCP_SRV_BUDGET = 64,                 /* target: recvmsg calls per connection per
+                                            wake-up, so one busy peer cannot starve others */
+    TCP_EVENTS = 64,
+};
+_Static_assert(TCP_IOV_MAX % 2 == 0, "a header and its payload share a sendmsg");
+
+/* A region table slot; rkey = gen << 16 | slot, so a stale rkey never matches. */
+struct tcp_region {
+    uint64_t addr;
+    uint64_t length;
+    uint32_t access;
+    uint16_t gen;            /* bumped by dereg; 0 never used */
+    uint8_t live;
+};
+
+/* A connection accepted by the server thread (the target side of a peer's dp_tcp_conn).
+ * Owned and touched only by the server thread. */
+struct tcp_srv_conn {
+    int fd;
+    uint32_t events;                 /* the epoll interest currently set */
+    struct tcp_req_hdr hdr;          /* the header being read */
+    uint32_t hdr_got;                /* bytes of it read so far */
+    uint64_t left;                   /* payload bytes of the current item still to read */
+    uint8_t *dst;                    /* where they go: the region, or NULL = discard */
+    uint32_t slot;                   /* the current item's region, rechecked per recv */
+    uint16_t gen;
+    uint8_t cur_signalled;
+    uint8_t flushing;                /* after a failure: drain everything, ack nothing */
+    uint64_t cur_seq;
+    uint32_t ack_n;                  /* acks queued */
+    uint32_t ack_off;                /* bytes of them already sent */
+    struct tcp_ack acks[TCP_SRV_ACKS];
+    struct tcp_srv_conn *prev, *next;
+};
+
+struct dp_tcp {
+    int listen_fd;
+    int epfd;                        /* server thread's epoll set */
+    int wake_fd;                     /* eventfd: tells the server thread to exit */
+    uint16_t port;
+    uint32_t sockbuf;
+    pthread_t thread;
+    int thread_started;
+    pthread_rwlock_t lock;           /* the region table: readers = server thread while
+                                        writing into a region, posts validating lkeys;
+                                        writers = reg/dereg */
+    struct tcp_region *regions;
+    uint32_t max_regions;
+    uint32_t n_mrs, n_cqs, n_conns;  /* children alive (atomics) */
+    uint32_t next_conn_id;           /* atomic */
+    struct tcp_srv_conn *srv_conns;  /* server thread only */
+    uint8_t *discard;                /* server thread only */
+};
+
+struct dp_tcp_mr {
+    dp_tcp *eng;
+    uint32_t slot;
+    uint32_t rkey;
+};
+
+struct dp_tcp_cq {
+    dp_tcp *eng;
+    int epfd;                        /* the connections' sockets (edge-triggered) + wake */
+    int wake_fd;                     /* eventfd written by dp_tcp_cq_wake */
+    uint32_t depth;
+    uint32_t sig_outstanding;        /* signalled items outstanding on all connections */
+    uint32_t n_conns;                /* atomic */
+    int woken;
+    dp_tcp_conn *ready;              /* connections with work that needs no new event */
+};
+
+/* A posted item: the header is sent from here, so it lives until retired. */
+struct tcp_wqe {
+    struct tcp_req_hdr hdr;
+    uint64_t local_addr;
+    uint64_t wr_id;
+    uint32_t length;
+    uint8_t signalled;
+};
+
+struct dp_tcp_conn {
+    dp_tcp *eng;
+    dp_tcp_cq *cq;
+    uint32_t id;
+    int fd;
+    int state;
+    struct dp_tcp_conn_cfg cfg;
+    /* The ring of posted items: [head, send_idx) fully sent and awaiting retirement,
+     * send_idx partly sent (send_off bytes of header + payload), [send_idx, tail) queued.
+     * Indices count up forever; slot = index & mask. */
+    struct tcp_wqe *ring;
+    uint32_t mask;
+    uint64_t head, send_idx, tail;
+    uint64_t send_off;
+    uint32_t unsig_run;              /* unsignalled items since the last signalled one */
+    uint32_t sig_outstanding;
+    uint8_t tx_blocked;              /* the socket said EAGAIN: wait for EPOLLOUT */
+    uint8_t tx_stopped;              /* a LOCERR went out: send nothing more */
+    uint8_t rx_more;                 /* the socket may hold unread acks */
+    uint8_t on_ready;
+    int32_t fail_status;             /* status of the first synthesised completion */
+    uint32_t fail_errno;
+    dp_tcp_conn *ready_next;
+    struct iovec *iov;               /* TCP_IOV_MAX entries, built per sendmsg */
+    uint32_t ack_pos, ack_len;       /* unread bytes of ackbuf are [ack_pos, ack_len) */
+    uint8_t ackbuf[TCP_ACKBUF];
+};
+
+/* tcp_ctl.c */
+int tcp_now_ns(int64_t *out);
+/* tcp_dp.c. Both return 0 = fine, 1 = acks stuck (wait for EPOLLOUT), -1 = close it. */
+int tcp_srv_readable(dp_tcp *eng, struct tcp_srv_conn *c);
+int tcp_srv_flush_acks(struct tcp_srv_conn *c);
+void tcp_conn_fail(dp_tcp_conn *conn, int32_t status, uint32_t err);
+void tcp_ready_remove(dp_tcp_conn *conn);
+
+#endif /* DP_TCP_INTERNAL_H */

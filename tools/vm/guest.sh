@@ -72,7 +72,7 @@ export DUALPATH_IN_VM=1 DUALPATH_RDMA_REQUIRED=1
 export DUALPATH_RDMA_DEV_A=rxe0 DUALPATH_RDMA_DEV_B=rxe1
 export DUALPATH_RDMA_IP_A=$IP_A DUALPATH_RDMA_IP_B=$IP_B
 cwd=$(<"$RUN/cwd") && cmd=$(<"$RUN/cmd") || fail "cannot read $RUN/cwd or $RUN/cmd"
-cd "$cwd" || fail "cannot cd to $cwd"
+cd "$cwd" || fail "cannot cd to $cwd (the guest has its own empty /tmp and /run)"
 
 : >"$RUN/ready"
 read -r t_ready _ </proc/uptime

@@ -70,7 +70,8 @@ timeout -k 10 "$TIMEOUT" qemu-system-x86_64 \
   -virtfs local,path=/,mount_tag=hostroot,security_model=passthrough,multidevs=remap \
   -serial stdio </dev/null &
 qemu=$!
-trap 'kill -TERM $qemu 2>/dev/null' INT TERM
+interrupted=
+trap 'interrupted=1; kill -TERM $qemu 2>/dev/null' INT TERM
 # Report boot-to-ready once the guest creates RUN/ready; 9p creates files on the host at
 # once, so the file's mtime (host clock) is the moment the command started.
 (
@@ -94,6 +95,7 @@ if [ -f "$RUN/status" ]; then
   exit "$rc"
 fi
 rm -rf "$RUN"
+[ -z "$interrupted" ] || die "interrupted; the guest was stopped"
 if [ "$qrc" = 124 ]; then
   echo "vm: ERROR: the guest was stopped after DUALPATH_VM_TIMEOUT=$TIMEOUT s" \
     "($(elapsed "$(date +%s.%N)") s since start); the command did not finish" >&2

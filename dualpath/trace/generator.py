@@ -67,8 +67,8 @@ class GeneratorParams:
     gen_sigma: float = 0.7
 
 
-# From _calibrate(TABLE2[name], n=4000, seed=0, iters=40); with those 4000 trajectories
-# every column lands within 0.02% of Table 2.
+# From _calibrate(TABLE2[name], n=4000, seed=0, iters=40), rounded to 2 decimals; with
+# those 4000 trajectories every column lands within 0.3% of Table 2 (docs/traces.md).
 PARAMS = {
     "32k": GeneratorParams(32 * 1024, first_append=5908.47, append=456.56, gen=149.40,
                            planned_turns=143.81, size_sigma=0.77),

@@ -32,15 +32,20 @@ esac
 command -v qemu-system-x86_64 >/dev/null ||
   die "qemu-system-x86_64 not found; run tools/install-system-packages.sh"
 
-GUEST=$("$VM_DIR/build.sh") || die "building the guest failed (tools/vm/build.sh)"
+mkdir -p "$CACHE" && CACHE=$(cd "$CACHE" && pwd)
+# Kernel command-line values (the run folder, guest.sh) cannot hold whitespace.
+[[ $CACHE$VM_DIR != *[[:space:]]* ]] ||
+  die "the repository and DUALPATH_VM_CACHE paths must not contain whitespace: $CACHE"
+# The guest mounts its own /tmp and /run: a run folder there would be invisible to it.
+[[ $CACHE/ != /tmp/* && $CACHE/ != /run/* ]] ||
+  die "DUALPATH_VM_CACHE must not be under /tmp or /run (the guest has its own): $CACHE"
+
+GUEST=$(DUALPATH_VM_CACHE=$CACHE "$VM_DIR/build.sh") ||
+  die "building the guest failed (tools/vm/build.sh)"
 
 # The run directory is on the shared root: the guest reads the command and environment
 # from it and writes its readiness and exit status back (qemu itself always exits 0).
-mkdir -p "$CACHE"
 RUN=$(mktemp -d "$CACHE/run-XXXXXX")
-# Kernel command-line values cannot hold whitespace.
-[[ $RUN$VM_DIR != *[[:space:]]* ]] ||
-  die "the repository path must not contain whitespace: $ROOT"
 
 pwd >"$RUN/cwd"
 printf '%s\n' "$CMD" >"$RUN/cmd"

@@ -25,6 +25,7 @@ from dualpath.errors import ConfigError
 SECTIONS: dict[str, str] = {
     "transport": "dualpath.config_sections:TransportConfig",
     "kv_lane": "dualpath.config_sections:KvLaneConfig",
+    "transfer": "dualpath.transfer.config:TransferConfig",
     "storage": "dualpath.storage.config:StorageConfig",
     "buffers": "dualpath.buffers.config:BuffersConfig",
 }

@@ -1,0 +1,296 @@
+"""TCP provider owners over ``dualpath._native``: the verbs data path's one-sided WRITE
+semantics on hosts without an RDMA device. Mechanism only, like :mod:`dualpath.verbs`,
+whose records (Item, WriteBatch, Completion, WcStatus, QpState, PostError) it shares.
+
+Objects: a :class:`TcpEngine` listens on host:port and serves peers' WRITEs into its
+:class:`TcpRegion` s from a C server thread; a :class:`TcpConnection` (an RC QP's twin)
+writes into a remote engine's regions, its completions arriving on a
+:class:`TcpCompletionQueue`.
+
+Connection states (ibv numbering, :class:`QpState`): RESET --connect()--> RTS; a failed
+WRITE, a dead peer or a bad local range moves it to ERR, where every outstanding item
+completes with an error (the first naming the cause, the rest WR_FLUSH_ERR); reset()
+takes any state back to RESET, dropping outstanding items, and connect() may follow.
+
+Threads: ``post_write`` on a connection and ``poll``/``wait`` of its CQ, ``reset`` and
+``close`` from one thread at a time (the data-path thread); ``connect`` may run on
+another thread while the CQ is polled as long as nothing posts on that connection;
+``wake`` from any thread; register/close of regions from any one thread at a time.
+Every native call releases the GIL. Bytes move only inside post/poll/wait, so a thread
+must keep polling while items are outstanding.
+
+Ownership: TcpEngine > (TcpRegion, TcpCompletionQueue > TcpConnection); a parent closes
+its live children first, newest first; ``close()`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import errno
+from dataclasses import dataclass
+
+from dualpath._native import ffi, lib
+from dualpath.errors import UsageError, check, check_ptr
+from dualpath.verbs import (
+    ACCESS_RW,
+    Access,
+    Completion,
+    Item,
+    PostError,
+    QpState,
+    WcStatus,
+    WriteBatch,
+    _check_range,
+    _Owner,
+)
+
+__all__ = [
+    "ACCESS_RW", "Access", "Completion", "Item", "PostError", "QpState", "TcpCompletionQueue",
+    "TcpConfig", "TcpConnection", "TcpEngine", "TcpRegion", "WcStatus", "WriteBatch",
+]
+
+_U64 = 1 << 64
+
+
+@dataclass(frozen=True)
+class TcpConfig:
+    """Connection settings (``struct dp_tcp_conn_cfg``)."""
+
+    max_send_wr: int = 256      # items outstanding per connection (the credits)
+    sockbuf_bytes: int = 0      # SO_SNDBUF/SO_RCVBUF; 0 = kernel autotuning
+    user_timeout_ms: int = 0    # TCP_USER_TIMEOUT; 0 = kernel default
+
+    def __post_init__(self):
+        _check_range("max_send_wr", self.max_send_wr, 1, 65536)
+        _check_range("sockbuf_bytes", self.sockbuf_bytes, 0, 1 << 30)
+        _check_range("user_timeout_ms", self.user_timeout_ms, 0, (1 << 31) - 1)
+
+    def _cdata(self):
+        c = ffi.new("struct dp_tcp_conn_cfg *")
+        c.max_send_wr, c.sockbuf_bytes = self.max_send_wr, self.sockbuf_bytes
+        c.user_timeout_ms = self.user_timeout_ms
+        return c
+
+
+class TcpEngine(_Owner):
+    """A listening engine: the region table and the server thread that writes peers'
+    WRITEs into it. Control calls from one thread at a time."""
+
+    _what = "TCP engine"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_regions: int = 1024,
+                 sockbuf_bytes: int = 0):
+        if not isinstance(host, str) or not host:
+            raise UsageError(f"host must be a non-empty str, not {host!r}")
+        _check_range("port", port, 0, 65535)
+        _check_range("max_regions", max_regions, 1, 65535)
+        _check_range("sockbuf_bytes", sockbuf_bytes, 0, 1 << 30)
+        super().__init__()
+        cfg = ffi.new("struct dp_tcp_cfg *")
+        cfg.max_regions, cfg.sockbuf_bytes = max_regions, sockbuf_bytes
+        self._adopt(check_ptr(lib.dp_tcp_create(host.encode(), port, cfg),
+                              f"listen on {host}:{port}", ffi))
+        self.host = host
+        self.port = check(lib.dp_tcp_port(self._handle), "TCP engine port")
+
+    def _destroy(self) -> int:
+        return lib.dp_tcp_destroy(self._handle)
+
+    def __repr__(self) -> str:
+        return f"<TcpEngine {self.host}:{self.port}{' closed' if self.closed else ''}>"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def register(self, buf=None, access: int = ACCESS_RW, *, addr: int | None = None,
+                 length: int | None = None) -> TcpRegion:
+        return TcpRegion(self, buf, access, addr=addr, length=length)
+
+    def cq(self, depth: int) -> TcpCompletionQueue:
+        return TcpCompletionQueue(self, depth)
+
+    def connection(self, cq: TcpCompletionQueue, config: TcpConfig | None = None
+                   ) -> TcpConnection:
+        return TcpConnection(self, cq, config)
+
+
+class TcpRegion(_Owner):
+    """Registered memory (lkey == rkey): a buffer-protocol object (kept alive until
+    close) or a raw ``addr``/``length`` range the caller keeps alive."""
+
+    _what = "TCP region"
+
+    def __init__(self, engine: TcpEngine, buf=None, access: int = ACCESS_RW, *,
+                 addr: int | None = None, length: int | None = None):
+        _check_range("access", int(access), 0, int(ACCESS_RW))
+        if (buf is None) == (addr is None):
+            raise UsageError("register either a buffer or an addr=/length= range")
+        if buf is not None:
+            try:
+                cbuf = ffi.from_buffer(buf, require_writable=bool(access & Access.REMOTE_WRITE))
+            except (TypeError, BufferError) as e:
+                raise UsageError(f"cannot register {type(buf).__name__}: {e}") from e
+            self._buffer, ptr, length = cbuf, cbuf, len(cbuf)
+        else:
+            _check_range("addr", addr, 1, _U64 - 1)
+            _check_range("length", length, 1, _U64 - 1)
+            self._buffer, ptr = None, ffi.cast("void *", addr)
+        if length == 0:
+            raise UsageError("cannot register an empty buffer")
+        super().__init__([engine])
+        info = ffi.new("struct dp_mr_info *")
+        self._adopt(check_ptr(lib.dp_tcp_mr_reg(engine._handle, ptr, length, int(access), info),
+                              f"register {length} bytes on {engine!r}", ffi), [engine])
+        self.addr, self.length = int(info.addr), int(info.length)
+        self.lkey, self.rkey = int(info.lkey), int(info.rkey)
+        self.access = Access(int(access))
+
+    def _destroy(self) -> int:
+        return lib.dp_tcp_mr_dereg(self._handle)
+
+    def close(self) -> None:
+        super().close()
+        self._buffer = None
+
+    def __repr__(self) -> str:
+        return f"<TcpRegion {self.length} B at {self.addr:#x} key {self.rkey:#x}>"
+
+
+class TcpCompletionQueue(_Owner):
+    """Completions of the connections created on it. ``depth`` bounds the signalled
+    items outstanding on it. poll/wait write into one preallocated array: one thread."""
+
+    _what = "TCP completion queue"
+
+    def __init__(self, engine: TcpEngine, depth: int):
+        _check_range("CQ depth", depth, 1, 1 << 30)
+        super().__init__([engine])
+        self.engine, self.depth = engine, depth
+        self.wc = ffi.new("struct dp_wc[]", min(depth, 4096))
+        self._adopt(check_ptr(lib.dp_tcp_cq_create(engine._handle, depth),
+                              f"create a TCP CQ of {depth}", ffi), [engine])
+
+    def _destroy(self) -> int:
+        return lib.dp_tcp_cq_destroy(self._handle)
+
+    def _max(self, max_entries: int | None) -> int:
+        self._check_open()
+        n = len(self.wc) if max_entries is None else max_entries
+        _check_range("max completions", n, 1, len(self.wc))
+        return n
+
+    def _collect(self, n: int) -> list[Completion]:
+        wc = self.wc
+        return [Completion(wc[i].wr_id, wc[i].status, wc[i].qp_num, wc[i].retired,
+                           wc[i].vendor_err) for i in range(n)]
+
+    def poll_n(self, max_entries: int | None = None) -> int:
+        """Like poll() but leaves the completions in ``self.wc`` and returns their count
+        (no Python objects: for hot loops)."""
+        return check(lib.dp_tcp_cq_poll(self._handle, self.wc, self._max(max_entries)),
+                     "poll TCP CQ")
+
+    def wait_n(self, timeout: float, max_entries: int | None = None) -> int:
+        """Like wait() but leaves the completions in ``self.wc``; returns their count."""
+        if not timeout >= 0:
+            raise UsageError(f"timeout must be >= 0 seconds, not {timeout!r}")
+        return check(lib.dp_tcp_cq_wait(self._handle, self.wc, self._max(max_entries),
+                                        int(timeout * 1e9)), "wait on TCP CQ")
+
+    def poll(self, max_entries: int | None = None) -> list[Completion]:
+        """Move bytes and return the completions ready now (possibly none); never blocks."""
+        return self._collect(self.poll_n(max_entries))
+
+    def wait(self, timeout: float, max_entries: int | None = None) -> list[Completion]:
+        """Sleep until a completion, ``timeout`` seconds or wake(); an empty list means
+        the time ran out or someone woke us."""
+        return self._collect(self.wait_n(timeout, max_entries))
+
+    def wake(self) -> None:
+        """Make a wait() in progress (or the next one) return now. Any thread."""
+        self._check_open()
+        check(lib.dp_tcp_cq_wake(self._handle), "wake TCP CQ")
+
+
+class TcpConnection(_Owner):
+    """An initiator connection to a remote TcpEngine (see the module docstring for its
+    states). ``conn_id`` is what completions carry in ``qp_num``."""
+
+    _what = "TCP connection"
+
+    def __init__(self, engine: TcpEngine, cq: TcpCompletionQueue,
+                 config: TcpConfig | None = None):
+        if cq.engine is not engine:
+            raise UsageError("a TCP connection and its CQ must belong to the same engine")
+        config = TcpConfig() if config is None else config
+        super().__init__([engine, cq])
+        self.engine, self.cq, self.config = engine, cq, config
+        self._adopt(check_ptr(lib.dp_tcp_conn_create(engine._handle, cq._handle,
+                                                     config._cdata()),
+                              "create a TCP connection", ffi), [engine, cq])
+        self.conn_id = check(lib.dp_tcp_conn_id(self._handle), "TCP connection id")
+        self.remote: tuple[str, int] | None = None
+        self._n_posted = ffi.new("uint32_t *")
+
+    def _destroy(self) -> int:
+        return lib.dp_tcp_conn_destroy(self._handle)
+
+    def __repr__(self) -> str:
+        to = f" to {self.remote[0]}:{self.remote[1]}" if self.remote else ""
+        return f"<TcpConnection {self.conn_id}{to}>"
+
+    @property
+    def qp_num(self) -> int:
+        return self.conn_id
+
+    @property
+    def state(self) -> QpState:
+        self._check_open()
+        return QpState(check(lib.dp_tcp_conn_state(self._handle), "TCP connection state"))
+
+    @property
+    def outstanding(self) -> int:
+        """Items posted and not yet retired by a completion."""
+        self._check_open()
+        return check(lib.dp_tcp_conn_outstanding(self._handle), "TCP connection outstanding")
+
+    def connect(self, host: str, port: int, timeout: float = 5.0) -> None:
+        """RESET -> RTS: connect to the engine at host:port within ``timeout`` seconds."""
+        self._check_open()
+        if not isinstance(host, str) or not host:
+            raise UsageError(f"host must be a non-empty str, not {host!r}")
+        _check_range("port", port, 1, 65535)
+        if not timeout >= 0:
+            raise UsageError(f"timeout must be >= 0 seconds, not {timeout!r}")
+        check(lib.dp_tcp_conn_connect(self._handle, host.encode(), port, int(timeout * 1e9)),
+              f"connect TCP connection {self.conn_id} to {host}:{port}")
+        self.remote = (host, port)
+
+    def reset(self) -> None:
+        """Back to RESET (recovery): the socket closes, outstanding items are forgotten
+        without completions."""
+        self._check_open()
+        check(lib.dp_tcp_conn_reset(self._handle), f"reset TCP connection {self.conn_id}")
+
+    def post_write(self, items, signal_every: int = 1, *, start: int = 0,
+                   count: int | None = None) -> int:
+        """Post items ``[start, start+count)`` of a WriteBatch (or a sequence of Items)
+        with one gathered send; return how many were accepted. Fewer than asked is the
+        normal credit limit (poll, then post the rest)."""
+        self._check_open()
+        batch = items if isinstance(items, WriteBatch) else WriteBatch(items)
+        count = batch.n - start if count is None else count
+        if start < 0 or count < 0 or start + count > batch.n:
+            raise UsageError(f"items [{start}, {start + count}) outside a batch of {batch.n}")
+        _check_range("signal_every", signal_every, 1, (1 << 32) - 1)
+        return self.post_raw(batch._items + start, count, signal_every)
+
+    def post_raw(self, items, count: int, signal_every: int) -> int:
+        """post_write over a caller-filled ``struct dp_item`` array, unchecked (hot path).
+        ENOTCONN in RESET raises PostError."""
+        rc = lib.dp_tcp_post_write(self._handle, items, count, signal_every, self._n_posted)
+        posted = self._n_posted[0]
+        if rc < 0 and rc != -errno.EAGAIN:
+            raise PostError(-rc, f"post {count} WRITEs on TCP connection {self.conn_id}",
+                            posted, count)
+        return posted

@@ -1,0 +1,43 @@
+"""The ``[transfer]`` config section: the TransferEngine's policy knobs and the TCP
+provider's socket settings (the transport choice itself is ``[transport]``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.config import key
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How the TransferEngine slices, spreads, bounds and retries WRITEs."""
+
+    connections_per_peer: int = key(2, "QPs (or TCP connections) per peer; a batch's "
+                                    "slices are spread over them.", min=1, max=64)
+    slice_bytes: int = key(1 << 20, "Items longer than this are cut into slices of at "
+                           "most this many bytes.", min=4096, max=1 << 30)
+    max_send_wr: int = key(256, "WRITEs outstanding per connection (its credits).",
+                           min=1, max=65536)
+    signal_every: int = key(16, "Signal (ask a completion for) every Nth WRITE; the last "
+                            "of each post is always signalled.", min=1, max=65536)
+    cq_depth: int = key(4096, "Completion queue depth: signalled WRITEs outstanding over "
+                        "all connections.", min=1, max=1 << 22)
+    timeout_s: float = key(30.0, "Bound on one write() (seconds); past it the write "
+                           "raises TransferTimeout and its connections are recovered.",
+                           min=0.001)
+    max_retries: int = key(2, "Times a slice is re-posted after its connection failed "
+                           "and recovered (access errors are never retried).", min=0, max=100)
+    connect_timeout_s: float = key(5.0, "Bound on connecting one connection (seconds).",
+                                   min=0.001)
+    recover_attempts: int = key(3, "Reconnect attempts (with backoff) after a connection "
+                                "error before its pending writes fail.", min=1, max=100)
+    tcp_listen: str = key("127.0.0.1", "TCP provider: address to listen on.")
+    tcp_port: int = key(0, "TCP provider: port to listen on; 0 = any free port.",
+                        min=0, max=65535)
+    tcp_advertise: str = key("", "TCP provider: address peers connect to; empty = "
+                             "tcp_listen.")
+    tcp_sockbuf_bytes: int = key(0, "TCP provider: SO_SNDBUF/SO_RCVBUF; 0 = kernel "
+                                 "autotuning (best on loopback).", min=0, max=1 << 30)
+    tcp_user_timeout_ms: int = key(10000, "TCP provider: TCP_USER_TIMEOUT, after which "
+                                   "unacknowledged data fails the connection; 0 = kernel "
+                                   "default.", min=0, max=1 << 30)

@@ -1,0 +1,619 @@
+"""TransferEngine: batches of one-sided WRITEs to named peers, as single awaitables.
+
+Policy over a :class:`~dualpath.transfer.provider.Provider` (verbs or TCP): buffers are
+registered once under a name; peers are reached through an out-of-band channel
+(:mod:`dualpath.transfer.oob`) that exchanges endpoints and region keys; a batch of
+``(local_offset, remote_offset, length)`` items is cut into slices
+(:func:`~dualpath.transfer.plan.plan_slices`), spread over the peer's connections,
+posted with selective signalling, and resolved when its last slice completes.
+
+Threads. The event loop that called :meth:`TransferEngine.start` owns the peer table,
+connection set-up and recovery exchanges, and every future. One data-path thread owns
+everything that touches the provider's data path: posting, polling (the GIL is released
+inside the C calls), per-connection FIFOs of in-flight slices, reset after an error. The
+loop talks to it through a command deque plus a wake-up; it answers with batches of events
+delivered by ``call_soon_threadsafe``. Blocking connects run on a small executor.
+
+A connection's life (``_Conn.state``, owned by the data-path thread):
+
+    UP --error completion / failed post / timeout--> RECOVERING (reset at once; its
+    in-flight slices go back to the peer's queue) --reconnected--> UP
+    RECOVERING --recover_attempts failed--> DOWN --a new write needs it--> RECOVERING
+
+A transfer's life: submitted -> slices queued -> posted -> every slice completed (the
+future gets None) | a slice failed for good (TransferError naming the status) | the
+bound passed (TransferTimeout; the connections carrying it are recovered) | the engine
+closed (TransferError). Failed slices are retried up to ``max_retries`` times after
+their connection recovers, except item errors (bad key or range: REM_ACCESS_ERR,
+LOC_PROT_ERR, ...), which fail their transfer at once; the recovery exchange refreshes
+the peer's region keys, so a stale rkey fails one transfer and the next succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import threading
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Self
+
+from dualpath.config_sections import KvLaneConfig, TransportConfig
+from dualpath.errors import DualPathError, TransferError, TransferTimeout, UsageError
+from dualpath.transfer.config import TransferConfig
+from dualpath.transfer.oob import ConnectReply, ConnectRequest, OutOfBand
+from dualpath.transfer.plan import plan_slices, spread
+from dualpath.transfer.provider import (
+    ITEM_ERRORS,
+    Connection,
+    Provider,
+    Region,
+    RegionInfo,
+    status_name,
+)
+from dualpath.transfer.transport import open_provider, select_transport
+from dualpath.verbs import Completion, PostError, WcStatus
+
+log = logging.getLogger("dualpath.transfer")
+
+UP, RECOVERING, DOWN = "up", "recovering", "down"
+
+
+class _Transfer:
+    __slots__ = ("abandoned", "done", "fut", "nbytes", "nslices", "peer", "remaining")
+
+    def __init__(self, fut: asyncio.Future, peer: _Peer, nslices: int, nbytes: int):
+        self.fut, self.peer, self.nbytes = fut, peer, nbytes
+        self.remaining = self.nslices = nslices
+        self.done = False           # data-path thread: resolved (or cancelled)
+        self.abandoned = False      # loop: nobody awaits the future any more
+
+
+class _Slice:
+    __slots__ = (
+        "attempts",
+        "length",
+        "lkey",
+        "local_addr",
+        "remote",
+        "remote_off",
+        "transfer",
+        "wr_id",
+    )
+
+    def __init__(self, transfer: _Transfer, local_addr: int, lkey: int, remote: str,
+                 remote_off: int, length: int):
+        self.transfer, self.local_addr, self.lkey = transfer, local_addr, lkey
+        self.remote, self.remote_off, self.length = remote, remote_off, length
+        self.attempts = 0
+        self.wr_id = 0
+
+
+class _Conn:
+    __slots__ = ("conn", "fifo", "index", "peer", "state")
+
+    def __init__(self, peer: _Peer, index: int, conn: Connection):
+        self.peer, self.index, self.conn = peer, index, conn
+        self.state = UP
+        self.fifo: deque[_Slice] = deque()  # posted, not yet retired, in post order
+
+
+class _Peer:
+    def __init__(self, name: str, regions: dict[str, RegionInfo]):
+        self.name = name
+        self.regions = regions              # replaced whole by the loop on recovery
+        self.conns: list[_Conn] = []
+        self.pending: deque[_Slice] = deque()   # data-path thread
+        self.rr = 0                             # data-path thread: spreading rotation
+
+
+class TransferEngine:
+    """WRITEs to peers by name. Create it, ``await start()`` (or ``async with``) on the
+    loop that will call :meth:`write`, register buffers, write, ``await close()``.
+
+    The engine owns ``provider`` and closes it. ``name`` is how peers address us on the
+    out-of-band channel.
+    """
+
+    def __init__(self, name: str, provider: Provider, oob: OutOfBand,
+                 config: TransferConfig | None = None):
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"engine name must be a non-empty str, not {name!r}")
+        self.name, self.provider, self.oob = name, provider, oob
+        self.config = config or TransferConfig()
+        #: "verbs" | "tcp": the transport label for metrics and logs.
+        self.transport = provider.kind
+        #: Data-path counters (read-only outside the data-path thread).
+        self.stats: Counter[str] = Counter()
+        self._state = "new"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._regions: dict[str, Region] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._connecting: dict[str, asyncio.Task] = {}
+        self._recoveries: set[asyncio.Task] = set()
+        self._connector = ThreadPoolExecutor(2, thread_name_prefix=f"dp-connect-{name}")
+        self._cmds: deque[tuple] = deque()
+        self._kick = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+        # Data-path thread only.
+        self._w_peers: dict[str, _Peer] = {}
+        self._w_conns: dict[int, _Conn] = {}
+        self._inflight = 0
+        self._wr_seq = 0
+        self._events: list[tuple] = []
+
+    @classmethod
+    def open(cls, name: str, oob: OutOfBand, *, transport: TransportConfig | None = None,
+             transfer: TransferConfig | None = None,
+             lane: KvLaneConfig | None = None) -> TransferEngine:
+        """Choose the transport per config (logged), open its provider, build the engine."""
+        transport = transport or TransportConfig()
+        transfer = transfer or TransferConfig()
+        provider = open_provider(select_transport(transport), transport, transfer, lane)
+        return cls(name, provider, oob, transfer)
+
+    # ------------------------------------------------------------------ loop side
+
+    async def start(self) -> TransferEngine:
+        if self._state != "new":
+            raise UsageError(f"transfer engine {self.name} was already started")
+        self._loop = asyncio.get_running_loop()
+        self.oob.serve(self.name, self._handle_connect)
+        self._thread = threading.Thread(target=self._run, name=f"dp-transfer-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+        self._state = "running"
+        c = self.config
+        log.info("transfer engine %s: transport %s (%s); %d connections per peer, slices "
+                 "of %d bytes, %d credits each, signal every %d, timeout %.3g s",
+                 self.name, self.transport, self.provider.description,
+                 c.connections_per_peer, c.slice_bytes, c.max_send_wr, c.signal_every,
+                 c.timeout_s)
+        return self
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def register(self, name: str, buf=None, *, addr: int | None = None,
+                 length: int | None = None) -> Region:
+        """Register a buffer (or a raw range the caller keeps alive) once, as ``name``:
+        the source of our writes and a target of peers' writes. Loop thread."""
+        if self._state not in ("new", "running"):
+            raise UsageError(f"transfer engine {self.name} is closed")
+        if name in self._regions:
+            raise UsageError(f"a region named {name!r} is already registered")
+        region = self.provider.register(buf, addr=addr, length=length)
+        self._regions[name] = region
+        log.info("transfer engine %s: region %r, %d bytes at %#x", self.name, name,
+                 region.length, region.addr)
+        return region
+
+    def region_infos(self) -> dict[str, RegionInfo]:
+        return {n: RegionInfo(r.addr, r.length, r.rkey) for n, r in self._regions.items()}
+
+    async def connect(self, peer: str) -> None:
+        """Connect to ``peer`` now (write() does it on first use)."""
+        await self._peer(peer)
+
+    async def write(self, peer: str, items, *, local: str = "default",
+                    remote: str = "default", timeout: float | None = None) -> None:
+        """WRITE ``(local_offset, remote_offset, length)`` items from our region ``local``
+        into ``peer``'s region ``remote``; return when every byte landed. Raises
+        UsageError (bad items: nothing sent), TransferError (``.status``: the completion
+        status) or TransferTimeout after ``timeout`` (default config.timeout_s) seconds."""
+        self._check_running()
+        region = self._regions.get(local)
+        if region is None:
+            raise UsageError(f"no local region named {local!r} (registered: "
+                             f"{', '.join(map(repr, self._regions)) or 'none'})")
+        bound = self.config.timeout_s if timeout is None else timeout
+        if not bound > 0:
+            raise UsageError(f"timeout must be > 0 seconds, not {timeout!r}")
+        p = await self._peer(peer)
+        info = p.regions.get(remote)
+        if info is None:
+            raise UsageError(f"peer {peer!r} has no region named {remote!r} (it has: "
+                             f"{', '.join(map(repr, p.regions)) or 'none'})")
+        plan = plan_slices(items, self.config.slice_bytes, region.length, info.length)
+        if not plan:
+            return
+        t = _Transfer(self._loop.create_future(), p, len(plan), sum(n for _, _, n in plan))
+        slices = [_Slice(t, region.addr + lo, region.lkey, remote, ro, n) for lo, ro, n in plan]
+        self._command(("submit", t, slices))
+        try:
+            await asyncio.wait_for(asyncio.shield(t.fut), bound)
+        except TimeoutError:
+            t.abandoned = True
+            self._command(("cancel", t))
+            raise TransferTimeout(f"write of {t.nbytes} bytes ({t.nslices} slices) to peer "
+                                  f"{peer!r} did not complete within {bound:.3g} s",
+                                  errno=errno.ETIMEDOUT) from None
+        except asyncio.CancelledError:
+            t.abandoned = True
+            self._command(("cancel", t))
+            raise
+
+    async def close(self) -> None:
+        """Fail what is in flight, stop the data-path thread, close connections, regions
+        and the provider (newest first). Idempotent."""
+        if self._state in ("closing", "closed"):
+            return
+        started = self._state == "running"
+        self._state = "closing"
+        if started:
+            self.oob.unserve(self.name)
+            for task in [*self._recoveries, *self._connecting.values()]:
+                task.cancel()
+            await asyncio.gather(*self._recoveries, *self._connecting.values(),
+                                 return_exceptions=True)
+            self._command(("stop",))
+            await asyncio.to_thread(self._thread.join)
+        # Nothing else runs now: connects in the executor finish within their bound.
+        await asyncio.to_thread(self._connector.shutdown, True)
+        closed = TransferError(f"transfer engine {self.name} closed")
+        for cmd in self._cmds:
+            if cmd[0] == "submit":
+                self._finish(cmd[1], closed)
+        self._cmds.clear()
+        self._fail_everything(closed)
+        self._deliver(self._events)
+        self._events = []
+        for p in reversed(list(self._peers.values())):
+            for c in reversed(p.conns):
+                c.conn.close()
+        for region in reversed(list(self._regions.values())):
+            region.close()
+        self.provider.close()
+        self._state = "closed"
+
+    def _check_running(self) -> None:
+        if self._dead is not None:
+            raise TransferError(f"transfer engine {self.name}: data-path thread failed: "
+                                f"{self._dead!r}")
+        if self._state != "running":
+            raise UsageError(f"transfer engine {self.name} is {self._state}, not running")
+
+    def _command(self, cmd: tuple) -> None:
+        self._cmds.append(cmd)
+        self._kick.set()
+        self.provider.wake()
+
+    async def _run_blocking(self, fn, *args):
+        return await self._loop.run_in_executor(self._connector, fn, *args)
+
+    async def _peer(self, name: str) -> _Peer:
+        p = self._peers.get(name)
+        if p is not None:
+            return p
+        task = self._connecting.get(name)
+        if task is None:
+            task = self._loop.create_task(self._connect_peer(name))
+            self._connecting[name] = task
+            task.add_done_callback(lambda _: self._connecting.pop(name, None))
+        return await asyncio.shield(task)
+
+    def _check_reply(self, peer: str, reply: ConnectReply, n: int) -> None:
+        if reply.transport != self.transport:
+            raise TransferError(f"peer {peer!r} uses transport {reply.transport}, we use "
+                                f"{self.transport}", errno=errno.EPROTONOSUPPORT)
+        if len(reply.endpoints) != n:
+            raise TransferError(f"peer {peer!r} answered {len(reply.endpoints)} endpoints "
+                                f"for {n} connections", errno=errno.EPROTO)
+
+    async def _connect_peer(self, name: str) -> _Peer:
+        n = self.config.connections_per_peer
+        conns: list[Connection] = []
+        try:
+            for _ in range(n):
+                conns.append(self.provider.connection(self.config.max_send_wr))
+            req = ConnectRequest(self.name, self.transport, tuple(range(n)),
+                                 tuple(c.endpoint() for c in conns))
+            reply = await self.oob.request(name, req)
+            self._check_reply(name, reply, n)
+            await asyncio.gather(*(self._run_blocking(c.connect, ep,
+                                                      self.config.connect_timeout_s)
+                                   for c, ep in zip(conns, reply.endpoints)))
+        except BaseException as e:
+            # Connected sockets may already have events queued on the data-path thread's
+            # completion stream: only that thread may close them.
+            self._command(("discard", conns))
+            if isinstance(e, (DualPathError, OSError)):
+                raise TransferError(f"cannot connect to peer {name!r}: {e}",
+                                    errno=getattr(e, "errno", 0) or 0) from e
+            raise
+        p = _Peer(name, dict(reply.regions))
+        p.conns = [_Conn(p, i, c) for i, c in enumerate(conns)]
+        self._peers[name] = p
+        self._command(("add_peer", p))
+        log.info("transfer engine %s: connected to %s over %s (%d connections; regions %s)",
+                 self.name, name, self.transport, n, ", ".join(p.regions) or "none")
+        return p
+
+    async def _handle_connect(self, req: ConnectRequest) -> ConnectReply:
+        """The passive side of connect and recovery: prepare our halves, send our keys."""
+        if req.transport != self.transport:
+            raise TransferError(f"engine {self.name} uses transport {self.transport}; peer "
+                                f"{req.source!r} asked for {req.transport}",
+                                errno=errno.EPROTONOSUPPORT)
+        eps = tuple(self.provider.accept(req.source, i, ep)
+                    for i, ep in zip(req.indices, req.endpoints))
+        return ConnectReply(self.transport, eps, self.region_infos())
+
+    def _start_recovery(self, c: _Conn) -> None:
+        if self._state != "running":
+            return
+        task = self._loop.create_task(self._recover(c))
+        self._recoveries.add(task)
+        task.add_done_callback(self._recoveries.discard)
+
+    async def _recover(self, c: _Conn) -> None:
+        p, attempts, delay = c.peer, self.config.recover_attempts, 0.05
+        last: BaseException | None = None
+        for attempt in range(1, attempts + 1):
+            try:
+                if attempt > 1:
+                    c.conn.reset()      # a half-made connect; nothing is posted on it
+                req = ConnectRequest(self.name, self.transport, (c.index,),
+                                     (c.conn.endpoint(),))
+                reply = await self.oob.request(p.name, req)
+                self._check_reply(p.name, reply, 1)
+                p.regions = dict(reply.regions)
+                await self._run_blocking(c.conn.connect, reply.endpoints[0],
+                                         self.config.connect_timeout_s)
+            except (DualPathError, OSError) as e:
+                last = e
+                log.warning("transfer engine %s: peer %s connection %d: reconnect attempt "
+                            "%d/%d failed: %s", self.name, p.name, c.index, attempt,
+                            attempts, e)
+                if attempt < attempts:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 4, 2.0)
+                continue
+            log.info("transfer engine %s: peer %s connection %d recovered (attempt %d)",
+                     self.name, p.name, c.index, attempt)
+            self._command(("conn_up", c))
+            return
+        self._command(("conn_down", c, last))
+
+    def _deliver(self, events: list[tuple]) -> None:
+        """Loop: act on a batch of data-path events."""
+        for ev in events:
+            if ev[0] == "resolve":
+                t, exc = ev[1], ev[2]
+                if t.abandoned or t.fut.done():
+                    continue
+                if exc is None:
+                    t.fut.set_result(None)
+                else:
+                    t.fut.set_exception(exc)
+            elif ev[0] == "recover":
+                self._start_recovery(ev[1])
+
+    # ------------------------------------------------------------------ data-path thread
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as e:     # never leave writers waiting on a dead thread
+            log.exception("transfer engine %s: data-path thread failed", self.name)
+            self._dead = e
+            self._fail_everything(TransferError(f"transfer engine {self.name}: data-path "
+                                                f"thread failed: {e!r}"))
+        self._flush_events()
+
+    def _step(self) -> bool:
+        if not self._apply_commands():
+            return False
+        self._post_pending()
+        if self._inflight == 0:
+            self._flush_events()
+            self._kick.wait(0.5)
+            self._kick.clear()
+            return True
+        comps = self.provider.wait(self.provider.poll_slice_s)
+        if comps:
+            self._on_completions(comps)
+        self._flush_events()
+        return True
+
+    def _flush_events(self) -> None:
+        if self._events:
+            events, self._events = self._events, []
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, events)
+            except RuntimeError:        # the loop is closed: nobody is waiting
+                pass
+
+    def _apply_commands(self) -> bool:
+        while self._cmds:
+            cmd = self._cmds.popleft()
+            op = cmd[0]
+            if op == "submit":
+                cmd[1].peer.pending.extend(cmd[2])
+            elif op == "add_peer":
+                p = cmd[1]
+                self._w_peers[p.name] = p
+                for c in p.conns:
+                    self._w_conns[c.conn.conn_id] = c
+            elif op == "conn_up":
+                cmd[1].state = UP
+            elif op == "conn_down":
+                self._conn_down(cmd[1], cmd[2])
+            elif op == "cancel":
+                self._cancel(cmd[1])
+            elif op == "discard":
+                for conn in cmd[1]:
+                    conn.close()
+            elif op == "stop":
+                return False
+        return True
+
+    def _post_pending(self) -> None:
+        for p in self._w_peers.values():
+            if not p.pending:
+                continue
+            ups = [c for c in p.conns if c.state == UP]
+            if not ups:
+                if not any(c.state == RECOVERING for c in p.conns):
+                    for c in p.conns:           # all DOWN: a new write asks again
+                        self._recover_later(c)
+                continue
+            k = p.rr % len(ups)
+            ups = ups[k:] + ups[:k]
+            p.rr += 1
+            counts = spread(len(p.pending), [c.conn.max_send_wr - len(c.fifo) for c in ups])
+            for c, n in zip(ups, counts):
+                if n and p.pending:
+                    self._post(c, n)
+
+    def _post(self, c: _Conn, n: int) -> None:
+        p, items, batch = c.peer, c.conn.items, []
+        regions = p.regions
+        while len(batch) < n and p.pending:
+            s = p.pending.popleft()
+            t = s.transfer
+            if t.done:
+                continue
+            info = regions.get(s.remote)
+            if info is None or s.remote_off + s.length > info.length:
+                self._finish(t, TransferError(
+                    f"write to {p.name!r}: the peer's region {s.remote!r} is gone or now "
+                    f"shorter than {s.remote_off + s.length} bytes",
+                    status=WcStatus.REM_ACCESS_ERR))
+                continue
+            d = items[len(batch)]
+            d.local_addr, d.lkey, d.length = s.local_addr, s.lkey, s.length
+            d.remote_addr, d.rkey = info.addr + s.remote_off, info.rkey
+            self._wr_seq += 1
+            s.wr_id = d.wr_id = self._wr_seq
+            batch.append(s)
+        if not batch:
+            return
+        failure = None
+        try:
+            posted = c.conn.post(len(batch), self.config.signal_every)
+        except PostError as e:
+            posted, failure = e.posted, e
+        c.fifo.extend(batch[:posted])
+        self._inflight += posted
+        self.stats["posts"] += 1
+        self.stats["writes_posted"] += posted
+        for s in reversed(batch[posted:]):
+            p.pending.appendleft(s)
+        if failure is not None:
+            self._break(c, f"post failed: {failure}")
+
+    def _on_completions(self, comps: list[Completion]) -> None:
+        for wc in comps:
+            c = self._w_conns.get(wc.qp_num)
+            if c is None or c.state != UP:
+                continue                # a late completion of a connection since reset
+            k = min(wc.retired, len(c.fifo))
+            retired = [c.fifo.popleft() for _ in range(k)]
+            self._inflight -= k
+            if not retired or retired[-1].wr_id != wc.wr_id:
+                for s in retired:
+                    self._slice_failed(s, WcStatus.WR_FLUSH_ERR, retry=True)
+                self._break(c, f"completion wr_id {wc.wr_id} out of order")
+                continue
+            if wc.status == WcStatus.SUCCESS:
+                for s in retired:
+                    self._slice_done(s)
+                continue
+            if wc.status in ITEM_ERRORS:
+                for s in retired[:-1]:          # RC order: these landed before it
+                    self._slice_done(s)
+                self._slice_failed(retired[-1], wc.status, retry=False)
+            else:
+                for s in retired:
+                    self._slice_failed(s, wc.status, retry=True)
+            self.stats["error_completions"] += 1
+            self._break(c, f"{status_name(wc.status)}"
+                        + (f", vendor_err {wc.vendor_err}" if wc.vendor_err else ""))
+
+    def _break(self, c: _Conn, cause: str) -> None:
+        """Take a failed connection out of service: reset it now (dropping what it had in
+        flight back into the queue) and ask the loop to reconnect it."""
+        c.state = RECOVERING
+        try:
+            c.conn.reset()
+        except DualPathError as e:
+            log.error("transfer engine %s: resetting a connection to %s failed: %s",
+                      self.name, c.peer.name, e)
+        rest = list(c.fifo)
+        c.fifo.clear()
+        self._inflight -= len(rest)
+        for s in rest:
+            self._slice_failed(s, WcStatus.WR_FLUSH_ERR, retry=True)
+        self.stats["recoveries"] += 1
+        log.warning("transfer engine %s: peer %s connection %d: %s; reset, reconnecting "
+                    "(%d in-flight slices back in the queue)", self.name, c.peer.name,
+                    c.index, cause, len(rest))
+        self._events.append(("recover", c))
+
+    def _recover_later(self, c: _Conn) -> None:
+        c.state = RECOVERING
+        self._events.append(("recover", c))
+
+    def _conn_down(self, c: _Conn, exc: BaseException | None) -> None:
+        c.state = DOWN
+        p = c.peer
+        if any(x.state != DOWN for x in p.conns):
+            return
+        err = TransferError(f"peer {p.name!r} is unreachable: {exc}",
+                            errno=getattr(exc, "errno", 0) or 0)
+        while p.pending:
+            self._finish(p.pending.popleft().transfer, err)
+
+    def _cancel(self, t: _Transfer) -> None:
+        """A transfer timed out (or its awaiter was cancelled): stop it, and recover the
+        connections still carrying its slices: they are not making progress."""
+        if t.done:
+            return
+        t.done = True
+        for c in t.peer.conns:
+            if c.state == UP and any(s.transfer is t for s in c.fifo):
+                self._break(c, "a write timed out on it")
+
+    def _slice_done(self, s: _Slice) -> None:
+        t = s.transfer
+        if t.done:
+            return
+        t.remaining -= 1
+        if t.remaining == 0:
+            self._finish(t, None)
+
+    def _slice_failed(self, s: _Slice, status: int, *, retry: bool) -> None:
+        t = s.transfer
+        if t.done:
+            return
+        if retry and s.attempts < self.config.max_retries:
+            s.attempts += 1
+            self.stats["retried_slices"] += 1
+            t.peer.pending.appendleft(s)
+            return
+        tries = f" after {s.attempts + 1} attempts" if retry else ""
+        self._finish(t, TransferError(
+            f"write of {t.nbytes} bytes to peer {t.peer.name!r} failed{tries}: "
+            f"{status_name(status)} on {s.length} bytes at {s.remote!r}+{s.remote_off}",
+            status=status))
+
+    def _finish(self, t: _Transfer, exc: BaseException | None) -> None:
+        if t.done:
+            return
+        t.done = True
+        self._events.append(("resolve", t, exc))
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        for p in self._w_peers.values():
+            for c in p.conns:
+                for s in c.fifo:
+                    self._finish(s.transfer, exc)
+            while p.pending:
+                self._finish(p.pending.popleft().transfer, exc)

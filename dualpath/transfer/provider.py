@@ -1,0 +1,131 @@
+"""The provider interface: what the TransferEngine needs from a transport.
+
+A provider registers buffers, makes connections, and reports completions; it knows
+nothing of peers, slicing, retries or timeouts (that is the engine's policy). Two exist:
+:mod:`dualpath.transfer.tcp_provider` over :mod:`dualpath.tcp` and
+:mod:`dualpath.transfer.verbs_provider` over :mod:`dualpath.verbs`.
+
+Connecting is two-sided, as RC QPs need: the active side creates a
+:class:`Connection` (in RESET) and sends its :meth:`Connection.endpoint` bytes over the
+out-of-band channel; the passive side's :meth:`Provider.accept` prepares its half (a
+verbs QP; nothing for TCP) and answers with its endpoint bytes; the active side then
+calls :meth:`Connection.connect` with them. Recovery is the same exchange after
+:meth:`Connection.reset`. Endpoint bytes are opaque to everyone but their provider.
+
+Threads: ``post``, ``wait``, ``reset`` and closing a connection that carried items run on
+the engine's data-path thread; ``connect`` and ``endpoint`` may run on another thread
+while the data-path thread polls (nothing posts on a connection being connected);
+``accept``, ``register``, ``wake`` and ``close`` are control calls.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+from dualpath.verbs import Completion, WcStatus
+
+#: Completion statuses that blame one WRITE (its keys or range), not the path: the items
+#: before it in the same connection did land (RC order), and retrying it cannot help.
+ITEM_ERRORS = frozenset({WcStatus.LOC_PROT_ERR, WcStatus.REM_INV_REQ_ERR,
+                         WcStatus.REM_ACCESS_ERR, WcStatus.REM_OP_ERR,
+                         WcStatus.LOC_LEN_ERR})
+
+
+def status_name(status: int) -> str:
+    """``REM_ACCESS_ERR (10)`` for a WcStatus value, ``status 99`` for an unknown one."""
+    try:
+        return f"{WcStatus(status).name} ({status})"
+    except ValueError:
+        return f"status {status}"
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """What a peer needs to WRITE into one of our regions (sent over the OOB channel)."""
+
+    addr: int
+    length: int     # bytes
+    rkey: int
+
+
+class Region(Protocol):
+    """A registered buffer (verbs MemoryRegion, TcpRegion)."""
+
+    addr: int
+    length: int
+    lkey: int
+    rkey: int
+
+    def close(self) -> None: ...
+
+
+class Connection(ABC):
+    """One RC-like connection (a verbs QP or a TCP connection) of the active side.
+
+    ``items`` is a native ``struct dp_item`` array of ``max_send_wr`` entries that the
+    engine fills before :meth:`post`; ``conn_id`` is what completions carry in qp_num.
+    """
+
+    conn_id: int
+    max_send_wr: int
+    items: object
+
+    @abstractmethod
+    def endpoint(self) -> bytes:
+        """Our half's connection info for the peer (fresh after reset)."""
+
+    @abstractmethod
+    def connect(self, remote: bytes, timeout: float) -> None:
+        """RESET -> connected to the peer's half described by ``remote``."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Any state -> RESET; outstanding items are dropped without completions."""
+
+    @abstractmethod
+    def post(self, count: int, signal_every: int) -> int:
+        """Post ``items[:count]`` with one doorbell; return how many went out (fewer on
+        the credit limit). A failed post raises PostError."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Provider(ABC):
+    """A transport: regions, connections and one completion stream."""
+
+    kind: str               # "verbs" | "tcp": the metric label and the log word
+    description: str        # for start-up logs: device/port/GID or listen address
+    poll_slice_s: float     # how long one wait() may block while items are in flight
+
+    @abstractmethod
+    def register(self, buf=None, *, addr: int | None = None,
+                 length: int | None = None) -> Region:
+        """Register a buffer (or a raw range the caller keeps alive) for WRITE both ways."""
+
+    @abstractmethod
+    def connection(self, max_send_wr: int) -> Connection:
+        """A new active-side connection in RESET."""
+
+    @abstractmethod
+    def accept(self, peer: str, index: int, remote: bytes) -> bytes:
+        """Passive side: make (or reset and remake) our half of the peer's connection
+        ``index`` towards ``remote``; return our endpoint bytes."""
+
+    @abstractmethod
+    def forget(self, peer: str) -> None:
+        """Passive side: drop what accept() made for ``peer``."""
+
+    @abstractmethod
+    def wait(self, timeout: float) -> list[Completion]:
+        """Completions of every connection, waiting up to ``timeout`` seconds for one
+        (returns early, possibly empty, after wake())."""
+
+    @abstractmethod
+    def wake(self) -> None:
+        """Make a wait() in progress return soon. Any thread."""
+
+    @abstractmethod
+    def close(self) -> None: ...

@@ -14,7 +14,8 @@ RUN=$1
 read -r t_stage2 _ </proc/uptime
 fail() { echo "vm-guest: ERROR: $*" >&2; exit 1; }
 # This rewires routing and sysctls: never let it run anywhere but in the guest.
-[[ " $(</proc/cmdline) " == *" dualpath.run=$RUN "* ]] || fail "not booted by tools/vm/run.sh; refusing"
+[[ " $(</proc/cmdline) " == *" dualpath.run=$RUN "* ]] ||
+  fail "not booted by tools/vm/run.sh; refusing"
 
 # Two rxe devices, one on each end of a veth pair, carrying real packets over the veth.
 # The recipe is the one verified in ../shared/softroce.md ("Two rxe devices ...").

@@ -410,7 +410,7 @@ static int cfg_defaults(const struct dp_qp_cfg *in, struct dp_qp_cfg *c)
 static int cq_attach(dp_cq *cq, dp_qp *qp)
 {
     uint64_t need = cq->reserved + qp->cfg.max_send_wr + qp->cfg.max_recv_wr;
-    if (need > cq->depth && need > cq->capacity) {
+    if (need > cq->capacity) {
         if (need > INT_MAX)
             return -EINVAL;
         int rc = ibv_resize_cq(cq->ibv, (int)need);

@@ -339,6 +339,29 @@ class ProtectionDomain(_Owner):
         return QueuePair(self, send_cq, recv_cq, config)
 
 
+def memory_range(buf, access: int, *, addr: int | None, length: int | None):
+    """Check what an MR-like owner registers; return (keep-alive, pointer, length).
+
+    ``buf``: a buffer-protocol object, writable when ``access`` lets anyone write it; the
+    keep-alive (a cffi buffer) holds it, and its memory, until the owner drops it.
+    Else ``addr``/``length``: a raw range the caller keeps alive (keep-alive None)."""
+    _check_range("access", int(access), 0, int(ACCESS_RW))
+    if (buf is None) == (addr is None):
+        raise UsageError("register either a buffer or an addr=/length= range")
+    if buf is None:
+        _check_range("addr", addr, 0, _U64 - 1)
+        _check_range("length", length, 1, _U64 - 1)
+        return None, ffi.cast("void *", addr), length
+    writable = bool(access & (Access.LOCAL_WRITE | Access.REMOTE_WRITE))
+    try:
+        cbuf = ffi.from_buffer(buf, require_writable=writable)
+    except (TypeError, BufferError) as e:
+        raise UsageError(f"cannot register {type(buf).__name__}: {e}") from e
+    if len(cbuf) == 0:
+        raise UsageError("cannot register an empty buffer")
+    return cbuf, cbuf, len(cbuf)
+
+
 class MemoryRegion(_Owner):
     """Registered memory: a buffer-protocol object (kept alive until close) or a raw
     ``addr``/``length`` range the caller keeps alive (pinned, never freed by us)."""
@@ -347,24 +370,7 @@ class MemoryRegion(_Owner):
 
     def __init__(self, pd: ProtectionDomain, buf=None, access: int = ACCESS_RW, *,
                  addr: int | None = None, length: int | None = None):
-        _check_range("access", int(access), 0, int(ACCESS_RW))
-        if (buf is None) == (addr is None):
-            raise UsageError("register either a buffer or an addr=/length= range")
-        if buf is not None:
-            writable = bool(access & (Access.LOCAL_WRITE | Access.REMOTE_WRITE))
-            try:
-                cbuf = ffi.from_buffer(buf, require_writable=writable)
-            except (TypeError, BufferError) as e:
-                raise UsageError(f"cannot register {type(buf).__name__}: {e}") from e
-            self._buffer = cbuf     # keeps the Python object (and its memory) alive
-            ptr, length = cbuf, len(cbuf)
-        else:
-            _check_range("addr", addr, 0, _U64 - 1)
-            _check_range("length", length, 1, _U64 - 1)
-            self._buffer = None
-            ptr = ffi.cast("void *", addr)
-        if length == 0:
-            raise UsageError("cannot register an empty buffer")
+        self._buffer, ptr, length = memory_range(buf, access, addr=addr, length=length)
         super().__init__([pd])
         info = ffi.new("struct dp_mr_info *")
         self._adopt(check_ptr(lib.dp_mr_reg(pd._handle, ptr, length, int(access), info),
@@ -387,9 +393,67 @@ class MemoryRegion(_Owner):
 # ------------------------------------------------------------------ CQ
 
 
-class CompletionQueue(_Owner):
-    """A CQ; ``depth`` bounds the signalled WRs outstanding on it (posts stop there).
-    poll/wait write into one preallocated array: one thread at a time."""
+class CompletionArray(_Owner):
+    """What every provider's CQ shares: completions polled into one preallocated
+    ``struct dp_wc`` array (``self.wc``), read as Completion tuples, a count (hot loops)
+    or a numpy array. A subclass sets ``_poll_native(max)`` and
+    ``_wait_native(max, timeout_ns)``. poll/wait from one thread at a time."""
+
+    def _init_array(self, depth: int) -> None:
+        self.depth = depth
+        self.wc = ffi.new("struct dp_wc[]", min(depth, 4096))
+
+    def _poll_native(self, max_entries: int) -> int:
+        raise NotImplementedError
+
+    def _wait_native(self, max_entries: int, timeout_ns: int) -> int:
+        raise NotImplementedError
+
+    def _max(self, max_entries: int | None) -> int:
+        self._check_open()
+        n = len(self.wc) if max_entries is None else max_entries
+        _check_range("max completions", n, 1, len(self.wc))
+        return n
+
+    def completions(self, n: int) -> list[Completion]:
+        """The first ``n`` entries of ``self.wc`` as Completion tuples."""
+        wc = self.wc
+        return [Completion(wc[i].wr_id, wc[i].status, wc[i].qp_num, wc[i].retired,
+                           wc[i].vendor_err) for i in range(n)]
+
+    def poll_n(self, max_entries: int | None = None) -> int:
+        """Poll without blocking, leaving the completions in ``self.wc``; their count."""
+        return check(self._poll_native(self._max(max_entries)), f"poll {self._what}")
+
+    def wait_n(self, timeout: float, max_entries: int | None = None) -> int:
+        """Wait up to ``timeout`` seconds for a completion, left in ``self.wc``; their
+        count (0: the time ran out)."""
+        if not timeout >= 0:
+            raise UsageError(f"timeout must be >= 0 seconds, not {timeout!r}")
+        return check(self._wait_native(self._max(max_entries), int(timeout * 1e9)),
+                     f"wait on {self._what}")
+
+    def poll(self, max_entries: int | None = None) -> list[Completion]:
+        """Completions ready now (possibly none); never blocks."""
+        return self.completions(self.poll_n(max_entries))
+
+    def wait(self, timeout: float, max_entries: int | None = None) -> list[Completion]:
+        """Completions, waiting up to ``timeout`` seconds for the first; [] when the
+        time ran out."""
+        return self.completions(self.wait_n(timeout, max_entries))
+
+    def poll_array(self, max_entries: int | None = None):
+        """Like poll() but a numpy structured array (dtype :func:`wc_dtype`)."""
+        import numpy as np
+
+        n = self.poll_n(max_entries)
+        return np.frombuffer(ffi.buffer(self.wc, n * ffi.sizeof("struct dp_wc")),
+                             dtype=wc_dtype()).copy()
+
+
+class CompletionQueue(CompletionArray):
+    """A verbs CQ; ``depth`` bounds the signalled WRs outstanding on it (posts stop
+    there). wait() busy-polls, yielding the CPU after a short spin."""
 
     _what = "completion queue"
 
@@ -397,47 +461,18 @@ class CompletionQueue(_Owner):
         _check_range("CQ depth", depth, 1, (1 << 31) - 1)
         super().__init__([device])
         self.device = device
-        self.depth = depth
-        self._wc = ffi.new("struct dp_wc[]", min(depth, 4096))
+        self._init_array(depth)
         self._adopt(check_ptr(lib.dp_cq_create(device._handle, depth),
                               f"create a CQ of {depth} on {device.name}", ffi), [device])
 
     def _destroy(self) -> int:
         return lib.dp_cq_destroy(self._handle)
 
-    def _max(self, max_entries: int | None) -> int:
-        self._check_open()
-        cap = len(self._wc)
-        n = cap if max_entries is None else max_entries
-        _check_range("max completions", n, 1, cap)
-        return n
+    def _poll_native(self, max_entries: int) -> int:
+        return lib.dp_cq_poll(self._handle, self.wc, max_entries)
 
-    def _collect(self, n: int) -> list[Completion]:
-        wc = self._wc
-        return [Completion(wc[i].wr_id, wc[i].status, wc[i].qp_num, wc[i].retired,
-                           wc[i].vendor_err) for i in range(n)]
-
-    def poll(self, max_entries: int | None = None) -> list[Completion]:
-        """Completions ready now (possibly none); never blocks."""
-        n = check(lib.dp_cq_poll(self._handle, self._wc, self._max(max_entries)), "poll CQ")
-        return self._collect(n)
-
-    def wait(self, timeout: float, max_entries: int | None = None) -> list[Completion]:
-        """Busy-poll (yielding the CPU) until at least one completion or ``timeout``
-        seconds; an empty list means the time ran out."""
-        if not timeout >= 0:
-            raise UsageError(f"timeout must be >= 0 seconds, not {timeout!r}")
-        n = check(lib.dp_cq_wait(self._handle, self._wc, self._max(max_entries),
-                                 int(timeout * 1e9)), "wait on CQ")
-        return self._collect(n)
-
-    def poll_array(self, max_entries: int | None = None):
-        """Like poll() but returns a numpy structured array (dtype :func:`wc_dtype`)."""
-        import numpy as np
-
-        n = check(lib.dp_cq_poll(self._handle, self._wc, self._max(max_entries)), "poll CQ")
-        return np.frombuffer(ffi.buffer(self._wc, n * ffi.sizeof("struct dp_wc")),
-                             dtype=wc_dtype()).copy()
+    def _wait_native(self, max_entries: int, timeout_ns: int) -> int:
+        return lib.dp_cq_wait(self._handle, self.wc, max_entries, timeout_ns)
 
 
 # ------------------------------------------------------------------ QP
@@ -501,6 +536,8 @@ class WriteBatch:
             d.local_addr, d.remote_addr, d.length = it.local_addr, it.remote_addr, it.length
             d.lkey, d.rkey, d.wr_id = it.lkey, it.rkey, it.wr_id
         self.n = len(items)
+        #: the native array itself, for callers that refill it in place before posting
+        self.items = self._items
 
     def __len__(self) -> int:
         return self.n

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from dualpath import verbs
+from dualpath import clock, verbs
 from dualpath._native import lib
 from dualpath.errors import RdmaError, UsageError
 from tests.rdma.conftest import REQUIRED, Side, connect, make_side, wait_retired
@@ -167,6 +167,20 @@ def test_signal_count_carries_across_posts_and_last_is_signalled(dev_a):
     assert a.qp.post_write(items, signal_every=4, start=3) == 7
     wcs = wait_retired(a, 10)
     assert [(w.wr_id, w.retired) for w in wcs] == [(2, 3), (6, 4), (9, 3)]
+
+
+def test_poll_array_is_numpy_structured(dev_a):
+    a, b = loopback(dev_a)
+    assert a.qp.post_write([a.item(b, i * 64, 64, wr_id=40 + i) for i in range(8)],
+                           signal_every=4) == 8
+    got = []
+    deadline = clock.now() + 30     # a bound against a hang, not a timing assertion
+    while sum(int(r) for arr in got for r in arr["retired"]) < 8 and clock.now() < deadline:
+        got.append(a.cq.poll_array())
+    rows = [tuple(int(x) for x in row) for arr in got for row in arr]
+    # Signalled: the 4th (wr_id 43) and the 8th, also the batch's last (47).
+    assert rows == [(43, 0, a.qp.qp_num, 4, 0), (47, 0, a.qp.qp_num, 4, 0)]
+    assert got[0].dtype == verbs.wc_dtype()
 
 
 # ------------------------------------------------------------------ credits

@@ -76,3 +76,19 @@ def test_gid_ipv4_mapping():
     assert g.ipv4 == "10.99.0.1" and g.roce_v2 and str(g) == "::ffff:10.99.0.1"
     link_local = verbs.Gid(0, bytes.fromhex("fe800000000000000000000000000001"), 1)
     assert link_local.ipv4 is None
+
+
+def test_memory_range_checks_and_keeps_the_buffer():
+    buf = bytearray(b"abcd")
+    keep, ptr, n = verbs.memory_range(buf, verbs.ACCESS_RW, addr=None, length=None)
+    assert n == 4 and ffi.buffer(ptr, 4)[:] == b"abcd" and keep is not None
+    keep, ptr, n = verbs.memory_range(None, verbs.Access.LOCAL_WRITE, addr=0x1000, length=8)
+    assert keep is None and int(ffi.cast("uintptr_t", ptr)) == 0x1000 and n == 8
+    with pytest.raises(UsageError, match="read-only|writable"):
+        verbs.memory_range(b"ro", verbs.Access.REMOTE_WRITE, addr=None, length=None)
+    with pytest.raises(UsageError, match="empty"):
+        verbs.memory_range(bytearray(), verbs.ACCESS_RW, addr=None, length=None)
+    with pytest.raises(UsageError, match="either"):
+        verbs.memory_range(buf, verbs.ACCESS_RW, addr=0x1000, length=8)
+    with pytest.raises(UsageError, match="access"):
+        verbs.memory_range(buf, 0x100, addr=None, length=None)

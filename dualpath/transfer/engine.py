@@ -91,11 +91,12 @@ class _Slice:
 
 
 class _Conn:
-    __slots__ = ("conn", "fifo", "index", "peer", "state")
+    __slots__ = ("conn", "fifo", "index", "peer", "posted", "state")
 
     def __init__(self, peer: _Peer, index: int, conn: Connection):
         self.peer, self.index, self.conn = peer, index, conn
         self.state = UP
+        self.posted = 0                     # WRITEs posted on it, ever
         self.fifo: deque[_Slice] = deque()  # posted, not yet retired, in post order
 
 
@@ -501,6 +502,7 @@ class TransferEngine:
         except PostError as e:
             posted, failure = e.posted, e
         c.fifo.extend(batch[:posted])
+        c.posted += posted
         self._inflight += posted
         self.stats["posts"] += 1
         self.stats["writes_posted"] += posted

@@ -39,21 +39,15 @@ def plan_slices(items: Iterable, slice_bytes: int, local_length: int,
 
 def spread(total: int, rooms: Sequence[int]) -> list[int]:
     """How many of ``total`` slices each connection takes: as even as the rooms (free
-    credits) allow, earlier connections taking the remainder; sum <= total."""
+    credits) allow, earlier connections taking the remainder; sum = min(total, rooms).
+
+    Water-filling: visit connections from the least room up; each takes its fair share
+    of what is left, or all its room if that is less (which raises the others' share).
+    """
     counts = [0] * len(rooms)
+    order = sorted((i for i, r in enumerate(rooms) if r > 0), key=lambda i: (rooms[i], -i))
     left = total
-    open_ = [i for i, r in enumerate(rooms) if r > 0]
-    while left > 0 and open_:
-        share, extra = divmod(left, len(open_))
-        still = []
-        for rank, i in enumerate(open_):
-            want = share + (1 if rank < extra else 0)
-            take = min(want, rooms[i] - counts[i])
-            counts[i] += take
-            left -= take
-            if counts[i] < rooms[i]:
-                still.append(i)
-        if len(still) == len(open_):
-            break       # nobody was capped: everything placed
-        open_ = still
+    for pos, i in enumerate(order):
+        counts[i] = min(rooms[i], left // (len(order) - pos))
+        left -= counts[i]
     return counts

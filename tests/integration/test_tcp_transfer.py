@@ -1,0 +1,296 @@
+"""TransferEngine over the real TCP provider on loopback, two engines on one event loop
+joined by the in-process out-of-band channel: bytes, slicing, spreading, credits,
+error completions with recovery, bounded timeouts, transport choice, and closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+
+import pytest
+
+from dualpath.config_sections import TransportConfig
+from dualpath.errors import RdmaError, TransferError, TransferTimeout, UsageError
+from dualpath.transfer import (
+    ConnectReply,
+    InProcessChannel,
+    RegionInfo,
+    TransferConfig,
+    TransferEngine,
+    select_transport,
+    selected_transport,
+)
+from dualpath.transfer.tcp_provider import TcpProvider, encode_address
+from dualpath.verbs import WcStatus, list_devices
+
+SIZE = 4 << 20
+BOUND_S = 20.0      # outer bound against hangs; never a performance assertion
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, BOUND_S))
+
+
+def engines(oob, **cfg):
+    config = TransferConfig(**{"slice_bytes": 65536, "timeout_s": 10.0, **cfg})
+    return (TransferEngine("a", TcpProvider(), oob, config),
+            TransferEngine("b", TcpProvider(), oob, config))
+
+
+async def started_pair(**cfg):
+    oob = InProcessChannel()
+    a, b = engines(oob, **cfg)
+    await a.start()
+    await b.start()
+    src, dst = bytearray(os.urandom(SIZE)), bytearray(SIZE)
+    a.register("default", src)
+    b.register("default", dst)
+    return a, b, src, dst
+
+
+def test_single_batch_and_sliced_writes_land():
+    async def main():
+        a, b, src, dst = await started_pair()
+        try:
+            await a.write("b", [(0, 0, 4096)])
+            assert dst[:4096] == src[:4096]
+            await a.write("b", [(8192, 65536, 100), (16384, 131072, 5000), (1 << 20, 1 << 21, 7)])
+            assert dst[65536:65636] == src[8192:8292]
+            assert dst[131072:136072] == src[16384:21384]
+            assert dst[1 << 21:(1 << 21) + 7] == src[1 << 20:(1 << 20) + 7]
+            before = a.stats["writes_posted"]
+            await a.write("b", [(0, 0, SIZE)])      # one item, 64 slices of 64 KiB
+            assert a.stats["writes_posted"] - before == SIZE // 65536
+            assert dst == src
+        finally:
+            await a.close()
+            await b.close()
+    run(main())
+
+
+def test_a_batch_is_spread_over_the_connections():
+    async def main():
+        a, b, src, dst = await started_pair(connections_per_peer=3)
+        try:
+            await a.write("b", [(i * 65536, i * 65536, 65536) for i in range(48)])
+            assert dst[:48 * 65536] == src[:48 * 65536]
+            # plan.spread shares 48 slices over 3 idle connections: 16 each.
+            assert [c.posted for c in a._peers["b"].conns] == [16, 16, 16]
+        finally:
+            await a.close()
+            await b.close()
+    run(main())
+
+
+def test_few_credits_still_complete_large_batches():
+    async def main():
+        a, b, src, dst = await started_pair(max_send_wr=4, cq_depth=3, signal_every=2,
+                                            slice_bytes=4096)
+        try:
+            await a.write("b", [(0, 0, 1 << 20)])  # 256 slices through 2 x 4 credits
+            assert dst[:1 << 20] == src[:1 << 20]
+            assert a.stats["posts"] >= 256 // 8
+        finally:
+            await a.close()
+            await b.close()
+    run(main())
+
+
+def test_concurrent_writes_all_land():
+    async def main():
+        a, b, src, dst = await started_pair()
+        try:
+            chunk = SIZE // 64
+            await asyncio.gather(*(a.write("b", [(i * chunk, SIZE - (i + 1) * chunk, chunk)])
+                                   for i in range(64)))
+            for i in range(64):
+                assert dst[SIZE - (i + 1) * chunk:SIZE - i * chunk] == src[i * chunk:(i + 1) * chunk]
+        finally:
+            await a.close()
+            await b.close()
+    run(main())
+
+
+@pytest.mark.parametrize("tamper", ["stale_rkey", "past_the_end"])
+def test_remote_access_error_fails_the_write_and_the_peer_recovers(tamper):
+    async def main():
+        a, b, src, dst = await started_pair()
+        try:
+            await a.write("b", [(0, 0, 4096)])
+            peer = a._peers["b"]
+            true = peer.regions["default"]
+            # Make our cached copy of b's region wrong, as a peer that re-registered (new
+            # rkey) or shrank its buffer would: the TARGET must refuse the write.
+            if tamper == "stale_rkey":
+                peer.regions = {"default": RegionInfo(true.addr, true.length, true.rkey ^ 0x10000)}
+                item = (0, 4096, 4096)
+            else:
+                peer.regions = {"default": RegionInfo(true.addr, true.length + 8192, true.rkey)}
+                item = (0, true.length - 4096, 8192)    # 4 KiB inside, 4 KiB past the end
+            with pytest.raises(TransferError) as ei:
+                await a.write("b", [item])
+            assert ei.value.status == WcStatus.REM_ACCESS_ERR
+            assert "REM_ACCESS_ERR" in str(ei.value)
+            assert not isinstance(ei.value, TransferTimeout)
+            assert dst[item[1]:true.length] == bytes(true.length - item[1])
+            # The connection was reset and reconnected; the exchange refreshed b's keys.
+            await a.write("b", [(4096, 8192, 65536)])
+            assert dst[8192:8192 + 65536] == src[4096:4096 + 65536]
+            assert a._peers["b"].regions["default"] == true
+            assert a.stats["recoveries"] >= 1
+        finally:
+            await a.close()
+            await b.close()
+    run(main())
+
+
+def test_a_failed_write_does_not_fail_the_writes_flushed_behind_it():
+    async def main():
+        a, b, src, dst = await started_pair(connections_per_peer=1, slice_bytes=4096)
+        other = bytearray(65536)
+        b.register("other", other)
+        try:
+            await a.write("b", [(0, 0, 4096)])
+            peer = a._peers["b"]
+            o = peer.regions["other"]
+            peer.regions = {**peer.regions, "other": RegionInfo(o.addr, o.length, o.rkey ^ 0x10000)}
+            # On one connection, the bad WRITE goes first and the good write's slices
+            # behind it are flushed by its failure: they must be retried, not failed.
+            bad, good = await asyncio.gather(
+                a.write("b", [(0, 0, 4096)], remote="other"),
+                a.write("b", [(0, 0, 1 << 20)]), return_exceptions=True)
+            assert isinstance(bad, TransferError) and bad.status == WcStatus.REM_ACCESS_ERR
+            assert good is None
+            assert dst[:1 << 20] == src[:1 << 20]
+            assert other == bytes(65536)
+        finally:
+            await a.close()
+            await b.close()
+    run(main())
+
+
+def test_timeout_when_the_peer_stops_reading():
+    async def main():
+        oob = InProcessChannel()
+        a = TransferEngine("a", TcpProvider(), oob,
+                           TransferConfig(timeout_s=0.3, connections_per_peer=1))
+        # A "peer" that accepts TCP connections in the kernel but never reads or acks.
+        hole = socket.socket()
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)
+
+        async def answer(req):
+            return ConnectReply("tcp", tuple(encode_address(*hole.getsockname())
+                                             for _ in req.endpoints),
+                                {"default": RegionInfo(0x1000, 1 << 30, 1)})
+        oob.serve("hole", answer)
+        await a.start()
+        try:
+            src = bytearray(1 << 20)
+            a.register("default", src)
+            with pytest.raises(TransferTimeout) as ei:
+                await a.write("hole", [(0, 0, 1 << 20)])
+            assert ei.value.errno == errno.ETIMEDOUT
+            assert "hole" in str(ei.value)
+        finally:
+            await a.close()     # must not hang on the stuck connection
+            hole.close()
+    run(main())
+
+
+def test_a_closed_peer_fails_fast_with_an_error():
+    async def main():
+        a, b, _src, _dst = await started_pair(timeout_s=15.0)
+        try:
+            await a.write("b", [(0, 0, 4096)])
+            await b.close()
+            with pytest.raises(TransferError) as ei:
+                await a.write("b", [(0, 0, 65536)])
+            # Not a timeout: the dead sockets give error completions, reconnecting is
+            # refused (b left the channel), and the write fails naming why.
+            assert not isinstance(ei.value, TransferTimeout)
+            assert ei.value.errno == errno.ECONNREFUSED
+            assert "unreachable" in str(ei.value)
+        finally:
+            await a.close()
+    run(main())
+
+
+def test_unknown_peer_and_bad_items_are_clear_errors():
+    async def main():
+        a, b, _src, _dst = await started_pair()
+        try:
+            with pytest.raises(TransferError) as ei:
+                await a.write("nobody", [(0, 0, 1)])
+            assert ei.value.errno == errno.ECONNREFUSED and "nobody" in str(ei.value)
+            with pytest.raises(UsageError, match=r"items\[1\]: remote range"):
+                await a.write("b", [(0, 0, 1), (0, SIZE - 1, 2)])
+            with pytest.raises(UsageError, match="no local region named 'kv'"):
+                await a.write("b", [(0, 0, 1)], local="kv")
+            with pytest.raises(UsageError, match="has no region named 'kv'"):
+                await a.write("b", [(0, 0, 1)], remote="kv")
+            with pytest.raises(UsageError, match="already registered"):
+                a.register("default", bytearray(8))
+        finally:
+            await a.close()
+            await b.close()
+    run(main())
+
+
+def test_close_is_idempotent_and_fails_later_writes():
+    async def main():
+        a, b, _src, _dst = await started_pair()
+        await a.write("b", [(0, 0, 4096)])
+        await a.close()
+        await a.close()
+        await b.close()
+        with pytest.raises(UsageError, match="closing|closed"):
+            await a.write("b", [(0, 0, 1)])
+    run(main())
+
+
+def test_engines_need_the_same_transport():
+    async def main():
+        oob = InProcessChannel()
+
+        async def verbs_peer(req):
+            return ConnectReply("verbs", tuple(b"" for _ in req.endpoints), {})
+        oob.serve("v", verbs_peer)
+        async with TransferEngine("a", TcpProvider(), oob) as a:
+            a.register("default", bytearray(64))
+            with pytest.raises(TransferError) as ei:
+                await a.write("v", [(0, 0, 1)])
+            assert ei.value.errno == errno.EPROTONOSUPPORT
+    run(main())
+
+
+def test_auto_picks_tcp_here_and_says_why(caplog):
+    if list_devices():
+        pytest.skip(f"this host has RDMA devices {list_devices()}: auto would pick verbs")
+    caplog.set_level(logging.INFO, logger="dualpath.transfer")
+
+    async def main():
+        oob = InProcessChannel()
+        eng = TransferEngine.open("x", oob, transport=TransportConfig(kind="auto"))
+        async with eng:
+            assert eng.transport == "tcp"
+    run(main())
+    assert selected_transport() == "tcp"
+    text = caplog.text
+    assert "transport: tcp (auto chose tcp: no RDMA device" in text
+    assert "transfer engine x: transport tcp" in text
+
+
+def test_verbs_required_without_a_device_fails_clearly():
+    if list_devices():
+        pytest.skip(f"this host has RDMA devices {list_devices()}")
+    with pytest.raises(RdmaError) as ei:
+        select_transport(TransportConfig(kind="verbs"))
+    assert ei.value.errno == errno.ENODEV
+    msg = str(ei.value)
+    assert "transport.kind = 'verbs' but no RDMA device is usable" in msg
+    assert "transport.kind = 'tcp'" in msg      # says what to do instead

@@ -24,7 +24,7 @@ class StorageConfig:
                             "read queue's depth).", min=1, max=256)
     write_workers: int = key(2, "Concurrent block writes per node (worker threads).",
                              min=1, max=64)
-    verify_checksum: bool = key(True, "Check each block's payload CRC-32 on read (a block "
+    verify_checksum: bool = key(True, "Check each block's payload hash (XXH3-64) on read (a block "
                                 "that fails is counted, quarantined and read as a miss).")
     fsync: bool = key(True, "fsync each block and its directory before it counts as "
                       "written. Turning it off gives up crash safety; for throwaway benches.")

@@ -17,13 +17,13 @@ Reads: one ``preadv`` of header + payload straight into the caller's buffer, wit
 O_DIRECT when the filesystem supports it (bypassing the page cache: reads run at the
 disk's speed and do not evict the host's memory). O_DIRECT needs 4096-aligned
 addresses; registered buffers (mmap) are page-aligned, anything else bounces through
-an aligned per-thread buffer. A block whose header, length or CRC is wrong is counted
+an aligned per-thread buffer. A block whose header, length or hash is wrong is counted
 (``stats.corrupt_blocks``), quarantined, logged and reported as a miss: the caller must
 not use its buffer after a miss.
 
 Threads: every public method may be called from any thread. Blocking calls run on the
 caller's thread; ``aread``/``awrite``/``read_many`` run on the store's bounded worker
-pools (``os.preadv``, ``os.fsync`` and ``zlib.crc32`` release the GIL).
+pools (``os.preadv``, ``os.fsync`` and the XXH3 hash release the GIL).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -48,7 +47,7 @@ from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import ModelProfile
 from dualpath.storage.errors import StorageError
-from dualpath.storage.format import HEADER_BYTES, check_header, pack_header
+from dualpath.storage.format import HEADER_BYTES, check_header, pack_header, payload_hash
 
 log = logging.getLogger("dualpath.storage")
 
@@ -174,7 +173,7 @@ class BlockStore:
             self._count(writes_skipped=1)
             return False
         self._ensure_dir(final.parent)
-        header = pack_header(self.profile.name, self.layout, key, zlib.crc32(src))
+        header = pack_header(self.profile.name, self.layout, key, payload_hash(src))
         tmp = final.with_name(f".{final.name}.{os.urandom(6).hex()}.tmp")
         fd = -1
         try:
@@ -269,15 +268,15 @@ class BlockStore:
             os.close(fd)
         if got != HEADER_BYTES + full:
             return f"file holds {got} bytes, expected {HEADER_BYTES + full}"
-        problem, crc = check_header(s.header, self.profile.name, self.layout, key)
+        problem, digest = check_header(s.header, self.profile.name, self.layout, key)
         if problem is not None:
             return problem
         if cut != full:
             body[cut:full] = s.tail[:full - cut]
         if body is not dst:
             dst[:] = body[:full]
-        if self.verify_checksum and zlib.crc32(dst) != crc:
-            return "payload checksum mismatch"
+        if self.verify_checksum and payload_hash(dst) != digest:
+            return "payload hash mismatch"
         return None
 
     def _open_for_read(self, path: Path, direct: bool) -> int:

@@ -7,9 +7,9 @@ import os
 import struct
 import subprocess
 import sys
-import zlib
 
 import pytest
+import xxhash
 
 from dualpath.errors import DualPathError
 from dualpath.kv.layout import BlockLayout
@@ -100,15 +100,15 @@ def _corrupt_and_read(store, damage):
 
 
 def _rewrite_header(data, **fields):
-    """Change header fields and re-seal the header CRC (isolates one check at a time)."""
-    fmt = "<8sHHI32sIIIIQI16s"
+    """Change header fields and re-seal the header hash (isolates one check at a time)."""
+    fmt = "<8sHHI32sIIIIQQ16s"
     names = ["magic", "version", "header_bytes", "flags", "profile", "layers", "tokens",
-             "token_bytes", "reserved", "payload", "crc", "key"]
+             "token_bytes", "reserved", "payload", "digest", "key"]
     vals = dict(zip(names, struct.unpack_from(fmt, data)))
     vals.update(fields)
     packed = struct.pack(fmt, *(vals[n] for n in names))
     data[:len(packed)] = packed
-    data[len(packed):len(packed) + 4] = struct.pack("<I", zlib.crc32(packed))
+    data[len(packed):len(packed) + 8] = struct.pack("<Q", xxhash.xxh3_64_intdigest(packed))
     return data
 
 
@@ -161,18 +161,23 @@ def test_block_of_another_profile_with_same_geometry_is_rejected(tmp_path):
 
 # --- O_DIRECT fallback ---------------------------------------------------------------------
 
-def test_fallback_when_open_rejects_o_direct(tmp_path, monkeypatch, caplog):
-    # Filesystems without O_DIRECT (older tmpfs, some FUSE) fail open() with EINVAL.
+def _failing_open(flag: int, err: int):
+    """os.open that fails with ``err`` whenever ``flag`` is among the flags."""
     real_open = os.open
 
-    def no_direct_open(path, flags, *a, **kw):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
+    def fake_open(path, flags, *a, **kw):
+        if flags & flag:
+            raise OSError(err, os.strerror(err))
         return real_open(path, flags, *a, **kw)
 
+    return fake_open
+
+
+def test_fallback_when_open_rejects_o_direct(tmp_path, monkeypatch, caplog):
+    # Filesystems without O_DIRECT (older tmpfs, some FUSE) fail open() with EINVAL.
     with BlockStore(tmp_path, PROFILES[1]) as s:
         _put(s, KEYS[0])
-        monkeypatch.setattr(os, "open", no_direct_open)
+        monkeypatch.setattr(os, "open", _failing_open(os.O_DIRECT, errno.EINVAL))
         with caplog.at_level(logging.WARNING, "dualpath.storage"):
             assert _read(s, KEYS[0])[0]
             ok, out = _read(s, KEYS[0])
@@ -207,16 +212,9 @@ def test_fallback_when_the_read_rejects_o_direct(tmp_path, monkeypatch, caplog):
 
 
 def test_direct_io_on_fails_loudly_where_unsupported(tmp_path, monkeypatch):
-    real_open = os.open
-
-    def no_direct_open(path, flags, *a, **kw):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *a, **kw)
-
     with BlockStore(tmp_path, PROFILES[0], direct_io="on") as s:
         _put(s, KEYS[0])
-        monkeypatch.setattr(os, "open", no_direct_open)
+        monkeypatch.setattr(os, "open", _failing_open(os.O_DIRECT, errno.EINVAL))
         with pytest.raises(StorageError, match="O_DIRECT is not supported") as ei:
             _read(s, KEYS[0])
         assert ei.value.errno == errno.EINVAL
@@ -256,15 +254,8 @@ def test_write_error_mid_payload_leaves_nothing(tmp_path, monkeypatch, err):
 
 def test_write_to_read_only_dir_is_a_clear_error_mocked(tmp_path, monkeypatch):
     # Mocked EROFS at open(): root ignores chmod, so this runs everywhere.
-    real_open = os.open
-
-    def erofs_open(path, flags, *a, **kw):
-        if flags & os.O_CREAT:
-            raise OSError(errno.EROFS, "Read-only file system")
-        return real_open(path, flags, *a, **kw)
-
     with BlockStore(tmp_path, PROFILES[0]) as s:
-        monkeypatch.setattr(os, "open", erofs_open)
+        monkeypatch.setattr(os, "open", _failing_open(os.O_CREAT, errno.EROFS))
         with pytest.raises(StorageError, match="read-only") as ei:
             s.write(KEYS[0], aligned_bytes(s.layout.full_bytes))
         assert ei.value.errno == errno.EROFS and _no_files_left(s) == []

@@ -1,0 +1,333 @@
+#!/usr/bin/env python3
+"""Storage bench: BlockStore reads against fio on the same files, plus synthetic KV speed.
+
+Method
+  1. Write a file set of Full Blocks (synthetic KV: stands in for the model's output)
+     through BlockStore.write (crash-safe path: temp, fsync, rename, dir fsync) on a real
+     disk (tmpfs refused: RAM would stand in for the disk).
+  2. Read it for --seconds through the engines' path: requests reserve slots in a
+     BlockPool, a ReadQueue of depth --workers reads blocks into them with O_DIRECT,
+     checking header and payload hash (XXH3-64); then again with the payload hash off.
+  3. fio reads the SAME files with O_DIRECT, bs = file size (header + payload, rounded
+     down to 4096 where it is not a multiple), queue depth = --workers, once as psync
+     x numjobs (our model: threads doing preadv; each job over its own share of the
+     files, through hard links) and once as libaio x iodepth over all the files.
+  4. The generator and verifier fill / check Full Blocks in a 64 MiB buffer, one thread.
+  Store and fio runs alternate for --rounds rounds; each row keeps its best round (on a
+  shared machine noise only slows a run down), the same rule for both sides.
+  read_vs_fio_ratio = store read (hash on) / the faster fio variant, both in file bytes/s.
+
+Prints a table and, with --json PATH, writes the same record with a "summary" object.
+Example: .venv/bin/python bench/storage.py --json out/storage.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from dualpath.buffers.pool import BlockPool, slot_stride
+from dualpath.buffers.region import MemlockError, PinnedRegion
+from dualpath.kv.layout import BlockLayout
+from dualpath.kv.prefix import block_keys
+from dualpath.kv.profiles import PROFILES, get_profile
+from dualpath.kv.synth import LABEL, SyntheticKV
+from dualpath.storage import BlockStore
+from dualpath.storage.format import HEADER_BYTES, payload_hash
+from dualpath.storage.read_queue import ReadQueue
+
+REPO = Path(__file__).resolve().parents[1]
+RAM_FILESYSTEMS = {"tmpfs", "ramfs"}
+
+
+def fs_type(path: Path) -> str:
+    """The filesystem type of the mount holding ``path`` (from /proc/self/mountinfo)."""
+    path = path.resolve()
+    best, fstype = "", "unknown"
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            mnt = left.split()[4].replace("\\040", " ")
+            inside = path == Path(mnt) or str(path).startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) >= len(best):
+                best, fstype = mnt, right.split()[0]
+    return fstype
+
+
+def pinned(nbytes: int) -> tuple[PinnedRegion, str]:
+    try:
+        return PinnedRegion(nbytes, what="bench buffers"), "mlocked"
+    except MemlockError:
+        return PinnedRegion(nbytes, lock=False, what="bench buffers"), "not locked (memlock)"
+
+
+def write_set(store: BlockStore, keys: list[bytes]) -> float:
+    """Write every block; returns seconds. Blocks are filled before the clock starts."""
+    synth = SyntheticKV(store.layout)
+    ring = [np.empty(store.layout.full_bytes, np.uint8) for _ in range(8)]
+    for i, k in enumerate(keys[:len(ring)]):
+        synth.fill_full(ring[i], k)
+    # Distinct keys, but only 8 distinct payloads: generating 1 GiB is measured apart.
+    t0 = time.perf_counter()
+    for i, k in enumerate(keys):
+        store.write(k, ring[i % len(ring)], overwrite=True)
+    return time.perf_counter() - t0
+
+
+async def read_for(store: BlockStore, keys: list[bytes], pool: BlockPool, workers: int,
+                   seconds: float) -> tuple[int, float]:
+    """Read blocks round-robin through a ReadQueue for ``seconds``; (blocks, elapsed)."""
+    q = ReadQueue(store, depth=workers)
+    per_req = workers
+    requests = max(2, pool.capacity // per_req)
+    done = 0
+    nxt = 0
+    deadline = time.perf_counter() + seconds
+    t0 = time.perf_counter()
+
+    async def client():
+        nonlocal done, nxt
+        while time.perf_counter() < deadline:
+            batch = [keys[(nxt + i) % len(keys)] for i in range(per_req)]
+            nxt += per_req
+            with await pool.reserve(per_req) as res:
+                result = await q.read(batch, [res.flat(i) for i in range(per_req)])
+            if not result.all_hit:
+                raise RuntimeError(f"bench read missed: {store.stats}")
+            done += per_req
+
+    await asyncio.gather(*(client() for _ in range(requests)))
+    elapsed = time.perf_counter() - t0
+    await q.close()
+    return done, elapsed
+
+
+def link_per_job(store_dir: Path, links: Path, jobs: int) -> int:
+    """Hard-link the block files as ``blk.<job>.<n>`` so each fio job reads its own share.
+
+    Links, not copies: fio reads the very same inodes and disk blocks as the store.
+    Returns files per job.
+    """
+    files = sorted(store_dir.rglob("*.kvb"))
+    per_job = len(files) // jobs
+    links.mkdir()
+    for i, f in enumerate(files[:per_job * jobs]):
+        os.link(f, links / f"blk.{i % jobs}.{i // jobs}")
+    return per_job
+
+
+def run_fio(store_dir: Path, links: Path, per_job: int, bs: int, file_bytes: int,
+            workers: int, seconds: float, engine: str) -> dict:
+    """fio reading the store's block files, O_DIRECT, queue depth ``workers``.
+
+    psync: ``workers`` threads, each over its own share of the files (as our workers
+    take distinct blocks). libaio: one job over every file, ``workers`` I/Os in flight.
+    """
+    if engine == "psync":
+        files = [f"--directory={links}", "--filename_format=blk.$jobnum.$filenum",
+                 f"--nrfiles={per_job}", f"--filesize={file_bytes}",
+                 "--ioengine=psync", f"--numjobs={workers}", "--thread", "--group_reporting"]
+    else:
+        files = [f"--opendir={store_dir}", "--ioengine=libaio", f"--iodepth={workers}"]
+    cmd = ["fio", "--name=blk", "--rw=read", f"--bs={bs}", "--direct=1", "--time_based",
+           f"--runtime={int(seconds * 1000)}ms", "--output-format=json", *files]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]["read"]
+    return {"nbytes": job["io_bytes"], "seconds": job["runtime"] / 1000.0,
+            "ios": job["total_ios"], "cmd": " ".join(cmd)}
+
+
+def synth_speed(layout: BlockLayout, seconds: float = 0.5) -> tuple[float, float]:
+    """(generator, verifier) bytes/s on one thread over a 64 MiB ring of blocks."""
+    synth = SyntheticKV(layout)
+    n = max(1, (64 << 20) // layout.full_bytes)
+    ring = np.zeros((n, layout.full_bytes), np.uint8)     # touched: no page faults timed
+    keys = block_keys(np.arange(n * layout.tokens) % 50000, layout.tokens)
+
+    def timed(fn) -> float:
+        fn(0)                                             # warm
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn(reps)
+            reps += 1
+        return reps * ring.nbytes / (time.perf_counter() - t0)
+
+    gen = timed(lambda r: [synth.fill_full(ring[i], k) for i, k in enumerate(keys)])
+    for i, k in enumerate(keys):
+        synth.fill_full(ring[i], k)
+
+    def verify(_r):
+        for i, k in enumerate(keys):
+            if synth.verify_full(ring[i], k) is not None:
+                raise RuntimeError("verifier rejected what the generator wrote")
+
+    return gen, timed(verify)
+
+
+def hash_speed(seconds: float = 0.3) -> dict[str, float]:
+    """Bytes/s of the store's payload hash and of zlib.crc32 (the alternative) on 1 MiB."""
+    buf = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    out = {}
+    for name, fn in (("xxh3_64", payload_hash), ("zlib.crc32", zlib.crc32)):
+        fn(buf)
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn(buf)
+            reps += 1
+        out[name] = reps * buf.nbytes / (time.perf_counter() - t0)
+    return out
+
+
+def measure_reads(work: Path, profile, keys: list[bytes], args) -> tuple[dict, dict]:
+    """Interleaved rounds of store and fio reads; per row the best round (noise only slows)."""
+    layout = BlockLayout.of(profile)
+    file_bytes = HEADER_BYTES + layout.full_bytes
+    fio_bs = file_bytes if file_bytes % 4096 == 0 else file_bytes // 4096 * 4096
+    best: dict[str, dict] = {}
+    meta: dict = {}
+
+    def keep(label: str, nbytes: int, seconds: float, ios: int, **extra) -> None:
+        row = {"row": label, "bytes": nbytes, "seconds": seconds, "ios": ios, **extra,
+               "gbytes_per_s": nbytes / seconds / 1e9}
+        if label not in best or row["gbytes_per_s"] > best[label]["gbytes_per_s"]:
+            best[label] = row
+
+    with BlockStore(work / "files", profile, read_workers=args.workers) as store:
+        per_job = link_per_job(store.dir, work / "fio", args.workers)
+        region, meta["buffers"] = pinned(args.workers * 4 * slot_stride(layout))
+        pool = BlockPool("bench", region.array, layout, region_addr=region.addr)
+        for _ in range(args.rounds):
+            for verify in (True, False):
+                store.verify_checksum = verify
+                n, sec = asyncio.run(read_for(store, keys, pool, args.workers, args.seconds))
+                keep("read: store, ReadQueue, O_DIRECT, "
+                     + ("header + payload hash" if verify else "header only"),
+                     n * file_bytes, sec, n)
+            for engine in ("psync", "libaio"):
+                r = run_fio(store.dir, work / "fio", per_job, fio_bs, file_bytes, args.workers,
+                            args.seconds, engine)
+                depth = f"numjobs={args.workers}" if engine == "psync" else \
+                    f"iodepth={args.workers}"
+                keep(f"read: fio {engine}, {depth}, bs={fio_bs}, direct=1", **r)
+        meta["o_direct"] = store.direct
+        meta["store_stats"] = store.stats_dict()
+        del pool
+        region.close()
+    return best, meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", type=Path, default=REPO / ".cache" / "bench",
+                    help="where the file set goes (a real disk; default %(default)s)")
+    ap.add_argument("--profile", default="demo", choices=sorted(PROFILES))
+    ap.add_argument("--block-tokens", type=int, default=64)
+    ap.add_argument("--gib", type=float, default=1.0, help="size of the file set (GiB)")
+    ap.add_argument("--workers", type=int, default=8, help="store read workers = fio depth")
+    ap.add_argument("--seconds", type=float, default=2.0, help="per read measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved store/fio rounds")
+    ap.add_argument("--allow-tmpfs", action="store_true", help="bench a RAM filesystem anyway")
+    ap.add_argument("--keep", action="store_true", help="keep the file set afterwards")
+    ap.add_argument("--json", type=Path, help="also write the record as JSON here")
+    args = ap.parse_args(argv)
+
+    if shutil.which("fio") is None:
+        print("fio is not installed (apt-get install fio): the peer must run in the same run",
+              file=sys.stderr)
+        return 1
+    profile = get_profile(args.profile, args.block_tokens)
+    layout = BlockLayout.of(profile)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    fstype = fs_type(args.dir)
+    if fstype in RAM_FILESYSTEMS and not args.allow_tmpfs:
+        print(f"{args.dir} is on {fstype}: that measures RAM, not a disk. Use --dir on a real "
+              f"disk (or --allow-tmpfs).", file=sys.stderr)
+        return 2
+    # fio keeps every file of the set open in each of its jobs
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+    work = Path(tempfile.mkdtemp(prefix="storage-", dir=args.dir))
+    file_bytes = HEADER_BYTES + layout.full_bytes
+    nblocks = max(args.workers * 4, int(args.gib * (1 << 30)) // file_bytes)
+    keys = block_keys(np.arange(nblocks * layout.tokens) % 100_000, layout.tokens)
+    try:
+        with BlockStore(work / "files", profile) as store:
+            wsec = write_set(store, keys)
+        os.sync()
+        reads, meta = measure_reads(work, profile, keys, args)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    gen, ver = synth_speed(layout)
+    hashes = hash_speed()
+
+    rows = [{"row": "write: store (temp, fsync, rename, dir fsync)", "bytes": nblocks * file_bytes,
+             "seconds": wsec, "ios": nblocks, "gbytes_per_s": nblocks * file_bytes / wsec / 1e9},
+            *reads.values()]
+    store_row = next(r for r in rows if "payload hash" in r["row"])
+    bare_row = next(r for r in rows if "header only" in r["row"])
+    fio_best = max(r["gbytes_per_s"] for r in rows if "fio" in r["row"])
+    summary = {
+        "read_vs_fio_ratio": round(store_row["gbytes_per_s"] / fio_best, 3),
+        "store_read_gbytes_per_s": round(store_row["gbytes_per_s"], 3),
+        "store_read_no_hash_gbytes_per_s": round(bare_row["gbytes_per_s"], 3),
+        "fio_read_gbytes_per_s": round(fio_best, 3),
+        "write_gbytes_per_s": round(rows[0]["gbytes_per_s"], 3),
+        "generator_gbytes_per_s": round(gen / 1e9, 3),
+        "verifier_gbytes_per_s": round(ver / 1e9, 3),
+        "xxh3_gbytes_per_s": round(hashes["xxh3_64"] / 1e9, 3),
+        "crc32_gbytes_per_s": round(hashes["zlib.crc32"] / 1e9, 3),
+    }
+    record = {
+        "bench": "storage",
+        "method": __doc__.split("Method\n")[1].split("\n\nPrints")[0],
+        "command": " ".join([sys.executable, *sys.argv]),
+        "config": {"profile": profile.name, "block_tokens": layout.tokens,
+                   "full_block_bytes": layout.full_bytes, "file_bytes": file_bytes,
+                   "files": nblocks, "workers": args.workers, "seconds": args.seconds,
+                   "rounds": args.rounds, "dir": str(args.dir), "fstype": fstype,
+                   "o_direct": meta["o_direct"], "buffers": meta["buffers"],
+                   "cpus": os.cpu_count(), "kernel": platform.release(),
+                   "load_avg_1m": os.getloadavg()[0]},
+        "rows": rows,
+        "store_stats": meta["store_stats"],
+        "summary": summary,
+    }
+
+    print(f"storage bench: profile {profile.name}, {layout.full_bytes}-byte full blocks "
+          f"({file_bytes}-byte files) x {nblocks} = {nblocks * file_bytes / 2**30:.2f} GiB on "
+          f"{args.dir} ({fstype}); O_DIRECT {'on' if meta['o_direct'] else 'OFF'}; depth "
+          f"{args.workers}; best of {args.rounds} interleaved rounds of {args.seconds:g} s")
+    print(f"{'measurement':<68} {'GB/s':>7} {'blocks/s':>9}")
+    for r in rows:
+        print(f"{r['row']:<68} {r['gbytes_per_s']:>7.3f} {r['ios'] / r['seconds']:>9.0f}")
+    for label, v in ((f"{LABEL} generator, 1 thread", gen),
+                     (f"{LABEL} verifier, 1 thread", ver),
+                     ("payload hash xxh3_64, 1 thread, 1 MiB", hashes["xxh3_64"]),
+                     ("for comparison: zlib.crc32, 1 thread, 1 MiB", hashes["zlib.crc32"])):
+        print(f"{label:<68} {v / 1e9:>7.3f}")
+    print(f"read_vs_fio_ratio (store with payload hash / best fio) = "
+          f"{summary['read_vs_fio_ratio']:.3f}   (GB = 1e9 bytes of file data; load avg "
+          f"{record['config']['load_avg_1m']:.1f} on {os.cpu_count()} CPUs)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -267,6 +267,18 @@ struct dp_tcp_cfg {
 dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *cfg);
 /* [count] The bound TCP port. */
 int dp_tcp_port(dp_tcp *eng);
+/* Target-side counters of an engine, since create (monotonic). */
+struct dp_tcp_stats {
+    uint64_t conns_accepted;
+    uint64_t writes;          /* WRITEs that landed */
+    uint64_t bytes;           /* their payload bytes */
+    uint64_t refused;         /* WRITEs refused (rkey, access, bounds, dereg) */
+    uint64_t flushed;         /* WRITEs dropped after a failure on their connection */
+    uint64_t ack_stalls;      /* times a socket stopped being read because its acks
+                                 could not be sent (the initiator is not polling) */
+};
+/* [int] Read the counters (any thread; each value is read atomically). */
+int dp_tcp_stats(dp_tcp *eng, struct dp_tcp_stats *out);
 /* [int] Stop the server thread (closing accepted sockets) and free the engine; its
  * regions, CQs and connections must be gone (EBUSY otherwise). */
 int dp_tcp_destroy(dp_tcp *eng);

@@ -122,6 +122,7 @@ static void srv_accept(dp_tcp *eng)
         if (c->next)
             c->next->prev = c;
         eng->srv_conns = c;
+        TCP_STAT_ADD(eng, conns_accepted, 1);
     }
 }
 
@@ -155,8 +156,10 @@ static void *server_main(void *arg)
                 rc = tcp_srv_readable(eng, c);
             if (rc < 0)
                 srv_close(eng, c, &dead);
-            else if (rc > 0)
+            else if (rc > 0 && c->events != EPOLLOUT) {
+                TCP_STAT_ADD(eng, ack_stalls, 1);
                 srv_set_events(eng, c, EPOLLOUT);
+            }
         }
         while (dead) {
             struct tcp_srv_conn *c = dead;
@@ -279,6 +282,19 @@ fail:
     engine_free(eng);
     errno = err;
     return NULL;
+}
+
+int dp_tcp_stats(dp_tcp *eng, struct dp_tcp_stats *out)
+{
+    if (!eng || !out)
+        return -EINVAL;
+    out->conns_accepted = __atomic_load_n(&eng->stats.conns_accepted, __ATOMIC_RELAXED);
+    out->writes = __atomic_load_n(&eng->stats.writes, __ATOMIC_RELAXED);
+    out->bytes = __atomic_load_n(&eng->stats.bytes, __ATOMIC_RELAXED);
+    out->refused = __atomic_load_n(&eng->stats.refused, __ATOMIC_RELAXED);
+    out->flushed = __atomic_load_n(&eng->stats.flushed, __ATOMIC_RELAXED);
+    out->ack_stalls = __atomic_load_n(&eng->stats.ack_stalls, __ATOMIC_RELAXED);
+    return 0;
 }
 
 int dp_tcp_port(dp_tcp *eng)

@@ -179,7 +179,9 @@ static uint32_t take_ack(dp_tcp_conn *c, struct dp_wc *wc)
     uint64_t seq = le64toh(a.seq);
     int32_t status = (int32_t)le32toh((uint32_t)a.status);
     const struct tcp_wqe *w = &c->ring[seq & c->mask];
-    if (seq < c->head || seq >= c->send_idx || (status == TCP_WC_SUCCESS && !w->signalled)) {
+    /* A failure may be acked as soon as its header arrived, before all its payload. */
+    uint64_t sent_end = c->send_idx + (c->send_off > 0);
+    if (seq < c->head || seq >= sent_end || (status == TCP_WC_SUCCESS && !w->signalled)) {
         c->ack_pos = c->ack_len;
         tcp_conn_fail(c, TCP_WC_RETRY_EXC_ERR, EPROTO);
         return 0;
@@ -433,9 +435,13 @@ static inline void srv_fail(struct tcp_srv_conn *c, int32_t status)
     c->dst = NULL;
 }
 
-static inline void srv_item_done(struct tcp_srv_conn *c)
+static inline void srv_item_done(dp_tcp *eng, struct tcp_srv_conn *c)
 {
-    if (!c->flushing && c->cur_signalled)
+    if (c->flushing)
+        return;
+    TCP_STAT_ADD(eng, writes, 1);
+    TCP_STAT_ADD(eng, bytes, c->cur_len);
+    if (c->cur_signalled)
         srv_ack(c, TCP_WC_SUCCESS);
 }
 
@@ -447,10 +453,10 @@ static int srv_begin(dp_tcp *eng, struct tcp_srv_conn *c)
         return -1;
     c->cur_seq = le64toh(h->seq);
     c->cur_signalled = h->signalled;
-    c->left = le32toh(h->length);
+    c->left = c->cur_len = le32toh(h->length);
     c->dst = NULL;
     if (c->flushing) {
-        /* drain silently */
+        TCP_STAT_ADD(eng, flushed, 1);      /* drained silently */
     } else if (h->op == TCP_OP_LOCERR) {
         srv_fail(c, TCP_WC_LOC_PROT_ERR);
     } else {
@@ -465,11 +471,12 @@ static int srv_begin(dp_tcp *eng, struct tcp_srv_conn *c)
             c->slot = key & 0xffff;
             c->gen = (uint16_t)(key >> 16);
         } else {
+            TCP_STAT_ADD(eng, refused, 1);
             srv_fail(c, TCP_WC_REM_ACCESS_ERR);
         }
     }
     if (c->left == 0)
-        srv_item_done(c);
+        srv_item_done(eng, c);
     return 0;
 }
 
@@ -531,6 +538,7 @@ int tcp_srv_readable(dp_tcp *eng, struct tcp_srv_conn *c)
             const struct tcp_region *r = &eng->regions[c->slot];
             if (!r->live || r->gen != c->gen) {    /* deregistered mid-WRITE */
                 pthread_rwlock_unlock(&eng->lock);
+                TCP_STAT_ADD(eng, refused, 1);
                 srv_fail(c, TCP_WC_REM_ACCESS_ERR);
                 continue;
             }
@@ -557,7 +565,7 @@ int tcp_srv_readable(dp_tcp *eng, struct tcp_srv_conn *c)
                 c->dst += k;
             got -= k;
             if (c->left == 0)
-                srv_item_done(c);
+                srv_item_done(eng, c);
         }
         c->hdr_got += (uint32_t)got;
         if (c->hdr_got == sizeof c->hdr) {

@@ -87,6 +87,7 @@ struct tcp_srv_conn {
     uint8_t cur_signalled;
     uint8_t flushing;                /* after a failure: drain everything, ack nothing */
     uint64_t cur_seq;
+    uint64_t cur_len;
     uint32_t ack_n;                  /* acks queued */
     uint32_t ack_off;                /* bytes of them already sent */
     struct tcp_ack acks[TCP_SRV_ACKS];
@@ -108,6 +109,7 @@ struct dp_tcp {
     uint32_t max_regions;
     uint32_t n_mrs, n_cqs, n_conns;  /* children alive (atomics) */
     uint32_t next_conn_id;           /* atomic */
+    struct dp_tcp_stats stats;       /* written by the server thread (relaxed atomics) */
     struct tcp_srv_conn *srv_conns;  /* server thread only */
     uint8_t *discard;                /* server thread only */
 };
@@ -165,6 +167,10 @@ struct dp_tcp_conn {
     uint32_t ack_pos, ack_len;       /* unread bytes of ackbuf are [ack_pos, ack_len) */
     uint8_t ackbuf[TCP_ACKBUF];
 };
+
+/* Server-thread counter bump; readers use __atomic_load_n. */
+#define TCP_STAT_ADD(eng, field, n) \
+    __atomic_store_n(&(eng)->stats.field, (eng)->stats.field + (n), __ATOMIC_RELAXED)
 
 /* tcp_ctl.c */
 int tcp_now_ns(int64_t *out);

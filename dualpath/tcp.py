@@ -45,7 +45,8 @@ from dualpath.verbs import (
 
 __all__ = [
     "ACCESS_RW", "Access", "Completion", "Item", "PostError", "QpState", "TcpCompletionQueue",
-    "TcpConfig", "TcpConnection", "TcpEngine", "TcpRegion", "WcStatus", "WriteBatch",
+    "TcpConfig", "TcpConnection", "TcpEngine", "TcpRegion", "TcpStats", "WcStatus",
+    "WriteBatch",
 ]
 
 _U64 = 1 << 64
@@ -69,6 +70,18 @@ class TcpConfig:
         c.max_send_wr, c.sockbuf_bytes = self.max_send_wr, self.sockbuf_bytes
         c.user_timeout_ms = self.user_timeout_ms
         return c
+
+
+@dataclass(frozen=True)
+class TcpStats:
+    """Target-side counters of an engine since it started (``struct dp_tcp_stats``)."""
+
+    conns_accepted: int
+    writes: int         # WRITEs that landed
+    bytes: int          # their payload bytes
+    refused: int        # refused before writing: rkey, access, bounds, dereg
+    flushed: int        # dropped after a failure on their connection
+    ack_stalls: int     # a socket was not read because its acks could not be sent
 
 
 class TcpEngine(_Owner):
@@ -105,6 +118,14 @@ class TcpEngine(_Owner):
     def register(self, buf=None, access: int = ACCESS_RW, *, addr: int | None = None,
                  length: int | None = None) -> TcpRegion:
         return TcpRegion(self, buf, access, addr=addr, length=length)
+
+    def stats(self) -> TcpStats:
+        """The target side's counters (any thread)."""
+        self._check_open()
+        out = ffi.new("struct dp_tcp_stats *")
+        check(lib.dp_tcp_stats(self._handle, out), "TCP engine stats")
+        return TcpStats(out.conns_accepted, out.writes, out.bytes, out.refused, out.flushed,
+                        out.ack_stalls)
 
     def cq(self, depth: int) -> TcpCompletionQueue:
         return TcpCompletionQueue(self, depth)

@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 
+import numpy as np
 import pytest
 
 from dualpath.errors import RdmaError, UsageError
@@ -103,6 +104,8 @@ def test_bad_rkey_is_refused_before_writing_and_flushes_the_rest(pair):
     assert [(c.wr_id, c.status) for c in comps] == [
         (1, WcStatus.REM_ACCESS_ERR), (2, WcStatus.WR_FLUSH_ERR), (3, WcStatus.WR_FLUSH_ERR)]
     assert pair.dst[:3 * 4096] == bytes(3 * 4096)     # nothing landed after the failure
+    st = pair.b.stats()
+    assert (st.writes, st.refused) == (0, 1) and st.flushed <= 2
     assert pair.conn.state == QpState.ERR
     # Recovery: reset + connect, and the same connection writes again.
     pair.conn.reset()
@@ -301,3 +304,111 @@ def test_bad_arguments_are_usage_errors():
             eng.cq(0)
     with pytest.raises(UsageError):
         TcpEngine(port=70000)
+
+
+# The wire format of csrc/tcp_internal.h (struct tcp_req_hdr + a 1-byte payload, and
+# struct tcp_ack), spoken by a raw socket so the test controls when acks are read.
+REQ = np.dtype([("magic", "u1"), ("op", "u1"), ("signalled", "u1"), ("pad0", "u1"),
+                ("length", "<u4"), ("rkey", "<u4"), ("pad1", "<u4"), ("remote_addr", "<u8"),
+                ("seq", "<u8"), ("payload", "u1")])
+ACK = np.dtype([("seq", "<u8"), ("status", "<i4"), ("pad", "<u4")])
+
+
+def test_target_stops_reading_while_its_acks_are_stuck_then_resumes():
+    n = 20000
+    # 64 KiB asked -> 128 KiB send buffer on the target; the initiator's receive buffer
+    # is 8 KiB and nobody reads it: ~8K acks fit in flight, then the target must stop
+    # reading requests (not buffer acks without bound) until the acks drain.
+    with TcpEngine(sockbuf_bytes=65536) as b:
+        dst = bytearray(n)
+        mr = b.register(dst)
+        req = np.zeros(n, REQ)
+        req["magic"], req["op"], req["signalled"], req["length"] = 0xd7, 1, 1, 1
+        req["rkey"], req["remote_addr"] = mr.rkey, mr.addr + np.arange(n, dtype=np.uint64)
+        req["seq"], req["payload"] = np.arange(n), np.arange(n) % 251
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            s.settimeout(WAIT_BOUND_S)
+            s.connect(("127.0.0.1", b.port))
+            sender = threading.Thread(target=s.sendall, args=(req.tobytes(),))
+            sender.start()
+            for _ in range(int(WAIT_BOUND_S / 0.01)):
+                if b.stats().ack_stalls:
+                    break
+                threading.Event().wait(0.01)
+            stalled = b.stats()
+            assert stalled.ack_stalls == 1 and stalled.writes < n
+            acks = bytearray()
+            while len(acks) < n * ACK.itemsize:
+                chunk = s.recv(1 << 20)
+                assert chunk, "target closed the connection"
+                acks += chunk
+            sender.join(WAIT_BOUND_S)
+        got = np.frombuffer(bytes(acks), ACK)
+        assert (got["seq"] == np.arange(n)).all() and (got["status"] == 0).all()
+        assert dst == (np.arange(n) % 251).astype(np.uint8).tobytes()
+        assert b.stats().writes == n and b.stats().bytes == n
+
+
+def test_nothing_lands_after_dereg_returns():
+    p = Pair(size=32 << 20)
+    try:
+        assert p.conn.post_write([p.item(0, 0, len(p.src), wr_id=1)]) == 1
+        p.cq.poll()                 # let some bytes move
+        p.dst_mr.close()            # waits out any recvmsg into the region
+        snapshot = bytes(p.dst)
+        (wc,) = p.drain(1)
+        # Either it all landed before dereg, or the rest was refused; never a write after.
+        assert wc.status in (WcStatus.SUCCESS, WcStatus.REM_ACCESS_ERR)
+        assert bytes(p.dst) == snapshot
+    finally:
+        p.close()
+
+
+def test_one_cq_serves_connections_to_two_engines():
+    a, b, c = TcpEngine(), TcpEngine(), TcpEngine()
+    try:
+        src = bytearray(os.urandom(8192))
+        db, dc = bytearray(4096), bytearray(4096)
+        smr, mb, mc = a.register(src), b.register(db), c.register(dc)
+        cq = a.cq(64)
+        cb, cc = a.connection(cq), a.connection(cq)
+        cb.connect("127.0.0.1", b.port)
+        cc.connect("127.0.0.1", c.port)
+        assert cb.conn_id != cc.conn_id
+        cb.post_write([Item(smr.addr, mb.addr, 4096, smr.lkey, mb.rkey, 1)])
+        cc.post_write([Item(smr.addr + 4096, mc.addr, 4096, smr.lkey, mc.rkey, 2)])
+        got = []
+        while len(got) < 2:
+            more = cq.wait(WAIT_BOUND_S)
+            assert more
+            got += more
+        assert sorted((w.wr_id, w.qp_num) for w in got) == [(1, cb.conn_id), (2, cc.conn_id)]
+        assert db == src[:4096] and dc == src[4096:]
+    finally:
+        a.close()
+        b.close()
+        c.close()
+
+
+def test_ipv6_loopback():
+    if not socket.has_ipv6:
+        pytest.skip("this Python has no IPv6")
+    try:
+        b = TcpEngine("::1")
+    except RdmaError as e:
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    a = TcpEngine("::1")
+    try:
+        src, dst = bytearray(os.urandom(512)), bytearray(512)
+        smr, dmr = a.register(src), b.register(dst)
+        cq = a.cq(4)
+        conn = a.connection(cq)
+        conn.connect("::1", b.port)
+        conn.post_write([Item(smr.addr, dmr.addr, 512, smr.lkey, dmr.rkey, 3)])
+        assert [(w.wr_id, w.status) for w in cq.wait(WAIT_BOUND_S)] == [(3, 0)]
+        assert dst == src
+    finally:
+        a.close()
+        b.close()

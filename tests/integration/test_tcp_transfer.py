@@ -6,6 +6,7 @@ error completions with recovery, bounded timeouts, transport choice, and closing
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -41,21 +42,26 @@ def engines(oob, **cfg):
             TransferEngine("b", TcpProvider(), oob, config))
 
 
-async def started_pair(**cfg):
+@contextlib.asynccontextmanager
+async def pair(**cfg):
+    """Started engines a and b, a's `src` and b's `dst` registered as "default"."""
     oob = InProcessChannel()
     a, b = engines(oob, **cfg)
     await a.start()
     await b.start()
-    src, dst = bytearray(os.urandom(SIZE)), bytearray(SIZE)
-    a.register("default", src)
-    b.register("default", dst)
-    return a, b, src, dst
+    try:
+        src, dst = bytearray(os.urandom(SIZE)), bytearray(SIZE)
+        a.register("default", src)
+        b.register("default", dst)
+        yield a, b, src, dst
+    finally:
+        await a.close()
+        await b.close()
 
 
 def test_single_batch_and_sliced_writes_land():
     async def main():
-        a, b, src, dst = await started_pair()
-        try:
+        async with pair() as (a, _b, src, dst):
             await a.write("b", [(0, 0, 4096)])
             assert dst[:4096] == src[:4096]
             await a.write("b", [(8192, 65536, 100), (16384, 131072, 5000), (1 << 20, 1 << 21, 7)])
@@ -66,60 +72,44 @@ def test_single_batch_and_sliced_writes_land():
             await a.write("b", [(0, 0, SIZE)])      # one item, 64 slices of 64 KiB
             assert a.stats["writes_posted"] - before == SIZE // 65536
             assert dst == src
-        finally:
-            await a.close()
-            await b.close()
     run(main())
 
 
 def test_a_batch_is_spread_over_the_connections():
     async def main():
-        a, b, src, dst = await started_pair(connections_per_peer=3)
-        try:
+        async with pair(connections_per_peer=3) as (a, _b, src, dst):
             await a.write("b", [(i * 65536, i * 65536, 65536) for i in range(48)])
             assert dst[:48 * 65536] == src[:48 * 65536]
             # plan.spread shares 48 slices over 3 idle connections: 16 each.
             assert [c.posted for c in a._peers["b"].conns] == [16, 16, 16]
-        finally:
-            await a.close()
-            await b.close()
     run(main())
 
 
 def test_few_credits_still_complete_large_batches():
     async def main():
-        a, b, src, dst = await started_pair(max_send_wr=4, cq_depth=3, signal_every=2,
-                                            slice_bytes=4096)
-        try:
+        async with pair(max_send_wr=4, cq_depth=3, signal_every=2,
+                                            slice_bytes=4096) as (a, _b, src, dst):
             await a.write("b", [(0, 0, 1 << 20)])  # 256 slices through 2 x 4 credits
             assert dst[:1 << 20] == src[:1 << 20]
             assert a.stats["posts"] >= 256 // 8
-        finally:
-            await a.close()
-            await b.close()
     run(main())
 
 
 def test_concurrent_writes_all_land():
     async def main():
-        a, b, src, dst = await started_pair()
-        try:
+        async with pair() as (a, _b, src, dst):
             chunk = SIZE // 64
             await asyncio.gather(*(a.write("b", [(i * chunk, SIZE - (i + 1) * chunk, chunk)])
                                    for i in range(64)))
             for i in range(64):
                 assert dst[SIZE - (i + 1) * chunk:SIZE - i * chunk] == src[i * chunk:(i + 1) * chunk]
-        finally:
-            await a.close()
-            await b.close()
     run(main())
 
 
 @pytest.mark.parametrize("tamper", ["stale_rkey", "past_the_end"])
 def test_remote_access_error_fails_the_write_and_the_peer_recovers(tamper):
     async def main():
-        a, b, src, dst = await started_pair()
-        try:
+        async with pair() as (a, _b, src, dst):
             await a.write("b", [(0, 0, 4096)])
             peer = a._peers["b"]
             true = peer.regions["default"]
@@ -142,18 +132,14 @@ def test_remote_access_error_fails_the_write_and_the_peer_recovers(tamper):
             assert dst[8192:8192 + 65536] == src[4096:4096 + 65536]
             assert a._peers["b"].regions["default"] == true
             assert a.stats["recoveries"] >= 1
-        finally:
-            await a.close()
-            await b.close()
     run(main())
 
 
 def test_a_failed_write_does_not_fail_the_writes_flushed_behind_it():
     async def main():
-        a, b, src, dst = await started_pair(connections_per_peer=1, slice_bytes=4096)
-        other = bytearray(65536)
-        b.register("other", other)
-        try:
+        async with pair(connections_per_peer=1, slice_bytes=4096) as (a, b, src, dst):
+            other = bytearray(65536)
+            b.register("other", other)
             await a.write("b", [(0, 0, 4096)])
             peer = a._peers["b"]
             o = peer.regions["other"]
@@ -167,9 +153,6 @@ def test_a_failed_write_does_not_fail_the_writes_flushed_behind_it():
             assert good is None
             assert dst[:1 << 20] == src[:1 << 20]
             assert other == bytes(65536)
-        finally:
-            await a.close()
-            await b.close()
     run(main())
 
 
@@ -204,8 +187,7 @@ def test_timeout_when_the_peer_stops_reading():
 
 def test_a_closed_peer_fails_fast_with_an_error():
     async def main():
-        a, b, _src, _dst = await started_pair(timeout_s=15.0)
-        try:
+        async with pair(timeout_s=15.0) as (a, b, _src, _dst):
             await a.write("b", [(0, 0, 4096)])
             await b.close()
             with pytest.raises(TransferError) as ei:
@@ -215,15 +197,12 @@ def test_a_closed_peer_fails_fast_with_an_error():
             assert not isinstance(ei.value, TransferTimeout)
             assert ei.value.errno == errno.ECONNREFUSED
             assert "unreachable" in str(ei.value)
-        finally:
-            await a.close()
     run(main())
 
 
 def test_unknown_peer_and_bad_items_are_clear_errors():
     async def main():
-        a, b, _src, _dst = await started_pair()
-        try:
+        async with pair() as (a, _b, _src, _dst):
             with pytest.raises(TransferError) as ei:
                 await a.write("nobody", [(0, 0, 1)])
             assert ei.value.errno == errno.ECONNREFUSED and "nobody" in str(ei.value)
@@ -235,21 +214,17 @@ def test_unknown_peer_and_bad_items_are_clear_errors():
                 await a.write("b", [(0, 0, 1)], remote="kv")
             with pytest.raises(UsageError, match="already registered"):
                 a.register("default", bytearray(8))
-        finally:
-            await a.close()
-            await b.close()
     run(main())
 
 
 def test_close_is_idempotent_and_fails_later_writes():
     async def main():
-        a, b, _src, _dst = await started_pair()
-        await a.write("b", [(0, 0, 4096)])
-        await a.close()
-        await a.close()
-        await b.close()
-        with pytest.raises(UsageError, match="closing|closed"):
-            await a.write("b", [(0, 0, 1)])
+        async with pair() as (a, _b, _src, _dst):
+            await a.write("b", [(0, 0, 4096)])
+            await a.close()
+            await a.close()
+            with pytest.raises(UsageError, match="closing|closed"):
+                await a.write("b", [(0, 0, 1)])
     run(main())
 
 

@@ -9,7 +9,8 @@ like ``ib_write_bw --post_list``. Messages cycle over up to 64 slots of the buff
 Bandwidth is bytes over the time from the first post to the last completion, in MB/s of
 2^20 bytes (the unit perftest and ucx_perftest print); message rate in millions of
 WRITEs per second; submission cost is the time inside the post call divided by the
-WRITEs it posted (µs, including the cffi call).
+WRITEs it posted (µs, including the cffi call; for TCP it also includes the kernel's copy
+of what the socket accepts at once, so large messages cost more per WRITE).
 
 Peers run in the same invocation at the same sizes, each next to ours so load drift on
 the host hits both alike: ``--transport tcp --vs-ucx`` runs ``ucx_perftest -t
@@ -21,6 +22,11 @@ Prints a fixed table and, with ``--json PATH``, writes the same record with a to
 ``summary``: tcp_vs_ucx_min_ratio_ge_64k (ours at the smallest batch run, one WRITE per
 post like one ucp_put per call, over ucx at each size >= 64 KiB), the same at our best
 batch, batch32_vs_batch1_msg_rate_4k, and the verbs figures (null when not run).
+
+Extending: a rig is ``RIGS[name](args, max_size)`` with ``run(size, batch, iters) ->
+Point``, ``verify(size)``, ``close()`` and ``description``; a peer is
+``PEERS[flag](size, batches, iters, args) -> [PeerPoint]`` (batch None when the tool has
+no post list), enabled by ``--vs-<flag>``; summarise() reads both.
 """
 
 from __future__ import annotations
@@ -78,10 +84,11 @@ class Point:
 
 @dataclass
 class PeerPoint:
-    """One measured size of a reference tool."""
+    """One measured size (and post-list batch, where the tool has one) of a reference tool."""
 
     tool: str
     size: int
+    batch: int | None
     iters: int
     bw_mbps: float
     msg_rate_mpps: float
@@ -121,13 +128,13 @@ class TcpRig:
 
     transport = "tcp"
 
-    def __init__(self, max_size: int, depth: int, signal_every: int, max_batch: int,
-                 sockbuf: int):
+    def __init__(self, args: argparse.Namespace, max_size: int):
         from dualpath._native import ffi
         from dualpath.tcp import TcpConfig, TcpEngine
 
         self.ffi = ffi
-        self.depth, self.signal_every, self.max_batch = depth, signal_every, max_batch
+        depth, sockbuf = args.depth, args.sockbuf
+        self.depth, self.signal_every = depth, args.signal_every
         self.a = TcpEngine("127.0.0.1", 0, sockbuf_bytes=sockbuf)
         self.b = TcpEngine("127.0.0.1", 0, sockbuf_bytes=sockbuf)
         self.buf_bytes = max(max_size, min(SLOT_BYTES, max_size * 64))
@@ -200,13 +207,16 @@ def listening(port: int) -> bool:
     return False
 
 
-def run_ucx(size: int, iters: int, warmup: int) -> PeerPoint:
-    """ucx_perftest -t ucp_put_bw over TCP on loopback: a server and a client process."""
+def run_ucx(size: int, batches: list[int], iters: int, args: argparse.Namespace
+            ) -> list[PeerPoint]:
+    """ucx_perftest -t ucp_put_bw over TCP on loopback: a server and a client process
+    (no post list: one point per size)."""
+    warmup = max(10, iters // 20)
     exe = shutil.which("ucx_perftest")
     if exe is None:
         raise SystemExit("--vs-ucx needs ucx_perftest (apt install ucx-utils)")
     env = {**os.environ, "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
-    port = free_port()
+    port = args.ucx_port or free_port()
     server = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     try:
@@ -228,8 +238,8 @@ def run_ucx(size: int, iters: int, warmup: int) -> PeerPoint:
         rec = dict(zip(head[0].split(","), rows[-1].split(",")))
         shown = "UCX_TLS=tcp,self UCX_NET_DEVICES=lo " + " ".join(
             ["ucx_perftest", *cmd[1:]])
-        return PeerPoint("ucx_perftest", size, int(rec["iterations"]),
-                         float(rec["overall_bw"]), float(rec["overall_mr"]) / 1e6, shown)
+        return [PeerPoint("ucx_perftest", size, None, int(rec["iterations"]),
+                          float(rec["overall_bw"]), float(rec["overall_mr"]) / 1e6, shown)]
     finally:
         try:
             server.wait(timeout=10)     # it exits by itself after one test
@@ -238,7 +248,8 @@ def run_ucx(size: int, iters: int, warmup: int) -> PeerPoint:
             server.wait(timeout=10)
 
 
-PEERS = {"ucx": run_ucx}   # "perftest": ib_write_bw --post_list, for the verbs rig
+PEERS = {"ucx": run_ucx}   # "perftest": ib_write_bw --post_list B, one point per batch
+PEER_TRANSPORT = {"ucx": "tcp"}     # which rig each peer is compared with
 
 
 # ------------------------------------------------------------------ report
@@ -281,14 +292,12 @@ def summarise(points: list[Point], peers: list[PeerPoint]) -> dict:
 def print_table(points: list[Point], peers: list[PeerPoint]) -> None:
     print(f"{'who':<14}{'#bytes':>10}{'batch':>7}{'#iterations':>13}{'BW MB/s':>11}"
           f"{'Mpps':>9}{'post us/WR':>12}")
-    peer_at = {p.size: p for p in peers}
-    shown = set()
+    pending = list(peers)
     for p in points:
-        if p.size in peer_at and p.size not in shown:
-            q = peer_at[p.size]
-            print(f"{'ucx_perftest':<14}{q.size:>10}{'-':>7}{q.iters:>13}{q.bw_mbps:>11.1f}"
-                  f"{q.msg_rate_mpps:>9.3f}{'-':>12}")
-            shown.add(p.size)
+        for q in [q for q in pending if q.size == p.size and q.batch in (None, p.batch)]:
+            pending.remove(q)
+            print(f"{q.tool:<14}{q.size:>10}{q.batch or '-':>7}{q.iters:>13}"
+                  f"{q.bw_mbps:>11.1f}{q.msg_rate_mpps:>9.3f}{'-':>12}")
         print(f"{'ours/' + p.transport:<14}{p.size:>10}{p.batch:>7}{p.iters:>13}"
               f"{p.bw_mbps:>11.1f}{p.msg_rate_mpps:>9.3f}{p.post_us_per_wr:>12.3f}")
 
@@ -310,25 +319,29 @@ def main(argv: list[str] | None = None) -> int:
                     help="TCP SO_SNDBUF/SO_RCVBUF (default 0 = kernel autotuning)")
     ap.add_argument("--vs-ucx", action="store_true",
                     help="run ucx_perftest -t ucp_put_bw over TCP on loopback alongside")
+    ap.add_argument("--ucx-port", type=int, default=0,
+                    help="ucx_perftest's exchange port (default: a free one)")
     ap.add_argument("--json", metavar="PATH", help="write the record as JSON here")
     args = ap.parse_args(argv)
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batches = sorted(int(b) for b in args.batches.split(","))
-    if args.vs_ucx and args.transport != "tcp":
-        ap.error("--vs-ucx compares the TCP provider: use --transport tcp")
+    enabled = [flag for flag in PEERS if getattr(args, f"vs_{flag}", False)]
+    for flag in enabled:
+        if PEER_TRANSPORT[flag] != args.transport:
+            ap.error(f"--vs-{flag} compares the {PEER_TRANSPORT[flag]} data path: use "
+                     f"--transport {PEER_TRANSPORT[flag]}")
     if max(batches) > args.depth:
         ap.error(f"a batch ({max(batches)}) cannot exceed --depth ({args.depth})")
 
-    rig = RIGS[args.transport](max(sizes), args.depth, args.signal_every, max(batches),
-                               args.sockbuf)
+    rig = RIGS[args.transport](args, max(sizes))
     points: list[Point] = []
     peers: list[PeerPoint] = []
     try:
         for size in sizes:
             iters = iterations(size, args.bytes_per_point, args.min_iters, args.max_iters)
-            if args.vs_ucx:
-                peers.append(PEERS["ucx"](size, iters, max(10, iters // 20)))
+            for flag in enabled:
+                peers += PEERS[flag](size, batches, iters, args)
             for batch in batches:
                 rig.run(size, batch, max(batch, iters // 20))     # warm-up
                 points.append(rig.run(size, batch, iters))

@@ -1,7 +1,12 @@
 """The verbs provider behind the TransferEngine: one device, PD and CQ; RC QPs on the
 KV lane (service level + traffic class) for active connections, and passive QPs made by
 ``accept`` for the peers that connect to us (they only receive WRITEs, so they post
-nothing and see no completions).
+nothing and see no completions: they sit on a CQ of their own that nobody polls).
+
+Threads: dp.h forbids creating, destroying or resetting a QP on a CQ while another
+thread polls or posts on it (QP tables, CQ resize, CQ credits). The engine's loop thread
+creates connections (and resets one whose reconnect failed) while its data-path thread
+posts and polls, so every call that touches the shared CQ takes ``_lock``.
 
 Endpoints are ``struct dp_qp_endpoint`` packed little-endian: qpn, psn, lid, mtu, gid.
 Tested only where a device exists (tests/rdma, the SoftRoCE guest).
@@ -10,6 +15,7 @@ Tested only where a device exists (tests/rdma, the SoftRoCE guest).
 from __future__ import annotations
 
 import struct
+import threading
 
 from dualpath import verbs
 from dualpath.errors import UsageError
@@ -31,24 +37,34 @@ def decode_endpoint(data: bytes) -> verbs.Endpoint:
 
 class VerbsProvider(Provider):
     """``device`` "" = the first with an ACTIVE port; ``gid_index`` -1 = pick the RoCE v2
-    IPv4-mapped GID (none on InfiniBand)."""
+    IPv4-mapped GID (none on InfiniBand).
+
+    ``retry_cnt`` defaults to 6, not the verbs maximum 7: rxe treats 7 as "retry for
+    ever" (rxe_comp.c never counts it down), so a peer that went away would never give
+    an error completion and only the engine's timeout would end its transfers. With 6,
+    a dead peer fails a QP after 7 tries of the ACK timeout (4.096 us << ``ack_timeout``:
+    67 ms at 14), about 0.5 s, and the engine recovers or gives up."""
 
     kind = "verbs"
     poll_slice_s = 0.0002   # dp_cq_wait busy-polls: keep slices short, wake() is a no-op
 
     def __init__(self, device: str = "", port: int = 1, gid_index: int = -1, *,
-                 cq_depth: int = 4096, service_level: int = 0, traffic_class: int = 0):
+                 cq_depth: int = 4096, service_level: int = 0, traffic_class: int = 0,
+                 retry_cnt: int = 6, ack_timeout: int = 14):
         self.device = verbs.Device(device or None, port)
         try:
             gid = self.device.pick_gid(gid_index)
             self.pd = self.device.pd()
             self.cq = self.device.cq(cq_depth)
+            self._passive_cq = self.device.cq(1)
         except BaseException:
             self.device.close()
             raise
         self._qp_args = {"gid_index": gid.index if gid else -1, "port": port,
-                         "service_level": service_level, "traffic_class": traffic_class}
+                         "service_level": service_level, "traffic_class": traffic_class,
+                         "retry_cnt": retry_cnt, "timeout": ack_timeout}
         self._passive: dict[tuple[str, int], verbs.QueuePair] = {}
+        self._lock = threading.Lock()   # the shared CQ: see the module docstring
         self.description = (f"verbs {self.device.name} port {port} "
                             f"gid {f'[{gid.index}] {gid}' if gid else 'none (LID)'} "
                             f"sl {service_level} tc {traffic_class}")
@@ -57,12 +73,15 @@ class VerbsProvider(Provider):
         return self.pd.mr(buf, verbs.ACCESS_RW, addr=addr, length=length)
 
     def connection(self, max_send_wr: int) -> Connection:
-        return _VerbsConnection(self, verbs.QpConfig(max_send_wr=max_send_wr, **self._qp_args))
+        config = verbs.QpConfig(max_send_wr=max_send_wr, **self._qp_args)
+        with self._lock:
+            return _VerbsConnection(self, config)
 
     def accept(self, peer: str, index: int, remote: bytes) -> bytes:
         qp = self._passive.get((peer, index))
         if qp is None:
-            qp = self.pd.qp(self.cq, config=verbs.QpConfig(max_send_wr=1, **self._qp_args))
+            qp = self.pd.qp(self._passive_cq,
+                            config=verbs.QpConfig(max_send_wr=1, **self._qp_args))
             self._passive[(peer, index)] = qp
         else:
             qp.reset()
@@ -75,7 +94,8 @@ class VerbsProvider(Provider):
             self._passive.pop(key).close()
 
     def wait(self, timeout: float) -> list[Completion]:
-        return self.cq.wait(timeout)
+        with self._lock:
+            return self.cq.wait(timeout)
 
     def wake(self) -> None:
         pass
@@ -87,12 +107,13 @@ class VerbsProvider(Provider):
 
 class _VerbsConnection(Connection):
     def __init__(self, provider: VerbsProvider, config: verbs.QpConfig):
+        self._lock = provider._lock
         self.qp = provider.pd.qp(provider.cq, config=config)
         self.conn_id = self.qp.qp_num
         self.max_send_wr = config.max_send_wr
         # Built and validated once; the engine rewrites addresses/keys per post.
         self._batch = verbs.WriteBatch([verbs.Item(0, 0, 1, 0, 0)] * config.max_send_wr)
-        self.items = self._batch._items
+        self.items = self._batch.items
 
     def endpoint(self) -> bytes:
         return encode_endpoint(self.qp.endpoint())
@@ -101,10 +122,13 @@ class _VerbsConnection(Connection):
         self.qp.connect(decode_endpoint(remote))
 
     def reset(self) -> None:
-        self.qp.reset()
+        with self._lock:
+            self.qp.reset()
 
     def post(self, count: int, signal_every: int) -> int:
-        return self.qp.post_write(self._batch, signal_every, start=0, count=count)
+        with self._lock:
+            return self.qp.post_write(self._batch, signal_every, start=0, count=count)
 
     def close(self) -> None:
-        self.qp.close()
+        with self._lock:
+            self.qp.close()

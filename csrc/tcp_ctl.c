@@ -520,7 +520,7 @@ int dp_tcp_conn_connect(dp_tcp_conn *conn, const char *host, uint16_t port, int6
     int64_t now;
     if (tcp_now_ns(&now) < 0)
         return -errno;
-    int64_t deadline = now + (timeout_ns > 0 ? timeout_ns : 0);
+    int64_t deadline = tcp_deadline(now, timeout_ns);
     struct addrinfo *ai;
     int err = resolve(host, port, 0, &ai);
     if (err)

@@ -402,7 +402,7 @@ int dp_tcp_cq_wait(dp_tcp_cq *cq, struct dp_wc *out, uint32_t max, int64_t timeo
     int64_t now, deadline;
     if (tcp_now_ns(&now) < 0)
         return -errno;
-    deadline = now + (timeout_ns > 0 ? timeout_ns : 0);
+    deadline = tcp_deadline(now, timeout_ns);
     for (;;) {
         int n = dp_tcp_cq_poll(cq, out, max);
         if (n != 0 || cq->woken) {

@@ -172,6 +172,14 @@ struct dp_tcp_conn {
 #define TCP_STAT_ADD(eng, field, n) \
     __atomic_store_n(&(eng)->stats.field, (eng)->stats.field + (n), __ATOMIC_RELAXED)
 
+/* now + timeout, with a negative timeout as 0 and no overflow for a huge one. */
+static inline int64_t tcp_deadline(int64_t now, int64_t timeout_ns)
+{
+    if (timeout_ns <= 0)
+        return now;
+    return timeout_ns > INT64_MAX - now ? INT64_MAX : now + timeout_ns;
+}
+
 /* tcp_ctl.c */
 int tcp_now_ns(int64_t *out);
 /* tcp_dp.c. Both return 0 = fine, 1 = acks stuck (wait for EPOLLOUT), -1 = close it. */

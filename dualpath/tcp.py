@@ -34,6 +34,7 @@ from dualpath.verbs import (
     ACCESS_RW,
     Access,
     Completion,
+    CompletionArray,
     Item,
     PostError,
     QpState,
@@ -41,6 +42,7 @@ from dualpath.verbs import (
     WriteBatch,
     _check_range,
     _Owner,
+    memory_range,
 )
 
 __all__ = [
@@ -48,8 +50,6 @@ __all__ = [
     "TcpConfig", "TcpConnection", "TcpEngine", "TcpRegion", "TcpStats", "WcStatus",
     "WriteBatch",
 ]
-
-_U64 = 1 << 64
 
 
 @dataclass(frozen=True)
@@ -143,22 +143,9 @@ class TcpRegion(_Owner):
 
     def __init__(self, engine: TcpEngine, buf=None, access: int = ACCESS_RW, *,
                  addr: int | None = None, length: int | None = None):
-        _check_range("access", int(access), 0, int(ACCESS_RW))
-        if (buf is None) == (addr is None):
-            raise UsageError("register either a buffer or an addr=/length= range")
-        if buf is not None:
-            try:
-                cbuf = ffi.from_buffer(buf, require_writable=bool(access & Access.REMOTE_WRITE))
-            except (TypeError, BufferError) as e:
-                raise UsageError(f"cannot register {type(buf).__name__}: {e}") from e
-            self._buffer, ptr, length = cbuf, cbuf, len(cbuf)
-        else:
-            _check_range("addr", addr, 1, _U64 - 1)
-            _check_range("length", length, 1, _U64 - 1)
-            self._buffer, ptr = None, ffi.cast("void *", addr)
-        if length == 0:
-            raise UsageError("cannot register an empty buffer")
+        keep, ptr, length = memory_range(buf, access, addr=addr, length=length)
         super().__init__([engine])
+        self._buffer = keep
         info = ffi.new("struct dp_mr_info *")
         self._adopt(check_ptr(lib.dp_tcp_mr_reg(engine._handle, ptr, length, int(access), info),
                               f"register {length} bytes on {engine!r}", ffi), [engine])
@@ -177,55 +164,29 @@ class TcpRegion(_Owner):
         return f"<TcpRegion {self.length} B at {self.addr:#x} key {self.rkey:#x}>"
 
 
-class TcpCompletionQueue(_Owner):
+class TcpCompletionQueue(CompletionArray):
     """Completions of the connections created on it. ``depth`` bounds the signalled
-    items outstanding on it. poll/wait write into one preallocated array: one thread."""
+    items outstanding on it. wait() sleeps in epoll; wake() (any thread) ends it early.
+    poll/wait write into one preallocated array: one thread at a time."""
 
     _what = "TCP completion queue"
 
     def __init__(self, engine: TcpEngine, depth: int):
         _check_range("CQ depth", depth, 1, 1 << 30)
         super().__init__([engine])
-        self.engine, self.depth = engine, depth
-        self.wc = ffi.new("struct dp_wc[]", min(depth, 4096))
+        self.engine = engine
+        self._init_array(depth)
         self._adopt(check_ptr(lib.dp_tcp_cq_create(engine._handle, depth),
                               f"create a TCP CQ of {depth}", ffi), [engine])
 
     def _destroy(self) -> int:
         return lib.dp_tcp_cq_destroy(self._handle)
 
-    def _max(self, max_entries: int | None) -> int:
-        self._check_open()
-        n = len(self.wc) if max_entries is None else max_entries
-        _check_range("max completions", n, 1, len(self.wc))
-        return n
+    def _poll_native(self, max_entries: int) -> int:
+        return lib.dp_tcp_cq_poll(self._handle, self.wc, max_entries)
 
-    def _collect(self, n: int) -> list[Completion]:
-        wc = self.wc
-        return [Completion(wc[i].wr_id, wc[i].status, wc[i].qp_num, wc[i].retired,
-                           wc[i].vendor_err) for i in range(n)]
-
-    def poll_n(self, max_entries: int | None = None) -> int:
-        """Like poll() but leaves the completions in ``self.wc`` and returns their count
-        (no Python objects: for hot loops)."""
-        return check(lib.dp_tcp_cq_poll(self._handle, self.wc, self._max(max_entries)),
-                     "poll TCP CQ")
-
-    def wait_n(self, timeout: float, max_entries: int | None = None) -> int:
-        """Like wait() but leaves the completions in ``self.wc``; returns their count."""
-        if not timeout >= 0:
-            raise UsageError(f"timeout must be >= 0 seconds, not {timeout!r}")
-        return check(lib.dp_tcp_cq_wait(self._handle, self.wc, self._max(max_entries),
-                                        int(timeout * 1e9)), "wait on TCP CQ")
-
-    def poll(self, max_entries: int | None = None) -> list[Completion]:
-        """Move bytes and return the completions ready now (possibly none); never blocks."""
-        return self._collect(self.poll_n(max_entries))
-
-    def wait(self, timeout: float, max_entries: int | None = None) -> list[Completion]:
-        """Sleep until a completion, ``timeout`` seconds or wake(); an empty list means
-        the time ran out or someone woke us."""
-        return self._collect(self.wait_n(timeout, max_entries))
+    def _wait_native(self, max_entries: int, timeout_ns: int) -> int:
+        return lib.dp_tcp_cq_wait(self._handle, self.wc, max_entries, timeout_ns)
 
     def wake(self) -> None:
         """Make a wait() in progress (or the next one) return now. Any thread."""
@@ -304,7 +265,7 @@ class TcpConnection(_Owner):
         if start < 0 or count < 0 or start + count > batch.n:
             raise UsageError(f"items [{start}, {start + count}) outside a batch of {batch.n}")
         _check_range("signal_every", signal_every, 1, (1 << 32) - 1)
-        return self.post_raw(batch._items + start, count, signal_every)
+        return self.post_raw(batch.items + start, count, signal_every)
 
     def post_raw(self, items, count: int, signal_every: int) -> int:
         """post_write over a caller-filled ``struct dp_item`` array, unchecked (hot path).

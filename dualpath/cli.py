@@ -19,6 +19,8 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 COMMAND_MODULES = [
     "dualpath.cli_config",
     "dualpath.cli_demo",
+    "dualpath.engine.cli",
+    "dualpath.cluster.cli",
 ]
 
 

@@ -28,6 +28,8 @@ SECTIONS: dict[str, str] = {
     "transfer": "dualpath.transfer.config:TransferConfig",
     "storage": "dualpath.storage.config:StorageConfig",
     "buffers": "dualpath.buffers.config:BuffersConfig",
+    "engine": "dualpath.engine.config:EngineConfig",
+    "cluster": "dualpath.engine.config:ClusterConfig",
 }
 
 

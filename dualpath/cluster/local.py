@@ -1,0 +1,256 @@
+"""A local cluster: the scheduler and P prefill + D decode node daemons as separate
+processes on this host (what `dualpath up`, `dualpath demo`, bench/e2e.py and the
+integration tests run).
+
+Life cycle: ``start()`` writes one TOML config for every process (block store under the
+work directory, the storage-NIC limit, the model profile), starts the scheduler, waits
+until its health check serves, starts every node and waits for each one's ready file;
+``stop()`` sends SIGTERM to the nodes, then the scheduler, and SIGKILL to whatever has
+not exited within the grace period. ``kill(node)`` SIGKILLs one node (the kill test).
+
+Threads: one owner thread; nothing here is asynchronous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+
+from dualpath.errors import DualPathError, UsageError
+
+log = logging.getLogger("dualpath.cluster")
+
+
+class ClusterError(DualPathError):
+    """A cluster process failed to start or died; the message names its log file."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_toml(path: Path, data: dict[str, dict]) -> None:
+    lines = []
+    for sec, kv in data.items():
+        lines.append(f"[{sec}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in kv.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+@dataclass
+class NodeProc:
+    node_id: str
+    role: str
+    proc: subprocess.Popen
+    log_path: Path
+    address: str = ""
+
+
+@dataclass
+class LocalCluster:
+    """See the module docstring. ``settings`` are config sections merged over the
+    cluster's defaults (e.g. ``{"storage": {"snic_gbit_per_s": 1.0}}``)."""
+
+    prefill_nodes: int = 1
+    decode_nodes: int = 2
+    engines_per_node: int = 1
+    work_dir: str = ""
+    settings: dict = field(default_factory=dict)
+    start_timeout_s: float = 60.0
+    scheduler_address: str = ""
+    nodes: list[NodeProc] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.prefill_nodes < 1 or self.decode_nodes < 1:
+            raise UsageError("a cluster needs at least one prefill and one decode node")
+        self._own_dir = not self.work_dir
+        self.dir = Path(self.work_dir or tempfile.mkdtemp(prefix="dualpath-cluster-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "logs").mkdir(exist_ok=True)
+        self.config_path = self.dir / "cluster.toml"
+        self.scheduler: subprocess.Popen | None = None
+        self._sched_log: Path | None = None
+
+    # ------------------------------------------------------------ config
+    def config_data(self, port: int) -> dict[str, dict]:
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        data: dict[str, dict] = {
+            "scheduler": {"listen": f"127.0.0.1:{port}", "model_profile": "demo",
+                          "lease_ms": 2000, "fetch_interval_ms": 5},
+            "scheduler_client": {"address": f"127.0.0.1:{port}"},
+            "storage": {"dir": str(self.dir / "kv"), "fsync": False, "direct_io": "off"},
+            # Pinning needs RLIMIT_MEMLOCK; a local cluster runs where it is small.
+            "buffers": {"mlock": soft == resource.RLIM_INFINITY, "pe_buffer_mib": 256,
+                        "de_buffer_mib": 256, "huge_pages": "off"},
+            "engine": {"engines_per_node": self.engines_per_node},
+            "transfer": {"connections_per_peer": 1},
+        }
+        for sec, kv in self.settings.items():
+            data.setdefault(sec, {}).update(kv)
+        rate = data["storage"].get("snic_gbit_per_s", 0.0)
+        if rate and "storage_read_bytes_per_s" not in data["scheduler"]:
+            data["scheduler"]["storage_read_bytes_per_s"] = rate * 1e9 / 8
+        data["scheduler"]["model_profile"] = data["engine"].get("model_profile", "demo")
+        return data
+
+    # ------------------------------------------------------------ processes
+    def _spawn(self, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
+        path = self.dir / "logs" / f"{name}.log"
+        fh = open(path, "ab")  # noqa: SIM115 - the child owns it; closed below
+        env = dict(os.environ)
+        env.setdefault("DUALPATH_LOG", "INFO")
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", *argv],
+                                    stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        finally:
+            fh.close()
+        return proc, path
+
+    def start(self) -> Self:
+        port = free_port()
+        write_toml(self.config_path, self.config_data(port))
+        self.scheduler_address = f"127.0.0.1:{port}"
+        self.scheduler, self._sched_log = self._spawn(
+            "scheduler", ["scheduler", "--config", str(self.config_path)])
+        try:
+            self._wait_scheduler()
+            roles = ([("prefill", f"p{i}") for i in range(self.prefill_nodes)]
+                     + [("decode", f"d{i}") for i in range(self.decode_nodes)])
+            for role, nid in roles:
+                self.start_node(role, nid)
+            for n in self.nodes:
+                self._wait_ready(n)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("local cluster up: scheduler %s, %s; logs in %s", self.scheduler_address,
+                 ", ".join(f"{n.node_id}={n.address}" for n in self.nodes), self.dir / "logs")
+        return self
+
+    def start_node(self, role: str, node_id: str) -> NodeProc:
+        ready = self.dir / f"{node_id}.ready"
+        with contextlib.suppress(FileNotFoundError):
+            ready.unlink()
+        proc, path = self._spawn(node_id, [
+            "node", "--role", role, "--node-id", node_id, "--scheduler",
+            self.scheduler_address, "--config", str(self.config_path),
+            "--ready-file", str(ready)])
+        n = NodeProc(node_id, role, proc, path)
+        self.nodes.append(n)
+        return n
+
+    def _deadline_check(self, proc: subprocess.Popen, what: str, log_path: Path,
+                        deadline: float) -> None:
+        if proc.poll() is not None:
+            raise ClusterError(f"{what} exited with status {proc.returncode} during start-up; "
+                               f"see {log_path}:\n{_tail(log_path)}")
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{what} not ready within {self.start_timeout_s:g} s; see "
+                               f"{log_path}:\n{_tail(log_path)}")
+
+    def _wait_scheduler(self) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + self.start_timeout_s
+        with grpc.insecure_channel(self.scheduler_address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                self._deadline_check(self.scheduler, "the scheduler", self._sched_log,
+                                     deadline)
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+
+    def _wait_ready(self, n: NodeProc) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        ready = self.dir / f"{n.node_id}.ready"
+        while not ready.exists():
+            self._deadline_check(n.proc, f"node {n.node_id}", n.log_path, deadline)
+            time.sleep(0.1)
+        n.address = ready.read_text().strip()
+
+    def kill(self, node_id: str) -> None:
+        """SIGKILL one node process (its lease lapses; the scheduler requeues its work)."""
+        n = self.node(node_id)
+        n.proc.send_signal(signal.SIGKILL)
+        n.proc.wait()
+        log.info("killed node %s (pid %d)", node_id, n.proc.pid)
+
+    def node(self, node_id: str) -> NodeProc:
+        for n in self.nodes:
+            if n.node_id == node_id:
+                return n
+        raise UsageError(f"no node {node_id!r} in this cluster")
+
+    def node_ids(self) -> list[str]:
+        """Prefill nodes first (the order reports list storage NICs in)."""
+        return [n.node_id for n in self.nodes if n.role == "prefill"] + \
+            [n.node_id for n in self.nodes if n.role == "decode"]
+
+    def dead(self) -> list[str]:
+        procs = [(n.node_id, n.proc) for n in self.nodes]
+        if self.scheduler is not None:
+            procs.append(("scheduler", self.scheduler))
+        return [name for name, p in procs if p.poll() is not None]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM nodes, then the scheduler; SIGKILL stragglers. Idempotent."""
+        groups = [[n.proc for n in self.nodes], [self.scheduler] if self.scheduler else []]
+        for procs in groups:
+            live = [p for p in procs if p.poll() is None]
+            for p in live:
+                p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in live:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("pid %d ignored SIGTERM for %g s; killing it", p.pid, grace_s)
+                    p.kill()
+                    p.wait()
+
+    def cleanup(self) -> None:
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,53 @@
+"""The [engine] and [cluster] config sections: PE/DE node daemons and `dualpath up`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.config import key
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """A PE or DE node daemon (`dualpath node`): its engines, HBM and emulated compute."""
+
+    engines_per_node: int = key(1, "Engines (one per real or emulated GPU) in this node's "
+                                "group; rank 0 is the leader that fetches from the scheduler.",
+                                min=1, max=64)
+    model_profile: str = key("demo", "dualpath.kv.profiles name; must match the scheduler's "
+                             "scheduler.model_profile (checked at registration).")
+    speed_scale: float = key(1.0, "Emulated GPU speed relative to the profile's (prefill "
+                             "FLOP/s x scale, decode step / scale). Model execution is "
+                             "emulated by the cost model.", min=1e-6)
+    control_listen: str = key("127.0.0.1:0", "gRPC address of this node's Engine and Node "
+                              "services (port 0 = any free port).")
+    advertise: str = key("", "host peers and the scheduler use to reach control_listen; "
+                         "empty = its host.")
+    metrics_listen: str = key("", "Prometheus /metrics host:port; empty = off.")
+    hbm: str = key("auto", "Where engine 'HBM' lives: 'cupy' GPU memory, 'host' memory, or "
+                   "'auto' (cupy when it imports and sees a GPU, else host).",
+                   choices=("auto", "cupy", "host"))
+    prefill_hbm_mib: int = key(128, "HBM per PE engine for the prompts it prefills (MiB).",
+                               min=1)
+    decode_hbm_mib: int = key(256, "HBM per DE engine for the requests it decodes (MiB); "
+                              "reported to the scheduler as hbm_bytes.", min=1)
+    max_prefills_per_engine: int = key(4, "Requests one PE engine works on at once (their "
+                                       "layers interleave on its emulated GPU).", min=1)
+    fetch_interval_ms: int = key(0, "Leader fetch period; 0 = what the scheduler suggests.",
+                                 min=0)
+    layerwise: bool = key(True, "Default for layerwise prefill (transfers of layer l+1 "
+                          "overlap compute of layer l); a request's payload may override.")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """`dualpath up`: a scheduler and P prefill + D decode node processes on this host."""
+
+    prefill_nodes: int = key(1, "Prefill (PE) node processes.", min=1, max=64)
+    decode_nodes: int = key(2, "Decode (DE) node processes.", min=1, max=64)
+    scheduler_listen: str = key("127.0.0.1:0", "Scheduler gRPC address; port 0 = a free "
+                                "port chosen at start.")
+    work_dir: str = key("", "Directory for the block store, logs and the generated node "
+                        "config; empty = a new temporary directory, removed at exit.")
+    start_timeout_s: float = key(60.0, "Bound on the scheduler and every node becoming "
+                                 "ready.", min=1.0)

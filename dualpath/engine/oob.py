@@ -1,0 +1,83 @@
+"""The out-of-band channel of the node daemons: TransferEngine connect requests carried by
+the Engine service's ExchangeEndpoint RPC (engine.proto).
+
+Peers are named by their control address (``host:port`` of their Engine service), so a
+name is all it takes to reach one. The request and reply travel as
+:func:`dualpath.transfer.oob.encode` bytes in ``DataPlaneEndpoint.endpoint``. A request
+to a name this process serves (the node's own loopback connection) skips gRPC.
+
+Threads: the daemon's event loop only.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import grpc
+
+from dualpath.errors import TransferError, UsageError
+from dualpath.transfer import oob
+from dualpath.v1 import engine_pb2, engine_pb2_grpc
+
+
+class GrpcChannels:
+    """One grpc.aio channel per peer address, made on first use; loop-owned."""
+
+    def __init__(self):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address)
+            self._channels[address] = ch
+        return ch
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+
+class GrpcOutOfBand(oob.OutOfBand):
+    def __init__(self, channels: GrpcChannels, timeout_s: float = 10.0):
+        self.channels = channels
+        self.timeout_s = timeout_s
+        self._handlers: dict[str, oob.Handler] = {}
+
+    def serve(self, name: str, handler: oob.Handler) -> None:
+        if name in self._handlers:
+            raise UsageError(f"an engine named {name!r} is already served")
+        self._handlers[name] = handler
+
+    def unserve(self, name: str) -> None:
+        self._handlers.pop(name, None)
+
+    async def handle(self, data: bytes) -> bytes:
+        """The servicer side: decode a request, run the served engine's handler."""
+        req = oob.decode(data)
+        if not isinstance(req, oob.ConnectRequest) or not self._handlers:
+            raise UsageError("ExchangeEndpoint: expected a connect request for a served engine")
+        handler = next(iter(self._handlers.values()))
+        return oob.encode(await handler(req))
+
+    async def request(self, peer: str, req: oob.ConnectRequest) -> oob.ConnectReply:
+        local = self._handlers.get(peer)
+        if local is not None:
+            reply = oob.decode(oob.encode(await local(oob.decode(oob.encode(req)))))
+        else:
+            stub = engine_pb2_grpc.EngineStub(self.channels.channel(peer))
+            try:
+                r = await stub.ExchangeEndpoint(engine_pb2.ExchangeEndpointRequest(
+                    caller=engine_pb2.DataPlaneEndpoint(engine_id=req.source,
+                                                        transport=req.transport,
+                                                        endpoint=oob.encode(req))),
+                    timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as e:
+                raise TransferError(f"peer {peer} unreachable for ExchangeEndpoint: "
+                                    f"{e.code().name} {e.details()}",
+                                    errno=errno.ECONNREFUSED) from None
+            reply = oob.decode(r.callee.endpoint)
+        if not isinstance(reply, oob.ConnectReply):
+            raise TransferError(f"peer {peer} answered a non-reply", errno=errno.EPROTO)
+        return reply

@@ -1,7 +1,171 @@
-"""`dualpath up` and `dualpath replay`."""
+"""`dualpath up` (a local cluster) and `dualpath replay` (drive a trace through one)."""
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
+
+from dualpath.errors import UsageError
+
 
 def register(sub) -> None:
-    pass
+    p = sub.add_parser("up", help="start a local cluster: scheduler + P prefill and D decode "
+                       "node processes; Ctrl-C/SIGTERM stops them all")
+    p.add_argument("--config", help="TOML config ([cluster], [engine], [storage], ...)")
+    p.add_argument("--prefill-nodes", type=int, help="overrides cluster.prefill_nodes")
+    p.add_argument("--decode-nodes", type=int, help="overrides cluster.decode_nodes")
+    p.add_argument("--engines-per-node", type=int, help="overrides engine.engines_per_node")
+    p.add_argument("--snic-gbit", type=float, help="per-node storage-NIC limit in Gbit/s "
+                   "(overrides storage.snic_gbit_per_s)")
+    p.set_defaults(func=_up)
+
+    r = sub.add_parser("replay", help="replay an agentic trace (offline JCT or online "
+                       "latencies) on a cluster")
+    src = r.add_argument_group("cluster")
+    src.add_argument("--scheduler", metavar="ADDR", help="a running cluster's scheduler; "
+                     "default: start a local 1P2D cluster for the run")
+    src.add_argument("--nodes", help="node ids of that cluster, prefill first (for the "
+                     "storage-NIC table), e.g. p0,d0,d1")
+    src.add_argument("--prefill-nodes", type=int, default=1)
+    src.add_argument("--decode-nodes", type=int, default=2)
+    src.add_argument("--config", help="TOML config for the local cluster")
+    src.add_argument("--snic-gbit", type=float, default=None,
+                     help="per-node storage-NIC limit in Gbit/s (local cluster; also the "
+                     "rate the report divides by)")
+    tr = r.add_argument_group("trace")
+    tr.add_argument("--trace", metavar="FILE.jsonl", help="a JSONL trace (docs/traces.md); "
+                    "default: the Table 2 generator")
+    tr.add_argument("--agents", type=int, default=8, help="trajectories (agents)")
+    tr.add_argument("--table", default="32k", help="Table 2 row: 32k, 48k, 64k")
+    tr.add_argument("--context-scale", type=float, default=0.1,
+                    help="scale of context lengths (generator), reported with results")
+    tr.add_argument("--max-rounds", type=int, default=8, help="first rounds of each "
+                    "trajectory only (0 = all)")
+    tr.add_argument("--seed", type=int, default=0)
+    mo = r.add_argument_group("run")
+    mo.add_argument("--modes", default="basic,dualpath,oracle",
+                    help="comma-separated: basic, dualpath, oracle")
+    mo.add_argument("--online", action="store_true", help="Poisson arrivals (needs --aps)")
+    mo.add_argument("--aps", type=float, help="agents per second (online)")
+    mo.add_argument("--no-layerwise", action="store_true", help="ablation: no layerwise "
+                    "prefill (all transfers of a request, then all its compute)")
+    mo.add_argument("--read-policy", default="", choices=("", "scheduler", "prefill",
+                                                           "round_robin"),
+                    help="ablation: override how the read side is chosen "
+                    "(round_robin = scheduler balancing off)")
+    mo.add_argument("--timeout", type=float, default=600.0, help="seconds per mode")
+    out = r.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    out.add_argument("--plot", metavar="PATH", help="write the report's PNG plot")
+    out.add_argument("--no-progress", action="store_true")
+    r.set_defaults(func=_replay)
+
+
+def _overrides(args) -> dict:
+    o = {}
+    for attr, dotted in (("prefill_nodes", "cluster.prefill_nodes"),
+                         ("decode_nodes", "cluster.decode_nodes"),
+                         ("engines_per_node", "engine.engines_per_node"),
+                         ("snic_gbit", "storage.snic_gbit_per_s")):
+        v = getattr(args, attr, None)
+        if v is not None:
+            o[dotted] = v
+    return o
+
+
+def cluster_from_config(cfg, raw: dict, work_dir: str = ""):
+    """A LocalCluster from a loaded Config (its [cluster] section plus every other
+    section the file set, ``raw``, passed through to the processes)."""
+    from dualpath.cluster.local import LocalCluster
+
+    c = cfg.cluster
+    settings = {sec: dict(kv) for sec, kv in raw.items() if sec != "cluster"}
+    settings.setdefault("storage", {})["snic_gbit_per_s"] = cfg.storage.snic_gbit_per_s
+    settings.setdefault("engine", {})["engines_per_node"] = cfg.engine.engines_per_node
+    return LocalCluster(c.prefill_nodes, c.decode_nodes, cfg.engine.engines_per_node,
+                        work_dir or c.work_dir, settings, c.start_timeout_s)
+
+
+def _load(args):
+    import tomllib
+
+    from dualpath import config as _config
+
+    cfg = _config.load(args.config, _overrides(args))
+    raw = {}
+    if args.config:
+        with open(args.config, "rb") as fh:
+            raw = tomllib.load(fh)
+    return cfg, raw
+
+
+def _up(args) -> int:
+    cfg, raw = _load(args)
+    cluster = cluster_from_config(cfg, raw)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster.start()
+    print(f"dualpath up: scheduler {cluster.scheduler_address}; nodes "
+          + ", ".join(f"{n.node_id} ({n.role}) {n.address}" for n in cluster.nodes)
+          + f"; logs {cluster.dir / 'logs'}. Ctrl-C stops.", flush=True)
+    rc = 0
+    try:
+        while not stop.wait(0.5):
+            dead = cluster.dead()
+            if dead:
+                print(f"dualpath up: {', '.join(dead)} exited; stopping the cluster "
+                      f"(logs in {cluster.dir / 'logs'})", file=sys.stderr)
+                rc = 1
+                break
+    finally:
+        cluster.stop()
+        if rc == 0:
+            cluster.cleanup()
+    return rc
+
+
+def _replay(args) -> int:
+    from dualpath.cluster.replay import ReplayOptions
+    from dualpath.cluster.run import make_trace, run_modes
+    from dualpath.trace.report import format_table, to_json, write_plot
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in ("basic", "dualpath", "oracle"):
+            raise UsageError(f"--modes: unknown mode {m!r}; use basic, dualpath, oracle")
+    if args.online and not args.aps:
+        raise UsageError("--online needs --aps (agents per second)")
+    trace = make_trace(args.agents, table=args.table, context_scale=args.context_scale,
+                       max_rounds=args.max_rounds, seed=args.seed, path=args.trace)
+    opts = ReplayOptions(replay_mode="online" if args.online else "offline",
+                         aps=args.aps if args.online else None,
+                         layerwise=not args.no_layerwise, read_policy=args.read_policy,
+                         seed=args.seed, timeout_s=args.timeout,
+                         progress=not args.no_progress)
+    if args.scheduler:
+        nodes = [n for n in (args.nodes or "").split(",") if n]
+        if not nodes:
+            raise UsageError("--scheduler needs --nodes (prefill nodes first)")
+        report, _ = run_modes(args.scheduler, nodes, args.prefill_nodes, trace, modes, opts,
+                              snic_gbit_per_s=args.snic_gbit or 0.0)
+    else:
+        cfg, raw = _load(args)
+        cluster = cluster_from_config(cfg, raw)
+        cluster.start()
+        try:
+            report, _ = run_modes(cluster.scheduler_address, cluster.node_ids(),
+                                  cluster.prefill_nodes, trace, modes, opts,
+                                  snic_gbit_per_s=cfg.storage.snic_gbit_per_s)
+        finally:
+            cluster.stop()
+            cluster.cleanup()
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(to_json(report) + "\n")
+    if args.plot:
+        write_plot(report, args.plot)
+        print(f"plot: {args.plot}")
+    return 0

@@ -103,8 +103,8 @@ class LocalCluster:
             "scheduler_client": {"address": f"127.0.0.1:{port}"},
             "storage": {"dir": str(self.dir / "kv"), "fsync": False, "direct_io": "off"},
             # Pinning needs RLIMIT_MEMLOCK; a local cluster runs where it is small.
-            "buffers": {"mlock": soft == resource.RLIM_INFINITY, "pe_buffer_mib": 256,
-                        "de_buffer_mib": 256, "huge_pages": "off"},
+            "buffers": {"mlock": soft == resource.RLIM_INFINITY, "pe_buffer_mib": 512,
+                        "de_buffer_mib": 512, "huge_pages": "off"},
             "engine": {"engines_per_node": self.engines_per_node},
             "transfer": {"connections_per_peer": 1},
         }

@@ -27,11 +27,11 @@ class EngineConfig:
     hbm: str = key("auto", "Where engine 'HBM' lives: 'cupy' GPU memory, 'host' memory, or "
                    "'auto' (cupy when it imports and sees a GPU, else host).",
                    choices=("auto", "cupy", "host"))
-    prefill_hbm_mib: int = key(128, "HBM per PE engine for the prompts it prefills (MiB).",
+    prefill_hbm_mib: int = key(512, "HBM per PE engine for the prompts it prefills (MiB).",
                                min=1)
     decode_hbm_mib: int = key(256, "HBM per DE engine for the requests it decodes (MiB); "
                               "reported to the scheduler as hbm_bytes.", min=1)
-    max_prefills_per_engine: int = key(4, "Requests one PE engine works on at once (their "
+    max_prefills_per_engine: int = key(16, "Requests one PE engine works on at once (their "
                                        "layers interleave on its emulated GPU).", min=1)
     fetch_interval_ms: int = key(0, "Leader fetch period; 0 = what the scheduler suggests.",
                                  min=0)

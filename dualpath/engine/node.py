@@ -183,6 +183,7 @@ class NodeDaemon:
         self.lease_id = 0
         self.fetch_interval_s = 0.02
         self._last_status_log = 0.0
+        self.pending_reads: dict[str, int] = {}   # request -> hit tokens not yet queued
 
     # ------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -297,6 +298,12 @@ class NodeDaemon:
         log.info("%s: group registered (lease %d, fetch every %d ms)", self.node_id,
                  r.lease_id, ms)
 
+    def read_q_tokens(self) -> int:
+        """read_q: hit tokens queued or being read, plus those of requests this node will
+        read but has not queued yet (waiting for a prefill slot or buffer space), so the
+        scheduler does not see a short queue that is about to grow."""
+        return self.read_queue.read_q_tokens + sum(self.pending_reads.values())
+
     def _status(self, e: Engine) -> scheduler_pb2.EngineStatus:
         free = 0
         if self.role == DECODE:
@@ -305,7 +312,7 @@ class NodeDaemon:
         return scheduler_pb2.EngineStatus(
             engine_id=e.engine_id, unfinished_requests=len(e.tokens),
             unfinished_tokens=sum(e.tokens.values()),
-            read_queue_tokens=self.read_queue.read_q_tokens, free_hbm_bytes=free)
+            read_queue_tokens=self.read_q_tokens(), free_hbm_bytes=free)
 
     async def _fetch_once(self) -> None:
         if self.completions:
@@ -316,7 +323,7 @@ class NodeDaemon:
             except grpc.aio.AioRpcError:
                 self.completions[:0] = done
                 raise
-        self.metrics.read_q.set(self.read_queue.read_q_tokens)
+        self.metrics.read_q.set(self.read_q_tokens())
         now = time.monotonic()
         if now - self._last_status_log > 5.0 and (self.prefills or self.requests):
             self._last_status_log = now
@@ -333,6 +340,8 @@ class NodeDaemon:
                 if e is None or a.request_id in self.prefills:
                     continue
                 e.tokens[a.request_id] = a.prompt_tokens
+                if a.read_side == RS_PREFILL:
+                    self.pending_reads[a.request_id] = a.hit_tokens
                 self.prefills[a.request_id] = self._spawn(self._prefill(e, a))
             else:
                 e = self.by_id.get(a.decode_engine_id)
@@ -356,6 +365,7 @@ class NodeDaemon:
         t = self.prefills.pop(rid, None)
         if t is not None:
             t.cancel()
+        self.pending_reads.pop(rid, None)
         st = self.requests.pop(rid, None)
         if st is not None:
             for t in st.tasks:
@@ -400,13 +410,18 @@ class NodeDaemon:
         finally:
             e.tokens.pop(rid, None)
             self.prefills.pop(rid, None)
+            self.pending_reads.pop(rid, None)
 
     async def _prefill_request(self, e: Engine, a) -> None:
         p = Payload.decode(a.payload)
+        side = self._read_side(p, a)
+        if side == RS_PREFILL:
+            self.pending_reads[a.request_id] = int(a.hit_tokens)
+        else:
+            self.pending_reads.pop(a.request_id, None)
         T, LB, TB = self.layout.tokens, self.layout.layer_bytes, self.layout.token_bytes
         L = self.layout.layers
         rid, prompt, hit = a.request_id, int(a.prompt_tokens), int(a.hit_tokens)
-        side = self._read_side(p, a)
         de = a.decode_control_address
         spans = block_spans(p.token_ids(prompt), T)
         nb, hit_blocks = len(spans), hit // T
@@ -435,6 +450,7 @@ class NodeDaemon:
             if side == RS_PREFILL and hit_blocks:
                 pebuf = await self.pool.reserve(hit_blocks)
                 r0 = unix_now()
+                self.pending_reads.pop(rid, None)
                 res = await self.read_queue.read([s.key for s in spans[:hit_blocks]],
                                                  [pebuf.flat(i) for i in range(hit_blocks)])
                 read_span = (r0, unix_now())
@@ -527,10 +543,13 @@ class NodeDaemon:
         res = None if p.oracle else await self.pool.reserve(len(spans))
         st = DecodeState(req.request_id, e, p, spans, res, req.prefill_control_address)
         self.requests[req.request_id] = st
+        if req.read_side == RS_DECODE:
+            self.pending_reads[req.request_id] = int(req.hit_tokens)
         e.tokens.setdefault(req.request_id, prompt)
         return [] if res is None else [res.offset(i) for i in range(len(spans))]
 
     def _release_decode(self, st: DecodeState) -> None:
+        self.pending_reads.pop(st.request_id, None)
         if st.buffer is not None and not st.buffer.released:
             st.buffer.release()
 
@@ -543,6 +562,7 @@ class NodeDaemon:
             if n > len(st.spans) or st.buffer is None:
                 raise RequestFailed(f"{st.request_id}: order for {n} blocks does not fit")
             r0 = unix_now()
+            self.pending_reads.pop(st.request_id, None)
             res = await self.read_queue.read(list(order.block_keys),
                                              [st.buffer.flat(i) for i in range(n)])
             st.read_span = (r0, unix_now())

@@ -1,0 +1,69 @@
+"""Replaying one trace in several modes on one cluster and building the report: what
+`dualpath replay`, `dualpath demo` and bench/e2e.py share."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+
+from dualpath.cluster.replay import ReplayOptions, ReplayRun, replay
+from dualpath.errors import UsageError
+from dualpath.kv.profiles import get_profile
+from dualpath.trace.generator import generate
+from dualpath.trace.model import Trace, Trajectory, trace_stats
+from dualpath.trace.report import build_report
+
+
+def make_trace(agents: int, *, table: str = "32k", context_scale: float = 0.1,
+               max_rounds: int = 0, seed: int = 0, path: str | None = None) -> Trace:
+    """A generated trace (Table 2 row scaled by ``context_scale``) or a JSONL file;
+    ``max_rounds`` > 0 keeps each trajectory's first rounds (recorded in the meta)."""
+    if path:
+        from dualpath.trace.loader import read_jsonl
+
+        trace = read_jsonl(path)
+        if agents:
+            trace = Trace(trace.trajectories[:agents], trace.meta)
+    else:
+        trace = generate(agents, table, seed=seed, context_scale=context_scale)
+    if max_rounds > 0:
+        trajs = tuple(Trajectory(t.id, t.rounds[:max_rounds],
+                                 None if t.token_ids is None else t.token_ids[
+                                     :sum(r.append_tokens + r.gen_tokens
+                                          for r in t.rounds[:max_rounds])])
+                      for t in trace.trajectories)
+        trace = Trace(trajs, {**trace.meta, "max_rounds": max_rounds})
+    return trace
+
+
+def run_modes(scheduler: str, nodes: Sequence[str], prefill_nodes: int, trace: Trace,
+              modes: Sequence[str], opts: ReplayOptions, *, snic_gbit_per_s: float,
+              model_profile: str = "demo") -> tuple[dict, dict[str, ReplayRun]]:
+    """Replay ``trace`` once per mode (in order) and build the report dict."""
+    if not modes:
+        raise UsageError("no modes to run")
+    prof = get_profile(model_profile)
+    runs: dict[str, ReplayRun] = {}
+    for mode in modes:
+        o = dataclasses.replace(opts, mode=mode)
+        runs[mode] = asyncio.run(replay(scheduler, trace, nodes, block_tokens=prof.block_tokens,
+                                        kv_bytes_per_token=prof.kv_bytes_per_token, opts=o))
+    rate = snic_gbit_per_s * 1e9 / 8
+    results = []
+    for mode, run in runs.items():
+        usable = prefill_nodes if mode == "basic" or opts.read_policy == "prefill" \
+            else len(nodes)
+        results.append(run.mode_result(rate if rate > 0 else 1.0, usable))
+    report = build_report(results, replay_mode=opts.replay_mode,
+                          rate_bytes_per_s=rate if rate > 0 else 1.0,
+                          context_scale=trace.context_scale,
+                          trace=trace_stats(trace.trajectories).as_dict(),
+                          start_s=None)
+    report["settings"]["snic_gbit_per_s"] = snic_gbit_per_s
+    report["settings"]["layerwise"] = opts.layerwise
+    report["settings"]["read_policy"] = opts.read_policy or "per mode"
+    report["settings"]["nodes"] = list(nodes)
+    if trace.meta.get("max_rounds"):
+        report["settings"]["max_rounds"] = trace.meta["max_rounds"]
+    return report, runs

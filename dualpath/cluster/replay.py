@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -50,6 +50,8 @@ class ReplayOptions:
     timeout_s: float = 600.0
     progress: bool = True
     window_s: float = 0.5               # storage-NIC balance windows
+    # Called on the loop with each accepted RequestTimings (tests: kill a node mid-run).
+    observer: Callable[[node_pb2.RequestTimings], None] | None = None
 
 
 @dataclass
@@ -189,6 +191,8 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
                         hit, plan.gen_tokens))
                     timings.append(t)
                     verified += t.bytes_verified
+                    if o.observer is not None:
+                        o.observer(t)
                     sched.finish(req)
                     if bar is not None:
                         bar.advance()

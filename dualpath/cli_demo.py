@@ -46,7 +46,8 @@ def _demo(args) -> int:
     try:
         report, runs = run_modes(cluster.scheduler_address, cluster.node_ids(), 1, trace,
                                  ("basic", "dualpath", "oracle"), ReplayOptions(),
-                                 snic_gbit_per_s=args.snic_gbit)
+                                 snic_gbit_per_s=args.snic_gbit,
+                                 node_addresses=cluster.addresses())
     finally:
         cluster.stop()
         cluster.cleanup()

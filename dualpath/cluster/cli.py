@@ -157,7 +157,8 @@ def _replay(args) -> int:
         try:
             report, _ = run_modes(cluster.scheduler_address, cluster.node_ids(),
                                   cluster.prefill_nodes, trace, modes, opts,
-                                  snic_gbit_per_s=cfg.storage.snic_gbit_per_s)
+                                  snic_gbit_per_s=cfg.storage.snic_gbit_per_s,
+                                  node_addresses=cluster.addresses())
         finally:
             cluster.stop()
             cluster.cleanup()

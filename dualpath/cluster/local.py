@@ -216,6 +216,10 @@ class LocalCluster:
         return [n.node_id for n in self.nodes if n.role == "prefill"] + \
             [n.node_id for n in self.nodes if n.role == "decode"]
 
+    def addresses(self) -> dict[str, str]:
+        """node id -> control address (the Node service), prefill nodes first."""
+        return {nid: self.node(nid).address for nid in self.node_ids()}
+
     def dead(self) -> list[str]:
         procs = [(n.node_id, n.proc) for n in self.nodes]
         if self.scheduler is not None:

@@ -107,11 +107,30 @@ def _windows(timings: Sequence, nodes: Sequence[str], t0: float, width: float
     return [{n: int(v) for n, v in out[w].items()} for w in sorted(out)]
 
 
+async def node_windows(addresses: dict[str, str], t0: float, t1: float, width: float
+                       ) -> list[dict[str, int]]:
+    """Per-node storage-NIC bytes in windows of ``width`` s over ``[t0, t1)``, from the
+    bytes each node's token bucket granted (Node.StorageReads)."""
+    out: dict[int, dict[str, int]] = defaultdict(dict)
+    for node, addr in addresses.items():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            r = await node_pb2_grpc.NodeStub(ch).StorageReads(node_pb2.StorageReadsRequest(),
+                                                              timeout=10)
+        for start, nbytes in zip(r.slot_start_unix_s, r.slot_bytes):
+            if t0 <= start < t1:
+                w = int((start - t0) // width)
+                out[w][node] = out[w].get(node, 0) + nbytes
+    return [out[w] for w in sorted(out)]
+
+
 async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
                  block_tokens: int, kv_bytes_per_token: int,
-                 opts: ReplayOptions | None = None) -> ReplayRun:
+                 opts: ReplayOptions | None = None,
+                 node_addresses: dict[str, str] | None = None) -> ReplayRun:
     """Replay ``trace`` on the cluster whose scheduler is at ``scheduler``. ``nodes``
-    lists its node ids (prefill first) for the storage-NIC figures."""
+    lists its node ids (prefill first) for the storage-NIC figures; with
+    ``node_addresses`` (id -> control address) the balance windows come from the nodes'
+    own storage-NIC counters, else from each request's read span."""
     o = opts or ReplayOptions()
     trajs = list(trace.trajectories)
     arrivals = arrival_times(len(trajs), o.replay_mode, aps=o.aps, seed=o.seed)
@@ -210,6 +229,9 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
             snic[t.prefill_node_id] += t.prefill_read_bytes
         if t.decode_node_id in snic:
             snic[t.decode_node_id] += t.decode_read_bytes
-    return ReplayRun(o.mode, records, timings, t_start, snic,
-                     _windows(timings, nodes, t_start, o.window_s), hit_bytes, verified,
+    if node_addresses:
+        windows = await node_windows(node_addresses, t_start, time.time(), o.window_s)
+    else:
+        windows = _windows(timings, nodes, t_start, o.window_s)
+    return ReplayRun(o.mode, records, timings, t_start, snic, windows, hit_bytes, verified,
                      mismatched, failures)

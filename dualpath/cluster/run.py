@@ -39,7 +39,8 @@ def make_trace(agents: int, *, table: str = "32k", context_scale: float = 0.1,
 
 def run_modes(scheduler: str, nodes: Sequence[str], prefill_nodes: int, trace: Trace,
               modes: Sequence[str], opts: ReplayOptions, *, snic_gbit_per_s: float,
-              model_profile: str = "demo") -> tuple[dict, dict[str, ReplayRun]]:
+              model_profile: str = "demo", node_addresses: dict[str, str] | None = None
+              ) -> tuple[dict, dict[str, ReplayRun]]:
     """Replay ``trace`` once per mode (in order) and build the report dict."""
     if not modes:
         raise UsageError("no modes to run")
@@ -48,7 +49,8 @@ def run_modes(scheduler: str, nodes: Sequence[str], prefill_nodes: int, trace: T
     for mode in modes:
         o = dataclasses.replace(opts, mode=mode)
         runs[mode] = asyncio.run(replay(scheduler, trace, nodes, block_tokens=prof.block_tokens,
-                                        kv_bytes_per_token=prof.kv_bytes_per_token, opts=o))
+                                        kv_bytes_per_token=prof.kv_bytes_per_token, opts=o,
+                                        node_addresses=node_addresses))
     rate = snic_gbit_per_s * 1e9 / 8
     results = []
     for mode, run in runs.items():

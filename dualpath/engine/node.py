@@ -92,6 +92,22 @@ def unix_now() -> float:
     return time.time()
 
 
+class CountingLimiter(RateLimiter):
+    """The storage-NIC token bucket, also counting the bytes it grants per wall-clock
+    slot: the node's real storage-NIC traffic over time (Node.StorageReads)."""
+
+    SLOT_S = 0.05
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.slots: dict[int, int] = {}
+
+    async def acquire(self, nbytes: int) -> None:
+        await super().acquire(nbytes)
+        k = int(unix_now() / self.SLOT_S)
+        self.slots[k] = self.slots.get(k, 0) + nbytes
+
+
 class RequestFailed(DualPathError):
     """A request could not be served here; it is reported FAILED and requeued."""
 
@@ -194,7 +210,7 @@ class NodeDaemon:
                                 verify_checksum=s.verify_checksum, fsync=s.fsync)
         self._closers.append(self.store.close)
         self.snic_bytes_per_s = gbit_to_bytes_per_s(s.snic_gbit_per_s) if s.snic_gbit_per_s else 0
-        self.limiter = RateLimiter(s.snic_gbit_per_s, s.snic_burst_bytes or None)
+        self.limiter = CountingLimiter(s.snic_gbit_per_s, s.snic_burst_bytes or None)
         self.read_queue = ReadQueue(self.store, self.limiter)
         self.channels = GrpcChannels()
         self.oob = GrpcOutOfBand(self.channels)
@@ -815,6 +831,14 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         except DualPathError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return node_pb2.PrepareRequestResponse(block_offsets_bytes=offs)
+
+    async def StorageReads(self, request, context):
+        lim = self.node.limiter
+        keys = sorted(lim.slots)
+        return node_pb2.StorageReadsResponse(
+            node_id=self.node.node_id, slot_s=lim.SLOT_S,
+            slot_start_unix_s=[k * lim.SLOT_S for k in keys],
+            slot_bytes=[lim.slots[k] for k in keys])
 
     async def PrefillDone(self, request, context):
         node = self.node

@@ -1,0 +1,75 @@
+"""The cost model: FLOPs of a prefill batch and decode steps, converted to seconds.
+
+The paper predicts a forward batch's time from its FLOPs with a fit profiled in advance
+(§6.2, "as PrefillOnly and Sarathi-Serve do") but gives neither the FLOP formula nor the
+fit. Ours, per layer, for a request that has ``cached`` tokens whose KV already exists and
+computes ``bsz`` new tokens in this batch:
+
+* linear (dense / active-expert matmuls): ``bsz * linear_flops_per_token_layer``;
+* attention: causal, so new token ``i`` (1-based) attends ``cached + i`` keys, capped at
+  ``attn_key_cap`` keys when the model uses sparse attention (DSA's top-k); each
+  (query, key) pair costs ``attn_flops_per_pair_layer``.
+
+Seconds = FLOPs / ``gpu_flops_per_s`` (the linear fit through the origin; the profile's
+rate is an effective, not peak, figure). All functions are pure and cheap enough to run
+inside the scheduler's binary search (closed forms, no loops over tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from dualpath.errors import UsageError
+from dualpath.kv.profiles import ModelProfile
+
+
+def attention_pairs(cached: int, bsz: int, key_cap: int = 0) -> int:
+    """(query, key) pairs of ``bsz`` causal queries after ``cached`` keys; ``key_cap`` 0 = no cap.
+
+    Query i (1..bsz) sees ``min(cached + i, key_cap)`` keys.
+    """
+    if cached < 0 or bsz < 0:
+        raise UsageError(f"attention_pairs: cached={cached} and bsz={bsz} must be >= 0")
+    if key_cap <= 0:
+        return bsz * cached + bsz * (bsz + 1) // 2
+    # Queries before the cap is reached: i <= key_cap - cached.
+    under = min(max(key_cap - cached, 0), bsz)
+    return under * cached + under * (under + 1) // 2 + (bsz - under) * key_cap
+
+
+def prefill_layer_flops(profile: ModelProfile, pairs: Iterable[tuple[int, int]]) -> float:
+    """FLOPs of one layer for a batch of ``(cached, bsz)`` pairs."""
+    lin = profile.linear_flops_per_token_layer
+    att = profile.attn_flops_per_pair_layer
+    cap = profile.attn_key_cap
+    total = 0.0
+    for cached, bsz in pairs:
+        total += bsz * lin + attention_pairs(cached, bsz, cap) * att
+    return total
+
+
+def prefill_s(profile: ModelProfile, pairs: Iterable[tuple[int, int]]) -> float:
+    """Predicted seconds of one forward pass (all layers) of a prefill batch."""
+    return profile.layers * prefill_layer_flops(profile, pairs) / profile.gpu_flops_per_s
+
+
+def request_prefill_s(profile: ModelProfile, cached: int, bsz: int) -> float:
+    """Predicted seconds to prefill ``bsz`` new tokens after ``cached`` ones, alone."""
+    return prefill_s(profile, ((cached, bsz),))
+
+
+def decode_s(profile: ModelProfile, tokens: int) -> float:
+    """Predicted seconds to generate ``tokens`` tokens for one request (batched decode:
+    one step per token, a step's time independent of the batch at the sizes we emulate)."""
+    return tokens * profile.decode_s_per_token
+
+
+def prompt_tokens_per_s(profile: ModelProfile, context_tokens: int, append_tokens: int) -> float:
+    """Prompt tokens one GPU gets through per second for requests of ``context_tokens``
+    tokens of which the last ``append_tokens`` miss the cache (the rest are read, not
+    computed). This is the rate at which a PE's ``tok_e`` drains, used to derive β."""
+    if append_tokens <= 0 or context_tokens < append_tokens:
+        raise UsageError(f"prompt_tokens_per_s: need 0 < append_tokens ({append_tokens}) "
+                         f"<= context_tokens ({context_tokens})")
+    return context_tokens / request_prefill_s(profile, context_tokens - append_tokens,
+                                              append_tokens)

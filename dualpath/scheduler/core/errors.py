@@ -1,0 +1,25 @@
+"""Domain errors of the scheduler core; the RPC edge maps each to one gRPC status code."""
+
+from __future__ import annotations
+
+from dualpath.errors import DualPathError
+
+
+class SchedulerError(DualPathError):
+    """Base of the scheduler's refusals."""
+
+
+class LeaseError(SchedulerError):
+    """The group's lease expired or was replaced: register again (FAILED_PRECONDITION)."""
+
+
+class NotFound(SchedulerError):
+    """Unknown group or engine (NOT_FOUND)."""
+
+
+class Conflict(SchedulerError):
+    """An id is already taken: a live request, or an engine/node of another group (ALREADY_EXISTS)."""
+
+
+class QueueFull(SchedulerError):
+    """The waiting queues hold ``max_queued_requests`` already (RESOURCE_EXHAUSTED)."""

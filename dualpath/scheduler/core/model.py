@@ -1,0 +1,219 @@
+"""The scheduler's records: requests, engines, nodes, groups and the policy constants.
+
+Plain mutable dataclasses (``slots``, identity equality) owned by one
+:class:`~dualpath.scheduler.core.scheduler.Scheduler`; the policies in ``policy.py`` read
+and update them. Token counts are the currency throughout; the RPC edge converts HBM
+bytes to tokens with the model profile.
+
+A request's lifecycle (``Stage``), in the order the scheduler decides (paper §6.1, with
+the DE chosen before the PE so that a PE only receives requests whose KV has a home)::
+
+    GLOBAL_QUEUE --(DE fetch, group phase)--> GROUP_QUEUE --(in-group phase)-->
+    PREFILL_QUEUE --(PE fetch: PE + read side)--> PREFILLING --(PREFILL_DONE)-->
+    DECODING --(DECODE_DONE)--> removed
+
+A failure on either side sends it back to the head of an earlier queue (see
+``Scheduler.expire``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+# Enum values equal the protobuf enum values of dualpath.v1 (the RPC edge casts).
+
+
+class Role(IntEnum):
+    PREFILL = 1
+    DECODE = 2
+
+
+class ReadSide(IntEnum):
+    UNSPECIFIED = 0   # DE chosen, PE not yet
+    NONE = 1          # no prefix hit: nothing to read
+    PREFILL = 2       # the PE's node reads
+    DECODE = 3        # the DE's node reads
+    SPLIT = 4         # both nodes read a part
+
+
+class CompletionStage(IntEnum):
+    PREFILL_DONE = 1
+    DECODE_DONE = 2
+    FAILED = 3
+
+
+class Stage(IntEnum):
+    GLOBAL_QUEUE = 1
+    GROUP_QUEUE = 2
+    PREFILL_QUEUE = 3
+    PREFILLING = 4
+    DECODING = 5
+    DONE = 6
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request. ``prompt_tokens`` is len(r) in the paper; ``hit_tokens`` of them have
+    KV in storage (a prefix), the other ``new_tokens`` are computed by the PE."""
+
+    request_id: str
+    prompt_tokens: int
+    hit_tokens: int
+    max_new_tokens: int = 0
+    payload: bytes = b""
+    seq: int = 0                      # arrival order, the FIFO key (set by the scheduler)
+    stage: Stage = Stage.GLOBAL_QUEUE
+    de_group: Group | None = None
+    de: Engine | None = None
+    pe: Engine | None = None
+    read_side: ReadSide = ReadSide.UNSPECIFIED
+    prefill_read_tokens: int = 0
+    decode_read_tokens: int = 0
+
+    @property
+    def new_tokens(self) -> int:
+        return self.prompt_tokens - self.hit_tokens
+
+    @property
+    def hbm_tokens(self) -> int:
+        """KV the DE must hold: the prompt and every token it may generate."""
+        return self.prompt_tokens + self.max_new_tokens
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """A host. ``read_q`` is its storage read queue in tokens: the last value one of its
+    engines reported plus the reads the scheduler ordered since."""
+
+    node_id: str
+    read_tokens_per_s: float
+    read_q: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Engine:
+    """One PE or DE. ``seq``/``tok``/``free_hbm_tokens`` are the last report plus the
+    assignments made since (each fetch's report replaces them)."""
+
+    engine_id: str
+    group: Group
+    node: Node
+    rank: int
+    role: Role
+    control_address: str = ""
+    hbm_tokens: int = 0               # capacity (DEs)
+    seq: int = 0                      # seq_e
+    tok: int = 0                      # tok_e
+    free_hbm_tokens: int = 0
+    drained: bool = False
+    assigned_total: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    """Engines that fetch together through their leader (rank 0). All PEs or all DEs."""
+
+    group_id: str
+    role: Role
+    lease_id: int
+    deadline: float                   # clock seconds; past it the group is marked down
+    engines: list[Engine] = field(default_factory=list)
+    up: bool = True
+    last_fetch: float = 0.0
+    # DE groups: the private queue filled by the group phase, and its prompt tokens.
+    private_queue: deque[Request] = field(default_factory=deque)
+    private_tokens: int = 0
+    # Requests this group's engines must drop, delivered with its next fetch.
+    pending_cancel: list[str] = field(default_factory=list)
+
+    @property
+    def total_tok(self) -> int:
+        """The group phase's load: Σ tok_e plus what waits in the private queue."""
+        return sum(e.tok for e in self.engines) + self.private_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One engine as its leader registers it."""
+
+    engine_id: str
+    rank: int
+    node_id: str
+    control_address: str = ""
+    hbm_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReport:
+    """One engine's load in a fetch (paper §6.1: seq_e, tok_e, read_q of its node)."""
+
+    engine_id: str
+    seq: int
+    tok: int
+    read_q: int
+    free_hbm_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """A request as submitted. ``request_id`` "" = the scheduler names it."""
+
+    prompt_tokens: int
+    hit_tokens: int = 0
+    max_new_tokens: int = 0
+    request_id: str = ""
+    payload: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    request_id: str
+    engine_id: str
+    stage: CompletionStage
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """Policy constants; ``Scheduler.set_params`` replaces them at run time."""
+
+    alpha_tokens: int                 # short read-queue threshold α (A.4: readable in 3 s)
+    beta_tokens: int                  # unfinished-token cap β per PE (A.4: 5 s of one GPU)
+    compute_quota_ms: int = 300       # PE forward-batch quota (§6.2, A.4), for engines
+    split_read: bool = False          # beyond the paper: read a request from both sides
+    split_align_tokens: int = 64      # a split falls on a KV block boundary
+    z_slack: float = 1.05             # the 1.05 in Z (paper §6.1, DE in-group phase)
+    lease_s: float = 3.0
+    max_assignments_per_fetch: int = 4096
+    max_queued_requests: int = 1_000_000
+    default_read_tokens_per_s: float = 1.0  # node read rate when a group gives none
+
+    def validate(self) -> None:
+        from dualpath.errors import UsageError
+
+        for name, least in _PARAM_MINIMUM.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise UsageError(f"scheduler parameter {name} = {v!r}: must be an integer "
+                                 f">= {least}")
+        if self.z_slack < 1.0:
+            raise UsageError(f"scheduler parameter z_slack = {self.z_slack!r}: must be >= 1")
+        if self.lease_s <= 0 or self.default_read_tokens_per_s <= 0:
+            raise UsageError("scheduler parameters lease_s and default_read_tokens_per_s "
+                             "must be > 0")
+
+
+_PARAM_MINIMUM = {"alpha_tokens": 0, "beta_tokens": 0, "compute_quota_ms": 1,
+                  "split_align_tokens": 1, "max_assignments_per_fetch": 1,
+                  "max_queued_requests": 1}
+
+
+@dataclass(slots=True)
+class FetchResult:
+    """What one fetch hands to the leader: new assignments (live request objects, to be
+    converted before the loop runs again) and request ids its engines must drop."""
+
+    assignments: list[Request]
+    cancelled: list[str]
+    role: Role

@@ -1,0 +1,205 @@
+"""The inter-engine policies of paper §6.1, as plain functions over the core records.
+
+No I/O and no clock: the :class:`~dualpath.scheduler.core.scheduler.Scheduler` calls
+these inside a fetch and does the bookkeeping (queues, leases, counters) around them.
+Each function says which paper rule it implements; where the paper is silent the choice
+is marked "[ours]".
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from heapq import heapify, heapreplace
+
+from dualpath.kv import cost
+from dualpath.kv.profiles import ModelProfile
+from dualpath.scheduler.core.model import Engine, Group, Node, Params, ReadSide, Request, Stage
+
+# ---------------------------------------------------------------- thresholds (A.4)
+
+
+def derive_alpha(read_bytes_per_s: float, kv_bytes_per_token: int, window_s: float = 3.0) -> int:
+    """α: tokens a node's storage NIC reads in ``window_s`` seconds (paper A.4: 3 s)."""
+    return int(read_bytes_per_s * window_s / kv_bytes_per_token)
+
+
+def derive_beta(profile: ModelProfile, window_s: float = 5.0, context_tokens: int = 32721,
+                append_tokens: int = 429) -> int:
+    """β: prompt tokens one GPU prefills in ``window_s`` seconds (paper A.4: 5 s).
+
+    tok_e counts whole prompts, most of which is read rather than computed, so the rate is
+    that of a typical agentic turn: the defaults are the paper's 64K trace (Table 2: mean
+    context 32,721 tokens, mean append 429) [ours: the paper does not say which shape]."""
+    return int(window_s * cost.prompt_tokens_per_s(profile, context_tokens, append_tokens))
+
+
+# ---------------------------------------------------------------- PE scheduling
+
+
+def pick_prefill_engine(engines: list[Engine], alpha: int, beta: int) -> Engine | None:
+    """The PE for the head request (paper §6.1, PE scheduling).
+
+    Engines with tok_e > β are overloaded and get nothing; among the rest, those whose
+    node has read_q <= α (category 2) are preferred over the others (category 3); within
+    the chosen category the minimum tok_e wins, ties to the lower rank [ours]. None when
+    both categories are empty, which ends the fetch."""
+    best: Engine | None = None
+    best_short = False
+    best_tok = 0
+    for e in engines:
+        tok = e.tok
+        if tok > beta or e.drained:
+            continue
+        short = e.node.read_q <= alpha
+        if best is None or (short and not best_short) or (short == best_short and tok < best_tok):
+            best, best_short, best_tok = e, short, tok
+    return best
+
+
+def assign_prefill(queue: deque[Request], engines: list[Engine], params: Params,
+                   limit: int) -> list[Request]:
+    """Pop requests FIFO from ``queue`` and give each a PE and a read side, updating tok_e,
+    seq_e and the read queues after each one so that categories are re-evaluated."""
+    out: list[Request] = []
+    alpha, beta = params.alpha_tokens, params.beta_tokens
+    split, align = params.split_read, params.split_align_tokens
+    while queue and len(out) < limit:
+        e = pick_prefill_engine(engines, alpha, beta)
+        if e is None:
+            break
+        r = queue.popleft()
+        e.tok += r.prompt_tokens
+        e.seq += 1
+        e.assigned_total += 1
+        r.pe = e
+        r.stage = Stage.PREFILLING
+        de_node = r.de.node  # type: ignore[union-attr]  # DE is chosen before the PE
+        side, pe_part, de_part = choose_read_side(r.hit_tokens, e.node, de_node, split, align)
+        e.node.read_q += pe_part
+        de_node.read_q += de_part
+        r.read_side, r.prefill_read_tokens, r.decode_read_tokens = side, pe_part, de_part
+        out.append(r)
+    return out
+
+
+# ---------------------------------------------------------------- read side
+
+
+def choose_read_side(hit: int, pe_node: Node, de_node: Node, split: bool,
+                     align: int) -> tuple[ReadSide, int, int]:
+    """Which node reads ``hit`` tokens: ``(side, prefill_part, decode_part)``.
+
+    Paper §6.1: the node with the shorter read queue (a tie goes to the PE [ours]: the
+    PE read path needs no extra PE<-DE hop). With ``split`` (the paper's future work) the
+    hit is divided so that both queues drain at the same moment given each node's read
+    rate: (q_p + x) / r_p = (q_d + hit - x) / r_d, x rounded to a multiple of ``align``
+    (a KV block); a part that rounds to nothing makes it a one-sided read."""
+    if hit <= 0:
+        return ReadSide.NONE, 0, 0
+    qp, qd = pe_node.read_q, de_node.read_q
+    if split:
+        rp, rd = pe_node.read_tokens_per_s, de_node.read_tokens_per_s
+        x = (rp * (qd + hit) - rd * qp) / (rp + rd)
+        x = round(x / align) * align
+        if x <= 0:
+            return ReadSide.DECODE, 0, hit
+        if x >= hit:
+            return ReadSide.PREFILL, hit, 0
+        return ReadSide.SPLIT, x, hit - x
+    if qp <= qd:
+        return ReadSide.PREFILL, hit, 0
+    return ReadSide.DECODE, 0, hit
+
+
+# ---------------------------------------------------------------- DE scheduling
+
+
+def distribute_to_groups(queue: deque[Request], groups: list[Group]) -> int:
+    """Group phase (paper §6.1): drain the global queue, each request to the DE group
+    with the minimum total tok_e. A group's load includes what already waits in its
+    private queue [ours], else one drain would send everything to the same group."""
+    if not groups or not queue:
+        return 0
+    heap = [(g.total_tok, i, g) for i, g in enumerate(groups)]
+    heapify(heap)
+    n = len(queue)
+    while queue:
+        r = queue.popleft()
+        load, i, g = heap[0]
+        g.private_queue.append(r)
+        g.private_tokens += r.prompt_tokens
+        r.de_group = g
+        r.stage = Stage.GROUP_QUEUE
+        heapreplace(heap, (load + r.prompt_tokens, i, g))
+    return n
+
+
+def z_target(group_queue: deque[Request], engines: list[Engine], slack: float,
+             limit: int) -> float | None:
+    """Z of the in-group phase, or None when not even the head request fits.
+
+    R = the longest head of the private queue whose HBM needs fit in the group's summed
+    free HBM (no fragmentation assumed; at most ``limit`` requests);
+    Z = slack × (Σ_{r∈R} len(r) + Σ_{e∈E} tok_e) / |E|."""
+    free_total = sum(e.free_hbm_tokens for e in engines)
+    used = r_tokens = count = 0
+    for r in group_queue:
+        need = r.hbm_tokens
+        if count >= limit or used + need > free_total:
+            break
+        used += need
+        r_tokens += r.prompt_tokens
+        count += 1
+    if count == 0:
+        return None
+    return slack * (r_tokens + sum(e.tok for e in engines)) / len(engines)
+
+
+def pick_decode_engine(engines: list[Engine], need_hbm: int, length: int,
+                       z: float) -> Engine | None:
+    """The DE for request r within the group (paper §6.1, in-group phase, step 3).
+
+    Among DEs with free HBM >= r's need: those with tok_e + len(r) <= Z are preferred and
+    the minimum seq_e wins; otherwise the "high-token" DE with the minimum tok_e. Ties to
+    the lower rank [ours]. None when no DE has the HBM (the fetch ends)."""
+    low: Engine | None = None
+    high: Engine | None = None
+    for e in engines:
+        if e.free_hbm_tokens < need_hbm:
+            continue
+        if e.tok + length <= z:
+            if low is None or e.seq < low.seq:
+                low = e
+        elif high is None or e.tok < high.tok:
+            high = e
+    return low if low is not None else high
+
+
+def assign_in_group(group: Group, params: Params, limit: int) -> list[Request]:
+    """In-group phase (paper §6.1): take the private queue's head repeatedly, place it on
+    a DE and reserve its HBM, until the queue is empty, ``limit`` is reached or no DE has
+    the HBM for the head."""
+    engines = [e for e in group.engines if not e.drained]
+    q = group.private_queue
+    if not engines or not q:
+        return []
+    z = z_target(q, engines, params.z_slack, limit)
+    if z is None:
+        return []
+    out: list[Request] = []
+    while q and len(out) < limit:
+        r = q[0]
+        need = r.hbm_tokens
+        e = pick_decode_engine(engines, need, r.prompt_tokens, z)
+        if e is None:
+            break
+        q.popleft()
+        group.private_tokens -= r.prompt_tokens
+        e.tok += r.prompt_tokens
+        e.seq += 1
+        e.free_hbm_tokens -= need
+        e.assigned_total += 1
+        r.de = e
+        r.stage = Stage.PREFILL_QUEUE
+        out.append(r)
+    return out

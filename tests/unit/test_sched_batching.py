@@ -1,0 +1,116 @@
+"""The cost model (dualpath.kv.cost) and intra-engine batching (paper §6.2)."""
+
+from collections import deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dualpath.errors import UsageError
+from dualpath.kv import cost
+from dualpath.kv.profiles import PROFILES, get_profile
+from dualpath.scheduler.core.batching import (
+    PrefillWork,
+    advance,
+    batch_seconds,
+    pack_batch,
+)
+
+
+def brute_pairs(cached, bsz, cap):
+    # Query i (1-based) attends cached + i keys, at most cap (0 = unlimited).
+    return sum(min(cached + i, cap) if cap else cached + i for i in range(1, bsz + 1))
+
+
+@given(st.integers(0, 5000), st.integers(0, 3000), st.sampled_from([0, 1, 64, 2048]))
+def test_attention_pairs_closed_form_matches_the_definition(cached, bsz, cap):
+    assert cost.attention_pairs(cached, bsz, cap) == brute_pairs(cached, bsz, cap)
+
+
+def test_prefill_seconds_by_hand():
+    # demo profile: 8 layers, linear 2e6 FLOPs/token/layer, 4096 FLOPs/pair, no cap, 1e12
+    # FLOP/s. (cached 10, bsz 2): linear 4e6; pairs 11 + 12 = 23 -> 94,208 FLOPs;
+    # 8 x 4,094,208 / 1e12 s.
+    p = get_profile("demo")
+    assert cost.prefill_s(p, [(10, 2)]) == pytest.approx(8 * 4_094_208 / 1e12)
+    assert cost.prefill_s(p, [(10, 2), (0, 1)]) == pytest.approx(
+        cost.request_prefill_s(p, 10, 2) + cost.request_prefill_s(p, 0, 1))
+    assert cost.decode_s(p, 50) == pytest.approx(50 * p.decode_s_per_token)
+    with pytest.raises(UsageError):
+        cost.attention_pairs(-1, 1)
+
+
+def test_sparse_attention_caps_the_cost_of_long_contexts():
+    # ds660b attends at most 2048 keys, so 1 new token after 100K or 1M cached costs the same.
+    p = get_profile("ds660b")
+    assert cost.request_prefill_s(p, 100_000, 1) == cost.request_prefill_s(p, 1_000_000, 1)
+    q = get_profile("qwen32b")  # dense: grows with the context
+    assert cost.request_prefill_s(q, 1_000_000, 1) > cost.request_prefill_s(q, 100_000, 1)
+
+
+def test_whole_requests_fit_fifo_and_an_overflowing_one_is_chunked():
+    p = get_profile("demo")
+    one = cost.request_prefill_s(p, 0, 1000)
+    quota = 2.5 * one
+    q = [PrefillWork("a", 0, 1000), PrefillWork("b", 0, 1000), PrefillWork("c", 0, 1000),
+         PrefillWork("d", 0, 10)]
+    batch = pack_batch(q, p, quota, min_chunk_tokens=1)
+    assert [s.request_id for s in batch] == ["a", "b", "c"]  # FIFO; d waits behind c
+    assert batch[0].tokens == batch[1].tokens == 1000
+    c = batch[2].tokens
+    assert 0 < c < 1000
+    assert batch_seconds(p, batch) <= quota
+    # Binary search found the largest chunk: one more token would overflow.
+    assert 2 * one + cost.request_prefill_s(p, 0, c + 1) > quota
+
+
+def test_chunks_continue_from_their_cached_tokens():
+    p = get_profile("demo")
+    q = deque([PrefillWork("a", 500, 4000), PrefillWork("b", 0, 100)])
+    quota = cost.request_prefill_s(p, 500, 1500)
+    total = 0
+    rounds = 0
+    while q:
+        batch = pack_batch(q, p, quota, min_chunk_tokens=64)
+        assert batch_seconds(p, batch) <= quota or len(batch) == 1
+        total += sum(s.tokens for s in batch)
+        advance(q, batch)
+        rounds += 1
+    assert total == 4100  # every new token computed exactly once
+    assert rounds >= 3    # 4000 tokens at <= 1500 per batch
+
+
+def test_a_request_bigger_than_the_quota_still_progresses_by_one_minimal_chunk():
+    p = get_profile("ds660b")
+    batch = pack_batch([PrefillWork("huge", 0, 100_000)], p, quota_s=1e-9,
+                       min_chunk_tokens=64)
+    assert [(s.request_id, s.tokens) for s in batch] == [("huge", 64)]
+    # A small chunk is not started behind other work: the batch just ends.
+    q = [PrefillWork("a", 0, 10), PrefillWork("b", 0, 100_000)]
+    quota = cost.request_prefill_s(p, 0, 10) + cost.request_prefill_s(p, 0, 30)
+    assert [(s.request_id, s.tokens) for s in pack_batch(q, p, quota, 64)] == [("a", 10)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    profile=st.sampled_from(sorted(PROFILES)),
+    works=st.lists(st.tuples(st.integers(0, 60_000), st.integers(1, 20_000)), min_size=1,
+                   max_size=12),
+    quota_ms=st.floats(0.01, 2000),
+    min_chunk=st.sampled_from([1, 16, 64, 512]),
+)
+def test_quota_is_never_exceeded_except_by_one_minimal_chunk(profile, works, quota_ms,
+                                                             min_chunk):
+    p = get_profile(profile)
+    quota = quota_ms / 1000
+    q = [PrefillWork(f"r{i}", c, n) for i, (c, n) in enumerate(works)]
+    batch = pack_batch(q, p, quota, min_chunk)
+    assert batch, "a non-empty queue always yields work"
+    # FIFO: the batch is a prefix of the queue, every slice whole except maybe the last.
+    assert [s.request_id for s in batch] == [w.request_id for w in q[:len(batch)]]
+    for s, w in zip(batch[:-1], q, strict=False):
+        assert s.tokens == w.remaining_tokens and s.cached_tokens == w.cached_tokens
+    t = batch_seconds(p, batch)
+    if t > quota * (1 + 1e-9):
+        first = q[0]
+        assert len(batch) == 1 and batch[0].tokens == min(min_chunk, first.remaining_tokens)

@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "dualpath.cli_demo",
     "dualpath.engine.cli",
     "dualpath.cluster.cli",
+    "dualpath.scheduler.cli",
 ]
 
 

@@ -26,6 +26,8 @@ SECTIONS: dict[str, str] = {
     "transport": "dualpath.config_sections:TransportConfig",
     "kv_lane": "dualpath.config_sections:KvLaneConfig",
     "transfer": "dualpath.transfer.config:TransferConfig",
+    "scheduler": "dualpath.scheduler.config:SchedulerConfig",
+    "scheduler_client": "dualpath.scheduler.config:SchedulerClientConfig",
     "storage": "dualpath.storage.config:StorageConfig",
     "buffers": "dualpath.buffers.config:BuffersConfig",
     "engine": "dualpath.engine.config:EngineConfig",

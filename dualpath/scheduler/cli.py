@@ -1,0 +1,256 @@
+"""`dualpath scheduler`, `dualpath ctl engines|groups|stats|drain|set`, `dualpath submit`.
+
+Tables by default, ``--json`` for scripts. Exit codes (dualpath.cli): 0 ok, 1 the
+scheduler refused the operation (e.g. unknown engine), 2 bad usage or config, 3 the
+scheduler is unreachable or refused the caller (TLS, token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from dualpath.cli import EXIT_FAIL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from dualpath.errors import UsageError
+
+TOKEN_ENV = "DUALPATH_ADMIN_TOKEN"
+
+# `ctl set` names -> SetParams fields (short forms for operators, full names for scripts).
+_SET_KEYS = {"alpha": "alpha_tokens", "alpha_tokens": "alpha_tokens",
+             "beta": "beta_tokens", "beta_tokens": "beta_tokens",
+             "quota": "compute_quota_ms", "quota_ms": "compute_quota_ms",
+             "compute_quota_ms": "compute_quota_ms", "split_read": "split_read"}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("scheduler", help="run the scheduler daemon (gRPC)")
+    p.add_argument("--config", help="TOML config file ([scheduler] section)")
+    p.add_argument("--listen", help="host:port to listen on (overrides scheduler.listen)")
+    p.add_argument("--metrics-listen", help="host:port for /metrics ('' = off; overrides "
+                   "scheduler.metrics_listen)")
+    p.set_defaults(func=_run_scheduler)
+
+    conn = argparse.ArgumentParser(add_help=False)
+    conn.add_argument("--config", help="TOML config file ([scheduler_client] section)")
+    conn.add_argument("--scheduler", metavar="ADDR", help="scheduler host:port (overrides "
+                      "scheduler_client.address)")
+    conn.add_argument("--token-file", help=f"admin token file (else ${TOKEN_ENV}, else "
+                      "scheduler_client.admin_token_file)")
+    conn.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    ctl = sub.add_parser("ctl", help="inspect and steer a running scheduler")
+    csub = ctl.add_subparsers(dest="ctl_cmd", metavar="ACTION", required=True)
+    csub.add_parser("engines", parents=[conn], help="list engines and their load") \
+        .set_defaults(func=_cmd(_engines))
+    csub.add_parser("groups", parents=[conn], help="list engine groups and leases") \
+        .set_defaults(func=_cmd(_groups))
+    csub.add_parser("stats", parents=[conn], help="queues, counters and parameters") \
+        .set_defaults(func=_cmd(_stats))
+    d = csub.add_parser("drain", parents=[conn], help="stop giving new requests to an engine")
+    d.add_argument("engine")
+    d.add_argument("--undo", action="store_true", help="accept new requests again")
+    d.set_defaults(func=_cmd(_drain))
+    s = csub.add_parser("set", parents=[conn], help="change alpha/beta/quota/split_read, "
+                        "e.g. `set alpha=4000000 quota=250`")
+    s.add_argument("assignments", nargs="+", metavar="KEY=VALUE",
+                   help="keys: " + ", ".join(sorted(_SET_KEYS)))
+    s.set_defaults(func=_cmd(_set))
+
+    sm = sub.add_parser("submit", parents=[conn], help="submit requests to the scheduler")
+    sm.add_argument("--prompt-tokens", type=int, required=True)
+    sm.add_argument("--hit-tokens", type=int, default=0, help="prefix tokens whose KV is "
+                    "in storage")
+    sm.add_argument("--max-new-tokens", type=int, default=128)
+    sm.add_argument("--count", type=int, default=1, help="submit this many alike")
+    sm.add_argument("--id", dest="request_id", default="", help="request id (count 1 only)")
+    sm.set_defaults(func=_cmd(_submit, admin=False))
+
+
+# ---------------------------------------------------------------- the daemon
+
+
+def _run_scheduler(args) -> int:
+    from dualpath import config as _config
+    from dualpath.scheduler.service import serve
+
+    cfg = _config.load(args.config).scheduler
+    over = {}
+    if args.listen is not None:
+        over["listen"] = args.listen
+    if args.metrics_listen is not None:
+        over["metrics_listen"] = args.metrics_listen
+    cfg = dataclasses.replace(cfg, **over)
+    _run(serve(cfg, config_path=args.config))
+    return EXIT_OK
+
+
+def _run(coro: Awaitable) -> object:
+    """Run on uvloop when it is installed (it is a dependency), else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a declared dependency
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+# ---------------------------------------------------------------- client commands
+
+
+def _cmd(action: Callable, admin: bool = True) -> Callable[[argparse.Namespace], int]:
+    """Wrap an async action(client, args) -> (json-able, table text) with connection set-up
+    and the exit-code mapping."""
+
+    def run(args) -> int:
+        from dualpath import config as _config
+        from dualpath.scheduler.client import SchedulerClient, is_unreachable
+        from dualpath.tls import read_token
+
+        cfg = _config.load(args.config).scheduler_client
+        token = None
+        if admin:
+            if args.token_file:
+                token = read_token(args.token_file, "--token-file")
+            else:
+                token = os.environ.get(TOKEN_ENV) or None
+
+        async def go():
+            async with SchedulerClient.from_config(cfg, args.scheduler, token) as client:
+                return await action(client, args)
+
+        try:
+            data, text = _run(go())
+        except grpc.aio.AioRpcError as e:
+            where = args.scheduler or cfg.address
+            print(f"dualpath: scheduler {where}: {e.code().name}: {e.details()}",
+                  file=sys.stderr)
+            if is_unreachable(e):
+                return EXIT_UNAVAILABLE
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+                return EXIT_USAGE
+            return EXIT_FAIL
+        print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
+        return EXIT_OK
+
+    return run
+
+
+def _msg_dict(msg) -> dict:
+    """A protobuf message as plain JSON types: every field present, 64-bit integers as
+    numbers (protobuf's own JSON mapping writes them as strings), enums by name."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        items = list(value) if f.is_repeated else [value]
+        if f.message_type is not None:
+            items = [_msg_dict(v) for v in items]
+        elif f.enum_type is not None:
+            names = f.enum_type.values_by_number
+            items = [names[v].name if v in names else v for v in items]
+        elif f.type == f.TYPE_BYTES:
+            items = [v.hex() for v in items]
+        out[f.name] = items if f.is_repeated else items[0]
+    return out
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    """A fixed-width table; numbers right-aligned."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(r[i], (int, float)) for r in rows) and bool(rows)
+               for i in range(len(headers))]
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w)
+                         for c, w, num in zip(r, widths, numeric, strict=True)).rstrip()
+
+    return "\n".join([fmt(headers)] + [fmt(r) for r in cells])
+
+
+def _role(value: int) -> str:
+    return {1: "prefill", 2: "decode"}.get(value, "?")
+
+
+async def _engines(client, args):
+    r = await client.list_engines()
+    rows = [[e.engine_id, e.group_id, e.node_id, _role(e.role), e.rank, e.unfinished_requests,
+             e.unfinished_tokens, e.read_queue_tokens, e.free_hbm_bytes >> 20,
+             "yes" if e.drained else "no", "up" if e.group_state == 1 else "down",
+             e.assigned_requests] for e in r.engines]
+    text = table(["ENGINE", "GROUP", "NODE", "ROLE", "RANK", "SEQ", "TOK", "READ_Q_TOK",
+                  "FREE_HBM_MIB", "DRAINED", "GROUP_STATE", "ASSIGNED"], rows)
+    return _msg_dict(r), text
+
+
+async def _groups(client, args):
+    r = await client.list_groups()
+    rows = [[g.group_id, _role(g.role), "up" if g.state == 1 else "down", g.engines,
+             g.unfinished_tokens, g.private_queue_requests, g.ms_since_fetch, g.lease_id]
+            for g in r.groups]
+    text = table(["GROUP", "ROLE", "STATE", "ENGINES", "TOK", "QUEUED", "MS_SINCE_FETCH",
+                  "LEASE"], rows)
+    return _msg_dict(r), text
+
+
+async def _stats(client, args):
+    r = await client.stats()
+    d = _msg_dict(r)
+    params = d.pop("params")
+    rows = [[k, v] for k, v in sorted(d.items())] + [[f"params.{k}", v]
+                                                     for k, v in sorted(params.items())]
+    return _msg_dict(r), table(["STAT", "VALUE"], rows)
+
+
+async def _drain(client, args):
+    r = await client.drain(args.engine, args.undo)
+    verb = "undrained" if args.undo else "drained"
+    return _msg_dict(r), f"engine {r.engine.engine_id} {verb}"
+
+
+def parse_set(assignments: list[str]) -> dict[str, int | bool]:
+    """`KEY=VALUE` words -> SetParams fields; UsageError names the bad word."""
+    out: dict[str, int | bool] = {}
+    for word in assignments:
+        k, sep, v = word.partition("=")
+        field = _SET_KEYS.get(k.strip())
+        if not sep or field is None:
+            raise UsageError(f"ctl set: {word!r}: expected KEY=VALUE with KEY one of "
+                             + ", ".join(sorted(_SET_KEYS)))
+        v = v.strip().lower()
+        if field == "split_read":
+            if v not in ("true", "false", "1", "0", "on", "off"):
+                raise UsageError(f"ctl set: {word!r}: split_read takes true or false")
+            out[field] = v in ("true", "1", "on")
+        else:
+            if not v.isdigit():
+                raise UsageError(f"ctl set: {word!r}: {k} takes a non-negative integer")
+            out[field] = int(v)
+    return out
+
+
+async def _set(client, args):
+    r = await client.set_params(**parse_set(args.assignments))
+    d = _msg_dict(r)
+    return d, table(["PARAM", "VALUE"], [[k, v] for k, v in sorted(d["params"].items())])
+
+
+async def _submit(client, args):
+    from dualpath.v1 import scheduler_pb2
+
+    if args.count < 1 or (args.request_id and args.count != 1):
+        raise UsageError("submit: --count must be >= 1, and --id needs --count 1")
+    specs = [scheduler_pb2.RequestSpec(request_id=args.request_id,
+                                       prompt_tokens=args.prompt_tokens,
+                                       hit_tokens=args.hit_tokens,
+                                       max_new_tokens=args.max_new_tokens)
+             for _ in range(args.count)]
+    r = await client.submit(specs)
+    text = "\n".join(r.request_ids) + f"\nqueued: {r.queued_requests}"
+    return _msg_dict(r), text

@@ -1,0 +1,123 @@
+"""An asyncio client of the scheduler, for group leaders, clients and `dualpath ctl`.
+
+One :class:`SchedulerClient` owns one grpc.aio channel; use it from the event loop that
+created it (``async with SchedulerClient(...) as c``). Methods return the protobuf
+replies; gRPC errors propagate as ``grpc.aio.AioRpcError`` (see :func:`is_unreachable`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Self
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dualpath import tls
+from dualpath.errors import DualPathError
+from dualpath.scheduler.config import SchedulerClientConfig
+from dualpath.v1 import admin_pb2, admin_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+# Codes that mean "could not reach or was refused by the remote side" (CLI exit 3).
+UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                         grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+class SchedulerUnavailable(DualPathError):
+    """The scheduler could not be reached, or refused the caller."""
+
+
+def is_unreachable(e: BaseException) -> bool:
+    return isinstance(e, grpc.aio.AioRpcError) and e.code() in UNREACHABLE
+
+
+class SchedulerClient:
+    """Scheduler, Admin and health stubs over one channel."""
+
+    def __init__(self, address: str, *, credentials: grpc.ChannelCredentials | None = None,
+                 admin_token: str | None = None, timeout_s: float = 5.0,
+                 options: Iterable[tuple[str, object]] = ()):
+        opts = list(options)
+        self.channel = (grpc.aio.secure_channel(address, credentials, opts)
+                        if credentials is not None else grpc.aio.insecure_channel(address, opts))
+        self.address = address
+        self.timeout_s = timeout_s
+        self._auth = tls.bearer_metadata(admin_token)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    @classmethod
+    def from_config(cls, cfg: SchedulerClientConfig, address: str | None = None,
+                    admin_token: str | None = None) -> SchedulerClient:
+        creds = tls.channel_credentials(cfg.tls_ca_file, cfg.tls_cert_file, cfg.tls_key_file)
+        if admin_token is None and cfg.admin_token_file:
+            admin_token = tls.read_token(cfg.admin_token_file, "scheduler_client.admin_token_file")
+        return cls(address or cfg.address, credentials=creds, admin_token=admin_token,
+                   timeout_s=cfg.timeout_ms / 1000.0)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ leaders
+
+    async def register_group(self, group_id: str, role: int,
+                             engines: Iterable[scheduler_pb2.EngineInfo],
+                             storage_read_bytes_per_s: int = 0
+                             ) -> scheduler_pb2.RegisterGroupResponse:
+        return await self.scheduler.RegisterGroup(scheduler_pb2.RegisterGroupRequest(
+            group_id=group_id, role=role, engines=list(engines),
+            storage_read_bytes_per_s=storage_read_bytes_per_s), timeout=self.timeout_s)
+
+    async def fetch(self, group_id: str, lease_id: int,
+                    engines: Iterable[scheduler_pb2.EngineStatus],
+                    max_assignments: int = 0) -> scheduler_pb2.FetchResponse:
+        return await self.scheduler.Fetch(scheduler_pb2.FetchRequest(
+            group_id=group_id, lease_id=lease_id, engines=list(engines),
+            max_assignments=max_assignments), timeout=self.timeout_s)
+
+    async def report(self, group_id: str, lease_id: int,
+                     completions: Iterable[scheduler_pb2.Completion]
+                     ) -> scheduler_pb2.ReportCompletionResponse:
+        return await self.scheduler.ReportCompletion(scheduler_pb2.ReportCompletionRequest(
+            group_id=group_id, lease_id=lease_id, completions=list(completions)),
+            timeout=self.timeout_s)
+
+    async def submit(self, requests: Iterable[scheduler_pb2.RequestSpec]
+                     ) -> scheduler_pb2.SubmitRequestResponse:
+        return await self.scheduler.SubmitRequest(
+            scheduler_pb2.SubmitRequestRequest(requests=list(requests)), timeout=self.timeout_s)
+
+    # ------------------------------------------------------------ operators
+
+    async def list_engines(self) -> admin_pb2.ListEnginesResponse:
+        return await self.admin.ListEngines(admin_pb2.ListEnginesRequest(),
+                                            timeout=self.timeout_s, metadata=self._auth)
+
+    async def list_groups(self) -> admin_pb2.ListGroupsResponse:
+        return await self.admin.ListGroups(admin_pb2.ListGroupsRequest(),
+                                           timeout=self.timeout_s, metadata=self._auth)
+
+    async def stats(self) -> admin_pb2.StatsResponse:
+        return await self.admin.Stats(admin_pb2.StatsRequest(), timeout=self.timeout_s,
+                                      metadata=self._auth)
+
+    async def drain(self, engine_id: str, undo: bool = False) -> admin_pb2.DrainResponse:
+        return await self.admin.Drain(admin_pb2.DrainRequest(engine_id=engine_id, undo=undo),
+                                      timeout=self.timeout_s, metadata=self._auth)
+
+    async def set_params(self, **changes: int | bool) -> admin_pb2.SetParamsResponse:
+        return await self.admin.SetParams(admin_pb2.SetParamsRequest(**changes),
+                                          timeout=self.timeout_s, metadata=self._auth)
+
+    async def health(self, service: str = "") -> int:
+        """The health status enum (1 = SERVING)."""
+        r = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                         timeout=self.timeout_s)
+        return r.status

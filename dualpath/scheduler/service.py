@@ -1,0 +1,467 @@
+"""The scheduler's RPC edge: gRPC servicers over the pure core, leases, metrics, serving.
+
+Servicers are thin: protobuf -> core dataclasses -> :class:`Scheduler` -> protobuf, and
+domain errors -> gRPC status codes (never error strings inside a response). HBM bytes
+become tokens here, with the model profile, and nowhere else.
+
+Threads: everything runs on the asyncio loop that runs the server; the core is not
+thread-safe and needs no lock because handlers never await while they touch it. The
+Prometheus endpoint runs on its own thread and reads only prometheus-client objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dualpath import clock as _clock
+from dualpath import metrics as _metrics
+from dualpath import tls
+from dualpath.errors import UsageError
+from dualpath.kv.profiles import ModelProfile, get_profile
+from dualpath.scheduler.config import SchedulerConfig
+from dualpath.scheduler.core import policy
+from dualpath.scheduler.core.errors import Conflict, LeaseError, NotFound, QueueFull
+from dualpath.scheduler.core.model import (
+    Completion,
+    CompletionStage,
+    Engine,
+    EngineReport,
+    EngineSpec,
+    Group,
+    Params,
+    ReadSide,
+    Request,
+    RequestSpec,
+    Role,
+    Stage,
+)
+from dualpath.scheduler.core.scheduler import Scheduler
+from dualpath.v1 import admin_pb2, admin_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger("dualpath.scheduler")
+
+ADMIN_PREFIX = "/dualpath.v1.Admin/"
+SERVICE_NAMES = (
+    scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+)
+
+# Domain error -> status code; the first matching class wins (UsageError last: the base).
+_STATUS = (
+    (LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (Conflict, grpc.StatusCode.ALREADY_EXISTS),
+    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UsageError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+_ERRORS = tuple(cls for cls, _ in _STATUS)
+
+_PATH_LABEL = {ReadSide.PREFILL: "pe_read", ReadSide.DECODE: "de_read",
+               ReadSide.SPLIT: "split", ReadSide.NONE: "none"}
+_ROLE_LABEL = {Role.PREFILL: "prefill", Role.DECODE: "decode"}
+
+
+def params_from_config(cfg: SchedulerConfig, profile: ModelProfile | None = None) -> Params:
+    """The core's constants from the config: α and β derived unless set (paper A.4)."""
+    profile = profile or get_profile(cfg.model_profile)
+    alpha = cfg.alpha_tokens or policy.derive_alpha(
+        cfg.storage_read_bytes_per_s, profile.kv_bytes_per_token, cfg.alpha_window_s)
+    beta = cfg.beta_tokens or policy.derive_beta(
+        profile, cfg.beta_window_s, cfg.reference_context_tokens, cfg.reference_append_tokens)
+    return Params(alpha_tokens=alpha, beta_tokens=beta, compute_quota_ms=cfg.compute_quota_ms,
+                  split_read=cfg.split_read, split_align_tokens=profile.block_tokens,
+                  lease_s=cfg.lease_ms / 1000.0,
+                  max_assignments_per_fetch=cfg.max_assignments_per_fetch,
+                  max_queued_requests=cfg.max_queued_requests,
+                  default_read_tokens_per_s=cfg.storage_read_bytes_per_s
+                  / profile.kv_bytes_per_token)
+
+
+class SchedulerMetrics:
+    """The scheduler's Prometheus metrics. Counters follow the core's by delta at each
+    :meth:`refresh`; the fetch histogram is observed inline."""
+
+    def __init__(self, registry):
+        m = _metrics
+        self.queue = m.gauge(registry, "dualpath_scheduler_queue_requests",
+                             "Requests waiting, by queue (global, DE group, prefill).",
+                             ("queue",))
+        self.running = m.gauge(registry, "dualpath_scheduler_running_requests",
+                               "Requests on engines, by stage.", ("stage",))
+        self.assignments = m.counter(registry, "dualpath_scheduler_assignments_total",
+                                     "Complete (PE, DE, read side) assignments, by read path.",
+                                     ("path",))
+        self.placements = m.counter(registry, "dualpath_scheduler_decode_placements_total",
+                                    "Requests placed on a DE (in-group phase).")
+        self.submitted = m.counter(registry, "dualpath_scheduler_requests_submitted_total",
+                                   "Requests accepted by SubmitRequest.")
+        self.completed = m.counter(registry, "dualpath_scheduler_requests_completed_total",
+                                   "Requests whose decode finished.")
+        self.requeued = m.counter(registry, "dualpath_scheduler_requests_requeued_total",
+                                  "Requests sent back to a queue head (lease loss, failure).")
+        self.tokens = m.gauge(registry, "dualpath_scheduler_tokens_in_flight",
+                              "Sum of tok_e over the engines of up groups, by role.", ("role",))
+        self.read_q = m.gauge(registry, "dualpath_scheduler_read_queue_tokens",
+                              "Sum of read_q over the nodes of up groups, by role.", ("role",))
+        self.groups = m.gauge(registry, "dualpath_scheduler_groups", "Engine groups, by state.",
+                              ("state",))
+        self.fetch_s = m.histogram(registry, "dualpath_scheduler_fetch_duration_seconds",
+                                   "Time to serve one Fetch inside the scheduler, by role.",
+                                   ("role",))
+        self._fetch_s = {r: self.fetch_s.labels(lbl) for r, lbl in _ROLE_LABEL.items()}
+        self._assign = {s: self.assignments.labels(lbl) for s, lbl in _PATH_LABEL.items()}
+        for q in ("global", "group", "prefill"):
+            self.queue.labels(q)
+        for s in ("prefilling", "decoding"):
+            self.running.labels(s)
+        for lbl in _ROLE_LABEL.values():
+            self.tokens.labels(lbl)
+            self.read_q.labels(lbl)
+        for s in ("up", "down"):
+            self.groups.labels(s)
+        self._seen = {"submitted": 0, "completed": 0, "requeued": 0, "placed": 0}
+        self._seen_paths = {s: 0 for s in _PATH_LABEL}
+
+    def observe_fetch(self, role: Role, seconds: float) -> None:
+        self._fetch_s[role].observe(seconds)
+
+    def refresh(self, s: Scheduler) -> None:
+        """Bring gauges and counters up to date with the core (O(engines + requests))."""
+        c = s.counters
+        for name, value, metric in (("submitted", c.submitted, self.submitted),
+                                    ("completed", c.completed, self.completed),
+                                    ("requeued", c.requeued, self.requeued),
+                                    ("placed", c.decode_assigned, self.placements)):
+            metric.inc(value - self._seen[name])
+            self._seen[name] = value
+        for side, child in self._assign.items():
+            child.inc(c.by_read_side[side] - self._seen_paths[side])
+            self._seen_paths[side] = c.by_read_side[side]
+        stages = s.stage_counts()
+        self.queue.labels("global").set(stages[Stage.GLOBAL_QUEUE])
+        self.queue.labels("group").set(stages[Stage.GROUP_QUEUE])
+        self.queue.labels("prefill").set(stages[Stage.PREFILL_QUEUE])
+        self.running.labels("prefilling").set(stages[Stage.PREFILLING])
+        self.running.labels("decoding").set(stages[Stage.DECODING])
+        up = [g for g in s.groups.values() if g.up]
+        self.groups.labels("up").set(len(up))
+        self.groups.labels("down").set(len(s.groups) - len(up))
+        for role, lbl in _ROLE_LABEL.items():
+            mine = [g for g in up if g.role is role]
+            self.tokens.labels(lbl).set(sum(g.total_tok - g.private_tokens for g in mine))
+            nodes = {e.node.node_id: e.node.read_q for g in mine for e in g.engines}
+            self.read_q.labels(lbl).set(sum(nodes.values()))
+
+
+class SchedulerService:
+    """The scheduler as the servicers see it: the core plus the model profile (for byte
+    <-> token conversion), the clock, metrics and the lease sweeper. Loop-owned."""
+
+    def __init__(self, config: SchedulerConfig | None = None, *,
+                 clock: Callable[[], float] = _clock.now, registry=None):
+        self.config = config or SchedulerConfig()
+        self.profile = get_profile(self.config.model_profile)
+        self.kv_bytes_per_token = self.profile.kv_bytes_per_token
+        self.core = Scheduler(params_from_config(self.config, self.profile))
+        self.clock = clock
+        self.registry = registry if registry is not None else _metrics.new_registry()
+        self.metrics = SchedulerMetrics(self.registry)
+        self._sweeper: asyncio.Task | None = None
+
+    # -------------------------------------------------------- leases and metrics
+
+    def housekeeping(self) -> list[Group]:
+        """Expire late groups and refresh the metrics; returns the groups marked down."""
+        late = self.core.expire(self.clock())
+        for g in late:
+            log.warning("group %s (%s) missed its lease; marked down, its unfinished "
+                        "requests requeued", g.group_id, _ROLE_LABEL[g.role])
+        self.metrics.refresh(self.core)
+        return late
+
+    def start_sweeper(self, period_s: float | None = None) -> None:
+        period = period_s or min(1.0, self.core.params.lease_s / 4)
+
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(period)
+                self.housekeeping()
+
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(sweep())
+
+    async def stop_sweeper(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+
+    # -------------------------------------------------------- conversions
+
+    def tokens(self, nbytes: int) -> int:
+        return nbytes // self.kv_bytes_per_token
+
+    def engine_view(self, e: Engine) -> admin_pb2.EngineView:
+        return admin_pb2.EngineView(
+            engine_id=e.engine_id, group_id=e.group.group_id, node_id=e.node.node_id,
+            role=int(e.role), rank=e.rank, unfinished_requests=e.seq,
+            unfinished_tokens=e.tok, read_queue_tokens=e.node.read_q,
+            free_hbm_bytes=e.free_hbm_tokens * self.kv_bytes_per_token, drained=e.drained,
+            group_state=admin_pb2.GROUP_STATE_UP if e.group.up else admin_pb2.GROUP_STATE_DOWN,
+            assigned_requests=e.assigned_total)
+
+    def params_pb(self) -> admin_pb2.Params:
+        p = self.core.params
+        return admin_pb2.Params(alpha_tokens=p.alpha_tokens, beta_tokens=p.beta_tokens,
+                                compute_quota_ms=p.compute_quota_ms, split_read=p.split_read)
+
+
+def _assignment(r: Request, with_pe: bool) -> scheduler_pb2.Assignment:
+    de = r.de
+    pe = r.pe if with_pe else None
+    return scheduler_pb2.Assignment(
+        request_id=r.request_id,
+        prefill_engine_id=pe.engine_id if pe else "",
+        decode_engine_id=de.engine_id,  # type: ignore[union-attr]
+        read_side=int(r.read_side), prompt_tokens=r.prompt_tokens, hit_tokens=r.hit_tokens,
+        new_tokens=r.prompt_tokens - r.hit_tokens, max_new_tokens=r.max_new_tokens,
+        prefill_read_tokens=r.prefill_read_tokens, decode_read_tokens=r.decode_read_tokens,
+        prefill_control_address=pe.control_address if pe else "",
+        decode_control_address=de.control_address,  # type: ignore[union-attr]
+        payload=r.payload)
+
+
+async def _abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
+    for cls, code in _STATUS:
+        if isinstance(e, cls):
+            await context.abort(code, str(e))
+    raise e
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, svc: SchedulerService):
+        self.svc = svc
+
+    async def RegisterGroup(self, request, context):
+        svc = self.svc
+        try:
+            role = Role(request.role)
+        except ValueError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"group {request.group_id}: role must be PREFILL or DECODE")
+        specs = [EngineSpec(e.engine_id, e.rank, e.node_id, e.control_address,
+                            svc.tokens(e.hbm_bytes)) for e in request.engines]
+        rate = request.storage_read_bytes_per_s / svc.kv_bytes_per_token
+        try:
+            g = svc.core.register_group(request.group_id, role, specs, svc.clock(), rate)
+        except _ERRORS as e:
+            await _abort(context, e)
+        log.info("group %s registered: %s, %d engines, lease %d", g.group_id,
+                 _ROLE_LABEL[role], len(g.engines), g.lease_id)
+        cfg = svc.config
+        return scheduler_pb2.RegisterGroupResponse(
+            lease_id=g.lease_id, lease_ms=cfg.lease_ms, fetch_interval_ms=cfg.fetch_interval_ms,
+            compute_quota_ms=svc.core.params.compute_quota_ms,
+            model_profile=svc.profile.name)
+
+    async def Fetch(self, request, context):
+        svc = self.svc
+        t0 = _clock.now()
+        kvb = svc.kv_bytes_per_token
+        reports = [EngineReport(s.engine_id, s.unfinished_requests, s.unfinished_tokens,
+                                s.read_queue_tokens, s.free_hbm_bytes // kvb)
+                   for s in request.engines]
+        try:
+            res = svc.core.fetch(request.group_id, request.lease_id, reports, svc.clock(),
+                                 request.max_assignments)
+        except _ERRORS as e:
+            await _abort(context, e)
+        with_pe = res.role is Role.PREFILL
+        reply = scheduler_pb2.FetchResponse(
+            assignments=[_assignment(r, with_pe) for r in res.assignments],
+            cancelled_request_ids=res.cancelled,
+            compute_quota_ms=svc.core.params.compute_quota_ms)
+        svc.metrics.observe_fetch(res.role, _clock.now() - t0)
+        return reply
+
+    async def ReportCompletion(self, request, context):
+        svc = self.svc
+        try:
+            comps = [Completion(c.request_id, c.engine_id, CompletionStage(c.stage))
+                     for c in request.completions]
+        except ValueError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "completion stage must be PREFILL_DONE, DECODE_DONE or FAILED")
+        try:
+            accepted, ignored = svc.core.report(request.group_id, request.lease_id, comps,
+                                                svc.clock())
+        except _ERRORS as e:
+            await _abort(context, e)
+        return scheduler_pb2.ReportCompletionResponse(accepted=accepted,
+                                                      ignored_request_ids=ignored)
+
+    async def SubmitRequest(self, request, context):
+        core = self.svc.core
+        specs = [RequestSpec(r.prompt_tokens, r.hit_tokens, r.max_new_tokens, r.request_id,
+                             r.payload) for r in request.requests]
+        try:
+            out = core.submit(specs)
+        except _ERRORS as e:
+            await _abort(context, e)
+        return scheduler_pb2.SubmitRequestResponse(request_ids=[r.request_id for r in out],
+                                                   queued_requests=core.queued_requests())
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, svc: SchedulerService):
+        self.svc = svc
+
+    async def ListEngines(self, request, context):
+        svc = self.svc
+        engines = sorted(svc.core.engines.values(),
+                         key=lambda e: (e.group.group_id, e.rank))
+        return admin_pb2.ListEnginesResponse(engines=[svc.engine_view(e) for e in engines])
+
+    async def ListGroups(self, request, context):
+        svc = self.svc
+        now = svc.clock()
+        views = []
+        for g in sorted(svc.core.groups.values(), key=lambda g: g.group_id):
+            views.append(admin_pb2.GroupView(
+                group_id=g.group_id, role=int(g.role),
+                state=admin_pb2.GROUP_STATE_UP if g.up else admin_pb2.GROUP_STATE_DOWN,
+                engines=len(g.engines), unfinished_tokens=sum(e.tok for e in g.engines),
+                private_queue_requests=len(g.private_queue),
+                ms_since_fetch=max(0, int((now - g.last_fetch) * 1000)), lease_id=g.lease_id))
+        return admin_pb2.ListGroupsResponse(groups=views)
+
+    async def Stats(self, request, context):
+        svc = self.svc
+        core = svc.core
+        stages = core.stage_counts()
+        c = core.counters
+        up = sum(1 for g in core.groups.values() if g.up)
+        return admin_pb2.StatsResponse(
+            params=svc.params_pb(),
+            global_queue_requests=stages[Stage.GLOBAL_QUEUE],
+            group_queue_requests=stages[Stage.GROUP_QUEUE],
+            prefill_queue_requests=stages[Stage.PREFILL_QUEUE],
+            prefilling_requests=stages[Stage.PREFILLING],
+            decoding_requests=stages[Stage.DECODING],
+            submitted_requests_total=c.submitted, completed_requests_total=c.completed,
+            requeued_requests_total=c.requeued,
+            assignments_prefill_read_total=c.by_read_side[ReadSide.PREFILL],
+            assignments_decode_read_total=c.by_read_side[ReadSide.DECODE],
+            assignments_split_total=c.by_read_side[ReadSide.SPLIT],
+            assignments_no_read_total=c.by_read_side[ReadSide.NONE],
+            groups_up=up, groups_down=len(core.groups) - up, model_profile=svc.profile.name)
+
+    async def Drain(self, request, context):
+        svc = self.svc
+        try:
+            e = svc.core.drain(request.engine_id, request.undo)
+        except _ERRORS as err:
+            await _abort(context, err)
+        log.info("engine %s %s", e.engine_id, "undrained" if request.undo else "drained")
+        return admin_pb2.DrainResponse(engine=svc.engine_view(e))
+
+    async def SetParams(self, request, context):
+        svc = self.svc
+        changes = {f: getattr(request, f) for f in
+                   ("alpha_tokens", "beta_tokens", "compute_quota_ms", "split_read")
+                   if request.HasField(f)}
+        try:
+            svc.core.set_params(**changes)
+        except _ERRORS as e:
+            await _abort(context, e)
+        log.info("parameters changed: %s", changes)
+        return admin_pb2.SetParamsResponse(params=svc.params_pb())
+
+
+def create_server(address: str, service: SchedulerService | None = None, *,
+                  credentials: grpc.ServerCredentials | None = None,
+                  admin_token: str | None = None) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server (not started) with the Scheduler, Admin, health and reflection
+    services bound to ``address`` (port 0 = a free port); returns it and the port.
+    Call from inside the event loop that will run it. ``service.dualpath_service`` is
+    reachable as ``server.dualpath_service`` for tests."""
+    svc = service or SchedulerService()
+    server = grpc.aio.server(
+        interceptors=[tls.TokenAuthInterceptor(admin_token, (ADMIN_PREFIX,))],
+        options=[("grpc.so_reuseport", 0)])
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(svc), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(svc), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    try:
+        port = (server.add_secure_port(address, credentials) if credentials is not None
+                else server.add_insecure_port(address))
+    except RuntimeError as e:
+        raise UsageError(f"cannot listen on {address}: {e}") from None
+    server.dualpath_service = svc  # type: ignore[attr-defined]
+    server.dualpath_health = health_servicer  # type: ignore[attr-defined]
+    return server, port
+
+
+async def set_serving(server: grpc.aio.Server, serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    h = server.dualpath_health  # type: ignore[attr-defined]
+    for name in ("", *SERVICE_NAMES):
+        await h.set(name, status)
+
+
+async def serve(config: SchedulerConfig, *, config_path: str | None = None,
+                stop: asyncio.Event | None = None,
+                on_ready: Callable[[int, int | None], None] | None = None) -> None:
+    """Run the scheduler until SIGTERM/SIGINT (or ``stop`` is set): bind, log how it is
+    reachable, sweep leases, serve /metrics, then shut down gracefully."""
+    creds = tls.server_credentials(config.tls_cert_file, config.tls_key_file,
+                                   config.tls_client_ca_file)
+    token = tls.read_token(config.admin_token_file) if config.admin_token_file else None
+    svc = SchedulerService(config)
+    server, port = create_server(config.listen, svc, credentials=creds, admin_token=token)
+    metrics_srv = _metrics.start_metrics_server(config.metrics_listen, svc.registry)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        await set_serving(server, True)
+        svc.start_sweeper()
+        p = svc.core.params
+        host = config.listen.rpartition(":")[0]
+        log.info("scheduler listening on %s:%d, %s, admin token %s; config %s; model %s, "
+                 "alpha %d tokens, beta %d tokens, quota %d ms, split read %s, lease %d ms; "
+                 "metrics %s", host, port,
+                 tls.tls_mode(config.tls_cert_file, config.tls_client_ca_file),
+                 "set" if token else "not set (admin calls refused)",
+                 config_path or "(defaults)", svc.profile.name, p.alpha_tokens, p.beta_tokens,
+                 p.compute_quota_ms, p.split_read, config.lease_ms,
+                 metrics_srv.url if metrics_srv else "off")
+        if on_ready is not None:
+            on_ready(port, metrics_srv.port if metrics_srv else None)
+        await stop.wait()
+        log.info("scheduler shutting down (grace 5 s)")
+        await set_serving(server, False)
+        await server.stop(5.0)
+    finally:
+        await svc.stop_sweeper()
+        if metrics_srv is not None:
+            metrics_srv.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)

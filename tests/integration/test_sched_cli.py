@@ -1,0 +1,159 @@
+"""`dualpath scheduler` as a real daemon (subprocess on 127.0.0.1, port 0) and the
+`dualpath ctl` / `dualpath submit` commands against it: tables, --json, exit codes, and
+graceful shutdown on SIGTERM."""
+
+import asyncio
+import json
+import re
+import selectors
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from dualpath import cli
+from dualpath.scheduler.client import SchedulerClient
+from dualpath.v1 import scheduler_pb2 as pb
+
+TOKEN = "cli-test-token"
+
+
+def wait_for_line(proc, pattern, limit_s=60.0):
+    """Read the daemon's stderr until a line matches; returns (match, lines so far)."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    lines = []
+    while True:
+        if not sel.select(timeout=limit_s):
+            raise AssertionError("daemon said nothing for a minute:\n" + "".join(lines))
+        line = proc.stderr.readline()
+        if not line:
+            raise AssertionError("daemon exited:\n" + "".join(lines))
+        lines.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m, lines
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sched")
+    (d / "token").write_text(TOKEN + "\n")
+    cfg = d / "scheduler.toml"
+    cfg.write_text(f'[scheduler]\nadmin_token_file = "{d / "token"}"\n'
+                   'metrics_listen = "127.0.0.1:0"\nmodel_profile = "ds27b"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "scheduler", "--config",
+                             str(cfg), "--listen", "127.0.0.1:0"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        m, lines = wait_for_line(proc, r"listening on 127\.0\.0\.1:(\d+)")
+        addr = f"127.0.0.1:{m.group(1)}"
+
+        async def register():
+            async with SchedulerClient(addr) as c:
+                info = [pb.EngineInfo(engine_id=f"de7.{k}", rank=k, node_id="node-7",
+                                      hbm_bytes=1 << 30) for k in range(2)]
+                await c.register_group("de7", pb.ENGINE_ROLE_DECODE, info)
+
+        asyncio.run(register())
+        yield {"addr": addr, "token_file": str(d / "token"), "proc": proc,
+               "startup": "".join(lines)}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def ctl(capsys, *argv):
+    rc = cli.main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_startup_log_names_address_tls_mode_and_config(daemon):
+    line = daemon["startup"]
+    assert "plaintext" in line and "admin token set" in line
+    assert "scheduler.toml" in line and "model ds27b" in line
+    assert re.search(r"metrics http://127\.0\.0\.1:\d+/metrics", line)
+
+
+def test_ctl_engines_in_a_real_subprocess(daemon):
+    # The command an operator types, as its own process.
+    out = subprocess.run([sys.executable, "-m", "dualpath.cli", "ctl", "engines",
+                          "--scheduler", daemon["addr"], "--token-file", daemon["token_file"]],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:4] == ["ENGINE", "GROUP", "NODE", "ROLE"]
+    assert [ln.split()[0] for ln in lines[1:]] == ["de7.0", "de7.1"]
+    assert all(" decode " in ln and " up " in ln for ln in lines[1:])
+
+
+def test_ctl_json_groups_stats_drain_set_and_submit(daemon, capsys):
+    a = ["--scheduler", daemon["addr"], "--token-file", daemon["token_file"]]
+    rc, out, _ = ctl(capsys, "ctl", "engines", "--json", *a)
+    assert rc == 0
+    engines = json.loads(out)["engines"]
+    assert [e["engine_id"] for e in engines] == ["de7.0", "de7.1"]
+    assert engines[0]["role"] == "ENGINE_ROLE_DECODE" and engines[0]["drained"] is False
+    assert engines[0]["free_hbm_bytes"] > 0  # a number, not protobuf's JSON string
+
+    rc, out, _ = ctl(capsys, "ctl", "groups", *a)
+    assert rc == 0 and "de7" in out and "decode" in out
+
+    rc, out, _ = ctl(capsys, "submit", "--prompt-tokens", "4000", "--hit-tokens", "3500",
+                     "--count", "3", "--json", "--scheduler", daemon["addr"])
+    assert rc == 0 and len(json.loads(out)["request_ids"]) == 3
+
+    rc, out, _ = ctl(capsys, "ctl", "stats", "--json", *a)
+    st = json.loads(out)
+    assert rc == 0 and st["submitted_requests_total"] == 3
+    assert st["model_profile"] == "ds27b"
+
+    rc, out, _ = ctl(capsys, "ctl", "drain", "de7.1", *a)
+    assert rc == 0 and out.strip() == "engine de7.1 drained"
+    rc, out, _ = ctl(capsys, "ctl", "engines", "--json", *a)
+    assert [e["drained"] for e in json.loads(out)["engines"]] == [False, True]
+
+    rc, out, _ = ctl(capsys, "ctl", "set", "alpha=1234", "quota=250", "split_read=true",
+                     "--json", *a)
+    p = json.loads(out)["params"]
+    assert rc == 0 and (p["alpha_tokens"], p["compute_quota_ms"], p["split_read"]) == \
+        (1234, 250, True)
+
+
+def test_exit_codes(daemon, capsys, monkeypatch):
+    a = ["--scheduler", daemon["addr"]]
+    # 3: refused for lack of a token, or wrong token (from the environment).
+    monkeypatch.delenv("DUALPATH_ADMIN_TOKEN", raising=False)
+    rc, _, err = ctl(capsys, "ctl", "engines", *a)
+    assert rc == 3 and "UNAUTHENTICATED" in err
+    monkeypatch.setenv("DUALPATH_ADMIN_TOKEN", "wrong")
+    rc, _, err = ctl(capsys, "ctl", "stats", *a)
+    assert rc == 3 and "PERMISSION_DENIED" in err
+    monkeypatch.setenv("DUALPATH_ADMIN_TOKEN", TOKEN)
+    # 1: the scheduler refused the operation.
+    rc, _, err = ctl(capsys, "ctl", "drain", "no-such-engine", *a)
+    assert rc == 1 and "NOT_FOUND" in err
+    # 2: bad usage, caught before or by the scheduler.
+    rc, _, err = ctl(capsys, "ctl", "set", "gamma=1", *a)
+    assert rc == 2 and "gamma=1" in err
+    rc, _, err = ctl(capsys, "ctl", "set", "quota=0", *a)
+    assert rc == 2 and "INVALID_ARGUMENT" in err
+    rc, _, err = ctl(capsys, "submit", "--prompt-tokens", "0", *a)
+    assert rc == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["ctl", "--no-such-flag"])
+    assert e.value.code == 2
+    # 3: nothing listens there (port 1 on loopback is closed).
+    rc, _, err = ctl(capsys, "ctl", "engines", "--scheduler", "127.0.0.1:1")
+    assert rc == 3 and "UNAVAILABLE" in err
+
+
+def test_sigterm_shuts_down_gracefully(daemon):
+    # Runs last in this module (pytest keeps file order): it stops the shared daemon.
+    proc = daemon["proc"]
+    proc.send_signal(signal.SIGTERM)
+    wait_for_line(proc, r"shutting down")
+    assert proc.wait(timeout=60) == 0

@@ -36,8 +36,8 @@ from dualpath.trace.report import format_table
 CONFIGS = {
     "io_bound": {"agents": 24, "max_rounds": 4, "context_scale": 0.1, "snic_gbit_per_s": 0.25,
                  "speed_scale": 1.0, "modes": ("basic", "dualpath", "oracle")},
-    "compute_bound": {"agents": 8, "max_rounds": 4, "context_scale": 0.1,
-                      "snic_gbit_per_s": 0.0, "speed_scale": 0.01,
+    "compute_bound": {"agents": 16, "max_rounds": 4, "context_scale": 0.1,
+                      "snic_gbit_per_s": 0.0, "speed_scale": 0.05,
                       "modes": ("basic", "dualpath", "oracle")},
 }
 

@@ -240,6 +240,14 @@ def _assignment(r: Request, with_pe: bool) -> scheduler_pb2.Assignment:
         payload=r.payload)
 
 
+def _completions(msgs) -> list[Completion]:
+    try:
+        return [Completion(c.request_id, c.engine_id, CompletionStage(c.stage)) for c in msgs]
+    except ValueError:
+        raise UsageError("completion stage must be PREFILL_DONE, DECODE_DONE or "
+                         "FAILED") from None
+
+
 async def _abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
     for cls, code in _STATUS:
         if isinstance(e, cls):
@@ -280,8 +288,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         reports = [EngineReport(s.engine_id, s.unfinished_requests, s.unfinished_tokens,
                                 s.read_queue_tokens, s.free_hbm_bytes // kvb)
                    for s in request.engines]
+        accepted, ignored = 0, []
         try:
-            res = svc.core.fetch(request.group_id, request.lease_id, reports, svc.clock(),
+            now = svc.clock()
+            if request.completions:
+                accepted, ignored = svc.core.report(request.group_id, request.lease_id,
+                                                    _completions(request.completions), now)
+            res = svc.core.fetch(request.group_id, request.lease_id, reports, now,
                                  request.max_assignments)
         except _ERRORS as e:
             await _abort(context, e)
@@ -289,21 +302,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         reply = scheduler_pb2.FetchResponse(
             assignments=[_assignment(r, with_pe) for r in res.assignments],
             cancelled_request_ids=res.cancelled,
-            compute_quota_ms=svc.core.params.compute_quota_ms)
+            compute_quota_ms=svc.core.params.compute_quota_ms,
+            completions_accepted=accepted, ignored_request_ids=ignored)
         svc.metrics.observe_fetch(res.role, _clock.now() - t0)
         return reply
 
     async def ReportCompletion(self, request, context):
         svc = self.svc
         try:
-            comps = [Completion(c.request_id, c.engine_id, CompletionStage(c.stage))
-                     for c in request.completions]
-        except ValueError:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "completion stage must be PREFILL_DONE, DECODE_DONE or FAILED")
-        try:
-            accepted, ignored = svc.core.report(request.group_id, request.lease_id, comps,
-                                                svc.clock())
+            accepted, ignored = svc.core.report(request.group_id, request.lease_id,
+                                                _completions(request.completions), svc.clock())
         except _ERRORS as e:
             await _abort(context, e)
         return scheduler_pb2.ReportCompletionResponse(accepted=accepted,

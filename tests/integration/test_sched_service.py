@@ -111,8 +111,11 @@ def test_leader_protocol_end_to_end():
             done = [pb.Completion(request_id=x.request_id, engine_id=x.decode_engine_id,
                                   stage=pb.COMPLETION_STAGE_DECODE_DONE)
                     for x in got.assignments]
-            r = await c.report("de0", de.lease_id, done + done[:1])  # one retried
-            assert r.accepted == 5 and list(r.ignored_request_ids) == [done[0].request_id]
+            # DE completions ride on the next fetch; one is sent twice (a retry).
+            r = await c.fetch("de0", de.lease_id, status(de_eng, free_tokens=100_000),
+                              completions=done + done[:1])
+            assert r.completions_accepted == 5
+            assert list(r.ignored_request_ids) == [done[0].request_id]
             st = await c.stats()
             assert (st.submitted_requests_total, st.completed_requests_total) == (5, 5)
             assert (st.assignments_prefill_read_total, st.assignments_decode_read_total) \

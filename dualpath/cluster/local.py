@@ -98,14 +98,17 @@ class LocalCluster:
     def config_data(self, port: int) -> dict[str, dict]:
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         data: dict[str, dict] = {
+            # /metrics on free ports (each process logs its URL).
             "scheduler": {"listen": f"127.0.0.1:{port}", "model_profile": "demo",
-                          "lease_ms": 2000, "fetch_interval_ms": 5},
+                          "lease_ms": 2000, "fetch_interval_ms": 5,
+                          "metrics_listen": "127.0.0.1:0"},
             "scheduler_client": {"address": f"127.0.0.1:{port}"},
             "storage": {"dir": str(self.dir / "kv"), "fsync": False, "direct_io": "off"},
             # Pinning needs RLIMIT_MEMLOCK; a local cluster runs where it is small.
             "buffers": {"mlock": soft == resource.RLIM_INFINITY, "pe_buffer_mib": 512,
                         "de_buffer_mib": 512, "huge_pages": "off"},
-            "engine": {"engines_per_node": self.engines_per_node},
+            "engine": {"engines_per_node": self.engines_per_node,
+                       "metrics_listen": "127.0.0.1:0"},
             "transfer": {"connections_per_peer": 1},
         }
         for sec, kv in self.settings.items():

@@ -421,8 +421,13 @@ class NodeDaemon:
         except Exception as err:  # noqa: BLE001 - any failure requeues the request
             log.warning("prefill of %s on %s failed: %s", rid, e.engine_id, err)
             self.metrics.requests.labels("prefill_failed").inc()
+            # Free what the DE holds for it, and only then report: the retry's
+            # PrepareRequest must not overtake this cancel.
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await engine_pb2_grpc.EngineStub(self.channels.channel(
+                    a.decode_control_address)).CancelRequest(
+                        engine_pb2.CancelRequestRequest(request_id=rid), timeout=1)
             self._complete(rid, e, scheduler_pb2.COMPLETION_STAGE_FAILED)
-            await asyncio.sleep(0.05)
         finally:
             e.tokens.pop(rid, None)
             self.prefills.pop(rid, None)

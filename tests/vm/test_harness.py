@@ -184,3 +184,20 @@ def test_bad_invocation_is_refused(args, env, message):
     run = _run_sh(*args, env=env)
     assert run.returncode == 125
     assert message in run.stderr
+
+
+@pytest.mark.slow
+def test_a_working_directory_under_tmp_is_visible_in_the_guest(tmp_path):
+    # CI and `git clone . $(mktemp -d)` put checkouts under /tmp, which the guest
+    # otherwise replaces with its own tmpfs: run.sh binds that /tmp folder through.
+    work = tmp_path / "checkout"
+    work.mkdir()
+    (work / "from-host").write_text("host\n")
+    proc = subprocess.run(
+        [str(RUN_SH), "pwd; cat from-host; echo guest > from-guest"], cwd=work,
+        env={**os.environ, "DUALPATH_VM_TIMEOUT": "600"}, capture_output=True, text=True,
+        timeout=900, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[:2] == [str(work), "host"]
+    assert (work / "from-guest").read_text() == "guest\n"

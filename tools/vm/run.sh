@@ -36,9 +36,18 @@ mkdir -p "$CACHE" && CACHE=$(cd "$CACHE" && pwd)
 # Kernel command-line values (the run folder, guest.sh) cannot hold whitespace.
 [[ $CACHE$VM_DIR != *[[:space:]]* ]] ||
   die "the repository and DUALPATH_VM_CACHE paths must not contain whitespace: $CACHE"
-# The guest mounts its own /tmp and /run: a run folder there would be invisible to it.
-[[ $CACHE/ != /tmp/* && $CACHE/ != /run/* ]] ||
-  die "DUALPATH_VM_CACHE must not be under /tmp or /run (the guest has its own): $CACHE"
+# The guest mounts its own /tmp and /run. A checkout under /tmp (a CI clone, a
+# `mktemp -d` clone) stays visible: each top-level /tmp folder holding the repository,
+# the cache or the working directory is bound into the guest's /tmp (dualpath.keeptmp).
+[[ $CACHE/ != /run/* ]] ||
+  die "DUALPATH_VM_CACHE must not be under /run (the guest has its own): $CACHE"
+keeptmp=
+for p in "$ROOT" "$CACHE" "$(pwd)"; do
+  if [[ $p == /tmp/?* ]]; then
+    top=${p#/tmp/}; top=${top%%/*}
+    [[ ,$keeptmp, == *,$top,* ]] || keeptmp=${keeptmp:+$keeptmp,}$top
+  fi
+done
 
 GUEST=$(DUALPATH_VM_CACHE=$CACHE "$VM_DIR/build.sh") ||
   die "building the guest failed (tools/vm/build.sh)"
@@ -63,6 +72,7 @@ printf '%s\n' "$CMD" >"$RUN/cmd"
 } >"$RUN/env"
 
 append="console=ttyS0 panic=-1 dualpath.run=$RUN dualpath.stage2=$VM_DIR/guest.sh"
+[ -z "$keeptmp" ] || append="$append dualpath.keeptmp=$keeptmp"
 [ "${DUALPATH_VM_VERBOSE:-0}" = 1 ] || append="quiet loglevel=3 $append"
 
 start=$(date +%s.%N)

@@ -331,23 +331,20 @@ class NodeDaemon:
             read_queue_tokens=self.read_q_tokens(), free_hbm_bytes=free)
 
     async def _fetch_once(self) -> None:
-        if self.completions:
-            done, self.completions = self.completions, []
-            try:
-                await self.scheduler.ReportCompletion(scheduler_pb2.ReportCompletionRequest(
-                    group_id=self.node_id, lease_id=self.lease_id, completions=done), timeout=5)
-            except grpc.aio.AioRpcError:
-                self.completions[:0] = done
-                raise
+        done, self.completions = self.completions, []   # they ride on the fetch
         self.metrics.read_q.set(self.read_q_tokens())
         now = time.monotonic()
         if now - self._last_status_log > 5.0 and (self.prefills or self.requests):
             self._last_status_log = now
             log.info("%s: in flight: prefills %s; decodes %s", self.node_id,
                      sorted(self.prefills)[:6], sorted(self.requests)[:6])
-        r = await self.scheduler.Fetch(scheduler_pb2.FetchRequest(
-            group_id=self.node_id, lease_id=self.lease_id,
-            engines=[self._status(e) for e in self.engines]), timeout=5)
+        try:
+            r = await self.scheduler.Fetch(scheduler_pb2.FetchRequest(
+                group_id=self.node_id, lease_id=self.lease_id,
+                engines=[self._status(e) for e in self.engines], completions=done), timeout=5)
+        except grpc.aio.AioRpcError:
+            self.completions[:0] = done     # reports are idempotent: resend next time
+            raise
         for rid in r.cancelled_request_ids:
             self._cancel(rid)
         for a in r.assignments:

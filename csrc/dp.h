@@ -44,8 +44,17 @@ struct dp_item {
     uint32_t length;       /* bytes, > 0 */
     uint32_t lkey;
     uint32_t rkey;
-    uint32_t flags;        /* reserved: 0 */
+    uint32_t flags;        /* enum dp_item_flags; 0 for the default */
     uint64_t wr_id;        /* caller's id: returned by the completion that retires it */
+};
+
+/* dp_item.flags. UNSIGNALLED_LAST: when this item ends a post, do not signal it just for
+ * that (it is signalled only when the signal_every count falls on it, or when it fills
+ * the QP's credits, so unsignalled WRs can always be retired). For callers that stream
+ * single-WR posts and want ib_write_bw's CQ moderation; the caller then must signal the
+ * last WR it waits for (post it without the flag). The TCP provider ignores flags. */
+enum dp_item_flags {
+    DP_ITEM_UNSIGNALLED_LAST = 1
 };
 
 /* One completion. status uses ibv_wc_status numbering for both providers:
@@ -188,7 +197,7 @@ int dp_qp_destroy(dp_qp *qp);
 
 /* [int] Post `n` RDMA WRITEs with ONE ibv_post_send (one doorbell) using the QP's
  * prebuilt chain; no allocation. Every `signal_every`-th WR (counted across posts on
- * this QP) and the batch's last WR are signalled. Credits: never more than max_send_wr
+ * this QP) and the batch's last WR (unless DP_ITEM_UNSIGNALLED_LAST) are signalled. Credits: never more than max_send_wr
  * WRs outstanding on the QP nor more signalled WRs than the CQ's depth.
  * Returns 0 when all n went out; -EAGAIN when credits ran out after *n_posted items
  * (a normal partial result: poll, then post the rest); any other -errno when

@@ -65,9 +65,14 @@ int dp_qp_post_write(dp_qp *qp, const struct dp_item *items, uint32_t n,
     uint32_t since = qp->since_signal;
     uint32_t inline_max = qp->cfg.max_inline;
 
+    /* The post's last WR is signalled unless the caller opted out, and always when it
+     * fills the QP: otherwise no completion could ever retire the unsignalled tail. */
+    int fills = qp->head + k - qp->tail == qp->cfg.max_send_wr;
+    int last_signal = fills || !(items[k - 1].flags & DP_ITEM_UNSIGNALLED_LAST);
+
     for (uint32_t i = 0; i < k; i++, seq++) {
         const struct dp_item *it = &items[i];
-        int signalled = ++since >= signal_every || i + 1 == k;
+        int signalled = ++since >= signal_every || (i + 1 == k && last_signal);
 
         since = signalled ? 0 : since;
         sig += (uint64_t)signalled;

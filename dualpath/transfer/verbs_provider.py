@@ -127,7 +127,7 @@ class _VerbsConnection(Connection):
 
     def post(self, count: int, signal_every: int) -> int:
         with self._lock:
-            return self.qp.post_write(self._batch, signal_every, start=0, count=count)
+            return self.qp.post_raw(self.items, count, signal_every)
 
     def close(self) -> None:
         with self._lock:

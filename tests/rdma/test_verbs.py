@@ -169,6 +169,29 @@ def test_signal_count_carries_across_posts_and_last_is_signalled(dev_a):
     assert [(w.wr_id, w.retired) for w in wcs] == [(2, 3), (6, 4), (9, 3)]
 
 
+def test_unsignalled_last_streams_single_posts_until_the_count_or_a_full_qp(dev_a):
+    a, b = loopback(dev_a, config=verbs.QpConfig(max_send_wr=8))
+    batch = verbs.WriteBatch([a.item(b, i * 64, 64, wr_id=i) for i in range(16)])
+    for i in range(16):
+        batch.items[i].flags = lib.DP_ITEM_UNSIGNALLED_LAST
+    # Single-WR posts, signal_every 4, no forced signal on each post's last: only the 4th
+    # is signalled; then one post without the flag ends signalled (dp.h).
+    for i in range(6):
+        assert a.qp.post_write(batch, signal_every=4, start=i, count=1) == 1
+    batch.items[6].flags = 0
+    assert a.qp.post_write(batch, signal_every=4, start=6, count=1) == 1
+    wcs = wait_retired(a, 7)
+    assert [(w.wr_id, w.retired) for w in wcs] == [(3, 4), (6, 3)]
+    # signal_every 100 > max_send_wr 8: the post that fills the QP is signalled anyway,
+    # or nothing could ever retire the other seven.
+    for i in range(8):
+        assert a.qp.post_write(batch, signal_every=100, start=8 + i, count=1) == 1
+    assert a.qp.outstanding == 8
+    wcs = wait_retired(a, 8)
+    assert [(w.wr_id, w.retired) for w in wcs] == [(15, 8)]
+    assert a.qp.outstanding == 0
+
+
 def test_poll_array_is_numpy_structured(dev_a):
     a, b = loopback(dev_a)
     assert a.qp.post_write([a.item(b, i * 64, 64, wr_id=40 + i) for i in range(8)],

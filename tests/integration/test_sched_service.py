@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import dataclasses
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -253,7 +254,8 @@ def test_metrics_endpoint_serves_the_scheduler_metrics():
                      "dualpath_scheduler_tokens_in_flight",
                      "dualpath_scheduler_read_queue_tokens",
                      "dualpath_scheduler_fetch_duration_seconds_bucket",
-                     "dualpath_scheduler_requests_submitted_total"):
+                     "dualpath_scheduler_requests_submitted_total",
+                     "dualpath_scheduler_event_loop_lag_seconds_bucket"):
             assert name in text, name
         # Hits of 64 tokens: PE (tie at 0), DE (64 > 0), PE (64 = 64); one without a hit.
         assert 'dualpath_scheduler_assignments_total{path="pe_read"} 2.0' in text
@@ -274,6 +276,8 @@ def test_config_defaults_are_valid_and_documented():
 
     cfg = config.load(None)
     assert cfg.scheduler == SchedulerConfig()
+    sample = config.load(Path(__file__).parents[2] / "deploy" / "scheduler.toml")
+    assert sample.scheduler.tls_client_ca_file and sample.scheduler.admin_token_file
     docs = config.docs()
     for f in dataclasses.fields(SchedulerConfig):
         assert f"`scheduler.{f.name}`" in docs and f.metadata["doc"]

@@ -64,6 +64,9 @@ def audit(s: Scheduler) -> None:
             if r.stage is Stage.PREFILLING:
                 assert r.pe is not None and r.pe.group.up
             where[r.request_id] += 1
+    stages = Counter(r.stage for r in s.requests.values())
+    counts = s.stage_counts()
+    assert all(counts[st] == stages[st] for st in counts), (counts, stages)
     assert set(where) == set(s.requests), "a request is lost or unknown"
     assert all(n == 1 for n in where.values()), f"duplicated: {where.most_common(3)}"
     assert s.counters.submitted == s.counters.completed + len(s.requests)

@@ -70,6 +70,7 @@ class Scheduler:
         self.counters = Counters()
         self._next_seq = 0
         self._next_lease = 0
+        self._prefilling = 0  # requests in stage PREFILLING, kept so stats are O(groups)
         self._decode_groups: list[Group] | None = None  # up DE groups with a usable engine
 
     # ------------------------------------------------------------ registration
@@ -191,6 +192,7 @@ class Scheduler:
         self.counters.fetches += 1
         if g.role is Role.PREFILL:
             out = policy.assign_prefill(self.prefill_queue, g.engines, p, limit)
+            self._prefilling += len(out)
             by_side = self.counters.by_read_side
             for r in out:
                 by_side[r.read_side] += 1
@@ -221,7 +223,10 @@ class Scheduler:
                 r.de.engine_id == c.engine_id and r.stage in (Stage.PREFILLING, Stage.DECODING)
             if c.stage is CompletionStage.PREFILL_DONE and pe_here:
                 r.stage = Stage.DECODING
+                self._prefilling -= 1
             elif c.stage is CompletionStage.DECODE_DONE and de_here:
+                if r.stage is Stage.PREFILLING:
+                    self._prefilling -= 1
                 r.stage = Stage.DONE
                 del self.requests[r.request_id]
                 self.counters.completed += 1
@@ -295,8 +300,10 @@ class Scheduler:
             if r.stage is Stage.GROUP_QUEUE and r.de_group is not None and r.de_group.up:
                 r.de_group.private_queue.remove(r)
                 r.de_group.private_tokens -= r.prompt_tokens
-            if r.stage is Stage.PREFILLING and r.pe is not None and r.pe.group.up:
-                r.pe.group.pending_cancel.append(r.request_id)
+            if r.stage is Stage.PREFILLING:
+                self._prefilling -= 1
+                if r.pe.group.up:  # type: ignore[union-attr]
+                    r.pe.group.pending_cancel.append(r.request_id)  # type: ignore[union-attr]
             r.stage = Stage.GLOBAL_QUEUE
             r.de_group = r.de = r.pe = None
             self._forget_read(r)
@@ -306,6 +313,7 @@ class Scheduler:
     def _requeue_prefill(self, reqs: list[Request]) -> None:
         """Back to the head of the prefill queue, in arrival order, keeping their DE."""
         reqs.sort(key=lambda r: r.seq)
+        self._prefilling -= len(reqs)  # every caller passes PREFILLING requests
         for r in reqs:
             r.stage = Stage.PREFILL_QUEUE
             r.pe = None
@@ -357,7 +365,6 @@ class Scheduler:
         counts[Stage.GROUP_QUEUE] = sum(len(g.private_queue) for g in self.groups.values()
                                         if g.role is Role.DECODE)
         held = len(self.requests) - sum(counts.values())
-        prefilling = sum(1 for r in self.requests.values() if r.stage is Stage.PREFILLING)
-        counts[Stage.PREFILLING] = prefilling
-        counts[Stage.DECODING] = held - prefilling
+        counts[Stage.PREFILLING] = self._prefilling
+        counts[Stage.DECODING] = held - self._prefilling
         return counts

@@ -144,6 +144,17 @@ class SimCluster:
                 e.placed[a.request_id] = (a.hbm_tokens, a.prompt_tokens)
                 e.free_hbm_tokens -= a.hbm_tokens
 
+    def absorb_requests(self, group: SimGroup, requests: list) -> None:
+        """Like :meth:`absorb`, from the core's Request records (the fetch's result)."""
+        if group.role is Role.PREFILL:
+            self.absorb(group, [SimAssignment(r.request_id, r.pe.engine_id, r.prompt_tokens,
+                                              r.hbm_tokens, r.prefill_read_tokens,
+                                              r.decode_read_tokens, r.de.engine_id)
+                                for r in requests])
+        else:
+            self.absorb(group, [SimAssignment(r.request_id, r.de.engine_id, r.prompt_tokens,
+                                              r.hbm_tokens) for r in requests])
+
     def drop(self, request_ids: list[str]) -> None:
         """Cancelled by the scheduler: forget them wherever they are."""
         gone = set(request_ids)

@@ -4,11 +4,12 @@ graceful shutdown on SIGTERM."""
 
 import asyncio
 import json
+import queue
 import re
-import selectors
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -19,21 +20,35 @@ from dualpath.v1 import scheduler_pb2 as pb
 TOKEN = "cli-test-token"
 
 
-def wait_for_line(proc, pattern, limit_s=60.0):
-    """Read the daemon's stderr until a line matches; returns (match, lines so far)."""
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stderr, selectors.EVENT_READ)
-    lines = []
-    while True:
-        if not sel.select(timeout=limit_s):
-            raise AssertionError("daemon said nothing for a minute:\n" + "".join(lines))
-        line = proc.stderr.readline()
-        if not line:
-            raise AssertionError("daemon exited:\n" + "".join(lines))
-        lines.append(line)
-        m = re.search(pattern, line)
-        if m:
-            return m, lines
+class DaemonLog:
+    """The daemon's stderr, read line by line on a thread (a select() on the pipe would
+    miss lines already sitting in the reader's buffer)."""
+
+    def __init__(self, proc):
+        self.lines: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True).start()
+
+    def _pump(self, stream):
+        for line in stream:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, pattern, limit_s=60.0):
+        """The first match of ``pattern`` in the lines to come (bounded wait, not a test
+        of speed: a daemon silent for a minute is broken)."""
+        while True:
+            try:
+                line = self.lines.get(timeout=limit_s)
+            except queue.Empty:
+                raise AssertionError("daemon said nothing for a minute:\n"
+                                     + "".join(self.seen)) from None
+            if line is None:
+                raise AssertionError("daemon exited:\n" + "".join(self.seen))
+            self.seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +62,8 @@ def daemon(tmp_path_factory):
                              str(cfg), "--listen", "127.0.0.1:0"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
-        m, lines = wait_for_line(proc, r"listening on 127\.0\.0\.1:(\d+)")
+        log = DaemonLog(proc)
+        m = log.wait_for(r"listening on 127\.0\.0\.1:(\d+)")
         addr = f"127.0.0.1:{m.group(1)}"
 
         async def register():
@@ -57,8 +73,8 @@ def daemon(tmp_path_factory):
                 await c.register_group("de7", pb.ENGINE_ROLE_DECODE, info)
 
         asyncio.run(register())
-        yield {"addr": addr, "token_file": str(d / "token"), "proc": proc,
-               "startup": "".join(lines)}
+        yield {"addr": addr, "token_file": str(d / "token"), "proc": proc, "log": log,
+               "startup": "".join(log.seen)}
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -155,5 +171,5 @@ def test_sigterm_shuts_down_gracefully(daemon):
     # Runs last in this module (pytest keeps file order): it stops the shared daemon.
     proc = daemon["proc"]
     proc.send_signal(signal.SIGTERM)
-    wait_for_line(proc, r"shutting down")
+    daemon["log"].wait_for(r"shutting down")
     assert proc.wait(timeout=60) == 0

@@ -5,7 +5,7 @@ import pytest
 
 from dualpath.kv.profiles import get_profile
 from dualpath.scheduler.core import Params, ReadSide, Role, Scheduler, policy
-from dualpath.scheduler.sim import SimAssignment, SimCluster
+from dualpath.scheduler.sim import SimCluster
 from tests.unit.test_sched_properties import audit
 
 
@@ -23,14 +23,7 @@ def drive(s, cl, rounds, dt, submit_per_round):
                 s.report(g.group_id, g.lease_id, done, cl.now)
             res = s.fetch(g.group_id, g.lease_id, g.reports(), cl.now)
             cl.drop(res.cancelled)
-            if g.role is Role.PREFILL:
-                cl.absorb(g, [SimAssignment(r.request_id, r.pe.engine_id, r.prompt_tokens,
-                                            r.hbm_tokens, r.prefill_read_tokens,
-                                            r.decode_read_tokens, r.de.engine_id)
-                              for r in res.assignments])
-            else:
-                cl.absorb(g, [SimAssignment(r.request_id, r.de.engine_id, r.prompt_tokens,
-                                            r.hbm_tokens) for r in res.assignments])
+            cl.absorb_requests(g, res.assignments)
         audit(s)
 
 

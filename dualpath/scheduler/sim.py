@@ -9,7 +9,11 @@ storage rate, a DE finishes a request ``max_new_tokens × decode_s_per_token`` a
 placed there. ``speedup`` multiplies every rate, so that a fetch carries more work and the
 scheduler, not the simulated cluster, is what a benchmark measures.
 
-Pure and single-threaded; the caller owns the clock (``step(dt)``).
+Pure and single-threaded; the caller owns the clock (``step(dt)``). A load generator
+split over processes gives each process a full replica and marks the engines it does not
+run ``local = False``: a PE's PREFILL_DONE for such a DE goes to :attr:`SimCluster.outbox`
+as ``(request_id, de_engine_id)``, and the owner applies it with :meth:`prefill_done` (as
+a real PE tells its DE through the Engine service).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class SimEngine:
     timers: list = field(default_factory=list)  # heap of (finish time, request_id)
     tok: float = 0
     free_hbm_tokens: int = 0
+    local: bool = True  # False: another process runs it (see the module docstring)
 
     @property
     def seq(self) -> int:
@@ -115,6 +120,8 @@ class SimCluster:
                 self.groups.append(SimGroup(f"{tag}-group{n}", role, engines))
         self._next = 0
         self._decoder: dict[str, SimEngine] = {}  # request -> its DE, while prefilling
+        self._early: dict[str, float] = {}  # prefill done before its DE saw the placement
+        self.outbox: list[tuple[str, str]] = []  # PREFILL_DONE for DEs run elsewhere
 
     def new_requests(self, n: int) -> list[RequestSpec]:
         """Agentic turns shaped like the paper's 64K trace (Table 2: context ~32.7K, append
@@ -143,6 +150,21 @@ class SimCluster:
             else:
                 e.placed[a.request_id] = (a.hbm_tokens, a.prompt_tokens)
                 e.free_hbm_tokens -= a.hbm_tokens
+                done_at = self._early.pop(a.request_id, None)
+                if done_at is not None:
+                    self._start_decode(e, a.request_id, done_at)
+
+    def prefill_done(self, request_id: str, engine_id: str) -> None:
+        """The PE of ``request_id`` (run elsewhere) finished it at ``self.now``: its DE
+        ``engine_id`` starts decoding."""
+        self._start_decode(self.engines[engine_id], request_id, self.now)
+
+    def _start_decode(self, de: SimEngine, rid: str, at: float) -> None:
+        if rid in de.placed:
+            hbm, prompt = de.placed[rid]
+            heappush(de.timers, (at + (hbm - prompt) * self.decode_s_per_token, rid))
+        else:
+            self._early[rid] = at
 
     def absorb_requests(self, group: SimGroup, requests: list) -> None:
         """Like :meth:`absorb`, from the core's Request records (the fetch's result)."""
@@ -158,6 +180,8 @@ class SimCluster:
     def drop(self, request_ids: list[str]) -> None:
         """Cancelled by the scheduler: forget them wherever they are."""
         gone = set(request_ids)
+        for rid in gone & self._early.keys():
+            del self._early[rid]
         for e in self.engines.values():
             if e.role is Role.PREFILL:
                 keep = deque(h for h in e.held if h[0] not in gone)
@@ -199,9 +223,10 @@ class SimCluster:
                         done.append(Completion(h[0], e.engine_id,
                                                CompletionStage.PREFILL_DONE))
                         de = self._decoder.pop(h[0])
-                        if h[0] in de.placed:
-                            gen = de.placed[h[0]][0] - h[2]
-                            heappush(de.timers, (now + gen * self.decode_s_per_token, h[0]))
+                        if de.local:
+                            self._start_decode(de, h[0], now)
+                        else:
+                            self.outbox.append((h[0], de.engine_id))
             else:
                 timers = e.timers
                 while timers and timers[0][0] <= now:

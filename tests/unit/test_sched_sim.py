@@ -52,3 +52,45 @@ def test_every_request_finishes_exactly_once(split):
     # timing and beta only: whichever group fetches first takes what its engines can.)
     assigned = [e.assigned_total for e in s.engines.values() if e.role is Role.PREFILL]
     assert min(assigned) > 0.5 * max(assigned)
+
+
+def test_replicas_split_over_processes_hand_prefill_done_over():
+    """The bench's multi-process mode: replica A runs the PE groups, replica B the DE
+    groups (each marks the other's engines non-local); PREFILL_DONE for B's DEs leaves A
+    through its outbox and reaches B by prefill_done, and every request still finishes
+    exactly once."""
+    prof = get_profile("ds27b")
+    reps = [SimCluster(prof, pe_nodes=2, de_nodes=2, engines_per_node=4, speedup=5.0, seed=7)
+            for _ in range(2)]
+    a, b = reps
+    s = Scheduler(Params(alpha_tokens=policy.derive_alpha(250e9, prof.kv_bytes_per_token),
+                         beta_tokens=policy.derive_beta(prof) * 5, lease_s=1e9,
+                         default_read_tokens_per_s=a.read_tokens_per_s))
+    owned = []  # (replica, group) with the group object of the replica that runs it
+    for ga, gb in zip(a.groups, b.groups, strict=True):
+        rep, g = (a, ga) if ga.role is Role.PREFILL else (b, gb)
+        for other in (ga, gb):
+            for e in other.engines:
+                e.local = other is g
+        g.lease_id = s.register_group(g.group_id, g.role, g.specs(), 0.0).lease_id
+        owned.append((rep, g))
+    handed = 0
+    for rnd in range(2100):
+        for rep in reps:
+            rep.now += 0.05
+        if rnd < 100:
+            s.submit(a.new_requests(20))
+        for rep, g in owned:
+            done = rep.step(g, 0.05)
+            for rid, engine_id in a.outbox:
+                b.prefill_done(rid, engine_id)
+                handed += 1
+            a.outbox.clear()
+            if done:
+                s.report(g.group_id, g.lease_id, done, rep.now)
+            res = s.fetch(g.group_id, g.lease_id, g.reports(), rep.now)
+            rep.absorb_requests(g, res.assignments)
+    assert b.outbox == []  # B runs no PE
+    assert handed == 2000  # every PREFILL_DONE crossed over once (all DEs are B's)
+    assert s.counters.submitted == 2000 and s.counters.completed == 2000
+    assert not s.requests

@@ -29,7 +29,9 @@ Prints a fixed table and, with ``--json PATH``, writes the same record with a to
 post like one ucp_put per call, over ucx at each size >= 64 KiB), the same at our best
 batch, batch32_vs_batch1_msg_rate_4k, verbs_vs_perftest_min_ratio_ge_64k (ours over
 ib_write_bw at the same batch, the lowest over sizes >= 64 KiB and the batches run),
-verbs_vs_perftest_ratio_4k_batch32 (null when not run).
+verbs_vs_perftest_ratio_4k_batch32 (null when not run); beside the ratios of bests,
+verbs_vs_perftest_paired_median_ratios (the median over rounds of each back-to-back
+pair) and every round's figure under rounds_bw_mbps, so noise can be judged.
 
 Extending: a rig is ``RIGS[name](args, max_size)`` with ``run(size, batch, iters) ->
 Point``, ``verify(size)``, ``close()`` and ``description``; a peer is
@@ -66,6 +68,7 @@ VERBS_DEFAULTS = {"sizes": "4K,64K,1M,4M", "batches": "1,32", "bytes_per_point":
 SLOT_BYTES = 64 * MIB       # per buffer: slots = min(64, SLOT_BYTES // size)
 VERBS_SLOT_BYTES = 16 * MIB  # rxe pins and maps every page: keep its MRs small
 PERFTEST_CQ_MOD = 100       # ib_write_bw's default CQ moderation without --post_list
+STALL_S = 30.0              # no completion this long while waiting: stop, do not hang
 
 
 def parse_size(text: str) -> int:
@@ -150,12 +153,14 @@ def ring_items(ffi, src_mr, dst_mr, size: int, slots: int, batch: int):
 
 
 def retired_waiter(cq):
-    """bw_loop's wait(block): poll (or wait up to 1 s) and count the WRITEs retired; any
-    error completion stops the bench."""
+    """bw_loop's wait(block): poll (or wait for the next completion) and count the WRITEs
+    retired; an error completion, or none for STALL_S seconds, stops the bench."""
     wc = cq.wc
 
     def wait(block: bool) -> int:
-        n = cq.wait_n(1.0) if block else cq.poll_n()
+        n = cq.wait_n(STALL_S) if block else cq.poll_n()
+        if block and n == 0:
+            raise RuntimeError(f"no completion within {STALL_S} s: the data path is stuck")
         got = 0
         for i in range(n):
             if wc[i].status:
@@ -269,28 +274,34 @@ class VerbsRig:
         qp, se = self.qp, batch if batch > 1 else min(PERFTEST_CQ_MOD, self.depth)
         for i in range(slots + batch):
             items[i].flags = self.unsignalled_last
-        waiter = retired_waiter(self.cq)
         runs = [items + i for i in range(slots)]    # made once: no cdata per post
-        post_raw, flag, done = qp.post_raw, self.unsignalled_last, 0
-
-        def post(slot, count):
-            nonlocal done
-            if done + count != iters:
-                n = post_raw(runs[slot], count, se)
-            else:                               # the run's last WRITE is signalled
+        # ib_write_bw's loop, kept lean (under emulation every Python line shows): post
+        # while the credits allow, else wait in C; the run's last post is signalled.
+        post_raw, flag, depth, now = qp.post_raw, self.unsignalled_last, self.depth, clock.now_ns
+        wait = retired_waiter(self.cq)
+        posted = retired = posts = post_ns = 0
+        t0 = now()
+        while retired < iters:
+            room = depth - posted + retired
+            if room >= batch and posted + batch < iters:
+                a = now()
+                posted += post_raw(runs[posted % slots], batch, se)
+                post_ns += now() - a
+                posts += 1
+            elif posted < iters and room >= iters - posted:
+                count, slot = iters - posted, posted % slots
                 last = items[slot + count - 1]
                 last.flags = 0
-                n = post_raw(runs[slot], count, se)
+                a = now()
+                posted += post_raw(runs[slot], count, se)
+                post_ns += now() - a
                 last.flags = flag
-            done += n
-            return n
-
-        def wait(block: bool) -> int:
-            # Verbs needs no polling to make progress (TCP does): like ib_write_bw, post
-            # until the credits run out, then poll (dp_cq_wait spins in C).
-            return waiter(True) if block else 0
-
-        return bw_loop(self.transport, post, wait, size, batch, iters, self.depth, slots)
+                posts += 1
+            else:
+                retired += wait(True)
+        seconds = (now() - t0) / 1e9
+        return Point(self.transport, size, batch, iters, seconds, size * iters / seconds / MIB,
+                     iters / seconds / 1e6, post_ns / 1e3 / max(posted, 1), posts)
 
     def verify(self, size: int) -> bool:
         n = self.slots(size) * size
@@ -458,7 +469,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def summarise(points: list[Point], peers: list[PeerPoint]) -> dict:
+def paired_median(ours: list[float], peer: list[float]) -> float | None:
+    """The median over rounds of ours/peer, each round's pair run back to back: robust to
+    load that comes and goes, where the ratio of bests rewards the luckier side."""
+    r = sorted(a / b for a, b in zip(ours, peer) if b)
+    return round((r[len(r) // 2] + r[(len(r) - 1) // 2]) / 2, 3) if r else None
+
+
+def summarise(points: list[Point], peers: list[PeerPoint],
+              samples: dict[str, list[float]] | None = None) -> dict:
     by = {(p.size, p.batch): p for p in points}
     batches = sorted({p.batch for p in points})
     summary: dict = {
@@ -478,6 +497,11 @@ def summarise(points: list[Point], peers: list[PeerPoint]) -> dict:
         summary["verbs_vs_perftest_ratio_4k_batch32"] = ratios.get((4 * KIB, 32))
         summary["verbs_vs_perftest_ratios"] = {f"{human(s)}/b{b}": r
                                                for (s, b), r in sorted(ratios.items())}
+        if samples:
+            summary["verbs_vs_perftest_paired_median_ratios"] = {
+                f"{human(s)}/b{b}": paired_median(samples.get(f"ours/{s}/{b}", []),
+                                                  samples.get(f"ib_write_bw/{s}/{b}", []))
+                for (s, b) in sorted(ratios)}
         summary["perftest_post_list_gain_4k"] = ratio(
             perf[(4 * KIB, 32)].msg_rate_mpps, perf[(4 * KIB, 1)].msg_rate_mpps
         ) if (4 * KIB, 32) in perf and (4 * KIB, 1) in perf else None
@@ -578,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     rig = RIGS[args.transport](args, max(sizes))
     points: list[Point] = []
     peers: list[PeerPoint] = []
+    samples: dict[str, list[float]] = {}    # "who/size/batch" -> MB/s of every round
     try:
         for size in sizes:
             iters = iterations(size, args.bytes_per_point, args.min_iters, args.max_iters)
@@ -596,11 +621,13 @@ def main(argv: list[str] | None = None) -> int:
                 for flag, which in runs:
                     if flag is None:
                         p = rig.run(size, which, iters)
+                        samples.setdefault(f"ours/{size}/{which}", []).append(p.bw_mbps)
                         if which not in best_ours or p.bw_mbps > best_ours[which].bw_mbps:
                             best_ours[which] = p
                         continue
                     for q in PEERS[flag](size, which, iters, args):
                         key = (q.tool, q.size, q.batch)
+                        samples.setdefault(f"{q.tool}/{q.size}/{q.batch}", []).append(q.bw_mbps)
                         if key not in best_peer or q.bw_mbps > best_peer[key].bw_mbps:
                             best_peer[key] = q
             peers += best_peer.values()
@@ -612,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         rig.close()
 
     print_table(points, peers)
-    summary = summarise(points, peers)
+    summary = summarise(points, peers, samples)
     print("summary: " + json.dumps(summary))
     record = {
         "bench": "dataplane",
@@ -626,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
                   "post_us_per_wr": "us inside the post call per WRITE"},
         "points": [asdict(p) for p in points],
         "peers": [asdict(p) for p in peers],
+        "rounds_bw_mbps": {k: [round(x, 2) for x in v] for k, v in samples.items()},
         "summary": summary,
     }
     if args.json:

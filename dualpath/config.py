@@ -36,7 +36,7 @@ SECTIONS: dict[str, str] = {
 
 
 def key(default: Any, doc: str, *, choices: tuple | None = None,
-        min: float | None = None, max: float | None = None) -> Any:  # noqa: A002
+        min: float | None = None, max: float | None = None) -> Any:
     """Declare a config field with its documentation and constraints."""
     meta = {"doc": doc, "choices": choices, "min": min, "max": max}
     if isinstance(default, (list, dict)):

@@ -27,8 +27,8 @@ def main() -> int:
     outs = list(outdir.glob("*_pb2*.py"))
     if outs and len(outs) >= 2 * len(protos) and min(o.stat().st_mtime for o in outs) > newest_in:
         return 0
-    from grpc_tools import protoc  # build-time dependency
     import grpc_tools
+    from grpc_tools import protoc  # build-time dependency
 
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     args = ["protoc", f"-I{SRC}", f"-I{include}", f"--python_out={OUT}", f"--pyi_out={OUT}",

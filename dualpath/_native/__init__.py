@@ -23,4 +23,4 @@ if NATIVE_VERSION != __version__:
         f"version {__version__}: a stale build is installed; rebuild with `make install`"
     )
 
-__all__ = ["ffi", "lib", "NATIVE_VERSION"]
+__all__ = ["NATIVE_VERSION", "ffi", "lib"]

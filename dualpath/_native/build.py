@@ -26,7 +26,7 @@ def _version() -> str:
 
 def _cdef() -> str:
     text = (CSRC / "dp.h").read_text()
-    m = re.search(r"/\* DP_CDEF_BEGIN \*/(.*)/\* DP_CDEF_END \*/", text, re.S)
+    m = re.search(r"/\* DP_CDEF_BEGIN \*/(.*)/\* DP_CDEF_END \*/", text, re.DOTALL)
     if not m:
         raise RuntimeError("csrc/dp.h has no DP_CDEF_BEGIN/DP_CDEF_END block")
     return m.group(1)
@@ -37,15 +37,15 @@ def _probe(snippet: str) -> bool:
     cc = (sysconfig.get_config_var("CC") or "cc").split()
     src = "#include <infiniband/verbs.h>\n" + snippet + "\n"
     r = subprocess.run(cc + ["-x", "c", "-fsyntax-only", "-Werror", "-"],
-                       input=src.encode(), capture_output=True)
+                       input=src.encode(), capture_output=True, check=False)
     return r.returncode == 0
 
 
 # Optional rdma-core features, probed at build time (exported as dp_has_dmabuf()).
 _FEATURES = [
     ("DP_HAVE_DMABUF", "void *dp_probe(void) { return (void *)ibv_reg_dmabuf_mr; }"),
-    ("DP_HAVE_QUERY_GID_EX", "int dp_probe(struct ibv_context *c, struct ibv_gid_entry *e)"
-                             " { return ibv_query_gid_ex(c, 1, 0, e, 0); }"),
+    ("DP_HAVE_QUERY_GID_EX", ("int dp_probe(struct ibv_context *c, struct ibv_gid_entry *e)"
+                              " { return ibv_query_gid_ex(c, 1, 0, e, 0); }")),
 ]
 
 ffibuilder = FFI()
@@ -56,7 +56,7 @@ ffibuilder.set_source(
     sources=[str(p.relative_to(ROOT)) for p in sorted(CSRC.glob("*.c"))],
     include_dirs=[str(CSRC)],
     libraries=["ibverbs", "pthread"],
-    define_macros=[("DP_PKG_VERSION", '"%s"' % _version()), ("_GNU_SOURCE", "1")]
+    define_macros=[("DP_PKG_VERSION", f'"{_version()}"'), ("_GNU_SOURCE", "1")]
     + [(name, "1") for name, snippet in _FEATURES if _probe(snippet)],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror",
                         "-Wno-unused-parameter"] + os.environ.get("DP_CFLAGS", "").split(),

@@ -26,6 +26,7 @@ $(STAMP): $(INSTALL_INPUTS)
 	touch $@
 
 test: install
+	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory test-host
 	$(MAKE) --no-print-directory test-rdma
 
@@ -42,7 +43,7 @@ demo: install
 	$(VENV)/bin/dualpath demo
 
 lint: install
-	$(VPY) -m ruff check dualpath tests bench tools
+	$(VPY) -m ruff check dualpath tests bench tools && echo "lint: ruff clean"
 
 clean:
 	rm -rf build dualpath/_native/_dp*.so dualpath/_native/_dp.c dualpath/v1 *.egg-info

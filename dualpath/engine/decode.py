@@ -123,16 +123,9 @@ class DecodePath:
         try:
             if nblocks > len(st.spans) or st.buffer is None:
                 raise RequestFailed(f"{st.request_id}: order for {nblocks} blocks does not fit")
-            r0 = unix_now()
-            n.pending_reads.pop(st.request_id, None)
-            res = await n.read_queue.read(list(order.block_keys),
-                                          [st.buffer.flat(i) for i in range(nblocks)])
-            st.read_span = (r0, unix_now())
-            if not res.all_hit:
-                raise RequestFailed(f"{st.request_id}: {res.hits.count(False)} of {nblocks} "
-                                    "hit blocks missing from storage")
-            st.read_bytes = nblocks * n.layout.full_bytes
-            n.metrics.read_bytes.inc(st.read_bytes)
+            st.read_bytes, st.read_span = await n.read_hit_blocks(
+                st.request_id, list(order.block_keys),
+                [st.buffer.flat(i) for i in range(nblocks)])
             region = order.target_slots[0].region
             for layer in range(n.layout.layers):
                 items = [(st.buffer.offset(i) + layer * LB,

@@ -39,7 +39,15 @@ from dualpath.engine.decode import DecodePath
 from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
 from dualpath.engine.prefill import PrefillPath
 from dualpath.engine.servicers import create_server
-from dualpath.engine.state import DECODE, PREFILL, ROLE_PB, Engine, NodeMetrics, unix_now
+from dualpath.engine.state import (
+    DECODE,
+    PREFILL,
+    ROLE_PB,
+    Engine,
+    NodeMetrics,
+    RequestFailed,
+    unix_now,
+)
 from dualpath.errors import ConfigError, UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import ModelProfile, get_profile
@@ -213,6 +221,22 @@ class NodeDaemon:
         read but has not queued yet (waiting for a prefill slot or buffer space), so the
         scheduler does not see a short queue that is about to grow."""
         return self.read_queue.read_q_tokens + sum(self.pending_reads.values())
+
+    async def read_hit_blocks(self, rid: str, keys: list[bytes], dests: list
+                              ) -> tuple[int, tuple[float, float]]:
+        """Read request ``rid``'s hit Full Blocks ``keys`` from storage into ``dests``
+        (one flat block view each) through the node's read queue; the bytes read and
+        the read's wall-clock (start, end). Raises RequestFailed when any is missing."""
+        r0 = unix_now()
+        self.pending_reads.pop(rid, None)    # queued now: counted by the read queue
+        res = await self.read_queue.read(keys, dests)
+        span = (r0, unix_now())
+        if not res.all_hit:
+            raise RequestFailed(f"{rid}: {res.hits.count(False)} of {len(keys)} hit "
+                                "blocks missing from storage")
+        nbytes = len(keys) * self.layout.full_bytes
+        self.metrics.read_bytes.inc(nbytes)
+        return nbytes, span
 
     def _status(self, e: Engine) -> scheduler_pb2.EngineStatus:
         free = 0

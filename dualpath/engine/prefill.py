@@ -134,16 +134,9 @@ class PrefillPath:
         try:
             if side == RS_PREFILL and hit_blocks:
                 pebuf = await n.pool.reserve(hit_blocks)
-                r0 = unix_now()
-                n.pending_reads.pop(rid, None)
-                res = await n.read_queue.read([s.key for s in spans[:hit_blocks]],
-                                              [pebuf.flat(i) for i in range(hit_blocks)])
-                read_span = (r0, unix_now())
-                if not res.all_hit:
-                    raise RequestFailed(f"{rid}: {res.hits.count(False)} of {hit_blocks} hit "
-                                        "blocks missing from storage")
-                read_bytes = hit_blocks * n.layout.full_bytes
-                n.metrics.read_bytes.inc(read_bytes)
+                read_bytes, read_span = await n.read_hit_blocks(
+                    rid, [s.key for s in spans[:hit_blocks]],
+                    [pebuf.flat(i) for i in range(hit_blocks)])
 
                 def h2d(layer: int):
                     items = [(pebuf.offset(i) + layer * LB, hbm.offset(i) + layer * LB, LB)

@@ -1,0 +1,183 @@
+"""dualpath/engine/kvplan.py: request payloads, prompt blocks and layer runs (pure code).
+
+Expected values come from the module's own contract (its docstring): block ``i`` covers
+tokens ``[i*T, (i+1)*T)``, full blocks carry the chained prefix key of dualpath/kv/prefix.py,
+the trailing partial block is keyed by the same chain over its partial tokens, and the
+PE fills a layer as "whole hit blocks" + ``layer_runs(hit, prompt)`` (dualpath/engine/
+prefill.py), so those runs must cover every byte of the miss tokens exactly once.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dualpath.engine.kvplan import (
+    Payload,
+    block_spans,
+    blocks_for,
+    encode_token_ids,
+    layer_runs,
+)
+from dualpath.errors import UsageError
+from dualpath.kv.layout import BlockLayout
+from dualpath.kv.prefix import ROOT_KEY, block_keys, chain_key
+from dualpath.trace.model import synthetic_token_ids, trajectory_key
+
+T = 4   # tokens per block in these tests: small, so prompts span several blocks
+
+
+# ------------------------------------------------------------------ Payload
+
+def _payload(**kw) -> Payload:
+    base = {"trajectory": "traj-7", "round": 3, "prompt_tokens": 10, "hit_tokens": 4,
+            "gen_tokens": 5}
+    return Payload(**{**base, **kw})
+
+
+def test_payload_round_trips_every_field():
+    ids = encode_token_ids(np.arange(20, 35))
+    p = _payload(mode="basic", sink="127.0.0.1:9", layerwise=False,
+                 read_policy="round_robin", token_ids_b64=ids)
+    assert Payload.decode(p.encode()) == p
+    # The wire form is compact JSON of exactly the dataclass fields (the scheduler's
+    # opaque payload bytes; replay clients and nodes of other versions read it).
+    assert json.loads(p.encode()) == {
+        "trajectory": "traj-7", "round": 3, "prompt_tokens": 10, "hit_tokens": 4,
+        "gen_tokens": 5, "mode": "basic", "sink": "127.0.0.1:9", "layerwise": False,
+        "read_policy": "round_robin", "token_ids_b64": ids}
+    assert b" " not in p.encode()
+
+
+def test_payload_defaults_survive_a_round_trip():
+    p = _payload()
+    q = Payload.decode(p.encode())
+    assert (q.mode, q.sink, q.layerwise, q.read_policy, q.token_ids_b64) == (
+        "dualpath", "", True, "scheduler", "")
+    assert not q.oracle and _payload(mode="oracle").oracle
+
+
+@pytest.mark.parametrize("data,names", [
+    (b"not json", "malformed"),
+    (b'{"trajectory": "t"}', "malformed"),                       # fields missing
+    (_payload().encode()[:-1] + b',"extra":1}', "malformed"),     # unknown field
+    (_payload().encode().replace(b'"dualpath"', b'"fast"'), "mode"),
+    (_payload().encode().replace(b'"scheduler"', b'"random"'), "read_policy"),
+    (_payload().encode().replace(b'"hit_tokens":4', b'"hit_tokens":10'), "hit < prompt"),
+])
+def test_bad_payloads_are_usage_errors_naming_the_problem(data, names):
+    with pytest.raises(UsageError, match=names):
+        Payload.decode(data)
+
+
+def test_explicit_token_ids_are_carried_and_bounded():
+    ids = np.array([5, 0, 2**31 - 1, 17, 9], dtype=np.int64)
+    p = _payload(prompt_tokens=4, hit_tokens=0, gen_tokens=1,
+                 token_ids_b64=encode_token_ids(ids))
+    assert p.token_ids(5).tolist() == ids.tolist()
+    assert p.token_ids(3).tolist() == ids[:3].tolist()
+    with pytest.raises(UsageError, match="5 token ids, 6 needed"):
+        p.token_ids(6)
+
+
+def test_derived_token_ids_are_the_trajectory_stream_and_prefix_stable():
+    p = _payload()
+    want = synthetic_token_ids(trajectory_key("traj-7"), 0, 15)
+    assert p.token_ids(15).tolist() == want.tolist()
+    # The prompt's ids are a prefix of prompt + generation: the PE (prompt) and the
+    # DE's persist (prompt + gen) key the same leading blocks.
+    assert p.token_ids(10).tolist() == want[:10].tolist()
+
+
+# ------------------------------------------------------------------ blocks
+
+def test_full_block_keys_are_the_prefix_chain_keys():
+    tokens = np.arange(100, 112)                  # 12 tokens = 3 full blocks
+    spans = block_spans(tokens, T)
+    assert [s.index for s in spans] == [0, 1, 2]
+    assert [s.tokens for s in spans] == [T, T, T]
+    assert [s.key for s in spans] == block_keys(tokens, T)
+
+
+def test_trailing_partial_block_rule():
+    tokens = np.arange(100, 110)                  # 10 tokens = 2 full blocks + 2 tokens
+    spans = block_spans(tokens, T)
+    full = block_keys(tokens, T)
+    assert len(spans) == 3 and len(full) == 2     # the partial block is never stored
+    assert [s.key for s in spans[:2]] == full
+    tail = spans[2]
+    assert (tail.index, tail.tokens) == (2, 2)
+    # Keyed by the same chain over its partial tokens (module docstring)...
+    assert tail.key == chain_key(full[1], tokens[8:10])
+    # ...so it differs from the key the full block at that place gets once decode
+    # fills it: a partial block can never be mistaken for a stored Full Block.
+    longer = np.arange(100, 112)
+    assert tail.key != block_keys(longer, T)[2]
+    assert [s.key for s in block_spans(longer, T)[:2]] == full
+
+
+def test_a_prompt_shorter_than_a_block_is_one_partial_block_from_the_root():
+    spans = block_spans(np.array([7, 8, 9]), T)
+    assert len(spans) == 1
+    assert (spans[0].index, spans[0].tokens) == (0, 3)
+    assert spans[0].key == chain_key(ROOT_KEY, [7, 8, 9])
+
+
+@given(n=st.integers(0, 40), bt=st.integers(1, 9))
+def test_spans_cover_the_prompt_and_blocks_for_counts_them(n, bt):
+    tokens = np.arange(n) * 3 + 1
+    spans = block_spans(tokens, bt)
+    assert sum(s.tokens for s in spans) == n
+    assert len(spans) == blocks_for(n, bt) == -(-n // bt)     # ceiling division
+    assert all(s.tokens == bt for s in spans[:-1])
+    assert [s.key for s in spans if s.tokens == bt] == block_keys(tokens, bt)
+
+
+def test_blocks_for_examples():
+    assert [blocks_for(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+
+
+# ------------------------------------------------------------------ layer runs
+
+def test_layer_runs_example():
+    # tokens [5, 19) with 8-token blocks: the tail of block 0, all of block 1, the
+    # head of block 2 (5..7, 8..15, 16..18).
+    assert list(layer_runs(5, 19, 8)) == [(0, 5, 8), (1, 0, 8), (2, 0, 3)]
+    assert list(layer_runs(8, 16, 8)) == [(1, 0, 8)]
+    assert list(layer_runs(7, 7, 8)) == []
+
+
+@given(first=st.integers(0, 50), extra=st.integers(0, 50), bt=st.integers(1, 9))
+def test_layer_runs_cover_every_token_once_within_blocks(first, extra, bt):
+    stop = first + extra
+    seen = []
+    for b, s0, s1 in layer_runs(first, stop, bt):
+        assert 0 <= s0 < s1 <= bt                   # never empty, never past a block
+        seen.extend(b * bt + t for t in range(s0, s1))
+    assert seen == list(range(first, stop))
+
+
+@given(hit_blocks=st.integers(0, 4), miss=st.integers(1, 14))
+def test_pe_layer_fill_covers_every_prompt_byte_exactly_once(hit_blocks, miss):
+    """The PE's per-layer writes into HBM (prefill.py): whole layers of the hit blocks
+    (h2d), then the miss tokens' bytes from layer_runs(hit, prompt). Together they must
+    write every byte the DE verifies (span.tokens * token_bytes per layer) exactly
+    once, and nothing past the prompt in the trailing partial block."""
+    layout = BlockLayout(layers=3, tokens=T, token_bytes=5)
+    LB, TB = layout.layer_bytes, layout.token_bytes
+    hit = hit_blocks * T
+    prompt = hit + miss
+    spans = block_spans(np.arange(prompt), T)
+    count = np.zeros((len(spans), layout.full_bytes), dtype=np.int64)
+    for layer in range(layout.layers):
+        for i in range(hit_blocks):
+            count[i, layer * LB: (layer + 1) * LB] += 1
+        for b, s0, s1 in layer_runs(hit, prompt, T):
+            count[b, layer * LB + s0 * TB: layer * LB + s1 * TB] += 1
+    want = np.zeros_like(count)
+    for i, s in enumerate(spans):
+        for layer in range(layout.layers):
+            want[i, layer * LB: layer * LB + s.tokens * TB] = 1
+    assert np.array_equal(count, want)

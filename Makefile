@@ -19,7 +19,7 @@ INSTALL_INPUTS := pyproject.toml setup.py dualpath/_native/build.py tools/gen_pr
 install: $(STAMP)
 
 $(STAMP): $(INSTALL_INPUTS)
-	tools/install-system-packages.sh
+	PY=$(PY) tools/install-system-packages.sh
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
 	$(VPY) -m pip install -q --disable-pip-version-check -e '.[test]'

@@ -7,11 +7,21 @@ PKGS=(
   python3-pyverbs                                  # rdma-core's own bindings: our cross-check
   qemu-system-x86 busybox-static kmod              # the SoftRoCE guest (tools/vm)
   perftest ucx-utils fio tcpdump iproute2          # peers for the benches, packet capture
+  openssl libcap2-bin                              # test PKI (TLS tests), capsh (memlock test)
 )
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# The Python that makes .venv (PY, as the Makefile passes it) needs venv/ensurepip and its
+# headers (cffi compiles the extension against Python.h). A Debian python3 splits them
+# into packages; a source-built Python (pyenv) has both.
+PY=${PY:-python3}
+if [ "$(command -v "$PY")" = /usr/bin/python3 ] || [ "$(command -v "$PY")" = /usr/bin/"$PY" ]; then
+  "$PY" -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
+  inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  [ -f "$inc/Python.h" ] || missing+=(python3-dev)
+fi
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "install-system-packages: installing ${missing[*]}"
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

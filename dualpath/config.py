@@ -161,6 +161,8 @@ def load(path: str | Path | None = None, overrides: dict | None = None) -> Confi
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"config file {p} does not exist") from None
+        except OSError as e:  # a directory, no permission: still the operator's input
+            raise ConfigError(f"config file {p}: cannot read ({e.strerror})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
     for dotted, value in (overrides or {}).items():

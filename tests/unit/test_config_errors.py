@@ -1,0 +1,46 @@
+"""Bad config input ends in a ConfigError that names the key (or file), the value and
+what is allowed, and `dualpath config check` turns it into exit 2 with one line, never a
+traceback. Expected messages come from dualpath/config.py's wording."""
+
+import pytest
+
+from dualpath import cli, config
+from dualpath.errors import ConfigError
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('[scheduler]\nlistn = "x"\n', "unknown config key scheduler.listn"),
+    ("[scheduler]\nlisten = 5\n", "config key scheduler.listen = 5: expected str"),
+    ("[transport]\nport = 999\n", "config key transport.port = 999: must be <= 255"),
+    ('[transport]\nkind = "ib"\n', "allowed values are one of 'auto', 'verbs', 'tcp'"),
+    ("[bogus]\n", "unknown config section [bogus]"),
+    ("scheduler = 5\n", "config section [scheduler] must be a table"),
+    ("[scheduler\n", "is not valid TOML"),
+])
+def test_bad_file_names_what_is_wrong_and_exits_2(tmp_path, capsys, text, expected):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=_re(expected)):
+        config.load(path)
+    assert cli.main(["config", "check", str(path)]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "nope.toml")
+
+
+def test_unreadable_path_is_a_config_error_not_a_traceback(tmp_path, capsys):
+    # A directory given as the config file raised IsADirectoryError (exit 1, traceback).
+    with pytest.raises(ConfigError, match=_re(f"config file {tmp_path}: cannot read")):
+        config.load(tmp_path)
+    assert cli.main(["config", "check", str(tmp_path)]) == cli.EXIT_USAGE
+    assert "cannot read" in capsys.readouterr().err
+
+
+def _re(text: str) -> str:
+    import re
+
+    return re.escape(text)

@@ -31,6 +31,7 @@ from prometheus_client import (
 )
 
 from dualpath.errors import UsageError
+from dualpath.rpc import parse_listen
 
 PREFIX = "dualpath_"
 
@@ -105,21 +106,18 @@ class MetricsServer:
         self.close()
 
 
-def parse_listen(listen: str, what: str = "metrics_listen") -> tuple[str, int]:
-    """``host:port`` (IPv6 as ``[::1]:port``) -> (host, port)."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not host or int(port) > 65535:
-        raise UsageError(f"{what} = {listen!r}: expected host:port, e.g. 127.0.0.1:9464")
-    return host.strip("[]"), int(port)
-
-
-def start_metrics_server(listen: str, registry: CollectorRegistry) -> MetricsServer | None:
+def start_metrics_server(listen: str, registry: CollectorRegistry,
+                         what: str = "metrics_listen") -> MetricsServer | None:
     """Serve ``registry`` at ``http://listen/metrics`` on a daemon thread; ``listen`` ""
-    means off (returns None), port 0 picks a free port (see ``.port``)."""
+    means off (returns None), port 0 picks a free port (see ``.port``). ``what`` names
+    the setting in errors (e.g. ``scheduler.metrics_listen``)."""
     if not listen:
         return None
-    host, port = parse_listen(listen)
-    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    host, port = parse_listen(listen, what)
+    try:
+        httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:  # address in use, not ours: say which setting, no traceback
+        raise UsageError(f"{what} = {listen!r}: cannot listen ({e.strerror})") from None
     srv = MetricsServer(host, httpd.server_port, httpd)
     log.info("metrics: serving %s", srv.url)
     return srv

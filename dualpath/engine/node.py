@@ -150,7 +150,8 @@ class NodeDaemon:
                 e.slots = asyncio.Semaphore(ecfg.max_prefills_per_engine)
             self.engines.append(e)
             self.by_id[e.engine_id] = e
-        self.metrics_srv = _metrics.start_metrics_server(ecfg.metrics_listen, self.registry)
+        self.metrics_srv = _metrics.start_metrics_server(ecfg.metrics_listen, self.registry,
+                                                        "engine.metrics_listen")
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.sched_channel = grpc.aio.insecure_channel(self.scheduler_address)

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from dualpath import rpc
 from dualpath.engine.state import DECODE
-from dualpath.errors import DualPathError, UsageError
+from dualpath.errors import DualPathError
 from dualpath.v1 import engine_pb2, engine_pb2_grpc, node_pb2, node_pb2_grpc
 
 if TYPE_CHECKING:
@@ -27,10 +28,7 @@ def create_server(address: str, node: NodeDaemon
     node_pb2_grpc.add_NodeServicer_to_server(NodeServicer(node), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as e:
-        raise UsageError(f"engine.control_listen {address}: {e}") from None
+    port = rpc.bind(server, address, "engine.control_listen")
     return server, port, health_servicer
 
 

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from dualpath import clock as _clock
 from dualpath import metrics as _metrics
-from dualpath import tls
+from dualpath import rpc, tls
 from dualpath.errors import UsageError
 from dualpath.kv.profiles import ModelProfile, get_profile
 from dualpath.scheduler.config import SchedulerConfig
@@ -432,11 +432,7 @@ def create_server(address: str, service: SchedulerService | None = None, *,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    try:
-        port = (server.add_secure_port(address, credentials) if credentials is not None
-                else server.add_insecure_port(address))
-    except RuntimeError as e:
-        raise UsageError(f"cannot listen on {address}: {e}") from None
+    port = rpc.bind(server, address, "scheduler.listen", credentials)
     server.dualpath_service = svc  # type: ignore[attr-defined]
     server.dualpath_health = health_servicer  # type: ignore[attr-defined]
     return server, port
@@ -469,7 +465,8 @@ async def serve(config: SchedulerConfig, *, config_path: str | None = None,
     token = tls.read_token(config.admin_token_file) if config.admin_token_file else None
     svc = SchedulerService(config)
     server, port = create_server(config.listen, svc, credentials=creds, admin_token=token)
-    metrics_srv = _metrics.start_metrics_server(config.metrics_listen, svc.registry)
+    metrics_srv = _metrics.start_metrics_server(config.metrics_listen, svc.registry,
+                                                 "scheduler.metrics_listen")
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,36 @@
+"""Listen addresses and gRPC server binding, shared by the scheduler and node daemons.
+
+gRPC itself takes ``127.0.0.1:99999`` and quietly listens on port 34463 (the port wraps
+modulo 65536), so every listen address is checked here first and a bad one is a
+:class:`UsageError` naming the config key, its value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dualpath.errors import UsageError
+
+if TYPE_CHECKING:
+    import grpc
+
+
+def parse_listen(listen: str, what: str = "metrics_listen") -> tuple[str, int]:
+    """``host:port`` (IPv6 as ``[::1]:port``, port 0..65535) -> (host, port)."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not host or int(port) > 65535:
+        raise UsageError(f"{what} = {listen!r}: expected host:port with port 0..65535 "
+                         "(0 = any free port), e.g. 127.0.0.1:9464")
+    return host.strip("[]"), int(port)
+
+
+def bind(server: grpc.aio.Server, address: str, what: str,
+         credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add ``address`` to ``server`` (TLS when ``credentials``); the bound port.
+    ``what`` names the setting in errors (e.g. ``scheduler.listen``)."""
+    parse_listen(address, what)
+    try:
+        return (server.add_secure_port(address, credentials) if credentials is not None
+                else server.add_insecure_port(address))
+    except RuntimeError as e:
+        raise UsageError(f"{what} = {address!r}: cannot listen ({e})") from None

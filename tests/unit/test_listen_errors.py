@@ -1,0 +1,44 @@
+"""Listen addresses: a bad one is a UsageError naming the setting and its value, before
+anything binds. gRPC alone took 127.0.0.1:99999 and listened on 34463 (99999 - 65536)."""
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+
+from dualpath import metrics, rpc
+from dualpath.errors import UsageError
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1:65536", "nohost",
+                                     ":50051", "127.0.0.1:x"])
+def test_bad_address_is_refused_naming_the_key(address):
+    with pytest.raises(UsageError, match=r"scheduler\.listen = .*port 0\.\.65535"):
+        rpc.parse_listen(address, "scheduler.listen")
+
+
+def test_parse_listen_ipv6_and_port_zero():
+    assert rpc.parse_listen("[::1]:0") == ("::1", 0)
+    assert rpc.parse_listen("127.0.0.1:65535") == ("127.0.0.1", 65535)
+
+
+def test_grpc_bind_refuses_an_out_of_range_port_instead_of_wrapping():
+    async def go():
+        server = grpc.aio.server()
+        with pytest.raises(UsageError, match=r"engine\.control_listen = '127\.0\.0\.1:99999'"):
+            rpc.bind(server, "127.0.0.1:99999", "engine.control_listen")
+        assert rpc.bind(server, "127.0.0.1:0", "engine.control_listen") > 0
+        await server.stop(None)
+
+    asyncio.run(go())
+
+
+def test_metrics_port_in_use_is_a_usage_error_naming_the_key():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        listen = f"127.0.0.1:{busy.getsockname()[1]}"
+        with pytest.raises(UsageError, match=r"scheduler\.metrics_listen = .*cannot listen"):
+            metrics.start_metrics_server(listen, metrics.new_registry(process=False),
+                                         "scheduler.metrics_listen")

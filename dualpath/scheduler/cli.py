@@ -64,13 +64,34 @@ def register(sub) -> None:
     s.set_defaults(func=_cmd(_set))
 
     sm = sub.add_parser("submit", parents=[conn], help="submit requests to the scheduler")
-    sm.add_argument("--prompt-tokens", type=int, required=True)
-    sm.add_argument("--hit-tokens", type=int, default=0, help="prefix tokens whose KV is "
-                    "in storage")
-    sm.add_argument("--max-new-tokens", type=int, default=128)
-    sm.add_argument("--count", type=int, default=1, help="submit this many alike")
+    # uint64 on the wire; what the scheduler accepts beyond that it checks itself.
+    sm.add_argument("--prompt-tokens", type=_int_in(0, _U64_MAX), required=True)
+    sm.add_argument("--hit-tokens", type=_int_in(0, _U64_MAX), default=0, help="prefix "
+                    "tokens whose KV is in storage")
+    sm.add_argument("--max-new-tokens", type=_int_in(0, _U64_MAX), default=128)
+    sm.add_argument("--count", type=_int_in(1, 1_000_000), default=1,
+                    help="submit this many alike")
     sm.add_argument("--id", dest="request_id", default="", help="request id (count 1 only)")
     sm.set_defaults(func=_cmd(_submit, admin=False))
+
+
+_U64_MAX = 2**64 - 1
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (protobuf's uint64 fields raise a bare
+    ValueError on a negative one, a traceback after the connection was made)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+
+    return parse
 
 
 # ---------------------------------------------------------------- the daemon
@@ -244,8 +265,8 @@ async def _set(client, args):
 async def _submit(client, args):
     from dualpath.v1 import scheduler_pb2
 
-    if args.count < 1 or (args.request_id and args.count != 1):
-        raise UsageError("submit: --count must be >= 1, and --id needs --count 1")
+    if args.request_id and args.count != 1:
+        raise UsageError("submit: --id needs --count 1")
     specs = [scheduler_pb2.RequestSpec(request_id=args.request_id,
                                        prompt_tokens=args.prompt_tokens,
                                        hit_tokens=args.hit_tokens,

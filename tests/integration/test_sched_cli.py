@@ -173,3 +173,16 @@ def test_sigterm_shuts_down_gracefully(daemon):
     proc.send_signal(signal.SIGTERM)
     daemon["log"].wait_for(r"shutting down")
     assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("flag, value", [("--prompt-tokens", "-5"), ("--hit-tokens", "-1"),
+                                         ("--max-new-tokens", str(2**64)),
+                                         ("--count", "0"), ("--prompt-tokens", "ten")])
+def test_submit_bad_numbers_are_usage_errors_before_connecting(capsys, flag, value):
+    # A negative count reached protobuf's uint64 field: ValueError traceback, exit 1.
+    # Port 1 is closed, so reaching the network would give exit 3, not 2.
+    argv = ["submit", "--prompt-tokens", "10", flag, value, "--scheduler", "127.0.0.1:1"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err and "Traceback" not in err

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from dualpath import __version__
-from dualpath.errors import DualPathError, UsageError
+from dualpath.errors import DualPathError, RemoteUnavailable, UsageError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"dualpath: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except RemoteUnavailable as e:
+        print(f"dualpath: error: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except DualPathError as e:
         print(f"dualpath: error: {e}", file=sys.stderr)
         return EXIT_FAIL

@@ -22,6 +22,11 @@ class ConfigError(UsageError):
     """A configuration value is wrong. The message names the key, the value and what is allowed."""
 
 
+class RemoteUnavailable(DualPathError):
+    """A remote service (the scheduler, a node) could not be reached or refused the
+    caller (TLS, token); the CLI exits 3."""
+
+
 class RdmaError(DualPathError, OSError):
     """A verbs (or TCP provider) call failed. ``.errno`` holds the C errno."""
 

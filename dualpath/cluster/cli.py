@@ -137,8 +137,11 @@ def _replay(args) -> int:
             raise UsageError(f"--modes: unknown mode {m!r}; use basic, dualpath, oracle")
     if args.online and not args.aps:
         raise UsageError("--online needs --aps (agents per second)")
-    trace = make_trace(args.agents, table=args.table, context_scale=args.context_scale,
-                       max_rounds=args.max_rounds, seed=args.seed, path=args.trace)
+    try:
+        trace = make_trace(args.agents, table=args.table, context_scale=args.context_scale,
+                           max_rounds=args.max_rounds, seed=args.seed, path=args.trace)
+    except OSError as e:
+        raise UsageError(f"--trace {args.trace}: cannot read ({e.strerror})") from None
     opts = ReplayOptions(replay_mode="online" if args.online else "offline",
                          aps=args.aps if args.online else None,
                          layerwise=not args.no_layerwise, read_policy=args.read_policy,
@@ -148,8 +151,15 @@ def _replay(args) -> int:
         nodes = [n for n in (args.nodes or "").split(",") if n]
         if not nodes:
             raise UsageError("--scheduler needs --nodes (prefill nodes first)")
-        report, _ = run_modes(args.scheduler, nodes, args.prefill_nodes, trace, modes, opts,
-                              snic_gbit_per_s=args.snic_gbit or 0.0)
+        import grpc
+
+        from dualpath.scheduler.client import rpc_error
+
+        try:
+            report, _ = run_modes(args.scheduler, nodes, args.prefill_nodes, trace, modes,
+                                  opts, snic_gbit_per_s=args.snic_gbit or 0.0)
+        except grpc.aio.AioRpcError as e:
+            raise rpc_error(e, args.scheduler) from None
     else:
         cfg, raw = _load(args)
         cluster = cluster_from_config(cfg, raw)

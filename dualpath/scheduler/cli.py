@@ -1,6 +1,7 @@
 """`dualpath scheduler`, `dualpath ctl engines|groups|stats|drain|set`, `dualpath submit`.
 
-Tables by default, ``--json`` for scripts. Exit codes (dualpath.cli): 0 ok, 1 the
+Tables by default, ``--json`` for scripts. Exit codes (dualpath.cli, from the typed
+error :func:`dualpath.scheduler.client.rpc_error` makes of a gRPC status): 0 ok, 1 the
 scheduler refused the operation (e.g. unknown engine), 2 bad usage or config, 3 the
 scheduler is unreachable or refused the caller (TLS, token).
 """
@@ -12,12 +13,11 @@ import asyncio
 import dataclasses
 import json
 import os
-import sys
 from collections.abc import Awaitable, Callable
 
 import grpc
 
-from dualpath.cli import EXIT_FAIL, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from dualpath.cli import EXIT_OK
 from dualpath.errors import UsageError
 
 TOKEN_ENV = "DUALPATH_ADMIN_TOKEN"
@@ -131,7 +131,7 @@ def _cmd(action: Callable, admin: bool = True) -> Callable[[argparse.Namespace],
 
     def run(args) -> int:
         from dualpath import config as _config
-        from dualpath.scheduler.client import SchedulerClient, is_unreachable
+        from dualpath.scheduler.client import SchedulerClient, rpc_error
         from dualpath.tls import read_token
 
         cfg = _config.load(args.config).scheduler_client
@@ -149,14 +149,7 @@ def _cmd(action: Callable, admin: bool = True) -> Callable[[argparse.Namespace],
         try:
             data, text = _run(go())
         except grpc.aio.AioRpcError as e:
-            where = args.scheduler or cfg.address
-            print(f"dualpath: scheduler {where}: {e.code().name}: {e.details()}",
-                  file=sys.stderr)
-            if is_unreachable(e):
-                return EXIT_UNAVAILABLE
-            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-                return EXIT_USAGE
-            return EXIT_FAIL
+            raise rpc_error(e, args.scheduler or cfg.address) from None
         print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
         return EXIT_OK
 

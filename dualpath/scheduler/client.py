@@ -2,7 +2,8 @@
 
 One :class:`SchedulerClient` owns one grpc.aio channel; use it from the event loop that
 created it (``async with SchedulerClient(...) as c``). Methods return the protobuf
-replies; gRPC errors propagate as ``grpc.aio.AioRpcError`` (see :func:`is_unreachable`).
+replies; gRPC errors propagate as ``grpc.aio.AioRpcError``; commands turn them into the
+typed errors the CLI maps to exit codes with :func:`rpc_error`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dualpath import tls
-from dualpath.errors import DualPathError
+from dualpath.errors import DualPathError, RemoteUnavailable, UsageError
 from dualpath.scheduler.config import SchedulerClientConfig
 from dualpath.v1 import admin_pb2, admin_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -23,12 +24,23 @@ UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_E
                          grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 
-class SchedulerUnavailable(DualPathError):
+class SchedulerUnavailable(RemoteUnavailable):
     """The scheduler could not be reached, or refused the caller."""
 
 
 def is_unreachable(e: BaseException) -> bool:
     return isinstance(e, grpc.aio.AioRpcError) and e.code() in UNREACHABLE
+
+
+def rpc_error(e: grpc.aio.AioRpcError, address: str) -> DualPathError:
+    """A failed scheduler call as the typed error the CLI maps to its exit code:
+    SchedulerUnavailable (3), UsageError for a refused argument (2), else 1."""
+    msg = f"scheduler {address}: {e.code().name}: {e.details()}"
+    if is_unreachable(e):
+        return SchedulerUnavailable(msg)
+    if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+        return UsageError(msg)
+    return DualPathError(msg)
 
 
 class SchedulerClient:

@@ -1,0 +1,59 @@
+"""Exit codes shared by every command (dualpath/cli.py): 2 for bad usage or config, 3 for
+a remote service that cannot be reached, and one `dualpath: error:` line instead of a
+traceback. 127.0.0.1:1 is a closed loopback port (nothing listens on port 1)."""
+
+import pytest
+
+from dualpath import cli
+from dualpath.errors import RemoteUnavailable
+
+DOWN = "127.0.0.1:1"
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return rc, err
+
+
+def test_replay_against_an_unreachable_scheduler_exits_3(capsys):
+    # Was an AioRpcError traceback with exit 1.
+    rc, err = run(capsys, "replay", "--scheduler", DOWN, "--nodes", "p0,d0", "--agents", "1",
+                  "--max-rounds", "1", "--modes", "basic", "--no-progress", "--timeout", "10")
+    assert rc == cli.EXIT_UNAVAILABLE and f"scheduler {DOWN}: UNAVAILABLE" in err
+
+
+def test_replay_missing_trace_file_exits_2(capsys, tmp_path):
+    # Was a FileNotFoundError traceback with exit 1.
+    missing = tmp_path / "none.jsonl"
+    rc, err = run(capsys, "replay", "--trace", str(missing), "--scheduler", DOWN,
+                  "--nodes", "p0")
+    assert rc == cli.EXIT_USAGE and f"--trace {missing}: cannot read" in err
+
+
+@pytest.mark.parametrize("argv", [["ctl", "engines"], ["ctl", "stats", "--json"],
+                                  ["submit", "--prompt-tokens", "10"]])
+def test_client_commands_against_an_unreachable_scheduler_exit_3(capsys, argv):
+    rc, err = run(capsys, *argv, "--scheduler", DOWN)
+    assert rc == cli.EXIT_UNAVAILABLE and "UNAVAILABLE" in err
+
+
+def test_remote_unavailable_from_any_command_maps_to_3(capsys, monkeypatch):
+    def down(args):
+        raise RemoteUnavailable("node n0 127.0.0.1:1: UNAVAILABLE")
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["config", "docs"])
+    args.func = down
+    monkeypatch.setattr(cli, "build_parser", lambda: _Fixed(args))
+    rc, err = run(capsys, "config", "docs")
+    assert rc == cli.EXIT_UNAVAILABLE and "dualpath: error: node n0" in err
+
+
+class _Fixed:
+    def __init__(self, args):
+        self.args = args
+
+    def parse_args(self, argv):
+        return self.args

@@ -49,16 +49,18 @@ def _section_class(name: str) -> type:
     return getattr(importlib.import_module(mod), cls)
 
 
+def _bounds(f: dataclasses.Field) -> str:
+    """``>= min, <= max`` from a key's metadata ("" when unbounded)."""
+    m = f.metadata
+    return ", ".join(f"{op} {m[k]}" for k, op in (("min", ">="), ("max", "<="))
+                     if m.get(k) is not None)
+
+
 def _allowed(f: dataclasses.Field, typ: Any) -> str:
     m = f.metadata
     if m.get("choices"):
         return "one of " + ", ".join(repr(c) for c in m["choices"])
-    parts = [getattr(typ, "__name__", str(typ))]
-    if m.get("min") is not None:
-        parts.append(f">= {m['min']}")
-    if m.get("max") is not None:
-        parts.append(f"<= {m['max']}")
-    return " ".join(parts)
+    return " ".join(p for p in (getattr(typ, "__name__", str(typ)), _bounds(f)) if p)
 
 
 def _coerce(path: str, f: dataclasses.Field, typ: Any, value: Any) -> Any:
@@ -88,10 +90,9 @@ def _coerce(path: str, f: dataclasses.Field, typ: Any, value: Any) -> Any:
     m = f.metadata
     if m.get("choices") and value not in m["choices"]:
         raise ConfigError(f"config key {path} = {value!r}: allowed values are {_allowed(f, typ)}")
-    if m.get("min") is not None and value < m["min"]:
-        raise ConfigError(f"config key {path} = {value!r}: must be >= {m['min']}")
-    if m.get("max") is not None and value > m["max"]:
-        raise ConfigError(f"config key {path} = {value!r}: must be <= {m['max']}")
+    if (m.get("min") is not None and value < m["min"]) or (
+            m.get("max") is not None and value > m["max"]):
+        raise ConfigError(f"config key {path} = {value!r}: must be {_bounds(f)}")
     return value
 
 
@@ -187,6 +188,9 @@ def docs() -> str:
             doc = f.metadata.get("doc", "")
             if f.metadata.get("choices"):
                 doc += " Allowed: " + ", ".join(repr(c) for c in f.metadata["choices"]) + "."
+            bounds = _bounds(f)
+            if bounds:
+                doc += f" Allowed: {bounds}."
             lines.append(f"| `{name}.{f.name}` | {typ} | `{default!r}` | {doc} |")
         lines.append("")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from dualpath.errors import ConfigError
 @pytest.mark.parametrize("text, expected", [
     ('[scheduler]\nlistn = "x"\n', "unknown config key scheduler.listn"),
     ("[scheduler]\nlisten = 5\n", "config key scheduler.listen = 5: expected str"),
-    ("[transport]\nport = 999\n", "config key transport.port = 999: must be <= 255"),
+    ("[transport]\nport = 999\n", "config key transport.port = 999: must be >= 1, <= 255"),
     ('[transport]\nkind = "ib"\n', "allowed values are one of 'auto', 'verbs', 'tcp'"),
     ("[bogus]\n", "unknown config section [bogus]"),
     ("scheduler = 5\n", "config section [scheduler] must be a table"),
@@ -44,3 +44,19 @@ def _re(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_docs_lists_every_key_with_its_doc_and_range():
+    # Every registered section's fields (config.SECTIONS), read back from the classes.
+    import dataclasses
+
+    text = config.docs()
+    lines = {ln.split("`")[1]: ln for ln in text.splitlines() if ln.startswith("| `")}
+    for name in config.SECTIONS:
+        for f in dataclasses.fields(config._section_class(name)):
+            line = lines[f"{name}.{f.name}"]
+            assert f.metadata["doc"] and f.metadata["doc"][:20] in line
+            if f.metadata.get("min") is not None:   # ranges were left out of the docs
+                assert f">= {f.metadata['min']}" in line
+            if f.metadata.get("max") is not None:
+                assert f"<= {f.metadata['max']}" in line

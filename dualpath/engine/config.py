@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dualpath.config import key
+from dualpath.kv.profiles import PROFILES
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,8 @@ class EngineConfig:
                                 "group; rank 0 is the leader that fetches from the scheduler.",
                                 min=1, max=64)
     model_profile: str = key("demo", "dualpath.kv.profiles name; must match the scheduler's "
-                             "scheduler.model_profile (checked at registration).")
+                             "scheduler.model_profile (checked at registration).",
+                             choices=tuple(sorted(PROFILES)))
     speed_scale: float = key(1.0, "Emulated GPU speed relative to the profile's (prefill "
                              "FLOP/s x scale, decode step / scale). Model execution is "
                              "emulated by the cost model.", min=1e-6)

@@ -60,3 +60,12 @@ def test_docs_lists_every_key_with_its_doc_and_range():
                 assert f">= {f.metadata['min']}" in line
             if f.metadata.get("max") is not None:
                 assert f"<= {f.metadata['max']}" in line
+
+
+def test_engine_model_profile_is_checked_by_config_check(tmp_path, capsys):
+    # `config check` said ok; only a started node refused the unknown profile.
+    path = tmp_path / "c.toml"
+    path.write_text('[engine]\nmodel_profile = "nope"\n')
+    assert cli.main(["config", "check", str(path)]) == cli.EXIT_USAGE
+    assert "engine.model_profile = 'nope': allowed values are one of 'demo'" in \
+        capsys.readouterr().err

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+
+from dualpath.errors import DualPathError, UsageError
 
 
 def register(sub) -> None:
@@ -23,6 +26,13 @@ def _node(args) -> int:
     from dualpath import config as _config
     from dualpath.engine import node
 
+    if args.ready_file:
+        # Checked before anything starts: a bad path found only once the node serves
+        # ended in a FileNotFoundError traceback after all the start-up work.
+        folder = os.path.dirname(os.path.abspath(args.ready_file))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise UsageError(f"--ready-file {args.ready_file}: directory {folder} does not "
+                             "exist or is not writable")
     overrides = {}
     if args.control_listen:
         overrides["engine.control_listen"] = args.control_listen
@@ -31,11 +41,12 @@ def _node(args) -> int:
 
     def ready(n) -> None:
         if args.ready_file:
-            with open(args.ready_file + ".tmp", "w") as fh:
-                fh.write(n.address + "\n")
-            import os
-
-            os.replace(args.ready_file + ".tmp", args.ready_file)
+            try:
+                with open(args.ready_file + ".tmp", "w") as fh:
+                    fh.write(n.address + "\n")
+                os.replace(args.ready_file + ".tmp", args.ready_file)
+            except OSError as e:
+                raise DualPathError(f"--ready-file {args.ready_file}: {e.strerror}") from None
 
     try:
         import uvloop

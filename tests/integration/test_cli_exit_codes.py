@@ -57,3 +57,11 @@ class _Fixed:
 
     def parse_args(self, argv):
         return self.args
+
+
+def test_node_ready_file_in_a_missing_directory_exits_2_before_starting(capsys, tmp_path):
+    # Was a FileNotFoundError traceback (exit 1) once the node had started and was serving.
+    ready = tmp_path / "no" / "ready"
+    rc, err = run(capsys, "node", "--role", "prefill", "--node-id", "p0", "--scheduler", DOWN,
+                  "--ready-file", str(ready))
+    assert rc == cli.EXIT_USAGE and f"--ready-file {ready}: directory" in err

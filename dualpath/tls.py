@@ -37,33 +37,40 @@ def _read(path: str, what: str) -> bytes:
 
 def read_token(path: str, what: str = "admin_token_file") -> str:
     """The first line of ``path``, stripped; an empty token is a config error."""
-    token = _read(path, what).decode().strip().splitlines()
+    try:
+        token = _read(path, what).decode().strip().splitlines()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} = {path!r}: not a text file") from None
     if not token or not token[0].strip():
         raise ConfigError(f"{what} = {path!r}: the file holds no token")
     return token[0].strip()
 
 
-def server_credentials(cert_file: str, key_file: str,
-                       client_ca_file: str = "") -> grpc.ServerCredentials | None:
-    """None for plaintext (no cert); TLS; or mutual TLS when ``client_ca_file`` is set."""
+def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "", *,
+                       section: str = "scheduler") -> grpc.ServerCredentials | None:
+    """None for plaintext (no cert); TLS; or mutual TLS when ``client_ca_file`` is set.
+    Errors name the keys as ``section.tls_*``."""
     if not cert_file:
         return None
-    pair = [(_read(key_file, "tls_key_file"), _read(cert_file, "tls_cert_file"))]
+    pair = [(_read(key_file, f"{section}.tls_key_file"),
+             _read(cert_file, f"{section}.tls_cert_file"))]
     if client_ca_file:
-        return grpc.ssl_server_credentials(pair, _read(client_ca_file, "tls_client_ca_file"),
-                                           require_client_auth=True)
+        return grpc.ssl_server_credentials(
+            pair, _read(client_ca_file, f"{section}.tls_client_ca_file"),
+            require_client_auth=True)
     return grpc.ssl_server_credentials(pair)
 
 
-def channel_credentials(ca_file: str, cert_file: str = "",
-                        key_file: str = "") -> grpc.ChannelCredentials | None:
-    """None for plaintext (no CA); else TLS, presenting a client cert when given."""
+def channel_credentials(ca_file: str, cert_file: str = "", key_file: str = "", *,
+                        section: str = "scheduler_client") -> grpc.ChannelCredentials | None:
+    """None for plaintext (no CA); else TLS, presenting a client cert when given.
+    Errors name the keys as ``section.tls_*``."""
     if not ca_file:
         return None
     return grpc.ssl_channel_credentials(
-        _read(ca_file, "tls_ca_file"),
-        _read(key_file, "tls_key_file") if key_file else None,
-        _read(cert_file, "tls_cert_file") if cert_file else None)
+        _read(ca_file, f"{section}.tls_ca_file"),
+        _read(key_file, f"{section}.tls_key_file") if key_file else None,
+        _read(cert_file, f"{section}.tls_cert_file") if cert_file else None)
 
 
 def tls_mode(cert_file: str, client_ca_file: str) -> str:

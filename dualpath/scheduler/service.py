@@ -462,7 +462,8 @@ async def serve(config: SchedulerConfig, *, config_path: str | None = None,
     reachable, sweep leases, serve /metrics, then shut down gracefully."""
     creds = tls.server_credentials(config.tls_cert_file, config.tls_key_file,
                                    config.tls_client_ca_file)
-    token = tls.read_token(config.admin_token_file) if config.admin_token_file else None
+    token = (tls.read_token(config.admin_token_file, "scheduler.admin_token_file")
+             if config.admin_token_file else None)
     svc = SchedulerService(config)
     server, port = create_server(config.listen, svc, credentials=creds, admin_token=token)
     metrics_srv = _metrics.start_metrics_server(config.metrics_listen, svc.registry,

@@ -120,3 +120,22 @@ def test_token_and_cert_files_are_read_with_clear_errors(tmp_path):
         tls.server_credentials(str(tmp_path / "missing.crt"), str(tmp_path / "missing.key"))
     (tmp_path / "tok").write_text("  abc  \nignored\n")
     assert tls.read_token(str(tmp_path / "tok")) == "abc"
+
+
+def test_tls_and_token_errors_name_the_dotted_config_key(tmp_path, capsys):
+    # Said 'tls_key_file = ...' (which section?) and a binary token file was a
+    # UnicodeDecodeError traceback.
+    from dualpath import cli
+    from dualpath.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^scheduler\.tls_key_file = "):
+        tls.server_credentials(str(tmp_path / "a.crt"), str(tmp_path / "a.key"))
+    with pytest.raises(ConfigError, match=r"^scheduler_client\.tls_ca_file = "):
+        tls.channel_credentials(str(tmp_path / "ca.crt"))
+    (tmp_path / "bin").write_bytes(b"\xff\xfe\x00token")
+    with pytest.raises(ConfigError, match="not a text file"):
+        tls.read_token(str(tmp_path / "bin"))
+    cfg = tmp_path / "s.toml"
+    cfg.write_text(f'[scheduler]\nadmin_token_file = "{tmp_path / "none"}"\n')
+    assert cli.main(["scheduler", "--config", str(cfg), "--listen", "127.0.0.1:0"]) == 2
+    assert "scheduler.admin_token_file = " in capsys.readouterr().err

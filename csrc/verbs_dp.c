@@ -27,13 +27,16 @@ void dp_qp_drop_credits(dp_qp *qp)
 /* How many of `want` WRs fit the credits: the QP's free slots, and a signalled count
  * within the CQ's free depth. With c WRs since the last signal, every N-th signalled and
  * the last one always signalled, k WRs need ceil((c + k) / N) signals; the largest k
- * needing at most r signals is r * N - c. */
+ * needing at most r signals is r * N - c. c counts against the previous post's N, so it
+ * may be >= this N (the first WR then signals): it counts as N - 1, or r * N - c would
+ * wrap and let every WR of the post signal past the CQ's depth. */
 static uint32_t credit_limit(const dp_qp *qp, uint32_t want, uint32_t every)
 {
     uint32_t qp_room = qp->cfg.max_send_wr - (uint32_t)(qp->head - qp->tail);
     uint32_t sig_room = qp->send_cq->depth - qp->send_cq->sig_outstanding;
     uint64_t k = want < qp_room ? want : qp_room;
-    uint64_t by_cq = (uint64_t)sig_room * every - qp->since_signal;
+    uint32_t since = qp->since_signal < every ? qp->since_signal : every - 1;
+    uint64_t by_cq = (uint64_t)sig_room * every - since;
 
     if (sig_room == 0)
         return 0;

@@ -241,6 +241,21 @@ def test_cq_depth_bounds_signalled_wrs(dev_a):
     assert a.qp.post_write(items, signal_every=4, start=8) == 8
 
 
+def test_signal_count_left_by_a_larger_signal_every_still_bounds_the_cq(dev_a):
+    a, b = loopback(dev_a, cq_depth=2, config=verbs.QpConfig(max_send_wr=16))
+    batch = verbs.WriteBatch([a.item(b, i * 64, 64, wr_id=i) for i in range(16)])
+    for i in range(3):
+        batch.items[i].flags = lib.DP_ITEM_UNSIGNALLED_LAST
+    # Three unsignalled WRs under signal_every 100, then signal_every 1: every WR of the
+    # next post signals, so CQ depth 2 admits exactly 2 of them (dp.h credits); the
+    # count of 3 carried over must not wrap the CQ bound into "no bound".
+    for i in range(3):
+        assert a.qp.post_write(batch, signal_every=100, start=i, count=1) == 1
+    assert a.qp.post_write(batch, signal_every=1, start=3) == 2
+    wcs = wait_retired(a, 5)
+    assert [(w.wr_id, w.retired) for w in wcs] == [(3, 4), (4, 1)]
+
+
 # ------------------------------------------------------------------ forced errors
 
 

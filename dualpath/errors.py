@@ -36,6 +36,10 @@ class RdmaError(DualPathError, OSError):
         super().__init__(err, f"{what}: {name} ({os.strerror(err)})")
         self.what = what
 
+    def __str__(self) -> str:
+        # OSError's own str() prefixes "[Errno N]", which the message already spells out.
+        return self.strerror
+
 
 class TransferError(DualPathError):
     """A transfer (or part of it) failed; ``.status`` is the completion status."""

@@ -29,3 +29,7 @@ class StorageError(DualPathError, OSError):
         super().__init__(err, msg + (f"; {hint}" if hint else ""))
         self.path = os.fspath(path)
         self.what = what
+
+    def __str__(self) -> str:
+        # OSError's own str() prefixes "[Errno N]", which the message already spells out.
+        return self.strerror

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from dualpath import verbs
 from dualpath._native import ffi, lib
+from dualpath._owner import RegionOwner
 from dualpath.errors import DualPathError, RdmaError, UsageError, check_ptr
 
 #: ``CUmemRangeHandleType``: CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD.
@@ -158,7 +159,7 @@ def export_dmabuf(ptr: int, nbytes: int, device: int = 0, driver=None) -> int:
     return driver.export_dmabuf(ptr, nbytes)
 
 
-class GpuMemoryRegion(verbs._Owner):
+class GpuMemoryRegion(RegionOwner):
     """Device memory registered on a PD. ``kind``: "dmabuf" or "peermem" (how it was
     registered). ``addr`` is the device pointer (the iova peers WRITE to)."""
 
@@ -191,10 +192,7 @@ class GpuMemoryRegion(verbs._Owner):
         if handle == ffi.NULL:
             raise RdmaError(errno.EOPNOTSUPP, f"cannot register {buf.nbytes} bytes of GPU "
                             f"memory on {pd.device.name}: " + "; ".join(tried))
-        self._adopt(handle, [pd])
-        self.addr, self.length = int(info.addr), int(info.length)
-        self.lkey, self.rkey = int(info.lkey), int(info.rkey)
-        self.access = verbs.Access(int(access))
+        self._registered(handle, pd, info, verbs.Access(int(access)))
 
     def _reg_dmabuf(self, pd, buf: GpuBuffer, access: int, info, driver):
         if not lib.dp_has_dmabuf():

@@ -29,6 +29,7 @@ import errno
 from dataclasses import dataclass
 
 from dualpath._native import ffi, lib
+from dualpath._owner import Owner, RegionOwner, check_range
 from dualpath.errors import UsageError, check, check_ptr
 from dualpath.verbs import (
     ACCESS_RW,
@@ -40,8 +41,6 @@ from dualpath.verbs import (
     QpState,
     WcStatus,
     WriteBatch,
-    _check_range,
-    _Owner,
     memory_range,
 )
 
@@ -61,9 +60,9 @@ class TcpConfig:
     user_timeout_ms: int = 0    # TCP_USER_TIMEOUT; 0 = kernel default
 
     def __post_init__(self):
-        _check_range("max_send_wr", self.max_send_wr, 1, 65536)
-        _check_range("sockbuf_bytes", self.sockbuf_bytes, 0, 1 << 30)
-        _check_range("user_timeout_ms", self.user_timeout_ms, 0, (1 << 31) - 1)
+        check_range("max_send_wr", self.max_send_wr, 1, 65536)
+        check_range("sockbuf_bytes", self.sockbuf_bytes, 0, 1 << 30)
+        check_range("user_timeout_ms", self.user_timeout_ms, 0, (1 << 31) - 1)
 
     def _cdata(self):
         c = ffi.new("struct dp_tcp_conn_cfg *")
@@ -84,7 +83,7 @@ class TcpStats:
     ack_stalls: int     # a socket was not read because its acks could not be sent
 
 
-class TcpEngine(_Owner):
+class TcpEngine(Owner):
     """A listening engine: the region table and the server thread that writes peers'
     WRITEs into it. Control calls from one thread at a time."""
 
@@ -94,9 +93,9 @@ class TcpEngine(_Owner):
                  sockbuf_bytes: int = 0):
         if not isinstance(host, str) or not host:
             raise UsageError(f"host must be a non-empty str, not {host!r}")
-        _check_range("port", port, 0, 65535)
-        _check_range("max_regions", max_regions, 1, 65535)
-        _check_range("sockbuf_bytes", sockbuf_bytes, 0, 1 << 30)
+        check_range("port", port, 0, 65535)
+        check_range("max_regions", max_regions, 1, 65535)
+        check_range("sockbuf_bytes", sockbuf_bytes, 0, 1 << 30)
         super().__init__()
         cfg = ffi.new("struct dp_tcp_cfg *")
         cfg.max_regions, cfg.sockbuf_bytes = max_regions, sockbuf_bytes
@@ -135,7 +134,7 @@ class TcpEngine(_Owner):
         return TcpConnection(self, cq, config)
 
 
-class TcpRegion(_Owner):
+class TcpRegion(RegionOwner):
     """Registered memory (lkey == rkey): a buffer-protocol object (kept alive until
     close) or a raw ``addr``/``length`` range the caller keeps alive."""
 
@@ -145,20 +144,14 @@ class TcpRegion(_Owner):
                  addr: int | None = None, length: int | None = None):
         keep, ptr, length = memory_range(buf, access, addr=addr, length=length)
         super().__init__([engine])
-        self._buffer = keep
         info = ffi.new("struct dp_mr_info *")
-        self._adopt(check_ptr(lib.dp_tcp_mr_reg(engine._handle, ptr, length, int(access), info),
-                              f"register {length} bytes on {engine!r}", ffi), [engine])
-        self.addr, self.length = int(info.addr), int(info.length)
-        self.lkey, self.rkey = int(info.lkey), int(info.rkey)
-        self.access = Access(int(access))
+        self._registered(check_ptr(lib.dp_tcp_mr_reg(engine._handle, ptr, length, int(access),
+                                                     info),
+                                   f"register {length} bytes on {engine!r}", ffi),
+                         engine, info, Access(int(access)), keep)
 
     def _destroy(self) -> int:
         return lib.dp_tcp_mr_dereg(self._handle)
-
-    def close(self) -> None:
-        super().close()
-        self._buffer = None
 
     def __repr__(self) -> str:
         return f"<TcpRegion {self.length} B at {self.addr:#x} key {self.rkey:#x}>"
@@ -172,7 +165,7 @@ class TcpCompletionQueue(CompletionArray):
     _what = "TCP completion queue"
 
     def __init__(self, engine: TcpEngine, depth: int):
-        _check_range("CQ depth", depth, 1, 1 << 30)
+        check_range("CQ depth", depth, 1, 1 << 30)
         super().__init__([engine])
         self.engine = engine
         self._init_array(depth)
@@ -194,7 +187,7 @@ class TcpCompletionQueue(CompletionArray):
         check(lib.dp_tcp_cq_wake(self._handle), "wake TCP CQ")
 
 
-class TcpConnection(_Owner):
+class TcpConnection(Owner):
     """An initiator connection to a remote TcpEngine (see the module docstring for its
     states). ``conn_id`` is what completions carry in ``qp_num``."""
 
@@ -241,7 +234,7 @@ class TcpConnection(_Owner):
         self._check_open()
         if not isinstance(host, str) or not host:
             raise UsageError(f"host must be a non-empty str, not {host!r}")
-        _check_range("port", port, 1, 65535)
+        check_range("port", port, 1, 65535)
         if not timeout >= 0:
             raise UsageError(f"timeout must be >= 0 seconds, not {timeout!r}")
         check(lib.dp_tcp_conn_connect(self._handle, host.encode(), port, int(timeout * 1e9)),
@@ -264,7 +257,7 @@ class TcpConnection(_Owner):
         count = batch.n - start if count is None else count
         if start < 0 or count < 0 or start + count > batch.n:
             raise UsageError(f"items [{start}, {start + count}) outside a batch of {batch.n}")
-        _check_range("signal_every", signal_every, 1, (1 << 32) - 1)
+        check_range("signal_every", signal_every, 1, (1 << 32) - 1)
         return self.post_raw(batch.items + start, count, signal_every)
 
     def post_raw(self, items, count: int, signal_every: int) -> int:

@@ -11,7 +11,6 @@ closes its live children first, in reverse order of creation; ``close()`` is ide
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import errno
 import ipaddress
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from dualpath._native import ffi, lib
+from dualpath._owner import Owner, RegionOwner, check_range
 from dualpath.errors import RdmaError, UsageError, check, check_ptr
 
 _NAME_LEN = 64
@@ -174,64 +174,6 @@ def wc_dtype():
                      ("retired", "<u4"), ("vendor_err", "<u4")])
 
 
-# ------------------------------------------------------------------ ownership
-
-
-class _Owner:
-    """A native handle with an idempotent close(); children close first, newest first."""
-
-    _handle = ffi.NULL
-    _what = "resource"
-    _parents: tuple[_Owner, ...] = ()
-
-    def __init__(self, parents: Sequence[_Owner] = ()):
-        self._children: list[_Owner] = []
-        for p in parents:
-            p._check_open()
-
-    def _adopt(self, handle, parents: Sequence[_Owner] = ()) -> None:
-        """Take ownership of a freshly created handle; only now do the parents know us."""
-        self._handle = handle
-        self._parents = tuple(parents)
-        for p in self._parents:
-            p._children.append(self)
-
-    @property
-    def closed(self) -> bool:
-        return self._handle == ffi.NULL
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise UsageError(f"{self._what} is closed")
-
-    def close(self) -> None:
-        """Close the live children (newest first), then this; a second call does nothing."""
-        if self.closed:
-            return
-        for child in reversed(list(self._children)):
-            child.close()
-        check(self._destroy(), f"destroy {self._what}")
-        self._handle = ffi.NULL
-        for p in self._parents:
-            p._children.remove(self)
-
-    def _destroy(self) -> int:
-        raise NotImplementedError
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        # Backstop only: owners are closed explicitly. A child keeps its parents alive,
-        # so by the time a parent is collected its children are gone.
-        with contextlib.suppress(Exception):    # nothing may escape a finalizer
-            if not self.closed and not self._parents:
-                self.close()
-
-
 # ------------------------------------------------------------------ device
 
 
@@ -242,7 +184,7 @@ def list_devices() -> list[str]:
     return [ffi.string(buf + i * _NAME_LEN).decode() for i in range(n)]
 
 
-class Device(_Owner):
+class Device(Owner):
     """An open RDMA device (a verbs context). Control calls from one thread at a time."""
 
     _what = "RDMA device"
@@ -250,7 +192,7 @@ class Device(_Owner):
     def __init__(self, name: str | None = None, port: int = 1):
         if name is not None and not isinstance(name, str):
             raise UsageError(f"device name must be a str or None, not {type(name).__name__}")
-        _check_range("port", port, 1, 255)
+        check_range("port", port, 1, 255)
         super().__init__()
         self._adopt(check_ptr(lib.dp_ctx_open((name or "").encode()),
                               f"open RDMA device {name or '(first with an ACTIVE port)'}", ffi))
@@ -268,7 +210,7 @@ class Device(_Owner):
     def port_attrs(self, port: int | None = None) -> PortAttrs:
         self._check_open()
         port = self.port if port is None else port
-        _check_range("port", port, 1, 255)
+        check_range("port", port, 1, 255)
         out = ffi.new("struct dp_port_info *")
         check(lib.dp_port_query(self._handle, port, out), f"query {self.name} port {port}")
         return PortAttrs(out.state, out.max_mtu, out.active_mtu, out.link_layer,
@@ -278,7 +220,7 @@ class Device(_Owner):
         """GID table entry ``index``; None for an empty slot."""
         self._check_open()
         port = self.port if port is None else port
-        _check_range("gid index", index, 0, _U32 - 1)
+        check_range("gid index", index, 0, _U32 - 1)
         out = ffi.new("struct dp_gid_info *")
         check(lib.dp_gid_query(self._handle, port, index, out),
               f"query {self.name} port {port} GID {index}")
@@ -316,7 +258,7 @@ class Device(_Owner):
 # ------------------------------------------------------------------ PD, MR
 
 
-class ProtectionDomain(_Owner):
+class ProtectionDomain(Owner):
     """A protection domain; parent of its QPs and MRs."""
 
     _what = "protection domain"
@@ -345,12 +287,12 @@ def memory_range(buf, access: int, *, addr: int | None, length: int | None):
     ``buf``: a buffer-protocol object, writable when ``access`` lets anyone write it; the
     keep-alive (a cffi buffer) holds it, and its memory, until the owner drops it.
     Else ``addr``/``length``: a raw range the caller keeps alive (keep-alive None)."""
-    _check_range("access", int(access), 0, int(ACCESS_RW))
+    check_range("access", int(access), 0, int(ACCESS_RW))
     if (buf is None) == (addr is None):
         raise UsageError("register either a buffer or an addr=/length= range")
     if buf is None:
-        _check_range("addr", addr, 0, _U64 - 1)
-        _check_range("length", length, 1, _U64 - 1)
+        check_range("addr", addr, 0, _U64 - 1)
+        check_range("length", length, 1, _U64 - 1)
         return None, ffi.cast("void *", addr), length
     writable = bool(access & (Access.LOCAL_WRITE | Access.REMOTE_WRITE))
     try:
@@ -362,7 +304,7 @@ def memory_range(buf, access: int, *, addr: int | None, length: int | None):
     return cbuf, cbuf, len(cbuf)
 
 
-class MemoryRegion(_Owner):
+class MemoryRegion(RegionOwner):
     """Registered memory: a buffer-protocol object (kept alive until close) or a raw
     ``addr``/``length`` range the caller keeps alive (pinned, never freed by us)."""
 
@@ -370,21 +312,15 @@ class MemoryRegion(_Owner):
 
     def __init__(self, pd: ProtectionDomain, buf=None, access: int = ACCESS_RW, *,
                  addr: int | None = None, length: int | None = None):
-        self._buffer, ptr, length = memory_range(buf, access, addr=addr, length=length)
+        keep, ptr, length = memory_range(buf, access, addr=addr, length=length)
         super().__init__([pd])
         info = ffi.new("struct dp_mr_info *")
-        self._adopt(check_ptr(lib.dp_mr_reg(pd._handle, ptr, length, int(access), info),
-                              f"register {length} bytes on {pd.device.name}", ffi), [pd])
-        self.addr, self.length = int(info.addr), int(info.length)
-        self.lkey, self.rkey = int(info.lkey), int(info.rkey)
-        self.access = Access(int(access))
+        self._registered(check_ptr(lib.dp_mr_reg(pd._handle, ptr, length, int(access), info),
+                                   f"register {length} bytes on {pd.device.name}", ffi),
+                         pd, info, Access(int(access)), keep)
 
     def _destroy(self) -> int:
         return lib.dp_mr_dereg(self._handle)
-
-    def close(self) -> None:
-        super().close()
-        self._buffer = None
 
     def __repr__(self) -> str:
         return f"<MemoryRegion {self.length} B at {self.addr:#x} lkey {self.lkey:#x} rkey {self.rkey:#x}>"
@@ -393,7 +329,7 @@ class MemoryRegion(_Owner):
 # ------------------------------------------------------------------ CQ
 
 
-class CompletionArray(_Owner):
+class CompletionArray(Owner):
     """What every provider's CQ shares: completions polled into one preallocated
     ``struct dp_wc`` array (``self.wc``), read as Completion tuples, a count (hot loops)
     or a numpy array. A subclass sets ``_poll_native(max)`` and
@@ -412,7 +348,7 @@ class CompletionArray(_Owner):
     def _max(self, max_entries: int | None) -> int:
         self._check_open()
         n = len(self.wc) if max_entries is None else max_entries
-        _check_range("max completions", n, 1, len(self.wc))
+        check_range("max completions", n, 1, len(self.wc))
         return n
 
     def completions(self, n: int) -> list[Completion]:
@@ -458,7 +394,7 @@ class CompletionQueue(CompletionArray):
     _what = "completion queue"
 
     def __init__(self, device: Device, depth: int):
-        _check_range("CQ depth", depth, 1, (1 << 31) - 1)
+        check_range("CQ depth", depth, 1, (1 << 31) - 1)
         super().__init__([device])
         self.device = device
         self._init_array(depth)
@@ -495,19 +431,19 @@ class QpConfig:
     rnr_retry: int = 7
 
     def __post_init__(self):
-        _check_range("max_send_wr", self.max_send_wr, 1, 65536)
-        _check_range("max_inline", self.max_inline, 0, 65536)
+        check_range("max_send_wr", self.max_send_wr, 1, 65536)
+        check_range("max_inline", self.max_inline, 0, 65536)
         if self.path_mtu not in (0, 256, 512, 1024, 2048, 4096):
             raise UsageError(f"path_mtu must be 0 or 256..4096 (a power of 2), "
                              f"not {self.path_mtu!r}")
-        _check_range("gid_index", self.gid_index, -1, 255)
-        _check_range("port", self.port, 1, 255)
-        _check_range("service_level", self.service_level, 0, 15)
-        _check_range("traffic_class", self.traffic_class, 0, 255)
-        _check_range("hop_limit", self.hop_limit, 1, 255)
-        _check_range("timeout", self.timeout, 1, 31)
-        _check_range("retry_cnt", self.retry_cnt, 1, 7)
-        _check_range("rnr_retry", self.rnr_retry, 1, 7)
+        check_range("gid_index", self.gid_index, -1, 255)
+        check_range("port", self.port, 1, 255)
+        check_range("service_level", self.service_level, 0, 15)
+        check_range("traffic_class", self.traffic_class, 0, 255)
+        check_range("hop_limit", self.hop_limit, 1, 255)
+        check_range("timeout", self.timeout, 1, 31)
+        check_range("retry_cnt", self.retry_cnt, 1, 7)
+        check_range("rnr_retry", self.rnr_retry, 1, 7)
 
     def _cdata(self):
         c = ffi.new("struct dp_qp_cfg *")
@@ -527,11 +463,11 @@ class WriteBatch:
         self._items = ffi.new("struct dp_item[]", max(len(items), 1))
         for i, it in enumerate(items):
             it = Item(*it)
-            _check_range(f"items[{i}].length", it.length, 1, _U32 - 1)
+            check_range(f"items[{i}].length", it.length, 1, _U32 - 1)
             for field in ("local_addr", "remote_addr", "wr_id"):
-                _check_range(f"items[{i}].{field}", getattr(it, field), 0, _U64 - 1)
+                check_range(f"items[{i}].{field}", getattr(it, field), 0, _U64 - 1)
             for field in ("lkey", "rkey"):
-                _check_range(f"items[{i}].{field}", getattr(it, field), 0, _U32 - 1)
+                check_range(f"items[{i}].{field}", getattr(it, field), 0, _U32 - 1)
             d = self._items[i]
             d.local_addr, d.remote_addr, d.length = it.local_addr, it.remote_addr, it.length
             d.lkey, d.rkey, d.wr_id = it.lkey, it.rkey, it.wr_id
@@ -543,7 +479,7 @@ class WriteBatch:
         return self.n
 
 
-class QueuePair(_Owner):
+class QueuePair(Owner):
     """An RC QP (see the module docstring for its states). post_write and its send CQ's
     poll from one thread at a time."""
 
@@ -593,9 +529,9 @@ class QueuePair(_Owner):
         self._check_open()
         if not isinstance(remote, Endpoint):
             raise UsageError(f"connect() takes an Endpoint, not {type(remote).__name__}")
-        _check_range("remote qpn", remote.qpn, 0, (1 << 24) - 1)
-        _check_range("remote psn", remote.psn, 0, (1 << 24) - 1)
-        _check_range("remote lid", remote.lid, 0, 0xffff)
+        check_range("remote qpn", remote.qpn, 0, (1 << 24) - 1)
+        check_range("remote psn", remote.psn, 0, (1 << 24) - 1)
+        check_range("remote lid", remote.lid, 0, 0xffff)
         if len(remote.gid) != 16:
             raise UsageError(f"remote gid must be 16 bytes, not {len(remote.gid)}")
         e = ffi.new("struct dp_qp_endpoint *")
@@ -620,7 +556,7 @@ class QueuePair(_Owner):
         count = batch.n - start if count is None else count
         if start < 0 or count < 0 or start + count > batch.n:
             raise UsageError(f"items [{start}, {start + count}) outside a batch of {batch.n}")
-        _check_range("signal_every", signal_every, 1, _U32 - 1)
+        check_range("signal_every", signal_every, 1, _U32 - 1)
         rc = lib.dp_qp_post_write(self._handle, batch._items + start, count, signal_every,
                                   self._n_posted)
         posted = self._n_posted[0]
@@ -638,7 +574,3 @@ class QueuePair(_Owner):
             raise PostError(-rc, f"post {count} WRITEs on QP {self.qp_num:#x}", posted, count)
         return posted
 
-
-def _check_range(what: str, value, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise UsageError(f"{what} must be an integer in [{lo}, {hi}], not {value!r}")

@@ -187,7 +187,9 @@ int dp_cq_wait(dp_cq *cq, struct dp_wc *out, uint32_t max, int64_t timeout_ns)
 {
     if (cq == NULL || out == NULL || max == 0 || timeout_ns < 0)
         return -EINVAL;
-    int64_t deadline = now_ns() + timeout_ns;
+    /* Saturate: a huge timeout (INT64_MAX = "for ever") must not wrap into the past. */
+    int64_t now = now_ns();
+    int64_t deadline = timeout_ns > INT64_MAX - now ? INT64_MAX : now + timeout_ns;
     for (uint32_t spins = 0;; spins++) {
         int r = dp_cq_poll(cq, out, max);
         if (r != 0)

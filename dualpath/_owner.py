@@ -10,11 +10,23 @@ from collections.abc import Sequence
 from dualpath._native import ffi
 from dualpath.errors import UsageError, check
 
+#: The largest timeout the C calls take (int64 nanoseconds): "for ever" in practice.
+MAX_TIMEOUT_NS = (1 << 63) - 1
+
 
 def check_range(what: str, value, lo: int, hi: int) -> None:
     """UsageError unless ``value`` is an int (not a bool) in [lo, hi]."""
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise UsageError(f"{what} must be an integer in [{lo}, {hi}], not {value!r}")
+
+
+def timeout_ns(seconds: float, what: str = "timeout") -> int:
+    """Seconds >= 0 as the C calls' int64 nanoseconds; beyond that range (or inf) the
+    largest, which they treat as no deadline."""
+    if not seconds >= 0:
+        raise UsageError(f"{what} must be >= 0 seconds, not {seconds!r}")
+    ns = seconds * 1e9
+    return MAX_TIMEOUT_NS if ns >= MAX_TIMEOUT_NS else int(ns)
 
 
 class Owner:

@@ -29,7 +29,7 @@ import errno
 from dataclasses import dataclass
 
 from dualpath._native import ffi, lib
-from dualpath._owner import Owner, RegionOwner, check_range
+from dualpath._owner import Owner, RegionOwner, check_range, timeout_ns
 from dualpath.errors import UsageError, check, check_ptr
 from dualpath.verbs import (
     ACCESS_RW,
@@ -235,9 +235,7 @@ class TcpConnection(Owner):
         if not isinstance(host, str) or not host:
             raise UsageError(f"host must be a non-empty str, not {host!r}")
         check_range("port", port, 1, 65535)
-        if not timeout >= 0:
-            raise UsageError(f"timeout must be >= 0 seconds, not {timeout!r}")
-        check(lib.dp_tcp_conn_connect(self._handle, host.encode(), port, int(timeout * 1e9)),
+        check(lib.dp_tcp_conn_connect(self._handle, host.encode(), port, timeout_ns(timeout)),
               f"connect TCP connection {self.conn_id} to {host}:{port}")
         self.remote = (host, port)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from dualpath._native import ffi, lib
-from dualpath._owner import Owner, RegionOwner, check_range
+from dualpath._owner import Owner, RegionOwner, check_range, timeout_ns
 from dualpath.errors import RdmaError, UsageError, check, check_ptr
 
 _NAME_LEN = 64
@@ -364,9 +364,7 @@ class CompletionArray(Owner):
     def wait_n(self, timeout: float, max_entries: int | None = None) -> int:
         """Wait up to ``timeout`` seconds for a completion, left in ``self.wc``; their
         count (0: the time ran out)."""
-        if not timeout >= 0:
-            raise UsageError(f"timeout must be >= 0 seconds, not {timeout!r}")
-        return check(self._wait_native(self._max(max_entries), int(timeout * 1e9)),
+        return check(self._wait_native(self._max(max_entries), timeout_ns(timeout)),
                      f"wait on {self._what}")
 
     def poll(self, max_entries: int | None = None) -> list[Completion]:

@@ -351,6 +351,15 @@ def test_target_stops_reading_while_its_acks_are_stuck_then_resumes():
         assert b.stats().writes == n and b.stats().bytes == n
 
 
+def test_endless_timeouts_are_accepted(pair):
+    # inf (or any timeout past int64 ns) is "no deadline" for the C calls; it used to
+    # raise OverflowError from the int conversion before reaching them.
+    pair.conn.reset()
+    pair.conn.connect("127.0.0.1", pair.b.port, timeout=float("inf"))
+    assert pair.conn.post_write([pair.item(0, 0, 64, wr_id=5)]) == 1
+    assert [(w.wr_id, w.status) for w in pair.cq.wait(float("inf"))] == [(5, 0)]
+
+
 def test_nothing_lands_after_dereg_returns():
     p = Pair(size=32 << 20)
     try:

@@ -256,6 +256,18 @@ def test_signal_count_left_by_a_larger_signal_every_still_bounds_the_cq(dev_a):
     assert [(w.wr_id, w.retired) for w in wcs] == [(3, 4), (4, 1)]
 
 
+def test_wait_with_an_endless_timeout_waits(dev_a):
+    a, b = loopback(dev_a)
+    assert a.qp.post_write([a.item(b, 0, 64, wr_id=7)]) == 1
+    # INT64_MAX ns ("for ever") must not wrap the deadline into the past and return 0
+    # before the WRITE completes; dp_cq_wait returns once the completion is there.
+    n = lib.dp_cq_wait(a.cq._handle, a.cq.wc, 1, (1 << 63) - 1)
+    assert n == 1 and a.cq.completions(1)[0].wr_id == 7
+    # The Python layer takes a timeout beyond int64 ns (or inf) as that same bound.
+    assert a.qp.post_write([a.item(b, 64, 64, wr_id=8)]) == 1
+    assert [w.wr_id for w in a.cq.wait(float("inf"))] == [8]
+
+
 # ------------------------------------------------------------------ forced errors
 
 

@@ -92,3 +92,17 @@ def test_memory_range_checks_and_keeps_the_buffer():
         verbs.memory_range(buf, verbs.ACCESS_RW, addr=0x1000, length=8)
     with pytest.raises(UsageError, match="access"):
         verbs.memory_range(buf, 0x100, addr=None, length=None)
+
+
+def test_timeout_ns_saturates_at_the_c_bound():
+    from dualpath._owner import MAX_TIMEOUT_NS, timeout_ns
+
+    assert timeout_ns(1.5) == 1_500_000_000 and timeout_ns(0) == 0
+    # dp_cq_wait / dp_tcp_cq_wait / dp_tcp_conn_connect take int64 ns (dp.h): anything
+    # beyond (1e10 s = 1e19 ns > 2**63 - 1, or inf) is that bound, not an OverflowError.
+    assert timeout_ns(1e10) == MAX_TIMEOUT_NS == (1 << 63) - 1
+    assert timeout_ns(float("inf")) == MAX_TIMEOUT_NS
+    for bad in (-1, float("nan")):
+        with pytest.raises(UsageError, match="timeout"):
+            timeout_ns(bad)
+

@@ -28,13 +28,21 @@ def register(sub) -> None:
 
 
 def _demo(args) -> int:
+    from dualpath.cluster.cli import check_output_path
     from dualpath.cluster.local import LocalCluster
     from dualpath.cluster.replay import ReplayOptions
     from dualpath.cluster.run import make_trace, run_modes
+    from dualpath.errors import UsageError
     from dualpath.trace.report import format_table, to_json, write_plot
 
     t0 = time.monotonic()
-    os.makedirs(args.out, exist_ok=True)
+    if args.snic_gbit < 0 or args.agents < 1:
+        raise UsageError("demo: --snic-gbit must be >= 0 and --agents >= 1")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot create ({e.strerror})") from None
+    check_output_path(os.path.join(args.out, "demo.json"), "--out")
     trace = make_trace(args.agents, table=DEMO["table"], context_scale=DEMO["context_scale"],
                        max_rounds=DEMO["max_rounds"], seed=DEMO["seed"])
     print(f"dualpath demo: 1P2D local cluster, {args.agents} agents x {DEMO['max_rounds']} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -60,6 +61,17 @@ def register(sub) -> None:
     out.add_argument("--plot", metavar="PATH", help="write the report's PNG plot")
     out.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=_replay)
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """Refuse an output file whose directory is missing or read-only before a run that
+    can take minutes, rather than losing its result to a traceback at the end."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path}: directory {folder} does not exist or is not "
+                         "writable")
 
 
 def _overrides(args) -> dict:
@@ -137,6 +149,8 @@ def _replay(args) -> int:
             raise UsageError(f"--modes: unknown mode {m!r}; use basic, dualpath, oracle")
     if args.online and not args.aps:
         raise UsageError("--online needs --aps (agents per second)")
+    check_output_path(args.json, "--json")
+    check_output_path(args.plot, "--plot")
     try:
         trace = make_trace(args.agents, table=args.table, context_scale=args.context_scale,
                            max_rounds=args.max_rounds, seed=args.seed, path=args.trace)

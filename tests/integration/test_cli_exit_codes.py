@@ -65,3 +65,21 @@ def test_node_ready_file_in_a_missing_directory_exits_2_before_starting(capsys, 
     rc, err = run(capsys, "node", "--role", "prefill", "--node-id", "p0", "--scheduler", DOWN,
                   "--ready-file", str(ready))
     assert rc == cli.EXIT_USAGE and f"--ready-file {ready}: directory" in err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_replay_output_in_a_missing_directory_is_refused_before_the_run(capsys, tmp_path,
+                                                                         flag):
+    # Was found only after the whole run, as a FileNotFoundError traceback (result lost).
+    # DOWN as the scheduler: had the run started, the exit code would be 3.
+    out = tmp_path / "no" / "r.out"
+    rc, err = run(capsys, "replay", "--scheduler", DOWN, "--nodes", "p0", flag, str(out))
+    assert rc == cli.EXIT_USAGE and f"{flag} {out}: directory" in err
+
+
+def test_demo_bad_out_and_numbers_exit_2(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    rc, err = run(capsys, "demo", "--out", str(tmp_path / "file" / "sub"))
+    assert rc == cli.EXIT_USAGE and "--out" in err
+    rc, err = run(capsys, "demo", "--out", str(tmp_path), "--snic-gbit", "-1")
+    assert rc == cli.EXIT_USAGE and "--snic-gbit" in err

@@ -220,6 +220,7 @@ class Device(Owner):
         """GID table entry ``index``; None for an empty slot."""
         self._check_open()
         port = self.port if port is None else port
+        check_range("port", port, 1, 255)
         check_range("gid index", index, 0, _U32 - 1)
         out = ffi.new("struct dp_gid_info *")
         check(lib.dp_gid_query(self._handle, port, index, out),
@@ -292,7 +293,7 @@ def memory_range(buf, access: int, *, addr: int | None, length: int | None):
         raise UsageError("register either a buffer or an addr=/length= range")
     if buf is None:
         check_range("addr", addr, 0, _U64 - 1)
-        check_range("length", length, 1, _U64 - 1)
+        check_range("length", length, 1, _U64 - addr)
         return None, ffi.cast("void *", addr), length
     writable = bool(access & (Access.LOCAL_WRITE | Access.REMOTE_WRITE))
     try:
@@ -530,6 +531,7 @@ class QueuePair(Owner):
         check_range("remote qpn", remote.qpn, 0, (1 << 24) - 1)
         check_range("remote psn", remote.psn, 0, (1 << 24) - 1)
         check_range("remote lid", remote.lid, 0, 0xffff)
+        check_range("remote mtu", remote.mtu, 0, _U32 - 1)
         if len(remote.gid) != 16:
             raise UsageError(f"remote gid must be 16 bytes, not {len(remote.gid)}")
         e = ffi.new("struct dp_qp_endpoint *")

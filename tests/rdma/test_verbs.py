@@ -307,6 +307,13 @@ def test_usage_errors_before_any_call(dev_a):
             pd.mr(b"read-only", verbs.Access.REMOTE_WRITE)
         with pytest.raises(UsageError):
             cq.poll(5)                                   # more than the CQ's array
+        # Each of these reached cffi (OverflowError), not a UsageError, before the checks.
+        with pytest.raises(UsageError, match="port"):
+            dev_a.gid(0, port=256)                       # dp_gid_query's port is uint8_t
+        with pytest.raises(UsageError, match="mtu"):
+            qp.connect(verbs.Endpoint(1, 1, 0, 1 << 32))  # dp_qp_endpoint.mtu is uint32_t
+        with pytest.raises(UsageError, match="length"):
+            pd.mr(addr=(1 << 64) - 8, length=16)         # addr + length past 2**64
 
 
 def test_remote_access_error_then_reset_and_reconnect(dev_a):

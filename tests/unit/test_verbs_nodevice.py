@@ -106,3 +106,10 @@ def test_timeout_ns_saturates_at_the_c_bound():
         with pytest.raises(UsageError, match="timeout"):
             timeout_ns(bad)
 
+
+def test_memory_range_refuses_a_range_that_wraps_past_2_to_the_64():
+    # [2**64 - 8, 2**64 + 8) is no range at all; it is refused before any C call.
+    with pytest.raises(UsageError, match="length"):
+        verbs.memory_range(None, verbs.ACCESS_RW, addr=(1 << 64) - 8, length=16)
+    n = verbs.memory_range(None, verbs.ACCESS_RW, addr=(1 << 64) - 8, length=8)[2]
+    assert n == 8

@@ -330,8 +330,11 @@ int dp_tcp_conn_state(dp_tcp_conn *conn);
 int dp_tcp_conn_outstanding(dp_tcp_conn *conn);
 /* [count] The connection id reported in dp_wc.qp_num (unique per engine, kept by reset). */
 int dp_tcp_conn_id(dp_tcp_conn *conn);
-/* [int] Reset and free. Reset and destroy of a connection with nothing outstanding may
- * run on any thread (they then leave the CQ alone). */
+/* [int] Reset and free. Reset and destroy of a connection in RESET (never connected, or
+ * already reset on the data-path thread) may run on any thread: they then leave the CQ
+ * alone. A connected one, even idle, is in the CQ's epoll set and may be on its ready
+ * list (an EOF, a failure), so the poller could still be handling it: reset or destroy
+ * it on the data-path thread. */
 int dp_tcp_conn_destroy(dp_tcp_conn *conn);
 
 /* [int] As dp_qp_post_write: post `n` WRITEs, sent with one gathered sendmsg (one

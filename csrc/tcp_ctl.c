@@ -556,8 +556,8 @@ int dp_tcp_conn_reset(dp_tcp_conn *conn)
         close(conn->fd);
         conn->fd = -1;
     }
-    /* Touch the CQ only when needed: a connection that carries nothing (never posted,
-     * or already reset) can then be reset or destroyed while another thread polls. */
+    /* Touch the CQ only when needed: a connection in RESET (never connected, or already
+     * reset) can then be reset or destroyed while another thread polls (dp.h). */
     tcp_ready_remove(conn);
     if (conn->sig_outstanding) {
         conn->cq->sig_outstanding -= conn->sig_outstanding;

@@ -31,6 +31,7 @@ enum {
     DEFAULT_MAX_SEND_WR = 256,
     MAX_SEND_WR = 65536,
     LISTEN_BACKLOG = 256,
+    ACCEPT_PAUSE_MS = 100,   /* how long the listener is ignored after EMFILE and the like */
 };
 
 int tcp_now_ns(int64_t *out)
@@ -98,12 +99,44 @@ static void srv_set_events(dp_tcp *eng, struct tcp_srv_conn *c, uint32_t events)
         c->events = events;
 }
 
+/* Out of descriptors (or memory): the connection stays queued, so the level-triggered
+ * listener would wake the server thread at once, for ever, at full CPU. Stop watching it
+ * for ACCEPT_PAUSE_MS (server_main watches it again), as libuv and nginx do. */
+static void srv_pause_accept(dp_tcp *eng)
+{
+    struct epoll_event ev = {.events = 0, .data.ptr = eng};
+    int64_t now;
+    if (tcp_now_ns(&now) < 0 || epoll_ctl(eng->epfd, EPOLL_CTL_MOD, eng->listen_fd, &ev) < 0)
+        return;
+    eng->accept_resume_ns = now + (int64_t)ACCEPT_PAUSE_MS * 1000000;
+}
+
+/* The epoll_wait timeout: -1, or the ms until a paused listener is watched again (0
+ * when that is due: it is then re-armed here). */
+static int srv_accept_timeout_ms(dp_tcp *eng)
+{
+    if (!eng->accept_resume_ns)
+        return -1;
+    int64_t now;
+    if (tcp_now_ns(&now) == 0 && now < eng->accept_resume_ns)
+        return (int)((eng->accept_resume_ns - now + 999999) / 1000000);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = eng};
+    if (epoll_ctl(eng->epfd, EPOLL_CTL_MOD, eng->listen_fd, &ev) < 0)
+        return ACCEPT_PAUSE_MS;    /* try again later rather than lose the listener */
+    eng->accept_resume_ns = 0;
+    return -1;
+}
+
 static void srv_accept(dp_tcp *eng)
 {
     for (;;) {
         int fd = accept4(eng->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0)
-            return;    /* EAGAIN: done; EMFILE etc.: the peer sees a reset, retries */
+        if (fd < 0) {
+            /* EAGAIN: done; ECONNABORTED and the like: the peer retries */
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+                srv_pause_accept(eng);
+            return;
+        }
         struct tcp_srv_conn *c = calloc(1, sizeof *c);
         if (!c) {
             close(fd);
@@ -131,7 +164,7 @@ static void *server_main(void *arg)
     dp_tcp *eng = arg;
     struct epoll_event ev[TCP_EVENTS];
     for (;;) {
-        int k = epoll_wait(eng->epfd, ev, TCP_EVENTS, -1);
+        int k = epoll_wait(eng->epfd, ev, TCP_EVENTS, srv_accept_timeout_ms(eng));
         if (k < 0 && errno != EINTR)
             break;
         struct tcp_srv_conn *dead = NULL;

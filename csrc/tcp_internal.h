@@ -111,6 +111,8 @@ struct dp_tcp {
     uint32_t next_conn_id;           /* atomic */
     struct dp_tcp_stats stats;       /* written by the server thread (relaxed atomics) */
     struct tcp_srv_conn *srv_conns;  /* server thread only */
+    int64_t accept_resume_ns;        /* server thread: 0, or when to watch the listener
+                                        again after accept ran out of descriptors */
     uint8_t *discard;                /* server thread only */
 };
 

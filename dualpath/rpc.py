@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dualpath.errors import UsageError
+from dualpath.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
     import grpc
@@ -19,9 +19,17 @@ def parse_listen(listen: str, what: str = "metrics_listen") -> tuple[str, int]:
     """``host:port`` (IPv6 as ``[::1]:port``, port 0..65535) -> (host, port)."""
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit() or not host or int(port) > 65535:
-        raise UsageError(f"{what} = {listen!r}: expected host:port with port 0..65535 "
+        raise ConfigError(f"{what} = {listen!r}: expected host:port with port 0..65535 "
                          "(0 = any free port), e.g. 127.0.0.1:9464")
     return host.strip("[]"), int(port)
+
+
+def check_listen(section: str, optional: tuple[str, ...] = (), **listens: str) -> None:
+    """For a config section's validate(): each ``key=value`` is host:port; a key named
+    in ``optional`` may also be empty (off)."""
+    for name, value in listens.items():
+        if value or name not in optional:
+            parse_listen(value, f"config key {section}.{name}")
 
 
 def bind(server: grpc.aio.Server, address: str, what: str,

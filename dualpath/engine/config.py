@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from dualpath.config import key
 from dualpath.kv.profiles import PROFILES
+from dualpath.rpc import check_listen
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class EngineConfig:
     layerwise: bool = key(True, "Default for layerwise prefill (transfers of layer l+1 "
                           "overlap compute of layer l); a request's payload may override.")
 
+    def validate(self) -> None:
+        check_listen("engine", ("metrics_listen",), control_listen=self.control_listen,
+                     metrics_listen=self.metrics_listen)
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -53,3 +58,6 @@ class ClusterConfig:
                         "config; empty = a new temporary directory, removed at exit.")
     start_timeout_s: float = key(60.0, "Bound on the scheduler and every node becoming "
                                  "ready.", min=1.0)
+
+    def validate(self) -> None:
+        check_listen("cluster", scheduler_listen=self.scheduler_listen)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dualpath.config import key
 from dualpath.errors import ConfigError
 from dualpath.kv.profiles import PROFILES
+from dualpath.rpc import check_listen
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class SchedulerConfig:
                               "0 = any free port.")
 
     def validate(self) -> None:
+        check_listen("scheduler", ("metrics_listen",), listen=self.listen,
+                     metrics_listen=self.metrics_listen)
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("config keys scheduler.tls_cert_file and scheduler.tls_key_file "
                               "must be set together")

@@ -69,3 +69,17 @@ def test_engine_model_profile_is_checked_by_config_check(tmp_path, capsys):
     assert cli.main(["config", "check", str(path)]) == cli.EXIT_USAGE
     assert "engine.model_profile = 'nope': allowed values are one of 'demo'" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("scheduler", "listen", "127.0.0.1:99999"), ("scheduler", "metrics_listen", "zzz"),
+    ("engine", "control_listen", ""), ("engine", "metrics_listen", "host:port"),
+    ("cluster", "scheduler_listen", "127.0.0.1"),
+])
+def test_listen_addresses_are_checked_by_config_check(tmp_path, capsys, section, key, value):
+    # `config check` said ok; the daemon refused (or gRPC wrapped the port) at start.
+    path = tmp_path / "c.toml"
+    path.write_text(f'[{section}]\n{key} = "{value}"\n')
+    assert cli.main(["config", "check", str(path)]) == cli.EXIT_USAGE
+    assert f"config key {section}.{key} = {value!r}: expected host:port" in \
+        capsys.readouterr().err

@@ -257,10 +257,11 @@ def test_signal_count_left_by_a_larger_signal_every_still_bounds_the_cq(dev_a):
 
 
 def test_wait_with_an_endless_timeout_waits(dev_a):
-    a, b = loopback(dev_a)
-    assert a.qp.post_write([a.item(b, 0, 64, wr_id=7)]) == 1
-    # INT64_MAX ns ("for ever") must not wrap the deadline into the past and return 0
-    # before the WRITE completes; dp_cq_wait returns once the completion is there.
+    a, b = loopback(dev_a, size=32 << 20)
+    # One 32 MiB WRITE: rxe needs far longer than one poll for it, so the wait's first
+    # poll finds nothing. INT64_MAX ns ("for ever") must not wrap the deadline into the
+    # past and return 0 then; dp_cq_wait returns once the completion is there.
+    assert a.qp.post_write([a.item(b, 0, 32 << 20, wr_id=7)]) == 1
     n = lib.dp_cq_wait(a.cq._handle, a.cq.wc, 1, (1 << 63) - 1)
     assert n == 1 and a.cq.completions(1)[0].wr_id == 7
     # The Python layer takes a timeout beyond int64 ns (or inf) as that same bound.

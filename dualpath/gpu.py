@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from dualpath import verbs
 from dualpath._native import ffi, lib
-from dualpath._owner import RegionOwner
+from dualpath._owner import RegionOwner, check_range
 from dualpath.errors import DualPathError, RdmaError, UsageError, check_ptr
 
 #: ``CUmemRangeHandleType``: CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD.
@@ -230,6 +230,8 @@ class LocalRdmaCopier:
 
     def __init__(self, device: str | None = None, *, max_send_wr: int = 256,
                  signal_every: int = 16):
+        check_range("max_send_wr", max_send_wr, 1, 65536)
+        check_range("signal_every", signal_every, 1, (1 << 32) - 1)
         self.device = verbs.Device(device)
         try:
             gid = self.device.pick_gid()

@@ -69,6 +69,14 @@ def test_export_dmabuf_without_driver_support_is_eopnotsupp_with_reason():
     assert "DMA_BUF_SUPPORTED" in str(ei.value)
 
 
+@pytest.mark.parametrize("kw", [{"signal_every": 0}, {"max_send_wr": 0}])
+def test_local_copier_checks_its_arguments_before_opening_a_device(kw):
+    # signal_every 0 used to open the device and fail only at the first copy's post
+    # (dp_qp_post_write's EINVAL); no device is needed to refuse it.
+    with pytest.raises(UsageError, match=next(iter(kw))):
+        gpu.LocalRdmaCopier(**kw)
+
+
 def test_gpu_memory_region_rejects_an_unknown_registration_method():
     class Closed:
         closed = False

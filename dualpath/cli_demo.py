@@ -28,7 +28,7 @@ def register(sub) -> None:
 
 
 def _demo(args) -> int:
-    from dualpath.cluster.cli import check_output_path
+    from dualpath.cluster.cli import check_output_path, sigterm_as_interrupt
     from dualpath.cluster.local import LocalCluster
     from dualpath.cluster.replay import ReplayOptions
     from dualpath.cluster.run import make_trace, run_modes
@@ -50,15 +50,16 @@ def _demo(args) -> int:
           f"{args.snic_gbit:g} Gbit/s per node; model execution emulated (cost model); every "
           "KV byte moved for real and verified by the decode engines", flush=True)
     cluster = LocalCluster(1, 2, settings={"storage": {"snic_gbit_per_s": args.snic_gbit}})
-    cluster.start()
-    try:
-        report, runs = run_modes(cluster.scheduler_address, cluster.node_ids(), 1, trace,
-                                 ("basic", "dualpath", "oracle"), ReplayOptions(),
-                                 snic_gbit_per_s=args.snic_gbit,
-                                 node_addresses=cluster.addresses())
-    finally:
-        cluster.stop()
-        cluster.cleanup()
+    with sigterm_as_interrupt():
+        cluster.start()
+        try:
+            report, runs = run_modes(cluster.scheduler_address, cluster.node_ids(), 1, trace,
+                                     ("basic", "dualpath", "oracle"), ReplayOptions(),
+                                     snic_gbit_per_s=args.snic_gbit,
+                                     node_addresses=cluster.addresses())
+        finally:
+            cluster.stop()
+            cluster.cleanup()
     print(format_table(report))
     cmp = {c["mode"]: c for c in report["comparison"]}
     verified = sum(r.bytes_verified for r in runs.values())

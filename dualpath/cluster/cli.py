@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 
 from dualpath.errors import UsageError
 
@@ -72,6 +74,22 @@ def check_output_path(path: str | None, flag: str) -> None:
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise UsageError(f"{flag} {path}: directory {folder} does not exist or is not "
                          "writable")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt inside the block, so the ``finally`` that stops a
+    local cluster runs: its processes live in their own sessions and would outlive a
+    parent killed by SIGTERM's default action. The previous handler comes back after."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _overrides(args) -> dict:
@@ -177,15 +195,16 @@ def _replay(args) -> int:
     else:
         cfg, raw = _load(args)
         cluster = cluster_from_config(cfg, raw)
-        cluster.start()
-        try:
-            report, _ = run_modes(cluster.scheduler_address, cluster.node_ids(),
-                                  cluster.prefill_nodes, trace, modes, opts,
-                                  snic_gbit_per_s=cfg.storage.snic_gbit_per_s,
-                                  node_addresses=cluster.addresses())
-        finally:
-            cluster.stop()
-            cluster.cleanup()
+        with sigterm_as_interrupt():
+            cluster.start()
+            try:
+                report, _ = run_modes(cluster.scheduler_address, cluster.node_ids(),
+                                      cluster.prefill_nodes, trace, modes, opts,
+                                      snic_gbit_per_s=cfg.storage.snic_gbit_per_s,
+                                      node_addresses=cluster.addresses())
+            finally:
+                cluster.stop()
+                cluster.cleanup()
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as fh:

@@ -83,3 +83,24 @@ def test_demo_bad_out_and_numbers_exit_2(capsys, tmp_path):
     assert rc == cli.EXIT_USAGE and "--out" in err
     rc, err = run(capsys, "demo", "--out", str(tmp_path), "--snic-gbit", "-1")
     assert rc == cli.EXIT_USAGE and "--snic-gbit" in err
+
+
+def test_sigterm_inside_a_local_cluster_block_unwinds_and_restores_the_handler():
+    # replay/demo run their local cluster inside this block: SIGTERM's default action
+    # killed the parent at once and left the cluster's processes (own sessions) running.
+    import os
+    import signal
+    import threading
+
+    from dualpath.cluster.cli import sigterm_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    stopped = []
+    with pytest.raises(KeyboardInterrupt), sigterm_as_interrupt():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Event().wait(60)   # bound only; the signal ends the wait
+        finally:
+            stopped.append("cluster.stop")
+    assert stopped == ["cluster.stop"]
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -157,12 +157,13 @@ class NodeDaemon:
         self.sched_channel = grpc.aio.insecure_channel(self.scheduler_address)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.sched_channel)
         lane = cfg.kv_lane
-        t = cfg.transport
-        log.info("%s node %s up: control %s; transport %s (%s), device %s, GID index %s, "
-                 "lane SL %d / TC %d; %d engines, HBM %s (%d MiB each), %s %d MiB; storage "
+        # The provider's description names the device, port and GID in use (verbs) or
+        # the listen address (tcp); the config's device "" / gid_index -1 only mean "auto".
+        log.info("%s node %s up: control %s; transport %s (%s), lane SL %d / TC %d; "
+                 "%d engines, HBM %s (%d MiB each), %s %d MiB; storage "
                  "%s, storage NIC %s; model %s (emulated execution, speed x%g); config %s",
                  self.role, self.node_id, self.address, self.transfer.transport,
-                 self.transfer.provider.description, t.device or "(auto)", t.gid_index,
+                 self.transfer.provider.description,
                  lane.service_level, lane.traffic_class, len(self.engines), "host memory",
                  hbm_mib, buf_name, mib, self.store.dir,
                  f"{s.snic_gbit_per_s:g} Gbit/s" if s.snic_gbit_per_s else "unlimited",

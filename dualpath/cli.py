@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from dualpath import __version__
+from dualpath import __version__, log
 from dualpath.errors import DualPathError, RemoteUnavailable, UsageError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
@@ -28,7 +28,8 @@ COMMAND_MODULES = [
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"dualpath {__version__}")
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--log-level", default=None, type=str.upper, choices=log.LEVELS,
+                   help="DEBUG, INFO, WARNING, ERROR (default: $DUALPATH_LOG, else INFO)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -41,10 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
-    from dualpath import log
-
-    log.setup(args.log_level)
     try:
+        log.setup(args.log_level)
         rc = args.func(args)
     except UsageError as e:
         print(f"dualpath: error: {e}", file=sys.stderr)

@@ -6,10 +6,17 @@ import logging
 import os
 import sys
 
+from dualpath.errors import UsageError
+
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 def setup(level: str | None = None, name: str = "dualpath") -> logging.Logger:
     """Configure root logging once (idempotent) and return the ``name`` logger."""
     level = (level or os.environ.get("DUALPATH_LOG", "INFO")).upper()
+    if level not in LEVELS:
+        # A typo in the environment was a ValueError traceback from logging.
+        raise UsageError(f"DUALPATH_LOG = {level!r}: allowed values are " + ", ".join(LEVELS))
     root = logging.getLogger()
     if not getattr(root, "_dualpath_configured", False):
         handler = logging.StreamHandler(sys.stderr)

@@ -104,3 +104,13 @@ def test_sigterm_inside_a_local_cluster_block_unwinds_and_restores_the_handler()
             stopped.append("cluster.stop")
     assert stopped == ["cluster.stop"]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_bad_log_level_exits_2_without_a_traceback(capsys, monkeypatch):
+    # Both were logging's ValueError traceback.
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--log-level", "loud", "config", "docs"])
+    assert e.value.code == 2 and "--log-level" in capsys.readouterr().err
+    monkeypatch.setenv("DUALPATH_LOG", "loud")
+    rc, err = run(capsys, "config", "docs")
+    assert rc == cli.EXIT_USAGE and "DUALPATH_LOG = 'LOUD'" in err

@@ -75,7 +75,7 @@ def register(sub) -> None:
     sm.set_defaults(func=_cmd(_submit, admin=False))
 
 
-_U64_MAX = 2**64 - 1
+_U32_MAX, _U64_MAX = 2**32 - 1, 2**64 - 1
 
 
 def _int_in(low: int, high: int) -> Callable[[str], int]:
@@ -243,9 +243,14 @@ def parse_set(assignments: list[str]) -> dict[str, int | bool]:
                 raise UsageError(f"ctl set: {word!r}: split_read takes true or false")
             out[field] = v in ("true", "1", "on")
         else:
-            if not v.isdigit():
-                raise UsageError(f"ctl set: {word!r}: {k} takes a non-negative integer")
-            out[field] = int(v)
+            # The wire field's width bounds the value (compute_quota_ms is uint32): past
+            # it, or a digit int() refuses ('²'), protobuf raised a bare ValueError.
+            high = _U32_MAX if field == "compute_quota_ms" else _U64_MAX
+            try:
+                out[field] = _int_in(0, high)(v)
+            except argparse.ArgumentTypeError as e:
+                raise UsageError(f"ctl set: {word!r}: {k} takes an integer in 0..{high} "
+                                 f"({e})") from None
     return out
 
 

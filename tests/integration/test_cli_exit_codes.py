@@ -114,3 +114,18 @@ def test_bad_log_level_exits_2_without_a_traceback(capsys, monkeypatch):
     monkeypatch.setenv("DUALPATH_LOG", "loud")
     rc, err = run(capsys, "config", "docs")
     assert rc == cli.EXIT_USAGE and "DUALPATH_LOG = 'LOUD'" in err
+
+
+@pytest.mark.parametrize("word", ["quota=4294967296", f"alpha={2**64}", "beta=²", "beta=-1"])
+def test_ctl_set_values_beyond_the_wire_field_exit_2(capsys, word):
+    # compute_quota_ms is uint32 and alpha/beta uint64 (proto/dualpath/v1/admin.proto);
+    # past that protobuf raised a ValueError traceback, and '²' passed str.isdigit().
+    rc, err = run(capsys, "ctl", "set", word, "--scheduler", DOWN)
+    assert rc == cli.EXIT_USAGE and f"ctl set: {word!r}" in err
+
+
+def test_ctl_set_accepts_the_largest_values():
+    from dualpath.scheduler.cli import parse_set
+
+    assert parse_set(["quota=4294967295", f"alpha={2**64 - 1}", "split_read=on"]) == {
+        "compute_quota_ms": 2**32 - 1, "alpha_tokens": 2**64 - 1, "split_read": True}

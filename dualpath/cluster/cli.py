@@ -167,6 +167,11 @@ def _replay(args) -> int:
             raise UsageError(f"--modes: unknown mode {m!r}; use basic, dualpath, oracle")
     if args.online and not args.aps:
         raise UsageError("--online needs --aps (agents per second)")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout {args.timeout:g}: must be > 0 seconds")
+    if args.snic_gbit is not None and args.snic_gbit < 0:
+        # The local cluster's config check caught it; a --scheduler run divided by it.
+        raise UsageError(f"--snic-gbit {args.snic_gbit:g}: must be >= 0 (0 = unlimited)")
     check_output_path(args.json, "--json")
     check_output_path(args.plot, "--plot")
     try:

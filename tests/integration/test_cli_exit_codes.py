@@ -129,3 +129,10 @@ def test_ctl_set_accepts_the_largest_values():
 
     assert parse_set(["quota=4294967295", f"alpha={2**64 - 1}", "split_read=on"]) == {
         "compute_quota_ms": 2**32 - 1, "alpha_tokens": 2**64 - 1, "split_read": True}
+
+
+@pytest.mark.parametrize("flag, value", [("--timeout", "-5"), ("--snic-gbit", "-3")])
+def test_replay_bad_numbers_exit_2_before_connecting(capsys, flag, value):
+    # With --scheduler these reached the run (exit 3 here, as DOWN is closed).
+    rc, err = run(capsys, "replay", "--scheduler", DOWN, "--nodes", "p0", flag, value)
+    assert rc == cli.EXIT_USAGE and f"{flag} {value}: must be" in err

@@ -48,6 +48,10 @@ Register = Callable[[int, int], Registration]   # (address, length) -> registrat
 class MemlockError(DualPathError, OSError):
     """The region could not be pinned: RLIMIT_MEMLOCK too low (the message names the fix)."""
 
+    def __str__(self) -> str:
+        # OSError's own str() prefixes "[Errno N]"; the message already names the errno.
+        return self.strerror
+
 
 class RegionError(DualPathError):
     """The region could not be created as configured (e.g. huge pages demanded, none free)."""
@@ -128,7 +132,12 @@ class PinnedRegion:
                         f"buffers.huge_pages = 'auto'") from None
                 log.debug("%s: huge pages unavailable (%s); using normal pages", self.what, e)
         size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        m = mmap.mmap(-1, size, flags=flags)
+        try:
+            m = mmap.mmap(-1, size, flags=flags)
+        except OSError as e:   # ENOMEM (overcommit, cgroup limit): was a bare traceback
+            raise RegionError(f"{self.what}: cannot map {size} bytes ({e.strerror}); make "
+                              "buffers.pe_buffer_mib / de_buffer_mib (or the engine's "
+                              "*_hbm_mib) smaller or free memory") from None
         if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 m.madvise(mmap.MADV_HUGEPAGE)   # transparent huge pages: fewer TLB misses

@@ -107,3 +107,21 @@ def test_close_with_live_views_does_not_fail():
     r.close()
     v[0] = 1          # the mapping lives until its last view goes
     assert v[0] == 1
+
+
+def test_memlock_message_reads_once_and_mmap_failure_is_a_region_error(monkeypatch):
+    # str() began with OSError's "[Errno 12]"; an ENOMEM from mmap itself was a bare
+    # OSError traceback (errno values from errno.h).
+    monkeypatch.setattr(region_mod, "_mlock", lambda a, n: errno.ENOMEM)
+    with pytest.raises(MemlockError) as ei:
+        PinnedRegion(1 << 20)
+    assert str(ei.value).startswith("cannot pin 1048576 bytes of DualPath buffers")
+    monkeypatch.undo()
+
+    def no_memory(*a, **k):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(region_mod.mmap, "mmap", no_memory)
+    with pytest.raises(RegionError, match=r"pe_buffer: cannot map 4096 bytes \(Cannot "
+                       r"allocate memory\); make buffers\.pe_buffer_mib"):
+        PinnedRegion(4096, huge_pages="off", what="pe_buffer")

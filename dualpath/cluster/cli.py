@@ -133,10 +133,11 @@ def _load(args):
 def _up(args) -> int:
     cfg, raw = _load(args)
     cluster = cluster_from_config(cfg, raw)
+    with sigterm_as_interrupt():   # start() stops what it began when interrupted
+        cluster.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    cluster.start()
     print(f"dualpath up: scheduler {cluster.scheduler_address}; nodes "
           + ", ".join(f"{n.node_id} ({n.role}) {n.address}" for n in cluster.nodes)
           + f"; logs {cluster.dir / 'logs'}. Ctrl-C stops.", flush=True)

@@ -130,7 +130,8 @@ class PrefillPath:
         pebuf = None
         watch = None
         read_bytes, read_span = 0, (0.0, 0.0)
-        arrivals: list[asyncio.Future] = []
+        arrivals: list[asyncio.Future] = []    # PE buffer -> HBM writes, per layer
+        pushes: list[asyncio.Future] = []      # HBM -> DE buffer writes, per layer
         try:
             if side == RS_PREFILL and hit_blocks:
                 pebuf = await n.pool.reserve(hit_blocks)
@@ -164,7 +165,6 @@ class PrefillPath:
                     engine_pb2.WatchTransfersRequest(request_id=rid)))
                 if not layerwise:
                     await watch.until(L)
-            pushes: list[asyncio.Future] = []
             push_from = hit if side == RS_DECODE else 0
             for layer in range(L):
                 if side == RS_PREFILL and hit_blocks and layerwise:
@@ -191,8 +191,13 @@ class PrefillPath:
         finally:
             if watch is not None:
                 watch.cancel()
-            for f in arrivals:
-                f.cancel()
+            # On a failure part way, writes of earlier layers may still read from hbm
+            # (pushes) or land in it from pebuf (arrivals): let each finish or fail (bounded
+            # by transfer.timeout_s) before those slots go to another request. Cancelling
+            # them instead left the WRs running, and broke the shared loopback connection.
+            pending = [f for f in (*arrivals, *pushes) if not f.done()]
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
             hbm.release()
             if pebuf is not None:
                 pebuf.release()

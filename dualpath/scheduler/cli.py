@@ -248,9 +248,9 @@ def parse_set(assignments: list[str]) -> dict[str, int | bool]:
             high = _U32_MAX if field == "compute_quota_ms" else _U64_MAX
             try:
                 out[field] = _int_in(0, high)(v)
-            except argparse.ArgumentTypeError as e:
-                raise UsageError(f"ctl set: {word!r}: {k} takes an integer in 0..{high} "
-                                 f"({e})") from None
+            except argparse.ArgumentTypeError:
+                raise UsageError(f"ctl set: {word!r}: {k} takes an integer in "
+                                 f"0..{high}") from None
     return out
 
 

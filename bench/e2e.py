@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             io_bound_basic_efficiency=cmp["basic"]["efficiency"],
             io_bound_speedup_vs_basic=cmp["dualpath"]["speedup_vs_basic"],
             io_bound_snic_max_avg=dp["snic"]["window_max_avg"],
+            io_bound_snic_max_avg_bytes_weighted=dp["snic"]["window_max_avg_bytes_weighted"],
             io_bound_snic_max_avg_overall=dp["snic"]["max_avg"])
     if "compute_bound" in reports:
         m = reports["compute_bound"]["modes"]

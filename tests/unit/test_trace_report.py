@@ -110,6 +110,13 @@ def test_snic_usage_by_hand():
     assert u["max_avg"] == pytest.approx(1.5)  # 300 / mean(300, 150, 150) = 300 / 200
     # windows: 10/10 = 1.0; 30 / mean(30, 0, 0) = 3.0; the idle window is skipped
     assert u["window_max_avg"] == pytest.approx(2.0)
+    # weighted by bytes: (1.0 x 30 + 3.0 x 30) / 60 = 2.0; a light straggler window
+    # weighs little: (1.0 x 300 + 3.0 x 30) / 330 = 390 / 330
+    assert u["window_max_avg_bytes_weighted"] == pytest.approx(2.0)
+    w = snic_usage({"p0": 1, "d0": 1, "d1": 1}, rate_bytes_per_s=1, duration_s=1,
+                   windows=[{"p0": 100, "d0": 100, "d1": 100}, {"p0": 30}])
+    assert w["window_max_avg"] == pytest.approx(2.0)
+    assert w["window_max_avg_bytes_weighted"] == pytest.approx(390 / 330)
     with pytest.raises(UsageError, match="unknown node 'x'"):
         snic_usage({"p0": 1}, rate_bytes_per_s=1, duration_s=1, windows=[{"x": 1}])
     # 600 MB over 3 NICs of 100 MB/s = 2 s

@@ -131,6 +131,7 @@ class NodeDaemon:
         self.transfer = TransferEngine.open(self.address, self.oob, transport=cfg.transport,
                                             transfer=cfg.transfer, lane=cfg.kv_lane)
         await self.transfer.start()
+        self.metrics.transport.labels(self.transfer.transport).set(1)
         b = cfg.buffers
         mib = b.pe_buffer_mib if self.role == PREFILL else b.de_buffer_mib
         buf_name = "pe_buffer" if self.role == PREFILL else "de_buffer"

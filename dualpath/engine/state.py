@@ -55,6 +55,10 @@ class NodeMetrics:
                                     "Prompt KV bytes in requests that failed verification.")
         self.persisted = m.counter(registry, "dualpath_node_blocks_persisted_total",
                                    "Full Blocks of new KV written to storage.")
+        self.transport = m.gauge(registry, "dualpath_node_transport_info",
+                                 "1 for the transport KV bytes travel on (verbs or tcp), "
+                                 "so a silent fallback to TCP shows on dashboards.",
+                                 ("transport",))
         self.read_q = m.gauge(registry, "dualpath_node_read_queue_tokens",
                               "Tokens queued or in flight on this node's storage reads.")
         self.phase_s = m.histogram(registry, "dualpath_node_request_phase_seconds",

@@ -7,3 +7,9 @@ import time
 
 now = time.monotonic
 now_ns = time.monotonic_ns
+
+
+def unix_now() -> float:
+    """Wall-clock seconds: the one clock comparable across processes (and, with NTP,
+    across nodes), for per-request timings that cross them."""
+    return time.time()

@@ -159,13 +159,25 @@ def export_dmabuf(ptr: int, nbytes: int, device: int = 0, driver=None) -> int:
     return driver.export_dmabuf(ptr, nbytes)
 
 
+@dataclass(frozen=True)
+class DeviceRange:
+    """Device memory someone else owns (e.g. an inference engine's KV tensors), borrowed
+    for registration: never freed here, and it must outlive its region."""
+
+    ptr: int
+    nbytes: int
+    device: int = 0
+    closed: bool = False
+
+
 class GpuMemoryRegion(RegionOwner):
-    """Device memory registered on a PD. ``kind``: "dmabuf" or "peermem" (how it was
-    registered). ``addr`` is the device pointer (the iova peers WRITE to)."""
+    """Device memory (a :class:`GpuBuffer` or a borrowed :class:`DeviceRange`) registered
+    on a PD. ``kind``: "dmabuf" or "peermem" (how it was registered). ``addr`` is the
+    device pointer (the iova peers WRITE to)."""
 
     _what = "GPU memory region"
 
-    def __init__(self, pd: verbs.ProtectionDomain, buf: GpuBuffer,
+    def __init__(self, pd: verbs.ProtectionDomain, buf: GpuBuffer | DeviceRange,
                  access: int = verbs.ACCESS_RW, *, prefer: str = "auto", driver=None):
         if prefer not in ("auto", "dmabuf", "peermem"):
             raise UsageError(f"prefer must be 'auto', 'dmabuf' or 'peermem', not {prefer!r}")
@@ -194,7 +206,7 @@ class GpuMemoryRegion(RegionOwner):
                             f"memory on {pd.device.name}: " + "; ".join(tried))
         self._registered(handle, pd, info, verbs.Access(int(access)))
 
-    def _reg_dmabuf(self, pd, buf: GpuBuffer, access: int, info, driver):
+    def _reg_dmabuf(self, pd, buf: GpuBuffer | DeviceRange, access: int, info, driver):
         if not lib.dp_has_dmabuf():
             raise RdmaError(errno.EOPNOTSUPP, "built against an rdma-core without "
                             "ibv_reg_dmabuf_mr (dp_has_dmabuf() = 0)")

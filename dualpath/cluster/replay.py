@@ -2,7 +2,7 @@
 
 The driver submits each due round (dualpath/trace/arrivals.py's ReplaySchedule: offline =
 every agent at once, online = Poisson arrivals) to the scheduler with a payload naming
-its trajectory, round and mode (dualpath/engine/kvplan.py), and runs a ReplaySink gRPC
+its trajectory, round and mode (dualpath/engine/payload.py), and runs a ReplaySink gRPC
 server the DEs report to when a round finishes. A round whose DE died never reports; the
 scheduler requeues it and another DE does. A report of mismatching KV aborts the replay
 loudly (:class:`KvMismatch`).
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from dualpath.engine.kvplan import MODE_READ_POLICY, Payload, encode_token_ids
+from dualpath.engine.payload import MODE_READ_POLICY, Payload, encode_token_ids
 from dualpath.errors import DualPathError
 from dualpath.trace.arrivals import ReplaySchedule, RoundRequest, arrival_times
 from dualpath.trace.model import Trace, stream_token_ids
@@ -45,7 +45,7 @@ class ReplayOptions:
     replay_mode: str = "offline"        # offline | online
     aps: float | None = None            # online: agents per second
     layerwise: bool = True
-    read_policy: str = ""               # "" = the mode's (kvplan.MODE_READ_POLICY)
+    read_policy: str = ""               # "" = the mode's (payload.MODE_READ_POLICY)
     seed: int = 0
     timeout_s: float = 600.0
     progress: bool = True

@@ -10,13 +10,16 @@ from dualpath.errors import DualPathError, UsageError
 
 def register(sub) -> None:
     p = sub.add_parser("node", help="run a prefill (PE) or decode (DE) node daemon")
-    p.add_argument("--role", required=True, choices=("prefill", "decode"))
+    p.add_argument("--role", required=True, choices=("prefill", "decode", "both"),
+                   help="prefill (PE) or decode (DE) node of a P/D cluster, or both: the "
+                   "node of a single kv_both vLLM instance (engine.kind = 'vllm')")
     p.add_argument("--node-id", required=True, help="unique node name (its engine group id)")
     p.add_argument("--scheduler", help="scheduler host:port (default: "
                    "scheduler_client.address)")
     p.add_argument("--config", help="TOML config file ([engine], [storage], [buffers], "
                    "[transport], [transfer], [kv_lane])")
     p.add_argument("--control-listen", help="overrides engine.control_listen")
+    p.add_argument("--engine", choices=("emulated", "vllm"), help="overrides engine.kind")
     p.add_argument("--ready-file", help="write the control address here once serving "
                    "(for supervisors)")
     p.set_defaults(func=_node)
@@ -36,6 +39,8 @@ def _node(args) -> int:
     overrides = {}
     if args.control_listen:
         overrides["engine.control_listen"] = args.control_listen
+    if args.engine:
+        overrides["engine.kind"] = args.engine
     cfg = _config.load(args.config, overrides)
     scheduler = args.scheduler or cfg.scheduler_client.address
 

@@ -13,6 +13,10 @@ from dualpath.rpc import check_listen
 class EngineConfig:
     """A PE or DE node daemon (`dualpath node`): its engines, HBM and emulated compute."""
 
+    kind: str = key("emulated", "The model engine this node serves: 'emulated' (the cost "
+                    "model; PE or DE role, for benchmarks at scale) or 'vllm' (a vLLM "
+                    "instance beside the node, running dualpath.vllm.connector; role "
+                    "'both').", choices=("emulated", "vllm"))
     engines_per_node: int = key(1, "Engines (one per real or emulated GPU) in this node's "
                                 "group; rank 0 is the leader that fetches from the scheduler.",
                                 min=1, max=64)

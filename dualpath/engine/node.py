@@ -1,22 +1,26 @@
-"""The PE and DE node daemon: one process per node, g engines in one group (paper §6.1).
+"""The node daemon (`dualpath node`): one process per node, serving one model engine.
 
-What a node owns (created in this order, closed in reverse): the block store and its read
-queue behind a storage-NIC token bucket (shared by the node's engines); one pinned DRAM
-buffer (the PE buffer or the DE buffer) and, per engine, an "HBM" region, all registered
-with the node's TransferEngine; the gRPC server (Engine + Node + health,
-dualpath/engine/servicers.py); the leader loop that registers the group and fetches work
-every few ms.
+The daemon only assembles. Inside one exit stack (closed in reverse order, also after a
+start-up that failed half way) it opens the node's resources and hands each part what
+it needs, never itself:
 
-What a request does there lives with its side: the prefill on a PE in
-dualpath/engine/prefill.py (:class:`PrefillPath`), prepare, the DE read and decode on a DE
-in dualpath/engine/decode.py (:class:`DecodePath`). The daemon hands them assignments and
-cancels, and carries their completions on the next fetch.
+    gRPC server (bound first: its address is our name on the data plane) ->
+    transfer engine (verbs or tcp) -> storage-NIC limiter -> the engine ->
+    the node's path (PE: PrefillPath; DE: DecodePath) -> services -> serving ->
+    the leader (PE/DE: registers the group and fetches from the scheduler)
 
-Modes come from the request payload (dualpath/engine/kvplan.py): basic forces the PE
-read side, oracle skips storage and every KV transfer (compute and decode only).
+Engines (``engine.kind``, the boundary between the node and the model it serves):
+
+- ``emulated`` (dualpath/engine/emulated.py): the cost model and "HBM" regions of our
+  own, PE or DE role, for benchmarks at scale. Its KV format, store namespace and DRAM
+  pool (:class:`~dualpath.engine.kvspace.KvSpace`) come from the model profile.
+- ``vllm`` (dualpath/engine/vllm_engine.py): a vLLM instance beside the node, whose
+  workers register their own KV tensors and attach through the KvConnector service;
+  role ``both`` (one ``kv_both`` instance: the node loads and persists its KV, there is
+  no scheduler). Its KvSpace is made when the first worker attaches.
 
 Threads: one asyncio loop owns all state; storage I/O runs on the block store's pools,
-the data path on the TransferEngine's thread, verification in ``asyncio.to_thread``.
+the data path on the transfer engine's thread, verification in ``asyncio.to_thread``.
 """
 
 from __future__ import annotations
@@ -25,10 +29,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
 from collections.abc import Callable
 
-import grpc
 from grpc_health.v1 import health_pb2
 
 from dualpath import metrics as _metrics
@@ -36,252 +38,207 @@ from dualpath.buffers.pool import BlockPool
 from dualpath.buffers.region import PinnedRegion
 from dualpath.config import Config
 from dualpath.engine.decode import DecodePath
+from dualpath.engine.emulated import EmulatedEngine, EngineRank
+from dualpath.engine.kvspace import KvSpace
+from dualpath.engine.leader import Leader
+from dualpath.engine.metrics import CountingLimiter, NodeMetrics
 from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
+from dualpath.engine.peers import PeerClient
 from dualpath.engine.prefill import PrefillPath
-from dualpath.engine.servicers import create_server
-from dualpath.engine.state import (
-    DECODE,
-    PREFILL,
-    ROLE_PB,
-    Engine,
-    NodeMetrics,
-    RequestFailed,
-    unix_now,
+from dualpath.engine.resources import NodeResources
+from dualpath.engine.roles import BOTH, DECODE, PREFILL, ROLES
+from dualpath.engine.servicers import (
+    KvConnectorServicer,
+    add_services,
+    engine_services,
+    new_server,
 )
+from dualpath.engine.vllm_engine import VllmEngine
 from dualpath.errors import ConfigError, UsageError
 from dualpath.kv.layout import BlockLayout
-from dualpath.kv.profiles import ModelProfile, get_profile
+from dualpath.kv.profiles import get_profile
 from dualpath.kv.synth import SyntheticKV
-from dualpath.storage.ratelimit import RateLimiter, gbit_to_bytes_per_s
+from dualpath.storage.ratelimit import gbit_to_bytes_per_s
 from dualpath.storage.read_queue import ReadQueue
 from dualpath.storage.store import BlockStore
+from dualpath.trace.model import trajectory_token_ids
 from dualpath.transfer import TransferEngine
-from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
+from dualpath.v1 import connector_pb2_grpc
 
 log = logging.getLogger("dualpath.engine")
 
 
-class CountingLimiter(RateLimiter):
-    """The storage-NIC token bucket, also counting the bytes it grants per wall-clock
-    slot: the node's real storage-NIC traffic over time (Node.StorageReads)."""
-
-    SLOT_S = 0.05
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.slots: dict[int, int] = {}
-
-    async def acquire(self, nbytes: int) -> None:
-        await super().acquire(nbytes)
-        k = int(unix_now() / self.SLOT_S)
-        self.slots[k] = self.slots.get(k, 0) + nbytes
-
-
 class NodeDaemon:
-    """See the module docstring. Create, ``await start()``, run :meth:`run_leader` until
-    ``stop`` is set (or use :func:`run`), ``await close()``. Event-loop thread only."""
+    """See the module docstring. Create, ``await start()``, ``await run_until(stop)``
+    (or use :func:`run`), ``await close()``. Event-loop thread only."""
 
     def __init__(self, config: Config, role: str, node_id: str, scheduler: str, *,
                  config_path: str | None = None):
-        if role not in (PREFILL, DECODE):
-            raise UsageError(f"role must be prefill or decode, not {role!r}")
+        ecfg = config.engine
+        if role not in ROLES:
+            raise UsageError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        if ecfg.kind == "vllm" and role != BOTH:
+            raise UsageError(f"engine.kind = 'vllm' serves one kv_both vLLM instance: run "
+                             f"the node with --role both (not {role}); prefill/decode "
+                             "disaggregation with vLLM instances is not built yet")
+        if ecfg.kind == "emulated" and role == BOTH:
+            raise UsageError("--role both is for a vLLM instance (engine.kind = 'vllm'); "
+                             "emulated engines are prefill or decode nodes")
         self.cfg = config
-        self.ecfg = config.engine
         self.role = role
         self.node_id = node_id
         self.scheduler_address = scheduler
         self.config_path = config_path
-        self.profile: ModelProfile = get_profile(self.ecfg.model_profile).scaled(
-            self.ecfg.speed_scale)
-        self.layout = BlockLayout.of(self.profile)
-        self.synth = SyntheticKV(self.layout)
         self.registry = _metrics.new_registry()
         self.metrics = NodeMetrics(self.registry, role)
-        self.engines: list[Engine] = []
-        self.by_id: dict[str, Engine] = {}
-        self.pe = PrefillPath(self)     # prefills (busy on a PE node only)
-        self.de = DecodePath(self)      # prepared requests and decodes (on a DE node)
-        self.completions: list[scheduler_pb2.Completion] = []
+        self.ranks: list[EngineRank] = []
+        self.path: PrefillPath | DecodePath | None = None
+        self.engine: EmulatedEngine | VllmEngine | None = None
+        self.leader: Leader | None = None
         self.address = ""
         self.stop = asyncio.Event()
-        self._closers: list[Callable] = []
+        self._stack = contextlib.AsyncExitStack()
         self._tasks: set[asyncio.Task] = set()
-        self.lease_id = 0
-        self.fetch_interval_s = 0.02
-        self._last_status_log = 0.0
-        self.pending_reads: dict[str, int] = {}   # request -> hit tokens not yet queued
 
     # ------------------------------------------------------------ start-up
+
     async def start(self) -> None:
-        cfg, ecfg = self.cfg, self.ecfg
-        s = cfg.storage
-        self.store = BlockStore(s.resolved_dir(), self.profile, read_workers=s.read_workers,
-                                write_workers=s.write_workers, direct_io=s.direct_io,
-                                verify_checksum=s.verify_checksum, fsync=s.fsync)
-        self._closers.append(self.store.close)
-        self.snic_bytes_per_s = gbit_to_bytes_per_s(s.snic_gbit_per_s) if s.snic_gbit_per_s else 0
-        self.limiter = CountingLimiter(s.snic_gbit_per_s, s.snic_burst_bytes or None)
-        self.read_queue = ReadQueue(self.store, self.limiter)
+        cfg, ecfg, s = self.cfg, self.cfg.engine, self.cfg.storage
+        st = self._stack
         self.channels = GrpcChannels()
+        st.push_async_callback(self.channels.close)
         self.oob = GrpcOutOfBand(self.channels)
-        # The gRPC server first: our name on the out-of-band channel is its address.
-        self.server, port, self.health = create_server(ecfg.control_listen, self)
+        self.peers = PeerClient(self.channels)
+        # The gRPC server is bound first: our name on the data plane is its address.
+        self.server, port, self.health = new_server(ecfg.control_listen)
         host = ecfg.control_listen.rpartition(":")[0]
         self.address = f"{ecfg.advertise or host}:{port}"
+        # Regions are unmapped only after the transfer engine closed (it deregisters
+        # them and stops the threads that write into them): pushed before it.
+        self._regions: list[PinnedRegion] = []
+        st.callback(lambda: [r.close() for r in reversed(self._regions)])
         self.transfer = TransferEngine.open(self.address, self.oob, transport=cfg.transport,
                                             transfer=cfg.transfer, lane=cfg.kv_lane)
+        st.push_async_callback(self.transfer.close)
         await self.transfer.start()
         self.metrics.transport.labels(self.transfer.transport).set(1)
+        self.snic_bytes_per_s = gbit_to_bytes_per_s(s.snic_gbit_per_s) if s.snic_gbit_per_s else 0
+        self.limiter = CountingLimiter(s.snic_gbit_per_s, s.snic_burst_bytes or None)
+        self.resources = NodeResources(
+            self.node_id, self.role, self.address, cfg, self.transfer, self.peers,
+            self.limiter, self.metrics, trajectory_token_ids, self.spawn, self._complete)
+        buf_name = "de_buffer" if self.role == DECODE else "pe_buffer"
         b = cfg.buffers
-        mib = b.pe_buffer_mib if self.role == PREFILL else b.de_buffer_mib
-        buf_name = "pe_buffer" if self.role == PREFILL else "de_buffer"
-        self.buffer = self._region(buf_name, mib, self.transfer)
-        self.pool = BlockPool(buf_name, self.buffer.array, self.layout,
-                              region_addr=self.buffer.addr)
-        if ecfg.hbm == "cupy":
-            raise ConfigError("engine.hbm = 'cupy' needs GPUDirect RDMA registration, which "
-                              "this build does not do; use 'host' or 'auto'")
-        hbm_mib = ecfg.prefill_hbm_mib if self.role == PREFILL else ecfg.decode_hbm_mib
-        for rank in range(ecfg.engines_per_node):
-            name = f"hbm{rank}"
-            region = self._region(name, hbm_mib, self.transfer)
-            e = Engine(f"{self.node_id}/e{rank}", rank, name,
-                       BlockPool(name, region.array, self.layout, region_addr=region.addr))
-            if self.role == PREFILL:
-                e.slots = asyncio.Semaphore(ecfg.max_prefills_per_engine)
-            self.engines.append(e)
-            self.by_id[e.engine_id] = e
+        self.buffer = self._region(buf_name, b.de_buffer_mib if self.role == DECODE
+                                   else b.pe_buffer_mib)
+        if ecfg.kind == "vllm":
+            services = self._start_vllm(buf_name)
+        else:
+            services = self._start_emulated(buf_name)
+        add_services(self.server, services)
         self.metrics_srv = _metrics.start_metrics_server(ecfg.metrics_listen, self.registry,
                                                         "engine.metrics_listen")
+        if self.metrics_srv is not None:
+            st.callback(self.metrics_srv.close)
         await self.server.start()
+        st.push_async_callback(self.server.stop, 1.0)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.sched_channel = grpc.aio.insecure_channel(self.scheduler_address)
-        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.sched_channel)
+        if self.role in (PREFILL, DECODE):
+            self.leader = self._leader()
+            st.push_async_callback(self.leader.close)
         lane = cfg.kv_lane
         # The provider's description names the device, port and GID in use (verbs) or
         # the listen address (tcp); the config's device "" / gid_index -1 only mean "auto".
-        log.info("%s node %s up: control %s; transport %s (%s), lane SL %d / TC %d; "
-                 "%d engines, HBM %s (%d MiB each), %s %d MiB; storage "
-                 "%s, storage NIC %s; model %s (emulated execution, speed x%g); config %s",
-                 self.role, self.node_id, self.address, self.transfer.transport,
-                 self.transfer.provider.description,
-                 lane.service_level, lane.traffic_class, len(self.engines), "host memory",
-                 hbm_mib, buf_name, mib, self.store.dir,
+        log.info("%s node %s up: control %s; transport %s (%s), lane SL %d / TC %d; TLS "
+                 "off (plaintext gRPC); engine %s; %s %d MiB; storage %s, storage NIC %s; "
+                 "scheduler %s; config %s", self.role, self.node_id, self.address,
+                 self.transfer.transport, self.transfer.provider.description,
+                 lane.service_level, lane.traffic_class, self.engine.describe(), buf_name,
+                 self.buffer.nbytes >> 20, s.resolved_dir(),
                  f"{s.snic_gbit_per_s:g} Gbit/s" if s.snic_gbit_per_s else "unlimited",
-                 self.profile.name, ecfg.speed_scale, self.config_path or "(defaults)")
+                 self.scheduler_address if self.leader else "none (role both)",
+                 self.config_path or "(defaults)")
 
-    def _region(self, name: str, mib: int, te: TransferEngine) -> PinnedRegion:
+    def _region(self, name: str, mib: int) -> PinnedRegion:
+        if mib <= 0:
+            raise ConfigError(f"the {name} of a {self.role} node needs a size: set "
+                              f"buffers.{'de' if name == 'de_buffer' else 'pe'}_buffer_mib > 0")
         b = self.cfg.buffers
         region = PinnedRegion(mib << 20, huge_pages=b.huge_pages, lock=b.mlock,
                               what=f"{self.node_id} {name}")
-        self._closers.append(region.close)
-        te.register(name, addr=region.addr, length=region.nbytes)
+        self._regions.append(region)
+        self.transfer.register(name, addr=region.addr, length=region.nbytes)
         return region
 
-    # ------------------------------------------------------------ leader
-    async def run_leader(self) -> None:
-        """Register, then fetch/report every interval until stopped. rank 0's job."""
-        backoff = 0.05
-        while not self.stop.is_set():
-            try:
-                if not self.lease_id:
-                    await self._register()
-                await self._fetch_once()
-                backoff = 0.05
-                await asyncio.sleep(self.fetch_interval_s)
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    log.warning("%s: lease lost (%s); dropping in-flight work, registering "
-                                "again", self.node_id, e.details())
-                    self._drop_all()
-                    self.lease_id = 0
-                else:
-                    log.warning("%s: scheduler %s: %s %s; retrying in %.2f s", self.node_id,
-                                self.scheduler_address, e.code().name, e.details(), backoff)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 1.0)
+    def _start_emulated(self, buf_name: str) -> list:
+        ecfg, s = self.cfg.engine, self.cfg.storage
+        if ecfg.hbm == "cupy":
+            raise ConfigError("engine.hbm = 'cupy' needs GPUDirect RDMA registration, which "
+                              "this build does not do; use 'host' or 'auto'")
+        profile = get_profile(ecfg.model_profile).scaled(ecfg.speed_scale)
+        layout = BlockLayout.of(profile)
+        store = BlockStore(s.resolved_dir(), profile, read_workers=s.read_workers,
+                           write_workers=s.write_workers, direct_io=s.direct_io,
+                           verify_checksum=s.verify_checksum, fsync=s.fsync)
+        self._stack.callback(store.close)
+        read_queue = ReadQueue(store, self.limiter)
+        self._stack.push_async_callback(read_queue.close)
+        pool = BlockPool(buf_name, self.buffer.array, layout, region_addr=self.buffer.addr)
+        self.space = KvSpace.for_store(store, read_queue, pool, buf_name)
+        self.profile = profile
+        engine = EmulatedEngine(profile, ecfg.speed_scale)
+        engine.bind(self.space.fmt, SyntheticKV(layout))
+        self.engine = engine
+        hbm_mib = ecfg.prefill_hbm_mib if self.role == PREFILL else ecfg.decode_hbm_mib
+        for rank in range(ecfg.engines_per_node):
+            name = f"hbm{rank}"
+            region = self._region(name, hbm_mib)
+            e = EngineRank(f"{self.node_id}/e{rank}", rank, name,
+                           BlockPool(name, region.array, layout, region_addr=region.addr))
+            if self.role == PREFILL:
+                e.slots = asyncio.Semaphore(ecfg.max_prefills_per_engine)
+            self.ranks.append(e)
+        ranks = {e.engine_id: e for e in self.ranks}
+        decode = None
+        if self.role == PREFILL:
+            self.path = PrefillPath(self.resources, self.space, engine)
+        else:
+            self.path = decode = DecodePath(self.resources, self.space, engine, ranks)
+        return engine_services(self.node_id, self.oob, self.transfer, decode, self.cancel,
+                               self.limiter)
 
-    async def _register(self) -> None:
-        infos = [scheduler_pb2.EngineInfo(
-            engine_id=e.engine_id, rank=e.rank, node_id=self.node_id,
-            control_address=self.address,
-            hbm_bytes=e.hbm.capacity * self.layout.full_bytes if self.role == DECODE else 0)
-            for e in self.engines]
-        r = await self.scheduler.RegisterGroup(scheduler_pb2.RegisterGroupRequest(
-            group_id=self.node_id, role=ROLE_PB[self.role], engines=infos,
-            storage_read_bytes_per_s=int(self.snic_bytes_per_s)), timeout=5)
-        if r.model_profile and r.model_profile != self.profile.name:
-            raise ConfigError(f"the scheduler plans with model profile {r.model_profile!r}, "
-                              f"this node runs {self.profile.name!r}")
-        self.lease_id = r.lease_id
-        ms = self.ecfg.fetch_interval_ms or r.fetch_interval_ms or 20
-        self.fetch_interval_s = ms / 1000.0
-        log.info("%s: group registered (lease %d, fetch every %d ms)", self.node_id,
-                 r.lease_id, ms)
+    def _start_vllm(self, buf_name: str) -> list:
+        engine = VllmEngine(node_id=self.node_id, storage=self.cfg.storage,
+                            transfer=self.transfer, region=self.buffer, region_name=buf_name,
+                            limiter=self.limiter, metrics=self.metrics)
+        self._stack.push_async_callback(engine.close)
+        self.engine = engine
+        return [*engine_services(self.node_id, self.oob, self.transfer, None, self.cancel,
+                                 self.limiter),
+                (connector_pb2_grpc.add_KvConnectorServicer_to_server,
+                 KvConnectorServicer(engine))]
+
+    def _leader(self) -> Leader:
+        return Leader(node_id=self.node_id, role=self.role, address=self.address,
+                      scheduler=self.scheduler_address, ranks=self.ranks, path=self.path,
+                      cancel=self.cancel, read_q_tokens=self.read_q_tokens,
+                      metrics=self.metrics, profile_name=self.profile.name,
+                      block_bytes=self.space.layout.full_bytes,
+                      storage_read_bytes_per_s=int(self.snic_bytes_per_s),
+                      fetch_interval_ms=self.cfg.engine.fetch_interval_ms)
+
+    # ------------------------------------------------------------ running
 
     def read_q_tokens(self) -> int:
         """read_q: hit tokens queued or being read, plus those of requests this node will
-        read but has not queued yet (waiting for a prefill slot or buffer space), so the
-        scheduler does not see a short queue that is about to grow."""
-        return self.read_queue.read_q_tokens + sum(self.pending_reads.values())
+        read but has not queued yet (the read queue's expectations)."""
+        if isinstance(self.engine, VllmEngine):
+            return self.engine.read_q_tokens
+        return self.space.read_queue.read_q_tokens
 
-    async def read_hit_blocks(self, rid: str, keys: list[bytes], dests: list
-                              ) -> tuple[int, tuple[float, float]]:
-        """Read request ``rid``'s hit Full Blocks ``keys`` from storage into ``dests``
-        (one flat block view each) through the node's read queue; the bytes read and
-        the read's wall-clock (start, end). Raises RequestFailed when any is missing."""
-        r0 = unix_now()
-        self.pending_reads.pop(rid, None)    # queued now: counted by the read queue
-        res = await self.read_queue.read(keys, dests)
-        span = (r0, unix_now())
-        if not res.all_hit:
-            raise RequestFailed(f"{rid}: {res.hits.count(False)} of {len(keys)} hit "
-                                "blocks missing from storage")
-        nbytes = len(keys) * self.layout.full_bytes
-        self.metrics.read_bytes.inc(nbytes)
-        return nbytes, span
-
-    def _status(self, e: Engine) -> scheduler_pb2.EngineStatus:
-        free = 0
-        if self.role == DECODE:
-            free_blocks = e.hbm.capacity - sum(e.reserved_blocks.values())
-            free = max(0, free_blocks) * self.layout.full_bytes
-        return scheduler_pb2.EngineStatus(
-            engine_id=e.engine_id, unfinished_requests=len(e.tokens),
-            unfinished_tokens=sum(e.tokens.values()),
-            read_queue_tokens=self.read_q_tokens(), free_hbm_bytes=free)
-
-    async def _fetch_once(self) -> None:
-        done, self.completions = self.completions, []   # they ride on the fetch
-        self.metrics.read_q.set(self.read_q_tokens())
-        now = time.monotonic()
-        if now - self._last_status_log > 5.0 and (self.pe.tasks or self.de.requests):
-            self._last_status_log = now
-            log.info("%s: in flight: prefills %s; decodes %s", self.node_id,
-                     sorted(self.pe.tasks)[:6], sorted(self.de.requests)[:6])
-        try:
-            r = await self.scheduler.Fetch(scheduler_pb2.FetchRequest(
-                group_id=self.node_id, lease_id=self.lease_id,
-                engines=[self._status(e) for e in self.engines], completions=done), timeout=5)
-        except grpc.aio.AioRpcError:
-            self.completions[:0] = done     # reports are idempotent: resend next time
-            raise
-        for rid in r.cancelled_request_ids:
-            self.cancel(rid)
-        for a in r.assignments:
-            if self.role == PREFILL:
-                e = self.by_id.get(a.prefill_engine_id)
-                if e is not None:
-                    self.pe.assign(e, a)
-            else:
-                e = self.by_id.get(a.decode_engine_id)
-                if e is not None:
-                    self.de.assign(e, a)
-
-    def complete(self, rid: str, engine: Engine, stage: int) -> None:
-        self.completions.append(scheduler_pb2.Completion(request_id=rid,
-                                                         engine_id=engine.engine_id,
-                                                         stage=stage))
+    def _complete(self, rid: str, engine: EngineRank, stage: int) -> None:
+        if self.leader is not None:
+            self.leader.complete(rid, engine, stage)
 
     def spawn(self, coro) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)
@@ -292,40 +249,48 @@ class NodeDaemon:
     def cancel(self, rid: str) -> None:
         """Drop request ``rid`` wherever it is here (the scheduler cancelled it, a PE
         gave it up, or the lease was lost)."""
-        self.pe.cancel(rid)
-        self.pending_reads.pop(rid, None)
-        self.de.cancel(rid)
-        for e in self.engines:
+        if self.path is not None:
+            self.path.cancel(rid)
+        if isinstance(self.engine, EmulatedEngine):
+            self.space.read_queue.forget(rid)
+        for e in self.ranks:
             e.tokens.pop(rid, None)
             e.reserved_blocks.pop(rid, None)
 
-    def _drop_all(self) -> None:
-        for rid in [*self.pe.tasks, *self.de.requests]:
-            self.cancel(rid)
-        self.completions.clear()
+    async def run_until_stopped(self) -> None:
+        """Lead (PE/DE) until ``stop`` is set."""
+        leader = self.spawn(self.leader.run(self.stop)) if self.leader else None
+        await self.stop.wait()
+        log.info("%s: shutting down", self.node_id)
+        if leader is not None:
+            leader.cancel()
 
-    # ------------------------------------------------------------ shutdown
-    async def close(self) -> None:
-        """Stop serving, cancel work, then close what start() made, newest first
-        (safe after a start() that failed half way)."""
+    async def _cancel_tasks(self) -> None:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if hasattr(self, "sched_channel"):
-            await self.sched_channel.close()
-        if getattr(self, "metrics_srv", None) is not None:
-            self.metrics_srv.close()
-        if hasattr(self, "server"):
-            await self.server.stop(1.0)
-        if hasattr(self, "transfer"):
-            await self.transfer.close()
-        if hasattr(self, "channels"):
-            await self.channels.close()
-        if hasattr(self, "read_queue"):
-            await self.read_queue.close()
-        for c in reversed(self._closers):
-            c()
-        self._closers.clear()
+
+    # ------------------------------------------------------------ shutdown
+
+    async def close(self) -> None:
+        """Stop serving, cancel work, then close what start() made, newest first (safe
+        after a start() that failed half way). Idempotent."""
+        await self._cancel_tasks()
+        await self._stack.aclose()
+
+
+def _dump_tasks(node: NodeDaemon) -> None:
+    """SIGUSR1: log where every task waits (the await chain), for stuck requests."""
+    for t in asyncio.all_tasks():
+        chain, c = [], t.get_coro()
+        while c is not None and hasattr(c, "cr_frame") and c.cr_frame is not None:
+            chain.append(f"{c.cr_code.co_name}:{c.cr_frame.f_lineno}")
+            c = c.cr_await
+        log.info("task %s waits in %s (on %r)", t.get_name(), " > ".join(chain), c)
+    if isinstance(node.path, DecodePath):
+        for st in node.path.requests.values():
+            log.info("request %s: layers_done %d, load_error %r, tasks %s", st.request_id,
+                     st.layers_done, st.load_error, [(t.get_name(), t.done()) for t in st.tasks])
 
 
 async def run(config: Config, role: str, node_id: str, scheduler: str, *,
@@ -337,27 +302,12 @@ async def run(config: Config, role: str, node_id: str, scheduler: str, *,
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, node.stop.set)
-    def dump_tasks() -> None:
-        """SIGUSR1: log where every task waits (the await chain), for stuck requests."""
-        for t in asyncio.all_tasks():
-            chain, c = [], t.get_coro()
-            while c is not None and hasattr(c, "cr_frame") and c.cr_frame is not None:
-                chain.append(f"{c.cr_code.co_name}:{c.cr_frame.f_lineno}")
-                c = c.cr_await
-            log.info("task %s waits in %s (on %r)", t.get_name(), " > ".join(chain), c)
-        for st in node.de.requests.values():
-            log.info("request %s: layers_done %d, load_error %r, tasks %s", st.request_id,
-                     st.layers_done, st.load_error, [(t.get_name(), t.done()) for t in st.tasks])
-
     with contextlib.suppress(NotImplementedError, RuntimeError):
-        loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+        loop.add_signal_handler(signal.SIGUSR1, _dump_tasks, node)
     try:
         await node.start()
         if on_ready is not None:
             on_ready(node)
-        leader = node.spawn(node.run_leader())
-        await node.stop.wait()
-        log.info("%s: shutting down", node.node_id)
-        leader.cancel()
+        await node.run_until_stopped()
     finally:
         await node.close()

@@ -1,72 +1,105 @@
-"""The node's gRPC edge: the Engine and Node services (protobuf in, a call on the
-node's PE or DE path, protobuf or a status code out) and the server that carries them
-with the standard health service."""
+"""The node's gRPC edge: the Engine and Node services (protobuf in, a dataclass call on
+the node's DE path, protobuf or a status code out), the KvConnector service of a vLLM
+node, and the server that carries them with the standard health service."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from dualpath import rpc
-from dualpath.engine.state import DECODE
-from dualpath.errors import DualPathError
-from dualpath.v1 import engine_pb2, engine_pb2_grpc, node_pb2, node_pb2_grpc
+from dualpath.engine.decode import DecodePath, PrepareCall
+from dualpath.engine.payload import Payload
+from dualpath.engine.peers import LoadOrder, PrefillReport
+from dualpath.engine.vllm_engine import BufferBusy, FormatConflict, NotAttached, VllmEngine, Worker
+from dualpath.errors import DualPathError, TransferError, UsageError
+from dualpath.kv import placement_wire
+from dualpath.storage.errors import StorageError
+from dualpath.v1 import (
+    connector_pb2,
+    connector_pb2_grpc,
+    engine_pb2,
+    engine_pb2_grpc,
+    node_pb2,
+    node_pb2_grpc,
+)
 
-if TYPE_CHECKING:
-    from dualpath.engine.node import NodeDaemon
 
-
-def create_server(address: str, node: NodeDaemon
-                  ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """A grpc.aio server (not started) with the Engine, Node and health services of
-    ``node`` bound to ``address`` (port 0 = a free port); the server, its port and its
-    health servicer (NOT_SERVING until set)."""
+def new_server(address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """A grpc.aio server (not started) with the standard health service, bound to
+    ``address`` (port 0 = a free port): the server, its port and its health servicer
+    (NOT_SERVING until set). Bound first, so its address can name the node; the node's
+    services are added (:func:`add_services`) once made."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(node), server)
-    node_pb2_grpc.add_NodeServicer_to_server(NodeServicer(node), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = rpc.bind(server, address, "engine.control_listen")
     return server, port, health_servicer
 
 
+def add_services(server: grpc.aio.Server, services) -> None:
+    """Add ``(add_to_server, servicer)`` pairs, before the server starts."""
+    for add, servicer in services:
+        add(servicer, server)
+
+
+def engine_services(node_id: str, oob, transfer, decode: DecodePath | None,
+                    cancel: Callable[[str], None], limiter) -> list:
+    """The Engine and Node services of a PE or DE node."""
+    return [(engine_pb2_grpc.add_EngineServicer_to_server,
+             EngineServicer(node_id, oob, transfer, decode, cancel)),
+            (node_pb2_grpc.add_NodeServicer_to_server,
+             NodeServicer(node_id, limiter, decode))]
+
+
+async def _no_decode(context, decode):
+    if decode is None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode node")
+
+
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, node: NodeDaemon):
-        self.node = node
+    def __init__(self, node_id: str, oob, transfer, decode: DecodePath | None,
+                 cancel: Callable[[str], None]):
+        self.node_id, self.oob, self.transfer = node_id, oob, transfer
+        self.decode, self.cancel = decode, cancel
 
     async def ExchangeEndpoint(self, request, context):
         try:
-            data = await self.node.oob.handle(request.caller.endpoint)
+            data = await self.oob.handle(request.caller.endpoint)
         except DualPathError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return engine_pb2.ExchangeEndpointResponse(callee=engine_pb2.DataPlaneEndpoint(
-            engine_id=self.node.node_id, transport=self.node.transfer.transport,
-            endpoint=data))
+            engine_id=self.node_id, transport=self.transfer.transport, endpoint=data))
 
     async def SubmitTransferOrder(self, request, context):
-        de = self.node.de
-        st = de.requests.get(request.request_id)
+        await _no_decode(context, self.decode)
         if request.kind != engine_pb2.TRANSFER_KIND_LOAD_HIT_KV:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                "only LOAD_HIT_KV orders are executed by a DE")
-        if st is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "only LOAD_HIT_KV orders exist")
+        try:
+            order = LoadOrder(request.request_id, request.source_engine_id,
+                              request.target_engine_id, list(request.block_keys),
+                              request.target_peer,
+                              placement_wire.from_pb(request.target, "order target"),
+                              list(request.target_units))
+            await self.decode.accept_order(order)
+        except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"request {request.request_id} was not prepared here")
-        if len(request.target_slots) != len(request.block_keys):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "one target slot per block key is required")
-        order_id = await de.accept_order(st, request)
-        return engine_pb2.TransferOrderAccepted(order_id=order_id)
+        except DualPathError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return engine_pb2.TransferOrderAccepted()
 
     async def WatchTransfers(self, request, context):
-        st = self.node.de.requests.get(request.request_id)
+        await _no_decode(context, self.decode)
+        st = self.decode.requests.get(request.request_id)
         if st is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"request {request.request_id} is not here")
         sent = -1
-        L = self.node.layout.layers
+        L = self.decode.space.fmt.layers
         while True:
             # Clear before looking: a layer that lands while we are suspended in the
             # yield below sets the event again, so no wake-up is lost.
@@ -83,37 +116,112 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await st.changed.wait()
 
     async def CancelRequest(self, request, context):
-        known = request.request_id in self.node.de.requests
-        self.node.cancel(request.request_id)
+        known = self.decode is not None and request.request_id in self.decode.requests
+        self.cancel(request.request_id)
         return engine_pb2.CancelRequestResponse(was_known=known)
 
 
 class NodeServicer(node_pb2_grpc.NodeServicer):
-    def __init__(self, node: NodeDaemon):
-        self.node = node
+    def __init__(self, node_id: str, limiter, decode: DecodePath | None):
+        self.node_id, self.limiter, self.decode = node_id, limiter, decode
 
     async def PrepareRequest(self, request, context):
-        if self.node.role != DECODE:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode node")
+        await _no_decode(context, self.decode)
         try:
-            offs = await self.node.de.prepare(request)
+            call = PrepareCall(request.request_id, request.decode_engine_id,
+                               request.prefill_control_address, int(request.prompt_tokens),
+                               int(request.hit_tokens), request.read_side,
+                               Payload.decode(request.payload))
+            buffer, slots = await self.decode.prepare(call)
         except DualPathError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return node_pb2.PrepareRequestResponse(block_offsets_bytes=offs)
+        if buffer is None:
+            return node_pb2.PrepareRequestResponse()
+        return node_pb2.PrepareRequestResponse(buffer=placement_wire.to_pb(buffer),
+                                               slots=slots)
 
     async def StorageReads(self, request, context):
-        lim = self.node.limiter
+        lim = self.limiter
         keys = sorted(lim.slots)
         return node_pb2.StorageReadsResponse(
-            node_id=self.node.node_id, slot_s=lim.SLOT_S,
+            node_id=self.node_id, slot_s=lim.SLOT_S,
             slot_start_unix_s=[k * lim.SLOT_S for k in keys],
             slot_bytes=[lim.slots[k] for k in keys])
 
     async def PrefillDone(self, request, context):
-        de = self.node.de
-        st = de.requests.get(request.request_id)
+        await _no_decode(context, self.decode)
+        st = self.decode.requests.get(request.request_id)
         if st is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"request {request.request_id} is not here")
-        de.start_decode(st, request)
+        self.decode.start_decode(st, PrefillReport(
+            request.request_id, request.prefill_engine_id, request.prefill_node_id,
+            request.prefill_done_unix_s, int(request.prefill_read_bytes),
+            (request.read_start_unix_s, request.read_end_unix_s)))
         return node_pb2.PrefillDoneResponse()
+
+
+class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
+    """The KvConnector service over a :class:`~dualpath.engine.vllm_engine.VllmEngine`:
+    protobuf in, the engine's call, protobuf or a status code out."""
+
+    _STATUS = ((NotAttached, grpc.StatusCode.NOT_FOUND),
+               (FormatConflict, grpc.StatusCode.FAILED_PRECONDITION),
+               (BufferBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
+               (UsageError, grpc.StatusCode.INVALID_ARGUMENT))
+
+    def __init__(self, engine: VllmEngine):
+        self.engine = engine
+
+    async def _abort(self, context, e: DualPathError):
+        for cls, code in self._STATUS:
+            if isinstance(e, cls):
+                await context.abort(code, str(e))
+        raise e
+
+    async def Attach(self, request, context):
+        try:
+            placement = placement_wire.from_pb(request.placement, "Attach placement")
+            space = self.engine.attach(Worker(request.worker_name, request.model_id,
+                                              request.tp_rank, request.tp_size or 1,
+                                              placement))
+        except DualPathError as e:
+            await self._abort(context, e)
+        return connector_pb2.AttachResponse(
+            node_id=self.engine.node_id, namespace=self.engine.namespace,
+            transport=self.engine.transfer.transport,
+            buffer=placement_wire.to_pb(space.buffer), block_tokens=space.fmt.block_tokens)
+
+    async def Lookup(self, request, context):
+        try:
+            hit = self.engine.lookup(request.model_id, list(request.block_keys))
+        except DualPathError as e:
+            await self._abort(context, e)
+        return connector_pb2.LookupResponse(hit_blocks=hit)
+
+    async def Load(self, request, context):
+        try:
+            async for step in self.engine.load(request.request_id, request.worker_name,
+                                               list(request.block_keys), list(request.units)):
+                yield connector_pb2.LoadProgress(
+                    layers_done=step.layers_done, failed_blocks=list(step.failed_blocks),
+                    complete=step.complete, bytes_written=step.bytes_written)
+        except DualPathError as e:
+            if isinstance(e, (TransferError, StorageError)):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await self._abort(context, e)
+
+    async def BeginSave(self, request, context):
+        try:
+            sid, slots = await self.engine.begin_save(request.request_id, request.worker_name,
+                                                      list(request.block_keys))
+        except DualPathError as e:
+            await self._abort(context, e)
+        return connector_pb2.BeginSaveResponse(save_id=sid, slots=slots)
+
+    async def EndSave(self, request, context):
+        try:
+            n = self.engine.end_save(request.save_id, request.commit)
+        except DualPathError as e:
+            await self._abort(context, e)
+        return connector_pb2.EndSaveResponse(blocks_queued=n)

@@ -86,6 +86,14 @@ PROFILES: dict[str, ModelProfile] = {
 }
 
 
+def geometry_profile(name: str, layers: int, kv_bytes_per_token_layer: int,
+                     block_tokens: int, dtype: str = "opaque") -> ModelProfile:
+    """A profile that only names a KV geometry (a real engine's model: its compute is
+    real, so the emulated cost constants are zero and never used)."""
+    return ModelProfile(name, layers, kv_bytes_per_token_layer, dtype, 0.0, 0.0, 0, 0.0, 0.0,
+                        0, block_tokens)
+
+
 def get_profile(name: str, block_tokens: int | None = None) -> ModelProfile:
     try:
         p = PROFILES[name]

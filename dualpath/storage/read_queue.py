@@ -8,6 +8,11 @@ node's storage-NIC limiter (when one is set), then reading through the BlockStor
 worker pool.
 
 Threads: one asyncio loop owns a ReadQueue; call everything from that loop.
+The scheduler also needs reads that are certain but not queued yet (a request waiting
+for a prefill slot or buffer space), or it piles more work on a queue that only looks
+short: :meth:`ReadQueue.expect` counts a request's tokens until its ``read()`` queues
+them (or :meth:`ReadQueue.forget` drops them), so ``read_q_tokens`` holds both.
+
 Request lifecycle: ``read()`` enqueues blocks -> readers take them FIFO -> each block
 lands (hit or miss) -> ``read()`` returns. If the caller is cancelled or a block fails
 with an error, the request's queued blocks are dropped and ``read()`` waits for its
@@ -68,6 +73,7 @@ class ReadQueue:
     _readers: list[asyncio.Task] = field(default_factory=list, init=False, repr=False)
     _tokens: int = field(default=0, init=False)
     _blocks: int = field(default=0, init=False)
+    _expected: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.depth < 0:
@@ -78,17 +84,32 @@ class ReadQueue:
 
     @property
     def read_q_tokens(self) -> int:
-        """Tokens of blocks queued or being read on this node (the scheduler's read_q)."""
-        return self._tokens
+        """Tokens of blocks queued, being read, or expected (see :meth:`expect`) on this
+        node: the scheduler's read_q."""
+        return self._tokens + sum(self._expected.values())
+
+    def expect(self, request_id: str, tokens: int) -> None:
+        """Count ``tokens`` that request ``request_id`` will read here (replaces an
+        earlier expectation of the same request)."""
+        if tokens < 0:
+            raise UsageError(f"expected read tokens must be >= 0, got {tokens}")
+        self._expected[request_id] = tokens
+
+    def forget(self, request_id: str) -> None:
+        """Drop the expectation of ``request_id`` (it will not read here). Idempotent."""
+        self._expected.pop(request_id, None)
 
     @property
     def read_q_blocks(self) -> int:
         return self._blocks
 
-    async def read(self, keys: Sequence[bytes], outs: Sequence) -> ReadResult:
-        """Read ``keys`` into ``outs`` (one Full Block buffer each) FIFO; per-block hits."""
+    async def read(self, keys: Sequence[bytes], outs: Sequence, *,
+                   request_id: str = "") -> ReadResult:
+        """Read ``keys`` into ``outs`` (one Full Block buffer each) FIFO; per-block hits.
+        ``request_id``'s expectation, if any, ends here: its tokens are queued now."""
         if len(keys) != len(outs):
             raise UsageError(f"{len(keys)} keys but {len(outs)} buffers")
+        self.forget(request_id)
         self._start()
         loop = asyncio.get_running_loop()
         jobs = [_Job(k, o, loop.create_future(), loop.create_future()) for k, o in zip(keys, outs)]

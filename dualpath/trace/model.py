@@ -238,3 +238,9 @@ def scale_trajectories(trajectories: Sequence[Trajectory], factor: float,
         g = stochastic_round(np.array([r.gen_tokens for r in t.rounds]) * factor, rng, 1)
         out.append(Trajectory(t.id, tuple(Round(int(x), int(y)) for x, y in zip(a, g))))
     return out
+
+
+def trajectory_token_ids(traj_id: str, stop: int) -> np.ndarray:
+    """Token ids of stream positions ``[0, stop)`` of a generated trajectory: the node
+    daemons' token source (dualpath/engine/payload.py) for payloads without ids."""
+    return synthetic_token_ids(trajectory_key(traj_id), 0, stop)

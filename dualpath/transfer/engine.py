@@ -130,6 +130,7 @@ class TransferEngine:
         self._state = "new"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._regions: dict[str, Region] = {}
+        self._gpu: dict[str, int] = {}          # region -> GPU device, for device memory
         self._peers: dict[str, _Peer] = {}
         self._connecting: dict[str, asyncio.Task] = {}
         self._recoveries: set[asyncio.Task] = set()
@@ -181,17 +182,40 @@ class TransferEngine:
         await self.close()
 
     def register(self, name: str, buf=None, *, addr: int | None = None,
-                 length: int | None = None) -> Region:
-        """Register a buffer (or a raw range the caller keeps alive) once, as ``name``:
-        the source of our writes and a target of peers' writes. Loop thread."""
+                 length: int | None = None, gpu_device: int | None = None) -> Region:
+        """Register a buffer (or a raw range the caller keeps alive; device memory of GPU
+        ``gpu_device`` when given) once, as ``name``: the source of our writes and a
+        target of peers' writes. Loop thread."""
         if self._state not in ("new", "running"):
             raise UsageError(f"transfer engine {self.name} is closed")
         if name in self._regions:
             raise UsageError(f"a region named {name!r} is already registered")
-        region = self.provider.register(buf, addr=addr, length=length)
+        if gpu_device is not None:
+            region = self.provider.register_gpu(addr, length, gpu_device)
+            self._gpu[name] = gpu_device
+        else:
+            region = self.provider.register(buf, addr=addr, length=length)
         self._regions[name] = region
         log.info("transfer engine %s: region %r, %d bytes at %#x", self.name, name,
                  region.length, region.addr)
+        return region
+
+    def rekey(self, name: str) -> Region:
+        """Register region ``name`` again, so its old keys are dead: a fence. A peer's
+        WRITE still on its way with the old rkey is refused where it lands (and fails its
+        transfer); the peer learns the new key at its next connect or recovery exchange.
+        Writes of ours from this region that are in flight fail too. Loop thread."""
+        old = self._regions.get(name)
+        if old is None:
+            raise UsageError(f"no region named {name!r} to rekey")
+        addr, length = old.addr, old.length
+        old.close()
+        device = self._gpu.get(name)
+        region = (self.provider.register_gpu(addr, length, device) if device is not None
+                  else self.provider.register(addr=addr, length=length))
+        self._regions[name] = region
+        self.stats["rekeys"] += 1
+        log.info("transfer engine %s: region %r rekeyed (fence)", self.name, name)
         return region
 
     def region_infos(self) -> dict[str, RegionInfo]:

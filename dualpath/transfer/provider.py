@@ -105,6 +105,14 @@ class Provider(ABC):
                  length: int | None = None) -> Region:
         """Register a buffer (or a raw range the caller keeps alive) for WRITE both ways."""
 
+    def register_gpu(self, addr: int, length: int, device: int) -> Region:
+        """Register device memory ``[addr, addr + length)`` of GPU ``device`` (owned by the
+        caller) for WRITE both ways; providers that cannot reach GPU memory refuse."""
+        from dualpath.errors import UsageError
+
+        raise UsageError(f"the {self.kind} provider cannot register GPU memory; GPU KV needs "
+                         "transport.kind = 'verbs' on a NIC with dma-buf or peer memory")
+
     @abstractmethod
     def connection(self, max_send_wr: int) -> Connection:
         """A new active-side connection in RESET."""

@@ -72,6 +72,11 @@ class VerbsProvider(Provider):
     def register(self, buf=None, *, addr=None, length=None):
         return self.pd.mr(buf, verbs.ACCESS_RW, addr=addr, length=length)
 
+    def register_gpu(self, addr: int, length: int, device: int):
+        from dualpath import gpu
+
+        return gpu.GpuMemoryRegion(self.pd, gpu.DeviceRange(addr, length, device))
+
     def connection(self, max_send_wr: int) -> Connection:
         config = verbs.QpConfig(max_send_wr=max_send_wr, **self._qp_args)
         with self._lock:

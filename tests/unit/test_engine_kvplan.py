@@ -1,10 +1,12 @@
-"""dualpath/engine/kvplan.py: request payloads, prompt blocks and layer runs (pure code).
+"""dualpath/engine/payload.py and kvplan.py: request payloads, prompt blocks, layer runs
+and routes (pure code).
 
 Expected values come from the module's own contract (its docstring): block ``i`` covers
 tokens ``[i*T, (i+1)*T)``, full blocks carry the chained prefix key of dualpath/kv/prefix.py,
 the trailing partial block is keyed by the same chain over its partial tokens, and the
-PE fills a layer as "whole hit blocks" + ``layer_runs(hit, prompt)`` (dualpath/engine/
-prefill.py), so those runs must cover every byte of the miss tokens exactly once.
+PE fills a layer as the hit tokens' route runs + ``layer_runs(hit, prompt)``
+(dualpath/engine/prefill.py, emulated.py), so together they must cover every byte of the
+prompt exactly once.
 """
 
 import json
@@ -14,17 +16,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dualpath.engine.kvplan import (
-    Payload,
-    block_spans,
-    blocks_for,
-    encode_token_ids,
-    layer_runs,
-)
+from dualpath.engine.kvplan import Route, block_spans, blocks_for, layer_runs
+from dualpath.engine.payload import Payload, encode_token_ids
 from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
+from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.prefix import ROOT_KEY, block_keys, chain_key
-from dualpath.trace.model import synthetic_token_ids, trajectory_key
+from dualpath.trace.model import synthetic_token_ids, trajectory_key, trajectory_token_ids
 
 T = 4   # tokens per block in these tests: small, so prompts span several blocks
 
@@ -76,19 +74,19 @@ def test_explicit_token_ids_are_carried_and_bounded():
     ids = np.array([5, 0, 2**31 - 1, 17, 9], dtype=np.int64)
     p = _payload(prompt_tokens=4, hit_tokens=0, gen_tokens=1,
                  token_ids_b64=encode_token_ids(ids))
-    assert p.token_ids(5).tolist() == ids.tolist()
-    assert p.token_ids(3).tolist() == ids[:3].tolist()
+    assert p.token_ids(5, trajectory_token_ids).tolist() == ids.tolist()
+    assert p.token_ids(3, trajectory_token_ids).tolist() == ids[:3].tolist()
     with pytest.raises(UsageError, match="5 token ids, 6 needed"):
-        p.token_ids(6)
+        p.token_ids(6, trajectory_token_ids)
 
 
 def test_derived_token_ids_are_the_trajectory_stream_and_prefix_stable():
     p = _payload()
     want = synthetic_token_ids(trajectory_key("traj-7"), 0, 15)
-    assert p.token_ids(15).tolist() == want.tolist()
+    assert p.token_ids(15, trajectory_token_ids).tolist() == want.tolist()
     # The prompt's ids are a prefix of prompt + generation: the PE (prompt) and the
     # DE's persist (prompt + gen) key the same leading blocks.
-    assert p.token_ids(10).tolist() == want[:10].tolist()
+    assert p.token_ids(10, trajectory_token_ids).tolist() == want[:10].tolist()
 
 
 # ------------------------------------------------------------------ blocks
@@ -161,19 +159,26 @@ def test_layer_runs_cover_every_token_once_within_blocks(first, extra, bt):
 
 @given(hit_blocks=st.integers(0, 4), miss=st.integers(1, 14))
 def test_pe_layer_fill_covers_every_prompt_byte_exactly_once(hit_blocks, miss):
-    """The PE's per-layer writes into HBM (prefill.py): whole layers of the hit blocks
-    (h2d), then the miss tokens' bytes from layer_runs(hit, prompt). Together they must
-    write every byte the DE verifies (span.tokens * token_bytes per layer) exactly
-    once, and nothing past the prompt in the trailing partial block."""
+    """The PE's per-layer writes into HBM (prefill.py): the hit tokens' runs of the PE
+    buffer -> HBM route, then the miss tokens' bytes from layer_runs(hit, prompt)
+    (emulated.py). Together they must write every byte the DE verifies (span.tokens *
+    token_bytes per layer) exactly once, and nothing past the prompt in the trailing
+    partial block. HBM slot i is at i * full_bytes here, so offsets map to blocks."""
     layout = BlockLayout(layers=3, tokens=T, token_bytes=5)
     LB, TB = layout.layer_bytes, layout.token_bytes
     hit = hit_blocks * T
     prompt = hit + miss
     spans = block_spans(np.arange(prompt), T)
+    fmt = KvFormat.flat(layout)
+    nb = len(spans)
+    pe = KvPlacement.full_blocks(fmt, "pe_buffer", layout.full_bytes, max(nb, 1))
+    hbm = KvPlacement.full_blocks(fmt, "hbm0", layout.full_bytes, nb)
+    route = Route(pe, list(range(nb)), hbm, list(range(nb)))
     count = np.zeros((len(spans), layout.full_bytes), dtype=np.int64)
     for layer in range(layout.layers):
-        for i in range(hit_blocks):
-            count[i, layer * LB: (layer + 1) * LB] += 1
+        flat = count.reshape(-1)
+        for r in route.runs(layer, 0, hit):
+            flat[r.dst_offset:r.dst_offset + r.length] += 1
         for b, s0, s1 in layer_runs(hit, prompt, T):
             count[b, layer * LB + s0 * TB: layer * LB + s1 * TB] += 1
     want = np.zeros_like(count)

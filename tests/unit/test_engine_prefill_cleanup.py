@@ -1,6 +1,7 @@
 """A prefill that fails part way must not hand its HBM slots back while writes of earlier
 layers still read from them: the next request would get those slots and the old writes
-would carry its bytes into another request's DE buffer. Fakes record the order of
+would carry its bytes into another request's DE buffer. The path is built from its
+seams (NodeResources, a KV space, an engine) with small fakes that record the order of
 events; the failure is injected at layer 1's compute."""
 
 import asyncio
@@ -9,30 +10,33 @@ import types
 import numpy as np
 import pytest
 
-from dualpath.engine import prefill as prefill_mod
-from dualpath.engine.kvplan import Payload
+from dualpath.buffers.pool import BlockPool
+from dualpath.engine.assignment import Assignment
+from dualpath.engine.emulated import EmulatedEngine, EngineRank
+from dualpath.engine.kvspace import KvSpace
+from dualpath.engine.payload import Payload
+from dualpath.engine.peers import Prepared
 from dualpath.engine.prefill import PrefillPath
-from dualpath.engine.state import RS_NONE
+from dualpath.engine.resources import NodeResources
+from dualpath.engine.roles import RS_NONE
+from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import get_profile
+from dualpath.trace.model import trajectory_token_ids
 
-LAYERS = 4
+LAYOUT = BlockLayout(layers=4, tokens=8, token_bytes=16)
 
 
-class FakeHbm:
-    def __init__(self, events):
+class RecordingPool(BlockPool):
+    def __init__(self, events, *a, **kw):
+        super().__init__(*a, **kw)
         self.events = events
 
-    def offset(self, i):
-        return i * 4096
-
-    def flat(self, i):
-        return np.zeros(1 << 20, dtype=np.uint8)
-
-    def release(self):
+    def _free(self, slots):
         self.events.append("hbm released")
+        super()._free(slots)
 
 
-class FakeTransfer:
+class SlowTransfer:
     """Layer pushes that take a few loop turns (as a real WRITE takes its time)."""
 
     def __init__(self, events):
@@ -46,48 +50,44 @@ class FakeTransfer:
         self.events.append(f"push {n} done")
 
 
-class FakeSynth:
-    def fill_layer(self, view, key, layer, s0):
+class FailingEngine(EmulatedEngine):
+    async def forward_layer(self, e, seconds, res, spans, layer, first, stop):
         if layer == 1:
             raise RuntimeError("injected failure at layer 1")
 
 
-class FakeNodeStub:
-    def __init__(self, channel):
-        pass
-
-    async def PrepareRequest(self, req, timeout):
-        return types.SimpleNamespace(block_offsets_bytes=[0])
-
-    async def PrefillDone(self, req, timeout):
-        return None
-
-
-def test_failed_prefill_waits_for_in_flight_pushes_before_releasing_hbm(monkeypatch):
+def test_failed_prefill_waits_for_in_flight_pushes_before_releasing_hbm():
     events: list[str] = []
-    profile = get_profile("demo")
-    layout = types.SimpleNamespace(tokens=profile.block_tokens, layer_bytes=1024,
-                                   token_bytes=8, layers=LAYERS)
-    hbm = FakeHbm(events)
 
-    async def reserve(nb):
-        return hbm
+    async def main():
+        mem = np.zeros(1 << 16, np.uint8)
+        hbm = RecordingPool(events, "hbm0", mem, LAYOUT)
+        de_pool = BlockPool("de_buffer", np.zeros(1 << 16, np.uint8), LAYOUT)
+        de_space = KvSpace.for_store(None, None, de_pool, "de_buffer")
+        pe_space = KvSpace.for_store(None, types.SimpleNamespace(
+            expect=lambda *a: None, forget=lambda *a: None),
+            BlockPool("pe_buffer", np.zeros(1 << 16, np.uint8), LAYOUT), "pe_buffer")
 
-    node = types.SimpleNamespace(
-        layout=layout, profile=profile, address="pe:1", ecfg=types.SimpleNamespace(
-            layerwise=True), pending_reads={}, channels=types.SimpleNamespace(
-            channel=lambda addr: None), synth=FakeSynth(), transfer=FakeTransfer(events))
-    monkeypatch.setattr(prefill_mod.node_pb2_grpc, "NodeStub", FakeNodeStub)
-    monkeypatch.setattr(prefill_mod.cost, "request_prefill_s", lambda *a: 0.0)
-    engine = types.SimpleNamespace(hbm=types.SimpleNamespace(reserve=reserve),
-                                   gpu=asyncio.Lock(), region="hbm0")
-    payload = Payload("t0", 0, prompt_tokens=8, hit_tokens=0, gen_tokens=1).encode()
-    a = types.SimpleNamespace(request_id="r1", payload=payload, hit_tokens=0,
-                              prompt_tokens=8, decode_control_address="de:1",
-                              decode_engine_id="d0/e0", read_side=RS_NONE)
-    path = PrefillPath(node)
+        class Peers:
+            async def prepare(self, de, job):
+                return Prepared(de_space.buffer, (0,))
 
-    with pytest.raises(RuntimeError, match="injected"):
-        asyncio.run(path._prefill_request(engine, a))
-    # Layer 0's push was in flight when layer 1 failed; it must end before the release.
+            async def prefill_done(self, de, r):
+                events.append("prefill done")
+
+        node = NodeResources("p0", "prefill", "pe:1", types.SimpleNamespace(
+            engine=types.SimpleNamespace(layerwise=True)), SlowTransfer(events), Peers(),
+            None, None, trajectory_token_ids, asyncio.ensure_future, lambda *a: None)
+        engine = FailingEngine(get_profile("demo"), 1.0)
+        path = PrefillPath(node, pe_space, engine)
+        e = EngineRank("p0/e0", 0, "hbm0", hbm)
+        payload = Payload("t0", 0, prompt_tokens=8, hit_tokens=0, gen_tokens=1)
+        a = Assignment("r1", "p0/e0", "d0/e0", RS_NONE, 8, 0, 1, 0, 0, "de:1", payload,
+                       payload.encode())
+        with pytest.raises(RuntimeError, match="injected"):
+            await path.prefill(e, a)
+
+    asyncio.run(main())
+    # Layer 0's push was in flight when layer 1 failed; it must end before the release,
+    # and a failed prefill never reports done.
     assert events == ["push 0 done", "hbm released"], events

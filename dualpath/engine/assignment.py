@@ -1,0 +1,35 @@
+"""An assignment as the node's paths see it: converted from the scheduler's protobuf once,
+at the leader's fetch (the RPC edge), so domain code never touches protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.engine.payload import Payload
+from dualpath.v1 import scheduler_pb2
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One request's (PE, DE, read side) as the scheduler chose them (paper §6.1)."""
+
+    request_id: str
+    prefill_engine_id: str
+    decode_engine_id: str
+    read_side: int                  # roles.RS_*
+    prompt_tokens: int
+    hit_tokens: int
+    max_new_tokens: int
+    prefill_read_tokens: int        # hit tokens the PE's node reads (split reads: a part)
+    decode_read_tokens: int         # hit tokens the DE's node reads
+    decode_address: str             # the DE node's control address
+    payload: Payload
+    payload_bytes: bytes            # the wire form, forwarded to the DE untouched
+
+    @classmethod
+    def from_pb(cls, a: scheduler_pb2.Assignment) -> Assignment:
+        """Raises UsageError for a malformed payload (the leader fails that request)."""
+        return cls(a.request_id, a.prefill_engine_id, a.decode_engine_id, a.read_side,
+                   int(a.prompt_tokens), int(a.hit_tokens), int(a.max_new_tokens),
+                   int(a.prefill_read_tokens), int(a.decode_read_tokens),
+                   a.decode_control_address, Payload.decode(a.payload), a.payload)

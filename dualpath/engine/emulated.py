@@ -1,0 +1,103 @@
+"""The emulated engine: a model that is a cost model, and "HBM" that is our own memory.
+
+Kept for benchmarks at scale, where a real engine cannot run (and labelled emulated
+wherever it reports). Each engine rank has an "HBM" region of the node's pinned memory,
+registered with the node's transfer engine as ``hbm<rank>`` and cut into Full Block
+slots (its placement is :meth:`EngineRank.placement`); compute is the cost model's time
+(dualpath/kv/cost.py) spent holding the rank's GPU lock, and computed KV is the
+deterministic synthetic KV of dualpath/kv/synth.py, so the DE can verify every byte.
+
+The real engine (vLLM) is dualpath/engine/vllm_engine.py: its ranks' memory belongs to
+its worker processes and its compute is the model's. Both are seen by the paths through
+:class:`EngineRank` (identity, scheduler-facing counts, KV memory).
+
+Threads: the node's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dualpath.buffers.pool import BlockPool, Reservation
+from dualpath.engine.kvplan import BlockSpan, layer_runs
+from dualpath.kv import cost
+from dualpath.kv.placement import KvFormat, KvPlacement
+from dualpath.kv.profiles import ModelProfile
+from dualpath.kv.synth import SyntheticKV
+
+
+@dataclass
+class EngineRank:
+    """One engine (one GPU) of a node's group: what the scheduler sees of it (its
+    requests and the HBM promised to them) and where its KV lives."""
+
+    engine_id: str
+    rank: int
+    region: str                          # its KV memory's registered region
+    hbm: BlockPool
+    gpu: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tokens: dict[str, int] = field(default_factory=dict)           # request -> prompt tokens
+    reserved_blocks: dict[str, int] = field(default_factory=dict)  # DE: HBM promised
+    slots: asyncio.Semaphore | None = None                         # PE: concurrent prefills
+
+    def placement(self, fmt: KvFormat) -> KvPlacement:
+        """Its HBM slots as a placement (Full Block slots, one unit each)."""
+        return KvPlacement.full_blocks(fmt, self.region, self.hbm.stride, self.hbm.capacity)
+
+    def units(self, fmt: KvFormat, res: Reservation) -> list[int]:
+        return self.placement(fmt).units_of_slots(res.slots)
+
+
+class EmulatedEngine:
+    """The cost model and the synthetic KV of a node's emulated engines."""
+
+    kind = "emulated"
+
+    def __init__(self, profile: ModelProfile, speed_scale: float):
+        self.profile = profile
+        self.speed_scale = speed_scale
+        self.synth: SyntheticKV | None = None
+        self.fmt: KvFormat | None = None
+
+    def bind(self, fmt: KvFormat, synth: SyntheticKV) -> None:
+        self.fmt, self.synth = fmt, synth
+
+    def describe(self) -> str:
+        return f"emulated (cost model of {self.profile.name}, speed x{self.speed_scale:g})"
+
+    # ------------------------------------------------------------ prefill
+
+    def prefill_layer_s(self, hit: int, miss: int) -> float:
+        """Seconds one layer of a prefill of ``miss`` tokens after ``hit`` takes."""
+        return cost.request_prefill_s(self.profile, hit, miss) / self.profile.layers
+
+    async def forward_layer(self, e: EngineRank, seconds: float, res: Reservation | None,
+                            spans: list[BlockSpan], layer: int, first: int, stop: int
+                            ) -> None:
+        """Compute layer ``layer`` of tokens ``[first, stop)`` on ``e``: hold its GPU for
+        ``seconds`` and write their (synthetic) KV into the request's HBM ``res``."""
+        async with e.gpu:
+            await asyncio.sleep(seconds)
+            if res is not None:
+                self.write_kv(res, spans, layer, first, stop)
+
+    def write_kv(self, res: Reservation, spans: list[BlockSpan], layer: int, first: int,
+                 stop: int) -> None:
+        lay = self.synth.layout
+        LB, TB = lay.layer_bytes, lay.token_bytes
+        for b, s0, s1 in layer_runs(first, stop, lay.tokens):
+            view = res.flat(b)[layer * LB + s0 * TB: layer * LB + s1 * TB]
+            self.synth.fill_layer(view, spans[b].key, layer, s0)
+
+    # ------------------------------------------------------------ decode
+
+    def decode_s(self, tokens: int) -> float:
+        """Seconds to generate ``tokens`` tokens for one request (batched decode)."""
+        return cost.decode_s(self.profile, tokens)
+
+    def fill_block(self, out: np.ndarray, key: bytes) -> None:
+        """A block the generated tokens completed: the model's (synthetic) KV for it."""
+        self.synth.fill_full(out, key)

@@ -1,0 +1,13 @@
+"""The failures of a request on a node (each is reported FAILED; the scheduler requeues)."""
+
+from __future__ import annotations
+
+from dualpath.errors import DualPathError
+
+
+class RequestFailed(DualPathError):
+    """A request could not be served here; it is reported FAILED and requeued."""
+
+
+class PeerUnavailable(RequestFailed):
+    """A peer node did not answer or refused a call (the message names it and why)."""

@@ -1,0 +1,76 @@
+"""Moving one request's KV layer by layer: the step every read path shares.
+
+The PE read path (PE buffer -> the PE's own engine memory), the DE read path (DE buffer
+-> a remote PE's engine memory) and the vLLM connector's load (PE buffer -> a vLLM
+worker's KV tensors) are the same loop: for each layer, the WRITE runs from the buffer's
+placement to the target's (dualpath/kv/placement.py), then "layer l is in place" to
+whoever waits for it. :func:`write_layers` is that loop, with two layers in flight so
+the wire never idles between layers; :func:`write_runs` issues one layer's runs, one
+TransferEngine write per (source region, target region) pair.
+
+Threads: the node's (or worker agent's) event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+from dualpath.kv.placement import KvPlacement, Run, runs
+from dualpath.transfer import TransferEngine
+
+
+async def write_runs(transfer: TransferEngine, peer: str, rs: Sequence[Run]) -> int:
+    """WRITE ``rs`` to ``peer``; the bytes moved once all landed."""
+    groups: dict[tuple[str, str], list[tuple[int, int, int]]] = defaultdict(list)
+    for r in rs:
+        groups[(r.src_region, r.dst_region)].append((r.src_offset, r.dst_offset, r.length))
+    await asyncio.gather(*(transfer.write(peer, items, local=src, remote=dst)
+                           for (src, dst), items in groups.items()))
+    return sum(r.length for r in rs)
+
+
+async def write_layers(transfer: TransferEngine, peer: str, src: KvPlacement,
+                       src_units: Sequence[int], dst: KvPlacement, dst_units: Sequence[int],
+                       first_token: int, stop_token: int,
+                       on_layer: Callable[[int], None] | None = None,
+                       layers: Sequence[int] | None = None) -> int:
+    """WRITE tokens ``[first_token, stop_token)`` of every layer (or of ``layers``) from
+    ``src`` to ``peer``'s ``dst``, in layer order; ``on_layer(n)`` after the n-th layer
+    landed (n counts from 1). Returns the bytes moved. At most two layers are in flight;
+    on an error, the other layer in flight is waited for before raising, so nothing
+    still reads ``src`` or writes ``dst`` once this returns."""
+    order = list(range(src.fmt.layers) if layers is None else layers)
+    if stop_token <= first_token:
+        for n in range(1, len(order) + 1):
+            if on_layer is not None:
+                on_layer(n)
+        return 0
+
+    def start(layer: int) -> asyncio.Future:
+        return asyncio.ensure_future(write_runs(
+            transfer, peer, runs(src, src_units, dst, dst_units, layer, first_token,
+                                 stop_token)))
+
+    total = 0
+    inflight: list[asyncio.Future] = []
+    try:
+        inflight.append(start(order[0]))
+        for n in range(1, len(order) + 1):
+            if n < len(order):
+                inflight.append(start(order[n]))
+            # Shielded: cancelling us must not abandon a write whose bytes are already
+            # on the wire; the finally below waits for them instead.
+            total += await asyncio.shield(inflight[0])
+            inflight.pop(0)
+            if on_layer is not None:
+                on_layer(n)
+    finally:
+        pending = [f for f in inflight if not f.done()]
+        if pending:
+            await asyncio.wait(pending)
+        for f in inflight:
+            if f.done() and not f.cancelled():
+                f.exception()          # retrieved: no "never retrieved" warning
+    return total

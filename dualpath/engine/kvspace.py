@@ -1,0 +1,96 @@
+"""A node's KV of one byte format: its store namespace, read queue and DRAM pool.
+
+Every KV byte a node moves has one format (dualpath/kv/placement.py: layers, units,
+segment rows). The emulated engine knows it at start-up from its model profile; a vLLM
+engine only once its worker attached and described its KV tensors. :class:`KvSpace`
+binds the pieces that depend on the format: the block store's namespace for it, the read
+queue in front of that store (behind the node's storage-NIC limiter) and a Full Block
+pool carved from the node's pinned DRAM region, with that pool's placement (what peers
+need to WRITE into it).
+
+Threads: the node's event loop; the store runs its I/O on its own worker pools.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dualpath.buffers.pool import BlockPool, Reservation
+from dualpath.buffers.region import PinnedRegion
+from dualpath.kv.placement import KvFormat, KvPlacement
+from dualpath.kv.profiles import geometry_profile
+from dualpath.storage.config import StorageConfig
+from dualpath.storage.ratelimit import RateLimiter
+from dualpath.storage.read_queue import ReadQueue
+from dualpath.storage.store import BlockStore
+
+
+@dataclass(frozen=True)
+class ReadOutcome:
+    """What one request's hit read brought: ``usable`` leading blocks arrived intact (the
+    rest are missing or corrupt: recompute them), ``nbytes`` read, the wall-clock span."""
+
+    usable: int
+    blocks: int
+    nbytes: int
+    span: tuple[float, float]
+
+    @property
+    def complete(self) -> bool:
+        return self.usable == self.blocks
+
+
+class KvSpace:
+    """See the module docstring. ``close()`` stops the read queue and the store."""
+
+    def __init__(self, fmt: KvFormat, store: BlockStore, read_queue: ReadQueue,
+                 pool: BlockPool, buffer: KvPlacement):
+        self.fmt = fmt
+        self.layout = fmt.block_layout()
+        self.store = store
+        self.read_queue = read_queue
+        self.pool = pool
+        self.buffer = buffer         # placement of the pool's slots in the node's region
+
+    @classmethod
+    def open(cls, storage: StorageConfig, namespace: str, fmt: KvFormat, *,
+             region: PinnedRegion, region_name: str, limiter: RateLimiter | None,
+             dtype: str = "opaque") -> KvSpace:
+        """Open the store namespace ``namespace`` and carve the pool from ``region`` (which
+        is registered with the node's transfer engine as ``region_name``)."""
+        layout = fmt.block_layout()
+        profile = geometry_profile(namespace, layout.layers, layout.token_bytes,
+                                   layout.tokens, dtype)
+        store = BlockStore(storage.resolved_dir(), profile, read_workers=storage.read_workers,
+                           write_workers=storage.write_workers, direct_io=storage.direct_io,
+                           verify_checksum=storage.verify_checksum, fsync=storage.fsync)
+        pool = BlockPool(region_name, region.array, layout, region_addr=region.addr)
+        buffer = KvPlacement.full_blocks(fmt, region_name, pool.stride, pool.capacity)
+        return cls(fmt, store, ReadQueue(store, limiter), pool, buffer)
+
+    @classmethod
+    def for_store(cls, store: BlockStore, read_queue: ReadQueue, pool: BlockPool,
+                  region_name: str) -> KvSpace:
+        """The emulated engine's space: a store and pool already made for its profile."""
+        fmt = KvFormat.flat(pool.layout)
+        return cls(fmt, store, read_queue, pool,
+                   KvPlacement.full_blocks(fmt, region_name, pool.stride, pool.capacity))
+
+    def buffer_units(self, res: Reservation) -> list[int]:
+        """Unit ids (for :func:`dualpath.kv.placement.runs`) of a reservation's blocks."""
+        return self.buffer.units_of_slots(res.slots)
+
+    async def read(self, request_id: str, keys: list[bytes], res: Reservation) -> ReadOutcome:
+        """Read ``keys`` into the first ``len(keys)`` blocks of ``res`` through the read
+        queue (ending ``request_id``'s expectation there)."""
+        t0 = time.time()
+        got = await self.read_queue.read(keys, [res.flat(i) for i in range(len(keys))],
+                                         request_id=request_id)
+        usable = got.hit_tokens // self.layout.tokens
+        return ReadOutcome(usable, len(keys), len(keys) * self.layout.full_bytes,
+                           (t0, time.time()))
+
+    async def close(self) -> None:
+        await self.read_queue.close()
+        self.store.close()

@@ -1,0 +1,79 @@
+"""A request's payload: what the scheduler carries for the engines, opaque to it (pure).
+
+A request carries a :class:`Payload` (JSON in the scheduler's opaque ``payload`` bytes):
+the trajectory and round it replays, the mode, and where to report timings. Its token
+ids are carried explicitly (real traces) or derived from the trajectory by a
+:data:`TokenSource` the node is given (the synthetic stream of dualpath/trace/model.py
+for generated traces), so nothing here depends on the workload generator.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from dualpath.errors import UsageError
+
+#: ``(trajectory, stop) -> token ids of stream positions [0, stop)``.
+TokenSource = Callable[[str, int], np.ndarray]
+
+MODES = ("basic", "dualpath", "oracle")
+# How the PE turns the scheduler's read side into the one it acts on.
+READ_POLICIES = ("scheduler", "prefill", "round_robin", "none")
+MODE_READ_POLICY = {"basic": "prefill", "dualpath": "scheduler", "oracle": "none"}
+
+
+@dataclass(frozen=True)
+class Payload:
+    trajectory: str
+    round: int
+    prompt_tokens: int
+    hit_tokens: int
+    gen_tokens: int
+    mode: str = "dualpath"
+    sink: str = ""                    # host:port of the replay client's ReplaySink; "" = none
+    layerwise: bool = True            # overlap layer l+1's transfers with layer l's compute
+    read_policy: str = "scheduler"    # READ_POLICIES
+    token_ids_b64: str = ""           # explicit stream ids (int32 LE) for real traces
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise UsageError(f"payload: mode {self.mode!r}; allowed: {', '.join(MODES)}")
+        if self.read_policy not in READ_POLICIES:
+            raise UsageError(f"payload: read_policy {self.read_policy!r}; allowed: "
+                             f"{', '.join(READ_POLICIES)}")
+        if not 0 <= self.hit_tokens < self.prompt_tokens or self.gen_tokens < 1:
+            raise UsageError(f"payload: need 0 <= hit < prompt and gen >= 1, got "
+                             f"{self.hit_tokens}, {self.prompt_tokens}, {self.gen_tokens}")
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Payload:
+        try:
+            return cls(**json.loads(data))
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"malformed request payload: {e}") from None
+
+    @property
+    def oracle(self) -> bool:
+        return self.mode == "oracle"
+
+    def token_ids(self, stop: int, source: TokenSource) -> np.ndarray:
+        """Ids of stream positions ``[0, stop)`` (prompt, or prompt + generation): the
+        carried ones, else ``source``'s for the trajectory."""
+        if self.token_ids_b64:
+            ids = np.frombuffer(base64.b64decode(self.token_ids_b64), dtype="<i4")
+            if stop > ids.size:
+                raise UsageError(f"payload carries {ids.size} token ids, {stop} needed")
+            return ids[:stop].astype(np.int64)
+        return source(self.trajectory, stop)
+
+
+def encode_token_ids(ids: np.ndarray) -> str:
+    return base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode()

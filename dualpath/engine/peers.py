@@ -1,0 +1,168 @@
+"""The node's client of other nodes: one object owns the stubs and the protobuf.
+
+The PE and DE paths talk to each other only through :class:`PeerClient`: dataclasses
+in, dataclasses out, and a gRPC failure becomes :class:`~dualpath.engine.errors.
+PeerUnavailable` naming the peer, the call and the status (so a request fails with a
+reason instead of an AioRpcError escaping into domain code).
+
+    prepare      PE -> DE  Node.PrepareRequest: DE-buffer slots for the prompt
+    order_load   PE -> DE  Engine.SubmitTransferOrder(LOAD_HIT_KV): the DE read path
+    watch        PE -> DE  Engine.WatchTransfers: a RemoteWatch layer source
+    prefill_done PE -> DE  Node.PrefillDone: every prompt byte is in the DE buffer
+    cancel       any       Engine.CancelRequest (best effort, bounded)
+    report       DE -> replay client  ReplaySink.Report
+
+Threads: the node's event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from dualpath.engine.errors import PeerUnavailable
+from dualpath.engine.layers import RemoteWatch
+from dualpath.engine.oob import GrpcChannels
+from dualpath.kv import placement_wire
+from dualpath.kv.placement import KvPlacement
+from dualpath.v1 import engine_pb2, engine_pb2_grpc, node_pb2, node_pb2_grpc
+
+
+@dataclass(frozen=True)
+class PrepareJob:
+    request_id: str
+    decode_engine_id: str
+    prefill_address: str
+    prompt_tokens: int
+    hit_tokens: int
+    read_side: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The DE buffer's placement and the request's Full Block slots in it (None and ()
+    for a request that moves no KV)."""
+
+    buffer: KvPlacement | None
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadOrder:
+    request_id: str
+    source_engine_id: str
+    target_engine_id: str
+    keys: Sequence[bytes]
+    target_peer: str
+    target: KvPlacement
+    target_units: Sequence[int]
+
+
+@dataclass(frozen=True)
+class PrefillReport:
+    request_id: str
+    prefill_engine_id: str
+    prefill_node_id: str
+    done_unix_s: float
+    read_bytes: int
+    read_span: tuple[float, float]
+
+
+@dataclass
+class Timings:
+    """A finished (or failed) request's timings for the replay client."""
+
+    request_id: str
+    decode_engine_id: str
+    prefill_node_id: str
+    decode_node_id: str
+    prefill_read_bytes: int = 0
+    decode_read_bytes: int = 0
+    read_span: tuple[float, float] = (0.0, 0.0)
+    first_token_unix_s: float = 0.0
+    second_token_unix_s: float = 0.0
+    finish_unix_s: float = 0.0
+    bytes_verified: int = 0
+    bytes_mismatched: int = 0
+    failed: bool = False
+    error: str = ""
+
+
+class PeerClient:
+    """See the module docstring. ``channels`` is the node's channel cache (owned by it)."""
+
+    def __init__(self, channels: GrpcChannels, *, timeout_s: float = 10.0):
+        self.channels = channels
+        self.timeout_s = timeout_s
+
+    def _node(self, peer: str) -> node_pb2_grpc.NodeStub:
+        return node_pb2_grpc.NodeStub(self.channels.channel(peer))
+
+    def _engine(self, peer: str) -> engine_pb2_grpc.EngineStub:
+        return engine_pb2_grpc.EngineStub(self.channels.channel(peer))
+
+    async def _call(self, peer: str, what: str, call):
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            raise PeerUnavailable(f"{what} to {peer}: {e.code().name} {e.details()}") from None
+
+    async def prepare(self, de: str, job: PrepareJob) -> Prepared:
+        r = await self._call(de, "PrepareRequest", self._node(de).PrepareRequest(
+            node_pb2.PrepareRequestRequest(
+                request_id=job.request_id, decode_engine_id=job.decode_engine_id,
+                prefill_control_address=job.prefill_address, prompt_tokens=job.prompt_tokens,
+                hit_tokens=job.hit_tokens, read_side=job.read_side, payload=job.payload),
+            timeout=30))
+        if not r.slots:
+            return Prepared(None, ())
+        return Prepared(placement_wire.from_pb(r.buffer, f"DE buffer of {de}"), tuple(r.slots))
+
+    async def order_load(self, de: str, o: LoadOrder) -> None:
+        await self._call(de, "SubmitTransferOrder", self._engine(de).SubmitTransferOrder(
+            engine_pb2.TransferOrder(
+                request_id=o.request_id, kind=engine_pb2.TRANSFER_KIND_LOAD_HIT_KV,
+                source_engine_id=o.source_engine_id, target_engine_id=o.target_engine_id,
+                block_keys=list(o.keys), target_peer=o.target_peer,
+                target=placement_wire.to_pb(o.target), target_units=list(o.target_units)),
+            timeout=self.timeout_s))
+
+    def watch(self, de: str, request_id: str) -> RemoteWatch:
+        call = self._engine(de).WatchTransfers(
+            engine_pb2.WatchTransfersRequest(request_id=request_id))
+        return RemoteWatch(call, de)
+
+    async def prefill_done(self, de: str, r: PrefillReport) -> None:
+        await self._call(de, "PrefillDone", self._node(de).PrefillDone(
+            node_pb2.PrefillDoneRequest(
+                request_id=r.request_id, prefill_engine_id=r.prefill_engine_id,
+                prefill_done_unix_s=r.done_unix_s, prefill_node_id=r.prefill_node_id,
+                prefill_read_bytes=r.read_bytes, read_start_unix_s=r.read_span[0],
+                read_end_unix_s=r.read_span[1]), timeout=self.timeout_s))
+
+    async def cancel(self, peer: str, request_id: str) -> None:
+        """Best effort: the peer may be gone (its lease then ends the request there)."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._engine(peer).CancelRequest(
+                engine_pb2.CancelRequestRequest(request_id=request_id), timeout=1)
+
+    async def report(self, sink: str, t: Timings) -> None:
+        await self._call(sink, "ReplaySink.Report",
+                         node_pb2_grpc.ReplaySinkStub(self.channels.channel(sink)).Report(
+                             node_pb2.RequestTimings(
+                                 request_id=t.request_id, decode_engine_id=t.decode_engine_id,
+                                 first_token_unix_s=t.first_token_unix_s,
+                                 second_token_unix_s=t.second_token_unix_s,
+                                 finish_unix_s=t.finish_unix_s,
+                                 bytes_verified=t.bytes_verified,
+                                 bytes_mismatched=t.bytes_mismatched, failed=t.failed,
+                                 error=t.error, prefill_node_id=t.prefill_node_id,
+                                 decode_node_id=t.decode_node_id,
+                                 prefill_read_bytes=t.prefill_read_bytes,
+                                 decode_read_bytes=t.decode_read_bytes,
+                                 read_start_unix_s=t.read_span[0],
+                                 read_end_unix_s=t.read_span[1]), timeout=self.timeout_s))

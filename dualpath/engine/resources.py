@@ -1,0 +1,38 @@
+"""What a node daemon hands its paths: a frozen set of the node's resources.
+
+The daemon (dualpath/engine/node.py) assembles these once at start-up and closes them in
+reverse; a path holds this object and nothing of the daemon itself, so a path can be
+built in a test from a handful of real or fake parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+
+from dualpath.config import Config
+from dualpath.engine.emulated import EngineRank
+from dualpath.engine.metrics import CountingLimiter, NodeMetrics
+from dualpath.engine.payload import TokenSource
+from dualpath.engine.peers import PeerClient
+from dualpath.transfer import TransferEngine
+
+#: Queue a completion (request, engine, COMPLETION_STAGE_*) for the leader's next fetch.
+Complete = Callable[[str, EngineRank, int], None]
+Spawn = Callable[[Coroutine], asyncio.Task]
+
+
+@dataclass(frozen=True)
+class NodeResources:
+    node_id: str
+    role: str
+    address: str                    # our control address = our transfer engine's name
+    cfg: Config
+    transfer: TransferEngine
+    peers: PeerClient
+    limiter: CountingLimiter
+    metrics: NodeMetrics
+    tokens: TokenSource             # token ids of payloads that carry none
+    spawn: Spawn                    # a task the node cancels at close
+    complete: Complete

@@ -1,0 +1,338 @@
+"""The data-plane target inside a vLLM worker process: its KV memory, registered.
+
+vLLM's KV tensors are private memory of its worker process, so (as NIXL's and
+Mooncake's connectors do) the worker hosts the data plane's end: :class:`WorkerAgent`
+registers the tensors' memory with a :class:`~dualpath.transfer.TransferEngine` of its
+own, serves the out-of-band exchange (Engine.ExchangeEndpoint) so the node daemon can
+connect to it, and attaches to the daemon (KvConnector.Attach) with the placement of
+every Layer Block in that memory. The daemon's DRAM buffer then WRITEs hit KV straight
+into vLLM's blocks, and the worker WRITEs newly computed blocks into the daemon's buffer
+for persisting.
+
+Threads. The agent runs an asyncio loop on a thread of its own (the transfer engine and
+gRPC need one; vLLM's worker has none). Every public method is called from vLLM's
+threads and hands work to that loop; results come back through :class:`LoadHandle` /
+:class:`SaveHandle`, whose waits are bounded. No torch here: the caller passes raw
+ranges and a placement (dualpath/vllm/placement.py makes them from tensors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from dualpath import rpc
+from dualpath.config_sections import KvLaneConfig, TransportConfig
+from dualpath.engine.kvio import write_runs
+from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
+from dualpath.errors import DualPathError, UsageError
+from dualpath.kv import placement_wire
+from dualpath.kv.placement import KvPlacement, runs
+from dualpath.transfer import TransferEngine
+from dualpath.transfer.config import TransferConfig
+from dualpath.v1 import connector_pb2, connector_pb2_grpc, engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger("dualpath.vllm")
+
+
+@dataclass(frozen=True)
+class MemoryRange:
+    """One registered range of the engine's KV memory (a tensor storage)."""
+
+    name: str
+    addr: int
+    length: int
+    gpu_device: int | None = None     # None: host memory
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    node_address: str                 # the node daemon's control address (host:port)
+    model_id: str
+    listen: str = "127.0.0.1:0"       # this worker's own gRPC (out-of-band) address
+    advertise: str = ""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    lane: KvLaneConfig = field(default_factory=KvLaneConfig)
+    load_timeout_s: float = 60.0      # a load that makes no progress for this long fails
+    save_timeout_s: float = 60.0
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class Attached:
+    node_id: str
+    namespace: str
+    block_tokens: int
+    buffer: KvPlacement               # the daemon's DRAM buffer (saves land there)
+
+
+class LoadHandle:
+    """One request's load in one step. ``layers_done`` layers are in place for every
+    block not in ``failed``; ``ended`` once the stream is over (``error`` says why when
+    it ended early: then every block counts as failed). Thread-safe."""
+
+    def __init__(self, request_id: str, nblocks: int):
+        self.request_id = request_id
+        self.nblocks = nblocks
+        self.layers_done = 0
+        self.failed: set[int] = set()
+        self.ended = False
+        self.error = ""
+        self.nbytes = 0
+        self.wait_s = 0.0             # time vLLM's forward waited on this load
+        self._cond = threading.Condition()
+        self._future: concurrent.futures.Future | None = None
+
+    def _update(self, layers_done: int, failed: Sequence[int], complete: bool,
+                nbytes: int) -> None:
+        with self._cond:
+            self.layers_done = max(self.layers_done, layers_done)
+            self.failed.update(failed)
+            self.nbytes += nbytes
+            if complete:
+                self.ended = True
+            self._cond.notify_all()
+
+    def _end(self, error: str = "") -> None:
+        with self._cond:
+            if not self.ended or error:
+                if error or self.layers_done == 0 and self.nblocks:
+                    self.error = error or "load stream ended before any layer"
+                    self.failed.update(range(self.nblocks))
+                self.ended = True
+            self._cond.notify_all()
+
+    def wait_layer(self, layer: int, timeout: float) -> bool:
+        """Wait until layer ``layer`` (0-based) is in place or the load ended; False when
+        ``timeout`` passed without either (the caller must fence and give up)."""
+        t0 = time.monotonic()
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.layers_done > layer or self.ended, timeout)
+        self.wait_s += time.monotonic() - t0
+        return ok
+
+    def give_up(self, why: str) -> None:
+        self._end(why)
+        if self._future is not None:
+            self._future.cancel()
+
+    @property
+    def all_failed(self) -> bool:
+        return bool(self.error)
+
+
+class SaveHandle:
+    """One request's save of newly full blocks in one step (see WorkerAgent.begin_save)."""
+
+    def __init__(self, request_id: str, keys: list[bytes], units: list[int]):
+        self.request_id = request_id
+        self.keys = keys
+        self.units = units
+        self.begun: concurrent.futures.Future | None = None   # -> (save_id, slots) | None
+        self.layers: list[concurrent.futures.Future] = []
+        self.ok = True
+        self.error = ""
+
+
+class _EngineEdge(engine_pb2_grpc.EngineServicer):
+    """The one Engine RPC a worker serves: the daemon's connect exchange."""
+
+    def __init__(self, agent: WorkerAgent):
+        self.agent = agent
+
+    async def ExchangeEndpoint(self, request, context):
+        try:
+            data = await self.agent.oob.handle(request.caller.endpoint)
+        except DualPathError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return engine_pb2.ExchangeEndpointResponse(callee=engine_pb2.DataPlaneEndpoint(
+            engine_id=self.agent.name, transport=self.agent.transfer.transport,
+            endpoint=data))
+
+
+class WorkerAgent:
+    """See the module docstring. ``start()`` (blocking, attaches), per-step calls,
+    ``close()`` (idempotent)."""
+
+    def __init__(self, settings: AgentSettings, ranges: Sequence[MemoryRange],
+                 placement: KvPlacement):
+        if not ranges:
+            raise UsageError("the worker agent needs at least one KV memory range")
+        self.settings = settings
+        self.ranges = list(ranges)
+        self.placement = placement
+        self.name = ""
+        self.attached: Attached | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name="dualpath-worker-agent", daemon=True)
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout: float = 60.0) -> Attached:
+        self._thread.start()
+        return self._run(self._start(), timeout)
+
+    def _run(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _start(self) -> Attached:
+        s = self.settings
+        self.channels = GrpcChannels()
+        self.oob = GrpcOutOfBand(self.channels)
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        engine_pb2_grpc.add_EngineServicer_to_server(_EngineEdge(self), self.server)
+        port = rpc.bind(self.server, s.listen, "vLLM worker agent listen")
+        host = s.listen.rpartition(":")[0]
+        self.name = f"{s.advertise or host}:{port}"
+        await self.server.start()
+        self.transfer = TransferEngine.open(self.name, self.oob, transport=s.transport,
+                                            transfer=s.transfer, lane=s.lane)
+        await self.transfer.start()
+        for r in self.ranges:
+            self.transfer.register(r.name, addr=r.addr, length=r.length,
+                                   gpu_device=r.gpu_device)
+        self.stub = connector_pb2_grpc.KvConnectorStub(self.channels.channel(s.node_address))
+        reply = await self.stub.Attach(connector_pb2.AttachRequest(
+            worker_name=self.name, model_id=s.model_id, tp_rank=s.tp_rank,
+            tp_size=s.tp_size, placement=placement_wire.to_pb(self.placement)), timeout=30)
+        if reply.transport != self.transfer.transport:
+            raise UsageError(f"node daemon {s.node_address} uses transport {reply.transport}, "
+                             f"this worker {self.transfer.transport}: set [transport] kind "
+                             "alike on both")
+        self.attached = Attached(reply.node_id, reply.namespace, reply.block_tokens,
+                                 placement_wire.from_pb(reply.buffer, "daemon buffer"))
+        log.info("DualPath worker agent %s: transport %s (%s), %d KV range(s); attached to "
+                 "node %s at %s (store namespace %s, %d-token blocks)", self.name,
+                 self.transfer.transport, self.transfer.provider.description,
+                 len(self.ranges), reply.node_id, s.node_address, reply.namespace,
+                 reply.block_tokens)
+        return self.attached
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            try:
+                self._run(self._close(), 30)
+            except (concurrent.futures.TimeoutError, RuntimeError, DualPathError) as e:
+                log.warning("DualPath worker agent: close: %s", e)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    async def _close(self) -> None:
+        if hasattr(self, "transfer"):
+            await self.transfer.close()
+        if hasattr(self, "server"):
+            await self.server.stop(0.5)
+        if hasattr(self, "channels"):
+            await self.channels.close()
+
+    # ------------------------------------------------------------------ loads
+
+    def load(self, request_id: str, keys: list[bytes], units: list[int]) -> LoadHandle:
+        """Start loading ``keys`` into engine blocks ``units``; returns at once."""
+        h = LoadHandle(request_id, len(keys))
+        h._future = self._submit(self._load(h, keys, units))
+        return h
+
+    async def _load(self, h: LoadHandle, keys: list[bytes], units: list[int]) -> None:
+        try:
+            call = self.stub.Load(connector_pb2.LoadRequest(
+                request_id=h.request_id, worker_name=self.name, block_keys=keys,
+                units=units), timeout=self.settings.load_timeout_s)
+            async for p in call:
+                h._update(p.layers_done, p.failed_blocks, p.complete, p.bytes_written)
+            h._end()
+        except grpc.aio.AioRpcError as e:
+            h._end(f"{e.code().name}: {e.details()}")
+        except asyncio.CancelledError:
+            h._end("load given up")
+            raise
+
+    def fence(self) -> None:
+        """Make every WRITE still on its way into our KV memory fail where it lands (the
+        daemon may still be writing a load we gave up on): rekey every range."""
+        self._run(self._fence(), 30)
+
+    async def _fence(self) -> None:
+        for r in self.ranges:
+            self.transfer.rekey(r.name)
+
+    # ------------------------------------------------------------------ saves
+
+    def begin_save(self, request_id: str, keys: list[bytes], units: list[int]) -> SaveHandle:
+        """Borrow daemon buffer slots for ``keys`` (newly full blocks in engine blocks
+        ``units``); returns at once, the answer is awaited by the layer writes."""
+        h = SaveHandle(request_id, keys, units)
+        h.begun = self._submit(self._begin_save(h))
+        return h
+
+    async def _end_save(self, save_id: int, commit: bool) -> None:
+        await self.stub.EndSave(connector_pb2.EndSaveRequest(save_id=save_id, commit=commit),
+                                timeout=10)
+
+    async def _begin_save(self, h: SaveHandle):
+        try:
+            r = await self.stub.BeginSave(connector_pb2.BeginSaveRequest(
+                request_id=h.request_id, worker_name=self.name, block_keys=h.keys),
+                timeout=self.settings.save_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            h.ok, h.error = False, f"BeginSave: {e.code().name}: {e.details()}"
+            return None
+        return r.save_id, list(r.slots)
+
+    def save_layer(self, h: SaveHandle, layer: int) -> None:
+        """WRITE layer ``layer`` of the save's blocks into the borrowed slots (async)."""
+        h.layers.append(self._submit(self._save_layer(h, layer)))
+
+    async def _save_layer(self, h: SaveHandle, layer: int) -> None:
+        got = await asyncio.wrap_future(h.begun)
+        if got is None or not h.ok:
+            return
+        _, slots = got
+        buf = self.attached.buffer
+        stop = len(h.keys) * self.placement.fmt.block_tokens
+        try:
+            await write_runs(self.transfer, self.settings.node_address,
+                             runs(self.placement, h.units, buf, buf.units_of_slots(slots),
+                                  layer, 0, stop))
+        except DualPathError as e:
+            h.ok, h.error = False, f"layer {layer}: {e}"
+
+    def finish_save(self, h: SaveHandle, commit: bool) -> bool:
+        """Wait for the save's writes, then hand the blocks to the daemon (``commit``) or
+        drop them; True when they were handed over."""
+        deadline = time.monotonic() + self.settings.save_timeout_s
+        for f in h.layers:
+            try:
+                f.result(max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                h.ok, h.error = False, "save writes timed out"
+        try:
+            got = h.begun.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            got, h.ok, h.error = None, False, "BeginSave timed out"
+        if got is None:
+            return False
+        keep = commit and h.ok
+        try:
+            self._run(self._end_save(got[0], keep), 15)
+        except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError) as e:
+            log.warning("DualPath: EndSave of %s failed: %s", h.request_id, e)
+            return False
+        return keep

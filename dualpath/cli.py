@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "dualpath.engine.cli",
     "dualpath.cluster.cli",
     "dualpath.scheduler.cli",
+    "dualpath.vllm.cli",
 ]
 
 

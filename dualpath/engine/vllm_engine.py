@@ -216,6 +216,8 @@ class VllmEngine:
         try:
             got = await space.read(request_id, keys, res)
             self.metrics.read_bytes.inc(got.nbytes)
+            log.debug("%s: load of %s: %d blocks, %d usable, into engine blocks %s of %s",
+                      self.node_id, request_id, len(keys), got.usable, units[:8], w.name)
             ok = got.usable
             failed = tuple(range(ok, len(keys)))
             if failed:

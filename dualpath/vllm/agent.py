@@ -329,6 +329,9 @@ class WorkerAgent:
             got, h.ok, h.error = None, False, "BeginSave timed out"
         if got is None:
             return False
+        layers = self.placement.fmt.layers
+        if len(h.layers) != layers:       # a layer never saved: its slots hold no KV
+            h.ok, h.error = False, f"{len(h.layers)} of {layers} layers written"
         keep = commit and h.ok
         try:
             self._run(self._end_save(got[0], keep), 15)

@@ -71,8 +71,8 @@ def test_runs_move_exactly_the_reference_bytes(layers, unit_tokens, rows, units,
     _reference(buf, buf_units, eng, eng_units, layer, t0, t1, src_mem, want)
     rs = runs(buf, buf_units, eng, eng_units, layer, t0, t1)
     _apply(rs, src_mem, got)
-    for k in want:
-        assert np.array_equal(got[k], want[k]), k
+    for k, v in want.items():
+        assert np.array_equal(got[k], v), k
     assert sum(r.length for r in rs) == (t1 - t0) * fmt.token_bytes
     # and back: engine -> buffer restores the same bytes
     back = {"buf": np.zeros_like(src_mem["buf"])}

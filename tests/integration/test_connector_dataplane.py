@@ -1,0 +1,172 @@
+"""The vLLM connector's data plane without vLLM: a real node daemon (engine.kind = vllm,
+role both, TCP provider on loopback) and a real WorkerAgent whose "KV tensors" are a
+numpy array laid out as vLLM's CPU backend lays them out ([blocks, heads, K|V, tokens,
+head bytes] per layer). Blocks saved from the worker come back, byte for byte, into
+other engine blocks; a corrupt or deleted stored block is reported failed and never
+written (vLLM would recompute it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from dualpath import config as _config
+from dualpath.engine.node import NodeDaemon
+from dualpath.kv.placement import KvFormat, KvPlacement
+from dualpath.kv.prefix import block_keys
+from dualpath.v1 import connector_pb2, connector_pb2_grpc
+from dualpath.vllm.agent import AgentSettings, MemoryRange, WorkerAgent
+
+L, H, B, D = 3, 2, 16, 32            # layers, KV heads, tokens per block, bytes per head row
+UNITS = 12                           # engine blocks per layer
+UNIT = H * 2 * B * D
+
+
+def _cpu_like_placement() -> KvPlacement:
+    segs = [(h, p) for h in range(H) for p in range(2)]
+    fmt = KvFormat(L, B, (D,) * len(segs))
+    return KvPlacement(fmt, ("kv",) * L, tuple((layer * UNITS * UNIT,) for layer in range(L)),
+                       (0,) * len(segs), tuple(h * 2 * B * D + p * B * D for h, p in segs),
+                       UNIT, UNITS)
+
+
+class Daemon:
+    """The node daemon on a loop of its own thread (the agent's calls block)."""
+
+    def __init__(self, tmp):
+        cfg = _config.load(None, {"engine.kind": "vllm", "transport.kind": "tcp",
+                                  "storage.dir": str(tmp / "kv"), "storage.fsync": False,
+                                  "buffers.pe_buffer_mib": 4, "buffers.mlock": False})
+        self.loop = asyncio.new_event_loop()
+        self.node = NodeDaemon(cfg, "both", "n0", "")
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.call(self.node.start())
+
+    def call(self, coro, timeout=30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.call(self.node.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("node"))
+    mem = np.zeros(L * UNITS * UNIT, np.uint8)
+    agent = WorkerAgent(AgentSettings(node_address=d.node.address, model_id="test-model",
+                                      transport=_config.load(None, {"transport.kind": "tcp"}
+                                                             ).transport),
+                        [MemoryRange("kv", mem.ctypes.data, mem.nbytes)], _cpu_like_placement())
+    agent.start()
+    ch = grpc.insecure_channel(d.node.address)
+    yield d, agent, mem, connector_pb2_grpc.KvConnectorStub(ch)
+    ch.close()
+    agent.close()
+    d.close()
+
+
+def _engine_block(mem, layer, unit):
+    off = (layer * UNITS + unit) * UNIT
+    return mem[off:off + UNIT]
+
+
+def _save(agent, keys, units):
+    h = agent.begin_save("r-save", keys, units)
+    for layer in range(L):
+        agent.save_layer(h, layer)
+    return agent.finish_save(h, commit=True)
+
+
+def _wait_stored(d, keys, stub):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        n = stub.Lookup(connector_pb2.LookupRequest(model_id="test-model",
+                                                    block_keys=keys)).hit_blocks
+        if n == len(keys):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"only {n} of {len(keys)} blocks were persisted")
+
+
+def test_save_then_load_moves_exact_bytes_into_other_blocks(rig):
+    d, agent, mem, stub = rig
+    rng = np.random.default_rng(1)
+    keys = block_keys(np.arange(3 * B) + 1000, B)
+    src, dst = [2, 5, 6], [9, 0, 11]
+    for layer in range(L):
+        for u in src:
+            _engine_block(mem, layer, u)[:] = rng.integers(0, 256, UNIT, dtype=np.uint8)
+    assert _save(agent, keys, src)
+    _wait_stored(d, keys, stub)
+    h = agent.load("r-load", keys, dst)
+    for layer in range(L):
+        assert h.wait_layer(layer, 30)
+    assert not h.failed and not h.error
+    for layer in range(L):
+        for s, t in zip(src, dst):
+            assert np.array_equal(_engine_block(mem, layer, s), _engine_block(mem, layer, t))
+    # A lookup stops at the first hole; a key that was never saved misses.
+    other = block_keys(np.arange(2 * B) + 5000, B)
+    assert stub.Lookup(connector_pb2.LookupRequest(model_id="test-model",
+                                                   block_keys=keys[:2] + other)).hit_blocks == 2
+    assert stub.Lookup(connector_pb2.LookupRequest(model_id="another-model",
+                                                   block_keys=keys)).hit_blocks == 0
+
+
+def test_corrupt_and_deleted_blocks_are_reported_and_never_written(rig):
+    d, agent, mem, stub = rig
+    rng = np.random.default_rng(2)
+    keys = block_keys(np.arange(3 * B) + 7000, B)
+    src = [1, 3, 4]
+    for layer in range(L):
+        for u in src:
+            _engine_block(mem, layer, u)[:] = rng.integers(0, 256, UNIT, dtype=np.uint8)
+    assert _save(agent, keys, src)
+    _wait_stored(d, keys, stub)
+    store = d.node.engine.space.store
+    path = store.path_of(keys[1])
+    with open(path, "r+b") as f:                 # one flipped byte in block 1's payload
+        f.seek(os.path.getsize(path) - 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    dst = [7, 8, 10]
+    for layer in range(L):
+        for u in dst:
+            _engine_block(mem, layer, u)[:] = 0xAA
+    h = agent.load("r-bad", keys, dst)
+    for layer in range(L):
+        assert h.wait_layer(layer, 30)
+    assert h.failed == {1, 2} and not h.error    # from the first bad block on
+    for layer in range(L):
+        assert np.array_equal(_engine_block(mem, layer, 1), _engine_block(mem, layer, 7))
+        assert (_engine_block(mem, layer, 8) == 0xAA).all()    # never written
+        assert (_engine_block(mem, layer, 10) == 0xAA).all()
+    store.delete(keys[0])
+    h = agent.load("r-gone", keys[:1], [7])
+    h.wait_layer(L - 1, 30)
+    assert h.failed == {0}
+
+
+def test_bad_requests_are_refused_naming_the_problem(rig):
+    _, agent, _, stub = rig
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Load(connector_pb2.LoadRequest(request_id="x", worker_name=agent.name,
+                                                 block_keys=[b"k" * 16], units=[UNITS])))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the worker" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Load(connector_pb2.LoadRequest(request_id="x", worker_name="nobody:1",
+                                                 block_keys=[], units=[])))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Lookup(connector_pb2.LookupRequest(model_id="test-model", block_keys=[b"short"]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

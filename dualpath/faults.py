@@ -6,8 +6,10 @@ broken data path. Unknown names are refused, so a typo cannot make a control vac
 
 - ``load_skip_layer``: a node daemon serving a vLLM load reports layer 0 done without
   writing it (a load skipped).
-- ``load_flip_byte``: the daemon flips one byte of every hit block in its buffer after
-  the checksum passed and before it WRITEs the block (a byte flipped in transit).
+- ``load_flip_byte``: the daemon flips one bit of every hit block in its buffer (the sign
+  of its second float32: the value stays finite, as a NaN would poison the engine's
+  later requests) after the checksum passed and before it WRITEs the block (a byte
+  flipped in transit).
 """
 
 from __future__ import annotations

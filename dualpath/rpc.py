@@ -42,3 +42,15 @@ def bind(server: grpc.aio.Server, address: str, what: str,
                 else server.add_insecure_port(address))
     except RuntimeError as e:
         raise UsageError(f"{what} = {address!r}: cannot listen ({e})") from None
+
+
+#: Options of long-lived channels between daemons: reconnect quickly after a peer
+#: restarts (gRPC's default backoff grows to minutes) and notice a dead peer on an idle
+#: channel by keepalive pings.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", 20000),
+    ("grpc.keepalive_timeout_ms", 10000),
+)

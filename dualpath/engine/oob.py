@@ -16,6 +16,7 @@ import errno
 import grpc
 
 from dualpath.errors import TransferError, UsageError
+from dualpath.rpc import CHANNEL_OPTIONS
 from dualpath.transfer import oob
 from dualpath.v1 import engine_pb2, engine_pb2_grpc
 
@@ -29,7 +30,7 @@ class GrpcChannels:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address)
+            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels[address] = ch
         return ch
 

@@ -18,7 +18,9 @@ one-sided WRITE as a DE-buffer -> PE copy:
 
 The KV byte format, and so the store namespace and the DRAM pool, is fixed by the first
 worker to attach (:class:`~dualpath.engine.kvspace.KvSpace`); a worker of another format
-is refused. Threads: the node's event loop.
+is refused. The namespace's directory keeps a manifest of its model and format, so a
+restarted daemon answers lookups before the worker attached again (the worker attaches
+again on its next load, which the daemon answers NOT_FOUND). Threads: the node's loop.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -37,13 +41,15 @@ from dualpath.buffers.region import PinnedRegion
 from dualpath.engine.kvio import write_layers
 from dualpath.engine.kvspace import KvSpace
 from dualpath.errors import DualPathError, UsageError
-from dualpath.kv.placement import KvPlacement
+from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.prefix import KEY_BYTES
 from dualpath.storage.config import StorageConfig
 from dualpath.storage.ratelimit import RateLimiter
 from dualpath.transfer import TransferEngine
 
 log = logging.getLogger("dualpath.engine")
+
+MANIFEST = "namespace.json"     # in a namespace's store directory: its model and format
 
 
 class NotAttached(DualPathError):
@@ -134,6 +140,39 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ attach
 
+    def _open_space(self, model_id: str, fmt: KvFormat) -> None:
+        self.namespace = namespace_for(model_id, fmt.signature())
+        self.model_id = model_id
+        self.space = KvSpace.open(self.storage, self.namespace, fmt, region=self.region,
+                                  region_name=self.region_name, limiter=self.limiter)
+        manifest = self.space.store.dir / MANIFEST
+        if not manifest.exists():
+            tmp = manifest.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"model_id": model_id, "format": {
+                "layers": fmt.layers, "unit_tokens": fmt.unit_tokens,
+                "row_bytes": list(fmt.row_bytes), "units": fmt.units}}))
+            os.replace(tmp, manifest)
+        log.info("%s: KV format %s of model %s: store namespace %s, %d buffer slots of "
+                 "%d bytes", self.node_id, fmt.signature(), model_id, self.namespace,
+                 self.space.pool.capacity, self.space.layout.full_bytes)
+
+    def _restore(self, model_id: str) -> None:
+        """After a restart, before any worker attached again: find the namespace a
+        worker of ``model_id`` used (its manifest), so lookups hit at once."""
+        for manifest in sorted(self.storage.resolved_dir().glob(f"vllm-*/{MANIFEST}")):
+            try:
+                m = json.loads(manifest.read_text())
+                if m.get("model_id") != model_id:
+                    continue
+                f = m["format"]
+                fmt = KvFormat(int(f["layers"]), int(f["unit_tokens"]),
+                               tuple(int(r) for r in f["row_bytes"]), int(f["units"]))
+            except (OSError, ValueError, KeyError, TypeError, UsageError) as e:
+                log.warning("%s: unreadable store manifest %s: %s", self.node_id, manifest, e)
+                continue
+            self._open_space(model_id, fmt)
+            return
+
     def attach(self, worker: Worker) -> KvSpace:
         """Admit ``worker``; the KV space (store namespace, pool) it will use."""
         if worker.tp_size != 1:
@@ -141,13 +180,7 @@ class VllmEngine:
                              "not supported yet (one worker per instance)")
         fmt = worker.placement.fmt
         if self.space is None:
-            self.namespace = namespace_for(worker.model_id, fmt.signature())
-            self.model_id = worker.model_id
-            self.space = KvSpace.open(self.storage, self.namespace, fmt, region=self.region,
-                                      region_name=self.region_name, limiter=self.limiter)
-            log.info("%s: KV format %s of model %s: store namespace %s, %d buffer slots of "
-                     "%d bytes", self.node_id, fmt.signature(), worker.model_id,
-                     self.namespace, self.space.pool.capacity, self.space.layout.full_bytes)
+            self._open_space(worker.model_id, fmt)
         elif fmt != self.space.fmt or worker.model_id != self.model_id:
             raise FormatConflict(
                 f"worker {worker.name} has model {worker.model_id} in KV format "
@@ -178,6 +211,8 @@ class VllmEngine:
     def lookup(self, model_id: str, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the store holds (0 before a worker attached)."""
         self._check_keys(keys, "Lookup")
+        if self.space is None:
+            self._restore(model_id)
         if self.space is None or model_id != self.model_id:
             return 0
         hit = 0
@@ -228,7 +263,7 @@ class VllmEngine:
             yield LoadStep(0, failed)
             if faults.active("load_flip_byte"):
                 for i in range(ok):
-                    res.flat(i)[7] ^= 0x40
+                    res.flat(i)[7] ^= 0x80     # the sign of a float32: finite, wrong
             layers = list(range(space.fmt.layers))
             skipped = 0
             if faults.active("load_skip_layer"):

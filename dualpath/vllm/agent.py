@@ -206,6 +206,11 @@ class WorkerAgent:
             self.transfer.register(r.name, addr=r.addr, length=r.length,
                                    gpu_device=r.gpu_device)
         self.stub = connector_pb2_grpc.KvConnectorStub(self.channels.channel(s.node_address))
+        return await self._attach()
+
+    async def _attach(self) -> Attached:
+        """Attach (again, after the daemon restarted: it answers NOT_FOUND for us)."""
+        s = self.settings
         reply = await self.stub.Attach(connector_pb2.AttachRequest(
             worker_name=self.name, model_id=s.model_id, tp_rank=s.tp_rank,
             tp_size=s.tp_size, placement=placement_wire.to_pb(self.placement)), timeout=30)
@@ -250,19 +255,35 @@ class WorkerAgent:
         h._future = self._submit(self._load(h, keys, units))
         return h
 
-    async def _load(self, h: LoadHandle, keys: list[bytes], units: list[int]) -> None:
+    async def _reattached(self, e: grpc.aio.AioRpcError) -> bool:
+        """True when ``e`` says the daemon does not know us (it restarted) and attaching
+        again worked: the caller may retry once."""
+        if e.code() != grpc.StatusCode.NOT_FOUND or "worker" not in (e.details() or ""):
+            return False
         try:
-            call = self.stub.Load(connector_pb2.LoadRequest(
-                request_id=h.request_id, worker_name=self.name, block_keys=keys,
-                units=units), timeout=self.settings.load_timeout_s)
-            async for p in call:
-                h._update(p.layers_done, p.failed_blocks, p.complete, p.bytes_written)
-            h._end()
-        except grpc.aio.AioRpcError as e:
-            h._end(f"{e.code().name}: {e.details()}")
-        except asyncio.CancelledError:
-            h._end("load given up")
-            raise
+            await self._attach()
+        except (grpc.aio.AioRpcError, DualPathError) as err:
+            log.warning("DualPath worker agent: attaching again failed: %s", err)
+            return False
+        return True
+
+    async def _load(self, h: LoadHandle, keys: list[bytes], units: list[int]) -> None:
+        req = connector_pb2.LoadRequest(request_id=h.request_id, worker_name=self.name,
+                                        block_keys=keys, units=units)
+        for attempt in (1, 2):
+            try:
+                async for p in self.stub.Load(req, timeout=self.settings.load_timeout_s):
+                    h._update(p.layers_done, p.failed_blocks, p.complete, p.bytes_written)
+                h._end()
+                return
+            except grpc.aio.AioRpcError as e:
+                if attempt == 1 and h.layers_done == 0 and await self._reattached(e):
+                    continue
+                h._end(f"{e.code().name}: {e.details()}")
+                return
+            except asyncio.CancelledError:
+                h._end("load given up")
+                raise
 
     def fence(self) -> None:
         """Make every WRITE still on its way into our KV memory fail where it lands (the
@@ -287,14 +308,17 @@ class WorkerAgent:
                                 timeout=10)
 
     async def _begin_save(self, h: SaveHandle):
-        try:
-            r = await self.stub.BeginSave(connector_pb2.BeginSaveRequest(
-                request_id=h.request_id, worker_name=self.name, block_keys=h.keys),
-                timeout=self.settings.save_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            h.ok, h.error = False, f"BeginSave: {e.code().name}: {e.details()}"
-            return None
-        return r.save_id, list(r.slots)
+        req = connector_pb2.BeginSaveRequest(request_id=h.request_id, worker_name=self.name,
+                                             block_keys=h.keys)
+        for attempt in (1, 2):
+            try:
+                r = await self.stub.BeginSave(req, timeout=self.settings.save_timeout_s)
+                return r.save_id, list(r.slots)
+            except grpc.aio.AioRpcError as e:
+                if attempt == 1 and await self._reattached(e):
+                    continue
+                h.ok, h.error = False, f"BeginSave: {e.code().name}: {e.details()}"
+                return None
 
     def save_layer(self, h: SaveHandle, layer: int) -> None:
         """WRITE layer ``layer`` of the save's blocks into the borrowed slots (async)."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from dualpath.kv.prefix import ROOT_KEY, chain_key
+from dualpath.rpc import CHANNEL_OPTIONS
 from dualpath.v1 import connector_pb2, connector_pb2_grpc
 
 log = logging.getLogger("dualpath.vllm")
@@ -62,7 +63,7 @@ class Lookup:
     def __init__(self, node_address: str, model_id: str, timeout_s: float):
         self.model_id = model_id
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(node_address)
+        self.channel = grpc.insecure_channel(node_address, options=CHANNEL_OPTIONS)
         self.stub = connector_pb2_grpc.KvConnectorStub(self.channel)
         self.node_address = node_address
         self._warned = 0.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dualpath.config import key
+from dualpath.config import U32_MAX, key
 from dualpath.errors import ConfigError
 from dualpath.kv.profiles import PROFILES
 from dualpath.rpc import check_listen
@@ -41,9 +41,10 @@ class SchedulerConfig:
     split_read: bool = key(False, "Read a request's hit KV from both nodes, sized so both "
                            "read queues drain together (beyond the paper, its future work).")
     lease_ms: int = key(3000, "A group whose leader is silent this long is marked down and "
-                        "its unfinished requests are requeued at the head.", min=10)
-    fetch_interval_ms: int = key(20, "Fetch period suggested to leaders at registration.",
-                                 min=1)
+                        "its unfinished requests are requeued at the head (uint32 on the wire).",
+                        min=10, max=U32_MAX)
+    fetch_interval_ms: int = key(20, "Fetch period suggested to leaders at registration "
+                                 "(uint32 on the wire).", min=1, max=U32_MAX)
     max_assignments_per_fetch: int = key(4096, "Upper bound on assignments in one fetch "
                                          "answer.", min=1)
     max_queued_requests: int = key(1_000_000, "Submissions beyond this many waiting requests "

@@ -3,7 +3,9 @@
 Each section is a frozen dataclass whose fields carry ``doc`` (and optionally
 ``choices``, ``min``, ``max``) in their metadata, declared with :func:`key`. A bad value
 raises :class:`ConfigError` naming the dotted key, the value and what is allowed; an
-unknown key is an error too (a typo must not silently fall back to a default). A float
+unknown key is an error too (a typo must not silently fall back to a default), and a key
+that moved (a section's ``MOVED_KEYS``: old name -> new dotted name) is refused with a
+message naming its replacement. A float
 must be finite (TOML's ``nan`` and ``inf`` compare false with every bound, so they
 would slip past ``min``/``max``); an integer without a ``max`` is still bounded by
 TOML's own range (int64), and fields that travel in a narrower wire field declare it
@@ -28,6 +30,7 @@ from dualpath.errors import ConfigError
 
 # section name -> "module:Class". Each module is imported lazily by load().
 SECTIONS: dict[str, str] = {
+    "tls": "dualpath.tls:TlsConfig",
     "transport": "dualpath.config_sections:TransportConfig",
     "kv_lane": "dualpath.config_sections:KvLaneConfig",
     "transfer": "dualpath.transfer.config:TransferConfig",
@@ -118,6 +121,9 @@ def build_section(cls: type, data: dict, prefix: str) -> Any:
         raise ConfigError(f"config section [{prefix}] must be a table, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    moved = getattr(cls, "MOVED_KEYS", {})
+    for name in sorted(set(data) & set(moved)):
+        raise ConfigError(f"config key {prefix}.{name} is gone: use {moved[name]} instead")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(

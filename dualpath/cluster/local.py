@@ -5,7 +5,7 @@ integration tests run).
 Life cycle: ``start()`` makes a throw-away cluster CA and certificates (``tls/``: the
 scheduler, one per node naming it, an admin and the replay client), writes one TOML
 config per process (block store under the work directory, the storage-NIC limit, the
-model profile, the process's own [tls]), starts the scheduler, waits until its health
+model profile, a fresh block integrity key, the process's own [tls]), starts the scheduler, waits until its health
 check serves over mutual TLS, starts every node and waits for each one's ready file;
 ``stop()`` sends SIGTERM to the nodes, then the scheduler, and SIGKILL to whatever has
 not exited within the grace period. ``kill(node)`` SIGKILLs one node (the kill test).
@@ -151,6 +151,14 @@ class LocalCluster:
         for sec, kv in self.settings.items():
             if sec != "tls":
                 data.setdefault(sec, {}).update(kv)
+        if "integrity_key_file" not in data["storage"]:
+            # Blocks carry a keyed tag (a fresh cluster key per local cluster).
+            key_path = self.dir / "kv-integrity.key"
+            if not key_path.exists():
+                fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(os.urandom(32))
+            data["storage"]["integrity_key_file"] = str(key_path)
         rate = data["storage"].get("snic_gbit_per_s", 0.0)
         if rate and "storage_read_bytes_per_s" not in data["scheduler"]:
             data["scheduler"]["storage_read_bytes_per_s"] = rate * 1e9 / 8

@@ -117,7 +117,8 @@ class NodeDaemon:
         s = cfg.storage
         self.store = BlockStore(s.resolved_dir(), self.profile, read_workers=s.read_workers,
                                 write_workers=s.write_workers, direct_io=s.direct_io,
-                                verify_checksum=s.verify_checksum, fsync=s.fsync)
+                                verify_checksum=s.verify_checksum, fsync=s.fsync,
+                                integrity_key=s.integrity_key())
         self._closers.append(self.store.close)
         self.snic_bytes_per_s = gbit_to_bytes_per_s(s.snic_gbit_per_s) if s.snic_gbit_per_s else 0
         self.limiter = CountingLimiter(s.snic_gbit_per_s, s.snic_burst_bytes or None)

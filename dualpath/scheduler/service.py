@@ -546,7 +546,7 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
                  "alpha %d tokens, beta %d tokens, quota %d ms, split read %s, lease %d ms; "
                  "metrics %s", host, port,
                  tls.mode(tls_config),
-                 "set" if token else "not set (admin calls refused)",
+                 "set" if token else "not set (admin certificates only)",
                  config_path or "(defaults)", svc.profile.name, p.alpha_tokens, p.beta_tokens,
                  p.compute_quota_ms, p.split_read, config.lease_ms,
                  metrics_srv.url if metrics_srv else "off")

@@ -190,8 +190,9 @@ class TransferEngine:
             raise UsageError(f"a region named {name!r} is already registered")
         region = self.provider.register(buf, addr=addr, length=length)
         self._regions[name] = region
-        log.info("transfer engine %s: region %r, %d bytes at %#x", self.name, name,
-                 region.length, region.addr)
+        log.info("transfer engine %s: region %r, %d bytes", self.name, name, region.length)
+        # Addresses help an attacker aim a WRITE: DEBUG only.
+        log.debug("transfer engine %s: region %r at %#x", self.name, name, region.addr)
         return region
 
     def region_infos(self) -> dict[str, RegionInfo]:

@@ -213,12 +213,10 @@ def load_material(cfg: TlsConfig) -> Material:
     return Material(ca, cert, key_pem)
 
 
-def _no_tls_configured(cfg: TlsConfig) -> bool:
-    """True for explicit plaintext; raises the start-up error for "nothing configured"."""
-    if cfg.plaintext:
-        return True
-    load_material(cfg)   # raises "no TLS configured" when there is nothing
-    return False
+def _material(cfg: TlsConfig) -> Material | None:
+    """None for explicit plaintext; else the checked material (ConfigError, including
+    "no TLS configured" when nothing is set)."""
+    return None if cfg.plaintext else load_material(cfg)
 
 
 class _Reloader:
@@ -251,10 +249,10 @@ class _Reloader:
 def server_credentials(cfg: TlsConfig) -> grpc.ServerCredentials | None:
     """Mutual-TLS server credentials that reload on change; None for explicit plaintext.
     ConfigError (start-up) when the material is missing or unusable."""
-    if _no_tls_configured(cfg):
-        return None
     stamps = _stamps(cfg)
-    m = load_material(cfg)
+    m = _material(cfg)
+    if m is None:
+        return None
     initial = grpc.ssl_server_certificate_configuration([(m.key, m.cert)], m.ca)
     return grpc.dynamic_ssl_server_credentials(initial, _Reloader(cfg, stamps),
                                                require_client_authentication=True)
@@ -263,10 +261,8 @@ def server_credentials(cfg: TlsConfig) -> grpc.ServerCredentials | None:
 def channel_credentials(cfg: TlsConfig) -> grpc.ChannelCredentials | None:
     """Credentials presenting our certificate and verifying the server against the CA;
     None for explicit plaintext."""
-    if _no_tls_configured(cfg):
-        return None
-    m = load_material(cfg)
-    return grpc.ssl_channel_credentials(m.ca, m.key, m.cert)
+    m = _material(cfg)
+    return None if m is None else grpc.ssl_channel_credentials(m.ca, m.key, m.cert)
 
 
 def channel(address: str, cfg: TlsConfig,

@@ -16,22 +16,11 @@ from dualpath.kv.profiles import get_profile
 from dualpath.kv.synth import SyntheticKV
 from dualpath.storage import BlockStore
 from dualpath.storage.store import aligned_bytes
+from tests.unit.test_storage_store import _put, _read
 
 PROFILE = get_profile("demo", 4)   # 64 KiB blocks
 KEYS = block_keys(list(range(32)), 4)
 SECRET = bytes(range(32))
-
-
-def _put(store, key, fill=None):
-    buf = aligned_bytes(store.layout.full_bytes)
-    SyntheticKV(store.layout).fill_full(buf, fill or key)
-    assert store.write(key, buf)
-    return buf
-
-
-def _read(store, key):
-    out = aligned_bytes(store.layout.full_bytes)
-    return store.read_into(key, out), out
 
 
 def test_a_block_planted_without_the_cluster_key_is_a_miss(tmp_path):

@@ -33,9 +33,10 @@ def store(request, tmp_path):
         yield s
 
 
-def _put(store, key):
+def _put(store, key, fill=None):
+    """Write block ``key`` holding the synthetic KV of ``fill`` (default: its own)."""
     buf = aligned_bytes(store.layout.full_bytes)
-    SyntheticKV(store.layout).fill_full(buf, key)
+    SyntheticKV(store.layout).fill_full(buf, fill or key)
     assert store.write(key, buf)
     return buf
 

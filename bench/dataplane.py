@@ -24,6 +24,15 @@ client processes on 127.0.0.1). ``--transport verbs --vs-perftest`` runs perftes
 -x GID``) at every size and batch, a fresh exchange port per run, retried when it
 prints no result.
 
+The TCP provider runs authenticated (every connection admitted by a credential's
+challenge-response, as deployed) and, as its own peer ``tcp_open``, on a twin pair of
+engines without admission (DP_TCP_OPEN), right before ours at each size and batch;
+tcp_auth_overhead_max_ge_64k is 1 - authenticated / open bandwidth, the worst over sizes
+>= 64 KiB and batches (bests of rounds); tcp_auth_overhead_paired_median_max_ge_64k the
+same from the median over rounds of each back-to-back pair (robust to load that comes
+and goes). Connection set-up (connect, plus the handshake when admitted) is
+timed over 20 fresh connections each way: tcp_connect_us_{auth,open} are medians in us.
+
 Prints a fixed table and, with ``--json PATH``, writes the same record with a top-level
 ``summary``: tcp_vs_ucx_min_ratio_ge_64k (ours at the smallest batch run, one WRITE per
 post like one ucp_put per call, over ucx at each size >= 64 KiB), the same at our best
@@ -183,29 +192,58 @@ class TcpRig:
         self.ffi = ffi
         depth, sockbuf = args.depth, args.sockbuf
         self.depth, self.signal_every = depth, args.signal_every
-        self.a = TcpEngine("127.0.0.1", 0, sockbuf_bytes=sockbuf)
-        self.b = TcpEngine("127.0.0.1", 0, sockbuf_bytes=sockbuf)
         self.buf_bytes = max(max_size, min(SLOT_BYTES, max_size * 64))
         self.src = bytearray(os.urandom(1024)) * (self.buf_bytes // 1024 + 1)
         self.dst = bytearray(len(self.src))
-        self.src_mr, self.dst_mr = self.a.register(self.src), self.b.register(self.dst)
-        self.cq = self.a.cq(max(depth, 64))
-        self.conn = self.a.connection(self.cq, TcpConfig(max_send_wr=depth,
-                                                         sockbuf_bytes=sockbuf))
-        self.conn.connect("127.0.0.1", self.b.port)
-        self.description = (f"TCP provider over loopback, engine {self.a.port} -> "
-                            f"{self.b.port}, {depth} credits, sockbuf "
-                            f"{sockbuf or 'autotuned'}")
+        config = TcpConfig(max_send_wr=depth, sockbuf_bytes=sockbuf)
+        self.pairs = {}    # "auth" (as deployed) and "open" (no admission), same buffers
+        self.connect_us = {}
+        try:
+            for kind in ("auth", "open"):
+                a = TcpEngine("127.0.0.1", 0, sockbuf_bytes=sockbuf, open=kind == "open")
+                b = TcpEngine("127.0.0.1", 0, sockbuf_bytes=sockbuf, open=kind == "open",
+                              max_conns_per_peer=64)
+                cq = a.cq(max(depth, 64))
+                self.pairs[kind] = (a, b, a.register(self.src), b.register(self.dst), cq)
+                self.connect_us[kind] = self._time_connects(a, b, cq, kind)
+                conn = a.connection(cq, config)
+                conn.connect("127.0.0.1", b.port, credential=self._cred(b, kind))
+                self.pairs[kind] += (conn,)
+        except BaseException:
+            self.close()
+            raise
+        a, b = self.pairs["auth"][:2]
+        self.description = (f"TCP provider over loopback, engine {a.port} -> {b.port} "
+                            f"(admitted by credential; twin without admission for "
+                            f"tcp_open), {depth} credits, sockbuf {sockbuf or 'autotuned'}")
 
-    def run(self, size: int, batch: int, iters: int) -> Point:
+    @staticmethod
+    def _cred(b, kind):
+        return b.admit(1) if kind == "auth" else None
+
+    def _time_connects(self, a, b, cq, kind, n: int = 20) -> float:
+        """Median microseconds of connect (+ handshake when admitted), fresh each time."""
+        took = []
+        for _ in range(n):
+            with a.connection(cq) as c:
+                cred = self._cred(b, kind)
+                t0 = clock.now()
+                c.connect("127.0.0.1", b.port, credential=cred)
+                took.append((clock.now() - t0) * 1e6)
+                c.reset()
+        took.sort()
+        return round(took[n // 2], 1)
+
+    def run(self, size: int, batch: int, iters: int, kind: str = "auth") -> Point:
+        _a, _b, src_mr, dst_mr, cq, conn = self.pairs[kind]
         slots = max(1, min(64, self.buf_bytes // size))
-        items = ring_items(self.ffi, self.src_mr, self.dst_mr, size, slots, batch)
-        conn, se = self.conn, self.signal_every
+        items = ring_items(self.ffi, src_mr, dst_mr, size, slots, batch)
+        se = self.signal_every
 
         def post(slot, count):
             return conn.post_raw(items + slot, count, se)
 
-        return bw_loop(self.transport, post, retired_waiter(self.cq), size, batch, iters,
+        return bw_loop(self.transport, post, retired_waiter(cq), size, batch, iters,
                        self.depth, slots)
 
     def verify(self, size: int) -> bool:
@@ -213,8 +251,9 @@ class TcpRig:
         return self.src[:n] == self.dst[:n]
 
     def close(self):
-        self.a.close()
-        self.b.close()
+        for pair in self.pairs.values():
+            pair[0].close()
+            pair[1].close()
 
 
 class VerbsRig:
@@ -485,7 +524,22 @@ def summarise(points: list[Point], peers: list[PeerPoint],
         "verbs_vs_perftest_ratio_4k_batch32": None,
         "batch32_vs_batch1_msg_rate_4k": None,
         "tcp_vs_ucx_min_ratio_ge_64k": None,
+        "tcp_auth_overhead_max_ge_64k": None,
     }
+    twin = {(p.size, p.batch): p for p in peers if p.tool == "tcp_open"}
+    over = [round(1 - by[k].bw_mbps / q.bw_mbps, 3) for k, q in twin.items()
+            if k[0] >= 64 * KIB and k in by and q.bw_mbps]
+    if over:
+        summary["tcp_auth_overhead_max_ge_64k"] = max(over)
+        if samples:   # per point, the median over rounds of each back-to-back pair
+            paired = [1 - r for (s, b) in twin if s >= 64 * KIB and (s, b) in by
+                      if (r := paired_median(samples.get(f"ours/{s}/{b}", []),
+                                             samples.get(f"tcp_open/{s}/{b}", []))) is not None]
+            summary["tcp_auth_overhead_paired_median_max_ge_64k"] = (
+                round(max(paired), 3) if paired else None)
+        summary["tcp_auth_overhead_by_point"] = {
+            f"{human(s)}/b{b}": round(1 - by[(s, b)].bw_mbps / q.bw_mbps, 3)
+            for (s, b), q in sorted(twin.items()) if (s, b) in by and q.bw_mbps}
     if (4 * KIB, 32) in by and (4 * KIB, 1) in by:
         summary["batch32_vs_batch1_msg_rate_4k"] = ratio(by[(4 * KIB, 32)].msg_rate_mpps,
                                                          by[(4 * KIB, 1)].msg_rate_mpps)
@@ -618,8 +672,19 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [(flag, batches) for flag in enabled if flag not in PEER_POST_LIST]
                 for batch in batches:
                     runs += [(flag, [batch]) for flag in enabled if flag in PEER_POST_LIST]
+                    if args.transport == "tcp":
+                        runs.append(("tcp_open", batch))
                     runs.append((None, batch))
                 for flag, which in runs:
+                    if flag == "tcp_open":      # the unauthenticated twin, same sizes
+                        p = rig.run(size, which, iters, kind="open")
+                        q = PeerPoint("tcp_open", size, which, p.iters, p.bw_mbps,
+                                      p.msg_rate_mpps, "TcpEngine(open=True) twin")
+                        samples.setdefault(f"tcp_open/{size}/{which}", []).append(q.bw_mbps)
+                        key = (q.tool, q.size, q.batch)
+                        if key not in best_peer or q.bw_mbps > best_peer[key].bw_mbps:
+                            best_peer[key] = q
+                        continue
                     if flag is None:
                         p = rig.run(size, which, iters)
                         samples.setdefault(f"ours/{size}/{which}", []).append(p.bw_mbps)
@@ -636,11 +701,15 @@ def main(argv: list[str] | None = None) -> int:
             if not rig.verify(size):
                 raise SystemExit(f"data check failed at {size} bytes: target != source")
         description = rig.description
+        connect_us = getattr(rig, "connect_us", {})
     finally:
         rig.close()
 
     print_table(points, peers)
     summary = summarise(points, peers, samples)
+    if connect_us:
+        summary["tcp_connect_us_auth"] = connect_us["auth"]
+        summary["tcp_connect_us_open"] = connect_us["open"]
     print("summary: " + json.dumps(summary))
     record = {
         "bench": "dataplane",

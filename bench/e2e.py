@@ -54,6 +54,8 @@ def run_config(name: str, c: dict, transport: str, seed: int) -> dict:
             report, _ = run_modes(cluster.scheduler_address, cluster.node_ids(), 1, trace,
                                      c["modes"], ReplayOptions(progress=False, seed=seed),
                                      snic_gbit_per_s=c["snic_gbit_per_s"],
+                                     tls_config=cluster.client_tls,
+                                     node_tls=cluster.node_tls,
                                      node_addresses=cluster.addresses())
         finally:
             cluster.stop()

@@ -168,8 +168,8 @@ def start_daemon(args, profile, tmp: Path) -> tuple[subprocess.Popen, str, str]:
         f"alpha_tokens = {alpha}\nbeta_tokens = {beta}\n"
         f"storage_read_bytes_per_s = {READ_BYTES_PER_S * args.grpc_speedup}\n"
         f"split_read = {'true' if args.split_read else 'false'}\n"
-        "lease_ms = 60000\nmax_queued_requests = 10000000\n"
-        'metrics_listen = "127.0.0.1:0"\n')
+        "lease_ms = 60000\nmax_queued_requests = 10000000\nmax_held_bytes = 17179869184\n"
+        'metrics_listen = "127.0.0.1:0"\n[tls]\nplaintext = true\n')
     proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "--log-level", "INFO",
                              "scheduler", "--config", str(cfg), "--listen", "127.0.0.1:0"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -396,7 +396,7 @@ async def coordinate(args, profile, addr: str, pid: int, metrics_url: str,
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         sent = 0
         while (now := time.monotonic()) < window_end:
-            due = min(int((now - start_at) * args.grpc_rate) - sent, 5000)
+            due = min(int((now - start_at) * args.grpc_rate) - sent, 4096)  # per-call max
             if due > 0:
                 specs = [pb.RequestSpec(request_id=s.request_id, prompt_tokens=s.prompt_tokens,
                                         hit_tokens=s.hit_tokens,

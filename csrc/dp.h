@@ -230,6 +230,20 @@ int dp_cq_wait(dp_cq *cq, struct dp_wc *out, uint32_t max, int64_t timeout_ns);
  *   dp_tcp_cq    completions of the connections created on it (an epoll set).
  *   dp_tcp_conn  an initiator connection to a remote engine (an RC QP).
  *
+ * Admission (unless the engine is created DP_TCP_OPEN): a peer's connection is served
+ * only after a challenge-response with a per-connection credential the engine issued
+ * (dp_tcp_admit; the owner hands it to the peer over its authenticated control plane).
+ * On accept the target sends a 24-byte challenge (magic, 16 random bytes); the initiator
+ * answers with a 56-byte hello (magic, credential id, its own 16 random bytes,
+ * HMAC-SHA256 under the credential's secret of both nonces and the id); the target
+ * checks the MAC in constant time and answers with its own 32-byte HMAC (the initiator
+ * then knows the target holds the secret too). A credential admits one connection and
+ * is consumed by it. Anything else - a bad magic, id, MAC, a silence past the handshake
+ * timeout, more than max_pending handshakes at once, more than max_conns_per_peer
+ * admitted connections of the credential's peer - closes the connection without a byte
+ * of answer: an unadmitted peer learns nothing (no status tells a bad key from a bad
+ * address). rkeys are random 32-bit values, not sequential.
+ *
  * Wire (both ends run this code; little-endian): each WRITE is a 32-byte header (op,
  * signalled flag, length, rkey, remote addr, sequence number) and its payload. The target
  * checks rkey, REMOTE_WRITE access and bounds BEFORE writing, then receives the payload
@@ -265,10 +279,23 @@ typedef struct dp_tcp_mr dp_tcp_mr;
 typedef struct dp_tcp_cq dp_tcp_cq;
 typedef struct dp_tcp_conn dp_tcp_conn;
 
+enum {
+    DP_TCP_SECRET_BYTES = 16,     /* a credential's secret (128 bits) */
+    DP_TCP_OPEN = 1,              /* dp_tcp_cfg.flags: no admission (benchmarks only) */
+};
+
 /* Engine configuration; zero fields take the defaults in brackets. */
 struct dp_tcp_cfg {
     uint32_t max_regions;    /* region table slots [1024], at most 65535 */
     uint32_t sockbuf_bytes;  /* SO_SNDBUF/SO_RCVBUF of accepted sockets [0 = autotuning] */
+    uint32_t flags;          /* DP_TCP_OPEN or 0 [0: admission required] */
+    uint32_t max_pending;    /* connections accepted but not yet admitted, at most [64];
+                                beyond it a new one is closed at once */
+    uint32_t handshake_timeout_ms;  /* a pending connection silent this long is closed
+                                       [2000] */
+    uint32_t max_conns_per_peer;    /* admitted connections per peer tag [16] */
+    uint32_t max_credentials;       /* issued, not yet used credentials [4096] */
+    uint32_t _pad;
 };
 
 /* [handle] Listen on host:port (numeric or resolvable host; port 0 = any free port, see
@@ -279,6 +306,8 @@ int dp_tcp_port(dp_tcp *eng);
 /* Target-side counters of an engine, since create (monotonic). */
 struct dp_tcp_stats {
     uint64_t conns_accepted;
+    uint64_t conns_admitted;  /* passed the challenge-response */
+    uint64_t conns_refused;   /* closed unadmitted: bad hello, timeout, a cap reached */
     uint64_t writes;          /* WRITEs that landed */
     uint64_t bytes;           /* their payload bytes */
     uint64_t refused;         /* WRITEs refused (rkey, access, bounds, dereg) */
@@ -288,6 +317,14 @@ struct dp_tcp_stats {
 };
 /* [int] Read the counters (any thread; each value is read atomically). */
 int dp_tcp_stats(dp_tcp *eng, struct dp_tcp_stats *out);
+/* [int] Issue a credential for one connection of the peer tagged `peer` (the caller's
+ * name for a peer; it bounds admitted connections per peer): `secret` is
+ * DP_TCP_SECRET_BYTES the caller drew at random; *out_id gets the id the peer presents.
+ * ENOSPC when max_credentials are outstanding. Any thread. */
+int dp_tcp_admit(dp_tcp *eng, uint32_t peer, const uint8_t *secret, uint32_t *out_id);
+/* [int] Withdraw an unused credential (ENOENT when unknown or already used). Any thread.
+ * Connections it admitted stay up. */
+int dp_tcp_revoke(dp_tcp *eng, uint32_t id);
 /* [int] Stop the server thread (closing accepted sockets) and free the engine; its
  * regions, CQs and connections must be gone (EBUSY otherwise). */
 int dp_tcp_destroy(dp_tcp *eng);
@@ -317,8 +354,14 @@ struct dp_tcp_conn_cfg {
 
 /* [handle] A connection in RESET whose completions go to `cq`. cfg may be NULL. */
 dp_tcp_conn *dp_tcp_conn_create(dp_tcp *eng, dp_tcp_cq *cq, const struct dp_tcp_conn_cfg *cfg);
-/* [int] RESET -> RTS: connect to the engine listening on host:port within timeout_ns
- * (ETIMEDOUT; ECONNREFUSED etc. as the socket says; EISCONN when not in RESET). */
+/* [int] The credential (id, DP_TCP_SECRET_BYTES secret) the next connect presents; the
+ * target issued it. Without one, connect does no handshake (a DP_TCP_OPEN target). */
+int dp_tcp_conn_set_credential(dp_tcp_conn *conn, uint32_t id, const uint8_t *secret);
+/* [int] RESET -> RTS: connect to the engine listening on host:port and, with a
+ * credential, pass its challenge-response, all within timeout_ns (ETIMEDOUT; ECONNRESET
+ * when the target closed the handshake: refused; EACCES when the target's answer does
+ * not prove it holds the secret; ECONNREFUSED etc. as the socket says; EISCONN when not
+ * in RESET). The credential is cleared: each connect needs a fresh one. */
 int dp_tcp_conn_connect(dp_tcp_conn *conn, const char *host, uint16_t port,
                         int64_t timeout_ns);
 /* [int] Any state -> RESET (recovery): the socket is closed, outstanding items and their

@@ -9,6 +9,7 @@
  * region table, under eng->lock. Connections closed while handling one epoll batch are
  * freed after the batch, so a later event of that batch never reads freed memory.
  */
+#include <endian.h>
 #include <errno.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -28,6 +29,10 @@
 
 enum {
     DEFAULT_MAX_REGIONS = 1024,
+    DEFAULT_MAX_PENDING = 64,
+    DEFAULT_HANDSHAKE_MS = 2000,
+    DEFAULT_CONNS_PER_PEER = 16,
+    DEFAULT_MAX_CREDS = 4096,
     DEFAULT_MAX_SEND_WR = 256,
     MAX_SEND_WR = 65536,
     LISTEN_BACKLOG = 256,
@@ -74,8 +79,39 @@ static int resolve(const char *host, uint16_t port, int passive, struct addrinfo
     return rc == EAI_MEMORY ? ENOMEM : EADDRNOTAVAIL;
 }
 
+/* The pending FIFO: accepted, not yet admitted, in accept (= deadline) order. */
+static void pend_add(dp_tcp *eng, struct tcp_srv_conn *c)
+{
+    c->pend_prev = eng->pend_tail;
+    c->pend_next = NULL;
+    if (eng->pend_tail)
+        eng->pend_tail->pend_next = c;
+    else
+        eng->pend_head = c;
+    eng->pend_tail = c;
+    eng->n_pending++;
+}
+
+static void pend_del(dp_tcp *eng, struct tcp_srv_conn *c)
+{
+    if (c->pend_prev)
+        c->pend_prev->pend_next = c->pend_next;
+    else
+        eng->pend_head = c->pend_next;
+    if (c->pend_next)
+        c->pend_next->pend_prev = c->pend_prev;
+    else
+        eng->pend_tail = c->pend_prev;
+    c->pend_prev = c->pend_next = NULL;
+    eng->n_pending--;
+}
+
 static void srv_close(dp_tcp *eng, struct tcp_srv_conn *c, struct tcp_srv_conn **dead)
 {
+    if (!c->admitted) {
+        pend_del(eng, c);
+        TCP_STAT_ADD(eng, conns_refused, 1);
+    }
     epoll_ctl(eng->epfd, EPOLL_CTL_DEL, c->fd, NULL);
     close(c->fd);
     c->fd = -1;
@@ -112,19 +148,62 @@ static void srv_pause_accept(dp_tcp *eng)
 }
 
 /* The epoll_wait timeout: -1, or the ms until a paused listener is watched again (0
- * when that is due: it is then re-armed here). */
-static int srv_accept_timeout_ms(dp_tcp *eng)
+ * when that is due: it is then re-armed here) or the oldest pending handshake expires. */
+static int srv_timeout_ms(dp_tcp *eng)
 {
-    if (!eng->accept_resume_ns)
-        return -1;
     int64_t now;
-    if (tcp_now_ns(&now) == 0 && now < eng->accept_resume_ns)
-        return (int)((eng->accept_resume_ns - now + 999999) / 1000000);
-    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = eng};
-    if (epoll_ctl(eng->epfd, EPOLL_CTL_MOD, eng->listen_fd, &ev) < 0)
-        return ACCEPT_PAUSE_MS;    /* try again later rather than lose the listener */
-    eng->accept_resume_ns = 0;
-    return -1;
+    if (tcp_now_ns(&now) < 0)
+        return ACCEPT_PAUSE_MS;
+    int64_t until = -1;
+    if (eng->accept_resume_ns) {
+        if (now < eng->accept_resume_ns) {
+            until = eng->accept_resume_ns;
+        } else {
+            struct epoll_event ev = {.events = EPOLLIN, .data.ptr = eng};
+            if (epoll_ctl(eng->epfd, EPOLL_CTL_MOD, eng->listen_fd, &ev) < 0)
+                until = now + (int64_t)ACCEPT_PAUSE_MS * 1000000;  /* retry, keep it */
+            else
+                eng->accept_resume_ns = 0;
+        }
+    }
+    if (eng->pend_head && (until < 0 || eng->pend_head->deadline_ns < until))
+        until = eng->pend_head->deadline_ns;
+    if (until < 0)
+        return -1;
+    return until <= now ? 0 : (int)((until - now + 999999) / 1000000);
+}
+
+/* Close pending connections whose handshake time is up (oldest first). */
+static void srv_expire_pending(dp_tcp *eng, struct tcp_srv_conn **dead)
+{
+    int64_t now;
+    if (tcp_now_ns(&now) < 0)
+        return;
+    while (eng->pend_head && eng->pend_head->deadline_ns <= now)
+        srv_close(eng, eng->pend_head, dead);
+}
+
+/* A new connection: served at once on an open engine; else challenged, unless
+ * max_pending handshakes are under way (then closed: a flood of idle connections holds
+ * at most max_pending descriptors, each for at most the handshake timeout). */
+static int srv_greet(dp_tcp *eng, struct tcp_srv_conn *c)
+{
+    if (eng->flags & DP_TCP_OPEN) {
+        c->admitted = 1;
+        return 0;
+    }
+    if (eng->n_pending >= eng->max_pending)
+        return -1;
+    struct tcp_challenge ch = {.magic = htole32(TCP_CHALLENGE_MAGIC)};
+    int64_t now;
+    if (tcp_random(c->nonce, sizeof c->nonce) || tcp_now_ns(&now) < 0)
+        return -1;
+    memcpy(ch.nonce, c->nonce, sizeof ch.nonce);
+    if (send(c->fd, &ch, sizeof ch, MSG_DONTWAIT | MSG_NOSIGNAL) != (ssize_t)sizeof ch)
+        return -1;
+    c->deadline_ns = tcp_deadline(now, (int64_t)eng->handshake_timeout_ms * 1000000);
+    pend_add(eng, c);
+    return 0;
 }
 
 static void srv_accept(dp_tcp *eng)
@@ -145,17 +224,23 @@ static void srv_accept(dp_tcp *eng)
         tune_socket(fd, eng->sockbuf, 0);
         c->fd = fd;
         c->events = EPOLLIN;
-        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
-        if (epoll_ctl(eng->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+        TCP_STAT_ADD(eng, conns_accepted, 1);
+        if (srv_greet(eng, c) < 0) {
             close(fd);
             free(c);
+            TCP_STAT_ADD(eng, conns_refused, 1);
             continue;
         }
         c->next = eng->srv_conns;
         if (c->next)
             c->next->prev = c;
         eng->srv_conns = c;
-        TCP_STAT_ADD(eng, conns_accepted, 1);
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
+        if (epoll_ctl(eng->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+            struct tcp_srv_conn *dead = NULL;
+            srv_close(eng, c, &dead);
+            free(dead);
+        }
     }
 }
 
@@ -164,10 +249,11 @@ static void *server_main(void *arg)
     dp_tcp *eng = arg;
     struct epoll_event ev[TCP_EVENTS];
     for (;;) {
-        int k = epoll_wait(eng->epfd, ev, TCP_EVENTS, srv_accept_timeout_ms(eng));
+        int k = epoll_wait(eng->epfd, ev, TCP_EVENTS, srv_timeout_ms(eng));
         if (k < 0 && errno != EINTR)
             break;
         struct tcp_srv_conn *dead = NULL;
+        srv_expire_pending(eng, &dead);
         for (int i = 0; i < k; i++) {
             void *p = ev[i].data.ptr;
             if (p == &eng->wake_fd)
@@ -179,6 +265,16 @@ static void *server_main(void *arg)
             struct tcp_srv_conn *c = p;
             if (c->fd < 0)
                 continue;    /* closed earlier in this batch */
+            if (!c->admitted) {
+                int h = tcp_srv_handshake(eng, c);
+                if (h < 0) {
+                    srv_close(eng, c, &dead);
+                } else if (h > 0) {
+                    pend_del(eng, c);
+                    TCP_STAT_ADD(eng, conns_admitted, 1);
+                }
+                continue;
+            }
             int rc = 0;
             if (c->events & EPOLLOUT) {    /* paused until the acks drain */
                 rc = tcp_srv_flush_acks(c);
@@ -254,6 +350,10 @@ static void engine_free(dp_tcp *eng)
     if (eng->wake_fd >= 0)
         close(eng->wake_fd);
     pthread_rwlock_destroy(&eng->lock);
+    pthread_mutex_destroy(&eng->cred_lock);
+    if (eng->creds)
+        explicit_bzero(eng->creds, (size_t)eng->max_creds * sizeof *eng->creds);
+    free(eng->creds);
     free(eng->regions);
     free(eng->discard);
     free(eng);
@@ -264,7 +364,17 @@ dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *
     struct dp_tcp_cfg c = cfg ? *cfg : (struct dp_tcp_cfg){0};
     if (!c.max_regions)
         c.max_regions = DEFAULT_MAX_REGIONS;
-    if (c.max_regions > 0xffff || c.sockbuf_bytes > (1u << 30)) {
+    if (!c.max_pending)
+        c.max_pending = DEFAULT_MAX_PENDING;
+    if (!c.handshake_timeout_ms)
+        c.handshake_timeout_ms = DEFAULT_HANDSHAKE_MS;
+    if (!c.max_conns_per_peer)
+        c.max_conns_per_peer = DEFAULT_CONNS_PER_PEER;
+    if (!c.max_credentials)
+        c.max_credentials = DEFAULT_MAX_CREDS;
+    if (c.max_regions > 0xffff || c.sockbuf_bytes > (1u << 30) || (c.flags & ~DP_TCP_OPEN) ||
+        c.max_credentials > 0xffff || c.max_pending > 65536 ||
+        c.handshake_timeout_ms > 3600000) {
         errno = EINVAL;
         return NULL;
     }
@@ -274,6 +384,12 @@ dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *
     eng->listen_fd = eng->epfd = eng->wake_fd = -1;
     eng->max_regions = c.max_regions;
     eng->sockbuf = c.sockbuf_bytes;
+    eng->flags = c.flags;
+    eng->max_pending = c.max_pending;
+    eng->handshake_timeout_ms = c.handshake_timeout_ms;
+    eng->max_conns_per_peer = c.max_conns_per_peer;
+    eng->max_creds = c.max_credentials;
+    pthread_mutex_init(&eng->cred_lock, NULL);
     pthread_rwlockattr_t attr;
     pthread_rwlockattr_init(&attr);
     /* reg/dereg must not starve behind the server thread's back-to-back read locks */
@@ -281,9 +397,10 @@ dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *
     pthread_rwlock_init(&eng->lock, &attr);
     pthread_rwlockattr_destroy(&attr);
     eng->regions = calloc(c.max_regions, sizeof *eng->regions);
+    eng->creds = calloc(c.max_credentials, sizeof *eng->creds);
     eng->discard = malloc(TCP_DISCARD);
     int err = ENOMEM;
-    if (!eng->regions || !eng->discard)
+    if (!eng->regions || !eng->creds || !eng->discard)
         goto fail;
     err = listen_on(eng, host, port);
     if (err)
@@ -322,12 +439,53 @@ int dp_tcp_stats(dp_tcp *eng, struct dp_tcp_stats *out)
     if (!eng || !out)
         return -EINVAL;
     out->conns_accepted = __atomic_load_n(&eng->stats.conns_accepted, __ATOMIC_RELAXED);
+    out->conns_admitted = __atomic_load_n(&eng->stats.conns_admitted, __ATOMIC_RELAXED);
+    out->conns_refused = __atomic_load_n(&eng->stats.conns_refused, __ATOMIC_RELAXED);
     out->writes = __atomic_load_n(&eng->stats.writes, __ATOMIC_RELAXED);
     out->bytes = __atomic_load_n(&eng->stats.bytes, __ATOMIC_RELAXED);
     out->refused = __atomic_load_n(&eng->stats.refused, __ATOMIC_RELAXED);
     out->flushed = __atomic_load_n(&eng->stats.flushed, __ATOMIC_RELAXED);
     out->ack_stalls = __atomic_load_n(&eng->stats.ack_stalls, __ATOMIC_RELAXED);
     return 0;
+}
+
+int dp_tcp_admit(dp_tcp *eng, uint32_t peer, const uint8_t *secret, uint32_t *out_id)
+{
+    if (!eng || !secret || !out_id)
+        return -EINVAL;
+    pthread_mutex_lock(&eng->cred_lock);
+    uint32_t slot = 0;
+    while (slot < eng->max_creds && eng->creds[slot].live)
+        slot++;
+    if (slot == eng->max_creds) {
+        pthread_mutex_unlock(&eng->cred_lock);
+        return -ENOSPC;
+    }
+    struct tcp_cred *cr = &eng->creds[slot];
+    cr->gen = (uint16_t)(cr->gen == 0xffff ? 1 : cr->gen + 1);
+    cr->id = (uint32_t)cr->gen << 16 | slot;
+    cr->peer = peer;
+    memcpy(cr->secret, secret, DP_TCP_SECRET_BYTES);
+    cr->live = 1;
+    *out_id = cr->id;
+    pthread_mutex_unlock(&eng->cred_lock);
+    return 0;
+}
+
+int dp_tcp_revoke(dp_tcp *eng, uint32_t id)
+{
+    if (!eng)
+        return -EINVAL;
+    uint32_t slot = id & 0xffff;
+    int rc = -ENOENT;
+    pthread_mutex_lock(&eng->cred_lock);
+    if (slot < eng->max_creds && eng->creds[slot].live && eng->creds[slot].id == id) {
+        eng->creds[slot].live = 0;
+        explicit_bzero(eng->creds[slot].secret, DP_TCP_SECRET_BYTES);
+        rc = 0;
+    }
+    pthread_mutex_unlock(&eng->cred_lock);
+    return rc;
 }
 
 int dp_tcp_port(dp_tcp *eng)
@@ -379,12 +537,30 @@ dp_tcp_mr *dp_tcp_mr_reg(dp_tcp *eng, void *addr, uint64_t length, uint32_t acce
         return NULL;
     }
     struct tcp_region *r = &eng->regions[slot];
-    r->gen = (uint16_t)(r->gen == 0xffff ? 1 : r->gen + 1);   /* a stale rkey never matches */
+    /* A random key: a peer cannot guess one from another, nor count them. Nonzero, unlike
+     * every live region's, unlike this slot's last (a stale key never matches). */
+    uint32_t key = 0;
+    for (;;) {
+        if (tcp_random(&key, sizeof key) < 0) {
+            int err = errno;
+            pthread_rwlock_unlock(&eng->lock);
+            free(mr);
+            errno = err;
+            return NULL;
+        }
+        int clash = key == 0 || key == r->key;
+        for (uint32_t i = 0; i < eng->hi_slot && !clash; i++)
+            clash = eng->regions[i].live && eng->regions[i].key == key;
+        if (!clash)
+            break;
+    }
+    r->key = key;
     r->addr = (uint64_t)(uintptr_t)addr;
     r->length = length;
     r->access = access;
     r->live = 1;
-    uint32_t key = (uint32_t)r->gen << 16 | slot;
+    if (slot >= eng->hi_slot)
+        eng->hi_slot = slot + 1;
     pthread_rwlock_unlock(&eng->lock);
     mr->eng = eng;
     mr->slot = slot;
@@ -544,6 +720,16 @@ static int connect_one(const struct addrinfo *a, const struct dp_tcp_conn_cfg *c
     return 0;
 }
 
+int dp_tcp_conn_set_credential(dp_tcp_conn *conn, uint32_t id, const uint8_t *secret)
+{
+    if (!conn || !secret)
+        return -EINVAL;
+    conn->cred_id = id;
+    memcpy(conn->cred_secret, secret, DP_TCP_SECRET_BYTES);
+    conn->has_cred = 1;
+    return 0;
+}
+
 int dp_tcp_conn_connect(dp_tcp_conn *conn, const char *host, uint16_t port, int64_t timeout_ns)
 {
     if (!conn || !host || !port)
@@ -563,8 +749,18 @@ int dp_tcp_conn_connect(dp_tcp_conn *conn, const char *host, uint16_t port, int6
     for (struct addrinfo *a = ai; a && fd < 0; a = a->ai_next)
         err = connect_one(a, &conn->cfg, deadline, &fd);
     freeaddrinfo(ai);
+    int had_cred = conn->has_cred;
+    conn->has_cred = 0;                 /* single use, like the target's credential */
     if (fd < 0)
         return -err;
+    if (had_cred) {
+        int rc = tcp_conn_handshake(conn, fd, deadline);
+        explicit_bzero(conn->cred_secret, sizeof conn->cred_secret);
+        if (rc) {
+            close(fd);
+            return rc;
+        }
+    }
     conn->fd = fd;
     conn->state = TCP_RTS;
     /* Last: from here on the CQ's poller sees this connection's events. */

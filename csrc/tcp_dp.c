@@ -29,14 +29,18 @@
 
 /* ------------------------------------------------------------------ region table */
 
-/* Caller holds eng->lock (read or write). */
+/* Caller holds eng->lock (read or write). Keys are random (tcp_ctl.c): a scan of the
+ * slots in use, a handful in practice (one per registered buffer), per WRITE header. */
 static inline const struct tcp_region *region_find(const dp_tcp *eng, uint32_t key)
 {
-    uint32_t slot = key & 0xffff;
-    if (slot >= eng->max_regions)
+    if (key == 0)
         return NULL;
-    const struct tcp_region *r = &eng->regions[slot];
-    return r->live && r->gen == (key >> 16) ? r : NULL;
+    for (uint32_t i = 0; i < eng->hi_slot; i++) {
+        const struct tcp_region *r = &eng->regions[i];
+        if (r->key == key && r->live)
+            return r;
+    }
+    return NULL;
 }
 
 static inline int region_covers(const struct tcp_region *r, uint64_t addr, uint64_t len)
@@ -468,8 +472,8 @@ static int srv_begin(dp_tcp *eng, struct tcp_srv_conn *c)
         pthread_rwlock_unlock(&eng->lock);
         if (ok) {
             c->dst = (uint8_t *)(uintptr_t)addr;
-            c->slot = key & 0xffff;
-            c->gen = (uint16_t)(key >> 16);
+            c->slot = (uint32_t)(r - eng->regions);
+            c->key = key;
         } else {
             TCP_STAT_ADD(eng, refused, 1);
             srv_fail(c, TCP_WC_REM_ACCESS_ERR);
@@ -536,7 +540,7 @@ int tcp_srv_readable(dp_tcp *eng, struct tcp_srv_conn *c)
         if (into_region) {
             pthread_rwlock_rdlock(&eng->lock);
             const struct tcp_region *r = &eng->regions[c->slot];
-            if (!r->live || r->gen != c->gen) {    /* deregistered mid-WRITE */
+            if (!r->live || r->key != c->key) {    /* deregistered mid-WRITE */
                 pthread_rwlock_unlock(&eng->lock);
                 TCP_STAT_ADD(eng, refused, 1);
                 srv_fail(c, TCP_WC_REM_ACCESS_ERR);

@@ -45,6 +45,23 @@ struct tcp_req_hdr {
 };
 _Static_assert(sizeof(struct tcp_req_hdr) == 32, "wire header is 32 bytes");
 
+/* Admission handshake (dp.h): challenge (target), hello (initiator), welcome (target). */
+enum { TCP_NONCE = 16, TCP_MAC = 32, TCP_CHALLENGE_MAGIC = 0x31435044u, /* "DPC1" */
+       TCP_HELLO_MAGIC = 0x31485044u /* "DPH1" */ };
+struct tcp_challenge {
+    uint32_t magic;
+    uint32_t _pad;
+    uint8_t nonce[TCP_NONCE];
+};
+_Static_assert(sizeof(struct tcp_challenge) == 24, "challenge is 24 bytes");
+struct tcp_hello {
+    uint32_t magic;
+    uint32_t cred_id;
+    uint8_t nonce[TCP_NONCE];
+    uint8_t mac[TCP_MAC];
+};
+_Static_assert(sizeof(struct tcp_hello) == 56, "hello is 56 bytes");
+
 /* One ack on the wire: 16 bytes, little-endian. */
 struct tcp_ack {
     uint64_t seq;
@@ -64,13 +81,23 @@ enum {
 };
 _Static_assert(TCP_IOV_MAX % 2 == 0, "a header and its payload share a sendmsg");
 
-/* A region table slot; rkey = gen << 16 | slot, so a stale rkey never matches. */
+/* A region table slot. key: random, nonzero, unique among live regions and never the
+ * slot's previous one (the lkey and the rkey). */
 struct tcp_region {
     uint64_t addr;
     uint64_t length;
     uint32_t access;
-    uint16_t gen;            /* bumped by dereg; 0 never used */
+    uint32_t key;
     uint8_t live;
+};
+
+/* An issued credential: id = gen << 16 | slot (not secret), the secret, the peer tag. */
+struct tcp_cred {
+    uint32_t id;
+    uint32_t peer;
+    uint16_t gen;
+    uint8_t live;
+    uint8_t secret[DP_TCP_SECRET_BYTES];
 };
 
 /* A connection accepted by the server thread (the target side of a peer's dp_tcp_conn).
@@ -78,12 +105,19 @@ struct tcp_region {
 struct tcp_srv_conn {
     int fd;
     uint32_t events;                 /* the epoll interest currently set */
+    uint8_t admitted;                /* passed the handshake (or the engine is open) */
+    uint32_t peer;                   /* the credential's peer tag, once admitted */
+    int64_t deadline_ns;             /* pending: closed unadmitted after this */
+    uint8_t nonce[TCP_NONCE];        /* pending: the challenge sent */
+    uint32_t hello_got;              /* pending: bytes of the hello read so far */
+    struct tcp_hello hello;
+    struct tcp_srv_conn *pend_prev, *pend_next;   /* pending FIFO (by deadline) */
     struct tcp_req_hdr hdr;          /* the header being read */
     uint32_t hdr_got;                /* bytes of it read so far */
     uint64_t left;                   /* payload bytes of the current item still to read */
     uint8_t *dst;                    /* where they go: the region, or NULL = discard */
     uint32_t slot;                   /* the current item's region, rechecked per recv */
-    uint16_t gen;
+    uint32_t key;
     uint8_t cur_signalled;
     uint8_t flushing;                /* after a failure: drain everything, ack nothing */
     uint64_t cur_seq;
@@ -107,6 +141,15 @@ struct dp_tcp {
                                         writers = reg/dereg */
     struct tcp_region *regions;
     uint32_t max_regions;
+    uint32_t hi_slot;                /* slots [0, hi_slot) may be live (under lock) */
+    uint32_t flags;                  /* DP_TCP_OPEN */
+    uint32_t max_pending, handshake_timeout_ms, max_conns_per_peer;
+    pthread_mutex_t cred_lock;       /* the credential table: admit/revoke (any thread),
+                                        the server thread's check */
+    struct tcp_cred *creds;
+    uint32_t max_creds;
+    struct tcp_srv_conn *pend_head, *pend_tail;   /* server thread only */
+    uint32_t n_pending;                            /* server thread only */
     uint32_t n_mrs, n_cqs, n_conns;  /* children alive (atomics) */
     uint32_t next_conn_id;           /* atomic */
     struct dp_tcp_stats stats;       /* written by the server thread (relaxed atomics) */
@@ -149,6 +192,9 @@ struct dp_tcp_conn {
     int fd;
     int state;
     struct dp_tcp_conn_cfg cfg;
+    uint8_t has_cred;                /* a credential for the next connect */
+    uint32_t cred_id;
+    uint8_t cred_secret[DP_TCP_SECRET_BYTES];
     /* The ring of posted items: [head, send_idx) fully sent and awaiting retirement,
      * send_idx partly sent (send_off bytes of header + payload), [send_idx, tail) queued.
      * Indices count up forever; slot = index & mask. */
@@ -184,6 +230,16 @@ static inline int64_t tcp_deadline(int64_t now, int64_t timeout_ns)
 
 /* tcp_ctl.c */
 int tcp_now_ns(int64_t *out);
+/* tcp_auth.c: the handshake's MAC (HMAC-SHA256 of the transcript) and random bytes. */
+void tcp_auth_mac(const uint8_t secret[DP_TCP_SECRET_BYTES], char role,
+                  const uint8_t nonce_t[TCP_NONCE], const uint8_t nonce_i[TCP_NONCE],
+                  uint32_t cred_id, uint8_t out[TCP_MAC]);
+int tcp_auth_equal(const uint8_t *a, const uint8_t *b, size_t n);
+int tcp_random(void *buf, size_t n);
+/* Target: 0 = keep reading (not done), 1 = admitted, -1 = close it. */
+int tcp_srv_handshake(dp_tcp *eng, struct tcp_srv_conn *c);
+/* Initiator: the handshake on a connected socket, bounded by deadline; 0 / -errno. */
+int tcp_conn_handshake(dp_tcp_conn *conn, int fd, int64_t deadline);
 /* tcp_dp.c. Both return 0 = fine, 1 = acks stuck (wait for EPOLLOUT), -1 = close it. */
 int tcp_srv_readable(dp_tcp *eng, struct tcp_srv_conn *c);
 int tcp_srv_flush_acks(struct tcp_srv_conn *c);

@@ -1,6 +1,7 @@
 """`dualpath demo` (`make demo`): the paper's effect on this machine, on embedded defaults.
 
-Starts a local 1P2D cluster (scheduler, one prefill node, two decode nodes; TCP provider
+Starts a local 1P2D cluster (scheduler, one prefill node, two decode nodes, mutual TLS
+with a throw-away cluster CA; TCP provider
 unless a verbs device is usable; storage-NIC token buckets small enough that reading
 hit KV is the bottleneck), replays the same generated agentic trace in basic, dualpath
 and oracle modes, and prints JCT, speedup, storage-NIC utilisation per node and the KV
@@ -56,6 +57,8 @@ def _demo(args) -> int:
             report, runs = run_modes(cluster.scheduler_address, cluster.node_ids(), 1, trace,
                                      ("basic", "dualpath", "oracle"), ReplayOptions(),
                                      snic_gbit_per_s=args.snic_gbit,
+                                     tls_config=cluster.client_tls,
+                                     node_tls=cluster.node_tls,
                                      node_addresses=cluster.addresses())
         finally:
             cluster.stop()

@@ -3,7 +3,13 @@
 Each section is a frozen dataclass whose fields carry ``doc`` (and optionally
 ``choices``, ``min``, ``max``) in their metadata, declared with :func:`key`. A bad value
 raises :class:`ConfigError` naming the dotted key, the value and what is allowed; an
-unknown key is an error too (a typo must not silently fall back to a default).
+unknown key is an error too (a typo must not silently fall back to a default), and a key
+that moved (a section's ``MOVED_KEYS``: old name -> new dotted name) is refused with a
+message naming its replacement. A float
+must be finite (TOML's ``nan`` and ``inf`` compare false with every bound, so they
+would slip past ``min``/``max``); an integer without a ``max`` is still bounded by
+TOML's own range (int64), and fields that travel in a narrower wire field declare it
+as their ``max``.
 
 Sections live next to the code they configure and are listed in :data:`SECTIONS`;
 ``dualpath config docs`` prints every key with its default and meaning.
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import tomllib
 import types
 import typing
@@ -23,6 +30,7 @@ from dualpath.errors import ConfigError
 
 # section name -> "module:Class". Each module is imported lazily by load().
 SECTIONS: dict[str, str] = {
+    "tls": "dualpath.tls:TlsConfig",
     "transport": "dualpath.config_sections:TransportConfig",
     "kv_lane": "dualpath.config_sections:KvLaneConfig",
     "transfer": "dualpath.transfer.config:TransferConfig",
@@ -33,6 +41,11 @@ SECTIONS: dict[str, str] = {
     "engine": "dualpath.engine.config:EngineConfig",
     "cluster": "dualpath.engine.config:ClusterConfig",
 }
+
+
+#: TOML integers are 64-bit signed; Python's parser takes any size.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+U32_MAX = 2**32 - 1
 
 
 def key(default: Any, doc: str, *, choices: tuple | None = None,
@@ -79,6 +92,9 @@ def _coerce(path: str, f: dataclasses.Field, typ: Any, value: Any) -> Any:
     elif typ is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
+        if ok and not math.isfinite(value):
+            raise ConfigError(f"config key {path} = {value!r}: must be a finite number"
+                              + (f" ({_bounds(f)})" if _bounds(f) else ""))
     elif typ is str:
         ok = isinstance(value, str)
     elif origin in (list, tuple):
@@ -93,6 +109,9 @@ def _coerce(path: str, f: dataclasses.Field, typ: Any, value: Any) -> Any:
     if (m.get("min") is not None and value < m["min"]) or (
             m.get("max") is not None and value > m["max"]):
         raise ConfigError(f"config key {path} = {value!r}: must be {_bounds(f)}")
+    if typ is int and not INT64_MIN <= value <= INT64_MAX:
+        raise ConfigError(f"config key {path} = {value!r}: outside TOML's integer range "
+                          f"({INT64_MIN}..{INT64_MAX})")
     return value
 
 
@@ -102,6 +121,9 @@ def build_section(cls: type, data: dict, prefix: str) -> Any:
         raise ConfigError(f"config section [{prefix}] must be a table, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    moved = getattr(cls, "MOVED_KEYS", {})
+    for name in sorted(set(data) & set(moved)):
+        raise ConfigError(f"config key {prefix}.{name} is gone: use {moved[name]} instead")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(
@@ -166,6 +188,9 @@ def load(path: str | Path | None = None, overrides: dict | None = None) -> Confi
             raise ConfigError(f"config file {p}: cannot read ({e.strerror})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:  # a binary file: TOML is UTF-8 text
+            raise ConfigError(f"config file {p} is not a UTF-8 text file (byte "
+                              f"{e.start}: {e.reason})") from None
     for dotted, value in (overrides or {}).items():
         sec, _, k = dotted.partition(".")
         data.setdefault(sec, {})[k] = value

@@ -7,6 +7,12 @@ Objects: a :class:`TcpEngine` listens on host:port and serves peers' WRITEs into
 writes into a remote engine's regions, its completions arriving on a
 :class:`TcpCompletionQueue`.
 
+Admission: an engine serves a peer's connection only after it presents a credential
+the engine issued (:meth:`TcpEngine.admit`: a random 128-bit secret the owner hands to
+the peer over its authenticated control plane) in a challenge-response at connect
+(csrc/tcp_auth.c); anyone else is disconnected without an answer. ``open=True`` turns
+that off (benchmarks comparing the cost). rkeys are random.
+
 Connection states (ibv numbering, :class:`QpState`): RESET --connect()--> RTS; a failed
 WRITE, a dead peer or a bad local range moves it to ERR, where every outstanding item
 completes with an error (the first naming the cause, the rest WR_FLUSH_ERR); reset()
@@ -26,6 +32,7 @@ its live children first, newest first; ``close()`` is idempotent.
 from __future__ import annotations
 
 import errno
+import os
 from dataclasses import dataclass
 
 from dualpath._native import ffi, lib
@@ -45,8 +52,21 @@ from dualpath.verbs import (
 )
 
 __all__ = [
-    "ACCESS_RW", "Access", "Completion", "Item", "PostError", "QpState", "TcpCompletionQueue",
-    "TcpConfig", "TcpConnection", "TcpEngine", "TcpRegion", "TcpStats", "WcStatus",
+    "ACCESS_RW",
+    "SECRET_BYTES",
+    "Access",
+    "Completion",
+    "Credential",
+    "Item",
+    "PostError",
+    "QpState",
+    "TcpCompletionQueue",
+    "TcpConfig",
+    "TcpConnection",
+    "TcpEngine",
+    "TcpRegion",
+    "TcpStats",
+    "WcStatus",
     "WriteBatch",
 ]
 
@@ -71,11 +91,33 @@ class TcpConfig:
         return c
 
 
+SECRET_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Credential:
+    """Admits one connection to the engine that issued it: ``id`` (not secret) and
+    ``secret`` (16 random bytes; send it only over an authenticated, encrypted channel)."""
+
+    id: int
+    secret: bytes
+
+    def __post_init__(self):
+        check_range("credential id", self.id, 0, (1 << 32) - 1)
+        if not isinstance(self.secret, bytes) or len(self.secret) != SECRET_BYTES:
+            raise UsageError(f"a credential's secret is {SECRET_BYTES} bytes")
+
+    def __repr__(self) -> str:   # never print the secret
+        return f"Credential(id={self.id:#x})"
+
+
 @dataclass(frozen=True)
 class TcpStats:
     """Target-side counters of an engine since it started (``struct dp_tcp_stats``)."""
 
     conns_accepted: int
+    conns_admitted: int  # passed the challenge-response
+    conns_refused: int   # closed unadmitted: bad hello, handshake timeout, a cap reached
     writes: int         # WRITEs that landed
     bytes: int          # their payload bytes
     refused: int        # refused before writing: rkey, access, bounds, dereg
@@ -90,15 +132,25 @@ class TcpEngine(Owner):
     _what = "TCP engine"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_regions: int = 1024,
-                 sockbuf_bytes: int = 0):
+                 sockbuf_bytes: int = 0, open: bool = False, max_pending: int = 64,
+                 handshake_timeout_ms: int = 2000, max_conns_per_peer: int = 16,
+                 max_credentials: int = 4096):
         if not isinstance(host, str) or not host:
             raise UsageError(f"host must be a non-empty str, not {host!r}")
         check_range("port", port, 0, 65535)
         check_range("max_regions", max_regions, 1, 65535)
         check_range("sockbuf_bytes", sockbuf_bytes, 0, 1 << 30)
+        check_range("max_pending", max_pending, 1, 65536)
+        check_range("handshake_timeout_ms", handshake_timeout_ms, 1, 3_600_000)
+        check_range("max_conns_per_peer", max_conns_per_peer, 1, (1 << 32) - 1)
+        check_range("max_credentials", max_credentials, 1, 65535)
         super().__init__()
         cfg = ffi.new("struct dp_tcp_cfg *")
         cfg.max_regions, cfg.sockbuf_bytes = max_regions, sockbuf_bytes
+        cfg.flags = lib.DP_TCP_OPEN if open else 0
+        cfg.max_pending, cfg.handshake_timeout_ms = max_pending, handshake_timeout_ms
+        cfg.max_conns_per_peer, cfg.max_credentials = max_conns_per_peer, max_credentials
+        self.open = open
         self._adopt(check_ptr(lib.dp_tcp_create(host.encode(), port, cfg),
                               f"listen on {host}:{port}", ffi))
         self.host = host
@@ -118,13 +170,33 @@ class TcpEngine(Owner):
                  length: int | None = None) -> TcpRegion:
         return TcpRegion(self, buf, access, addr=addr, length=length)
 
+    def admit(self, peer: int) -> Credential:
+        """A fresh credential for one connection of ``peer`` (the caller's tag for it;
+        admitted connections per tag are capped). Any thread."""
+        self._check_open()
+        check_range("peer", peer, 0, (1 << 32) - 1)
+        secret = os.urandom(SECRET_BYTES)
+        out = ffi.new("uint32_t *")
+        check(lib.dp_tcp_admit(self._handle, peer, secret, out),
+              f"issue a credential for peer {peer}")
+        return Credential(out[0], secret)
+
+    def revoke(self, cred: Credential) -> bool:
+        """Withdraw an unused credential; False when it was used or unknown."""
+        self._check_open()
+        rc = lib.dp_tcp_revoke(self._handle, cred.id)
+        if rc == -errno.ENOENT:
+            return False
+        check(rc, f"revoke credential {cred.id:#x}")
+        return True
+
     def stats(self) -> TcpStats:
         """The target side's counters (any thread)."""
         self._check_open()
         out = ffi.new("struct dp_tcp_stats *")
         check(lib.dp_tcp_stats(self._handle, out), "TCP engine stats")
-        return TcpStats(out.conns_accepted, out.writes, out.bytes, out.refused, out.flushed,
-                        out.ack_stalls)
+        return TcpStats(out.conns_accepted, out.conns_admitted, out.conns_refused,
+                        out.writes, out.bytes, out.refused, out.flushed, out.ack_stalls)
 
     def cq(self, depth: int) -> TcpCompletionQueue:
         return TcpCompletionQueue(self, depth)
@@ -154,7 +226,7 @@ class TcpRegion(RegionOwner):
         return lib.dp_tcp_mr_dereg(self._handle)
 
     def __repr__(self) -> str:
-        return f"<TcpRegion {self.length} B at {self.addr:#x} key {self.rkey:#x}>"
+        return f"<TcpRegion {self.length} B>"   # no address, no key: reprs reach logs
 
 
 class TcpCompletionQueue(CompletionArray):
@@ -229,12 +301,19 @@ class TcpConnection(Owner):
         self._check_open()
         return check(lib.dp_tcp_conn_outstanding(self._handle), "TCP connection outstanding")
 
-    def connect(self, host: str, port: int, timeout: float = 5.0) -> None:
-        """RESET -> RTS: connect to the engine at host:port within ``timeout`` seconds."""
+    def connect(self, host: str, port: int, timeout: float = 5.0,
+                credential: Credential | None = None) -> None:
+        """RESET -> RTS: connect to the engine at host:port within ``timeout`` seconds,
+        presenting ``credential`` (issued by that engine; None only for an open one).
+        ECONNRESET: the target refused the credential; EACCES: the target could not
+        prove it holds it."""
         self._check_open()
         if not isinstance(host, str) or not host:
             raise UsageError(f"host must be a non-empty str, not {host!r}")
         check_range("port", port, 1, 65535)
+        if credential is not None:
+            check(lib.dp_tcp_conn_set_credential(self._handle, credential.id,
+                                                 credential.secret), "set credential")
         check(lib.dp_tcp_conn_connect(self._handle, host.encode(), port, timeout_ns(timeout)),
               f"connect TCP connection {self.conn_id} to {host}:{port}")
         self.remote = (host, port)

@@ -13,9 +13,10 @@ class BuffersConfig:
     """Per-process registered DRAM: PE buffer + DE buffer, carved from one pinned region."""
 
     pe_buffer_mib: int = key(256, "PE buffer (Full Blocks read from storage, staged for "
-                             "layerwise transfer to HBM) in MiB.", min=0)
+                             "layerwise transfer to HBM) in MiB.", min=0, max=1 << 24)
     de_buffer_mib: int = key(256, "DE buffer (Full Blocks read from storage or assembled from "
-                             "prefill, and new blocks being persisted) in MiB.", min=0)
+                             "prefill, and new blocks being persisted) in MiB.", min=0,
+                             max=1 << 24)
     huge_pages: str = key("auto", "Back the region with 2 MiB huge pages: 'auto' uses them when "
                           "reserved (vm.nr_hugepages) else normal pages; 'on' requires them; "
                           "'off' never.", choices=HUGE_PAGE_MODES)

@@ -111,10 +111,11 @@ class PinnedRegion:
         except BaseException:
             self.close()
             raise
-        log.info("%s: %d MiB at 0x%x, %s pages, %s, %s", what, self.nbytes >> 20, self.addr,
+        log.info("%s: %d MiB, %s pages, %s, %s", what, self.nbytes >> 20,
                  "2 MiB huge" if self.huge else "normal",
                  "mlocked" if self.locked else "not locked",
                  "registered" if self.registration is not None else "not registered")
+        log.debug("%s at %#x", what, self.addr)   # addresses aim WRITEs: never at INFO
 
     def _map_memory(self, nbytes: int, huge_pages: str) -> mmap.mmap:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS

@@ -138,7 +138,8 @@ def _up(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"dualpath up: scheduler {cluster.scheduler_address}; nodes "
+    print(f"dualpath up: scheduler {cluster.scheduler_address} (mutual TLS; `dualpath ctl "
+          f"... --config {cluster.config_path}` steers it); nodes "
           + ", ".join(f"{n.node_id} ({n.role}) {n.address}" for n in cluster.nodes)
           + f"; logs {cluster.dir / 'logs'}. Ctrl-C stops.", flush=True)
     rc = 0
@@ -191,11 +192,14 @@ def _replay(args) -> int:
             raise UsageError("--scheduler needs --nodes (prefill nodes first)")
         import grpc
 
+        from dualpath.cluster.local import node_tls
         from dualpath.scheduler.client import rpc_error
 
+        cfg, _ = _load(args)
         try:
             report, _ = run_modes(args.scheduler, nodes, args.prefill_nodes, trace, modes,
-                                  opts, snic_gbit_per_s=args.snic_gbit or 0.0)
+                                  opts, snic_gbit_per_s=args.snic_gbit or 0.0,
+                                  tls_config=cfg.tls, node_tls=node_tls(cfg.tls))
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, args.scheduler) from None
     else:
@@ -207,6 +211,8 @@ def _replay(args) -> int:
                 report, _ = run_modes(cluster.scheduler_address, cluster.node_ids(),
                                       cluster.prefill_nodes, trace, modes, opts,
                                       snic_gbit_per_s=cfg.storage.snic_gbit_per_s,
+                                      tls_config=cluster.client_tls,
+                                      node_tls=cluster.node_tls,
                                       node_addresses=cluster.addresses())
             finally:
                 cluster.stop()

@@ -2,9 +2,11 @@
 processes on this host (what `dualpath up`, `dualpath demo`, bench/e2e.py and the
 integration tests run).
 
-Life cycle: ``start()`` writes one TOML config for every process (block store under the
-work directory, the storage-NIC limit, the model profile), starts the scheduler, waits
-until its health check serves, starts every node and waits for each one's ready file;
+Life cycle: ``start()`` makes a throw-away cluster CA and certificates (``tls/``: the
+scheduler, one per node naming it, an admin and the replay client), writes one TOML
+config per process (block store under the work directory, the storage-NIC limit, the
+model profile, a fresh block integrity key, the process's own [tls]), starts the scheduler, waits until its health
+check serves over mutual TLS, starts every node and waits for each one's ready file;
 ``stop()`` sends SIGTERM to the nodes, then the scheduler, and SIGKILL to whatever has
 not exited within the grace period. ``kill(node)`` SIGKILLs one node (the kill test).
 
@@ -28,9 +30,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from dualpath import tls
 from dualpath.errors import DualPathError, UsageError
 
 log = logging.getLogger("dualpath.cluster")
+
+#: THE SWITCH for the node daemons' TLS. False while dualpath/engine/ cannot speak TLS:
+#: the scheduler then also listens without TLS on a loopback port
+#: (scheduler.plaintext_node_listen) that only the nodes are given, and calls to the
+#: nodes (replay's StorageReads, the replay sink the DEs report to) stay plaintext.
+#: Their generated configs carry their own [tls] already; set True once the daemons use
+#: dualpath.tls (server_credentials / channel) and every surface is mutual TLS.
+NODES_SPEAK_TLS = False
+
+
+def node_tls(cluster_tls: tls.TlsConfig) -> tls.TlsConfig:
+    """What to use towards node daemons: the cluster's TLS once they speak it."""
+    return cluster_tls if NODES_SPEAK_TLS else tls.PLAINTEXT
 
 
 class ClusterError(DualPathError):
@@ -90,11 +106,32 @@ class LocalCluster:
         self.dir = Path(self.work_dir or tempfile.mkdtemp(prefix="dualpath-cluster-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "logs").mkdir(exist_ok=True)
-        self.config_path = self.dir / "cluster.toml"
+        #: `dualpath ctl --config` this file to steer the cluster (the admin certificate).
+        self.config_path = self.dir / "admin.toml"
         self.scheduler: subprocess.Popen | None = None
         self._sched_log: Path | None = None
+        self.pki: tls.ClusterPki | None = None
+        #: TLS of the replay driver towards the scheduler, and towards the nodes.
+        self.client_tls: tls.TlsConfig = tls.PLAINTEXT
+        self.node_tls: tls.TlsConfig = tls.PLAINTEXT
+        self._node_scheduler = ""
+
+    def node_ids_planned(self) -> list[str]:
+        return ([f"p{i}" for i in range(self.prefill_nodes)]
+                + [f"d{i}" for i in range(self.decode_nodes)])
 
     # ------------------------------------------------------------ config
+    def _tls_sections(self) -> dict[str, dict]:
+        """Identity -> its [tls] table: the cluster's own throw-away PKI, or the one
+        [tls] of the settings for every process (your own PKI, or plaintext)."""
+        given = self.settings.get("tls")
+        idents = ["scheduler/scheduler", "admin/operator", "client/replay",
+                  *(f"node/{n}" for n in self.node_ids_planned())]
+        if given:
+            return {i: dict(given) for i in idents}
+        self.pki = tls.make_cluster_pki(self.dir / "tls", idents)
+        return {i: self.pki.section(i) for i in idents}
+
     def config_data(self, port: int) -> dict[str, dict]:
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         data: dict[str, dict] = {
@@ -112,7 +149,16 @@ class LocalCluster:
             "transfer": {"connections_per_peer": 1},
         }
         for sec, kv in self.settings.items():
-            data.setdefault(sec, {}).update(kv)
+            if sec != "tls":
+                data.setdefault(sec, {}).update(kv)
+        if "integrity_key_file" not in data["storage"]:
+            # Blocks carry a keyed tag (a fresh cluster key per local cluster).
+            key_path = self.dir / "kv-integrity.key"
+            if not key_path.exists():
+                fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(os.urandom(32))
+            data["storage"]["integrity_key_file"] = str(key_path)
         rate = data["storage"].get("snic_gbit_per_s", 0.0)
         if rate and "storage_read_bytes_per_s" not in data["scheduler"]:
             data["scheduler"]["storage_read_bytes_per_s"] = rate * 1e9 / 8
@@ -133,12 +179,30 @@ class LocalCluster:
             fh.close()
         return proc, path
 
+    def _write_config(self, name: str, data: dict, tls_section: dict) -> Path:
+        path = self.dir / f"{name}.toml"
+        write_toml(path, {**data, "tls": tls_section})
+        return path
+
     def start(self) -> Self:
         port = free_port()
-        write_toml(self.config_path, self.config_data(port))
+        data = self.config_data(port)
+        sections = self._tls_sections()
         self.scheduler_address = f"127.0.0.1:{port}"
+        self._node_scheduler = self.scheduler_address
+        sched = dict(data)
+        if not NODES_SPEAK_TLS and not sections["scheduler/scheduler"].get("plaintext"):
+            self._node_scheduler = f"127.0.0.1:{free_port()}"
+            sched["scheduler"] = {**data["scheduler"],
+                                  "plaintext_node_listen": self._node_scheduler}
+        sched_path = self._write_config("scheduler", sched, sections["scheduler/scheduler"])
+        self._write_config("admin", data, sections["admin/operator"])
+        for nid in self.node_ids_planned():
+            self._write_config(f"node-{nid}", data, sections[f"node/{nid}"])
+        self.client_tls = config_tls(sections["client/replay"])
+        self.node_tls = node_tls(self.client_tls)
         self.scheduler, self._sched_log = self._spawn(
-            "scheduler", ["scheduler", "--config", str(self.config_path)])
+            "scheduler", ["scheduler", "--config", str(sched_path)])
         try:
             self._wait_scheduler()
             roles = ([("prefill", f"p{i}") for i in range(self.prefill_nodes)]
@@ -158,10 +222,10 @@ class LocalCluster:
         ready = self.dir / f"{node_id}.ready"
         with contextlib.suppress(FileNotFoundError):
             ready.unlink()
+        cfg = self.dir / f"node-{node_id}.toml"   # written by start(), with its identity
         proc, path = self._spawn(node_id, [
             "node", "--role", role, "--node-id", node_id, "--scheduler",
-            self.scheduler_address, "--config", str(self.config_path),
-            "--ready-file", str(ready)])
+            self._node_scheduler, "--config", str(cfg), "--ready-file", str(ready)])
         n = NodeProc(node_id, role, proc, path)
         self.nodes.append(n)
         return n
@@ -180,7 +244,7 @@ class LocalCluster:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + self.start_timeout_s
-        with grpc.insecure_channel(self.scheduler_address) as ch:
+        with tls.sync_channel(self.scheduler_address, self.client_tls) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while True:
                 self._deadline_check(self.scheduler, "the scheduler", self._sched_log,
@@ -261,3 +325,10 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def config_tls(section: dict) -> tls.TlsConfig:
+    """A [tls] table as the validated section object."""
+    from dualpath.config import build_section
+
+    return build_section(tls.TlsConfig, section, "tls")

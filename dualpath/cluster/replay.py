@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from dualpath import tls
 from dualpath.engine.payload import MODE_READ_POLICY, Payload, encode_token_ids
 from dualpath.errors import DualPathError
 from dualpath.trace.arrivals import ReplaySchedule, RoundRequest, arrival_times
@@ -107,13 +108,13 @@ def _windows(timings: Sequence, nodes: Sequence[str], t0: float, width: float
     return [{n: int(v) for n, v in out[w].items()} for w in sorted(out)]
 
 
-async def node_windows(addresses: dict[str, str], t0: float, t1: float, width: float
-                       ) -> list[dict[str, int]]:
+async def node_windows(addresses: dict[str, str], t0: float, t1: float, width: float,
+                       node_tls: tls.TlsConfig) -> list[dict[str, int]]:
     """Per-node storage-NIC bytes in windows of ``width`` s over ``[t0, t1)``, from the
     bytes each node's token bucket granted (Node.StorageReads)."""
     out: dict[int, dict[str, int]] = defaultdict(dict)
     for node, addr in addresses.items():
-        async with grpc.aio.insecure_channel(addr) as ch:
+        async with tls.channel(addr, node_tls) as ch:
             r = await node_pb2_grpc.NodeStub(ch).StorageReads(node_pb2.StorageReadsRequest(),
                                                               timeout=10)
         for start, nbytes in zip(r.slot_start_unix_s, r.slot_bytes):
@@ -124,13 +125,15 @@ async def node_windows(addresses: dict[str, str], t0: float, t1: float, width: f
 
 
 async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
-                 block_tokens: int, kv_bytes_per_token: int,
-                 opts: ReplayOptions | None = None,
+                 block_tokens: int, kv_bytes_per_token: int, tls_config: tls.TlsConfig,
+                 node_tls: tls.TlsConfig, opts: ReplayOptions | None = None,
                  node_addresses: dict[str, str] | None = None) -> ReplayRun:
-    """Replay ``trace`` on the cluster whose scheduler is at ``scheduler``. ``nodes``
+    """Replay ``trace`` on the cluster whose scheduler is at ``scheduler`` (reached with
+    ``tls_config``; the nodes and the sink they report to use ``node_tls``). ``nodes``
     lists its node ids (prefill first) for the storage-NIC figures; with
     ``node_addresses`` (id -> control address) the balance windows come from the nodes'
-    own storage-NIC counters, else from each request's read span."""
+    own storage-NIC counters, else from each request's read span. A request the
+    scheduler rejects ends the replay (:class:`DualPathError` naming it and why)."""
     o = opts or ReplayOptions()
     trajs = list(trace.trajectories)
     arrivals = arrival_times(len(trajs), o.replay_mode, aps=o.aps, seed=o.seed)
@@ -140,10 +143,12 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
     sink = _Sink()
     server = grpc.aio.server()
     node_pb2_grpc.add_ReplaySinkServicer_to_server(sink, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    from dualpath.rpc import bind
+
+    port = bind(server, "127.0.0.1:0", "replay sink", tls.server_credentials(node_tls))
     await server.start()
     sink_addr = f"127.0.0.1:{port}"
-    channel = grpc.aio.insecure_channel(scheduler)
+    channel = tls.channel(scheduler, tls_config)
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     inflight: dict[str, tuple[RoundRequest, float, int]] = {}
     records: list[RequestRecord] = []
@@ -177,8 +182,14 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
                     inflight[rid] = (req, time.time(), hit)
                     if o.mode != "oracle":
                         hit_bytes += hit * kv_bytes_per_token
-                await stub.SubmitRequest(scheduler_pb2.SubmitRequestRequest(requests=specs),
-                                         timeout=10)
+                reply = await stub.SubmitRequest(
+                    scheduler_pb2.SubmitRequestRequest(requests=specs), timeout=10)
+                if reply.rejected:
+                    x = reply.rejected[0]
+                    raise DualPathError(
+                        f"the scheduler rejected {len(reply.rejected)} of {len(specs)} "
+                        f"requests, first {x.request_id}: "
+                        f"{scheduler_pb2.RejectReason.Name(x.reason)}: {x.detail}")
             nxt = sched.next_due_s()
             wait = 1.0 if nxt is None else max(0.0, nxt - sched.elapsed())
             wait = min(wait, deadline - time.monotonic())
@@ -230,7 +241,8 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
         if t.decode_node_id in snic:
             snic[t.decode_node_id] += t.decode_read_bytes
     if node_addresses:
-        windows = await node_windows(node_addresses, t_start, time.time(), o.window_s)
+        windows = await node_windows(node_addresses, t_start, time.time(), o.window_s,
+                                     node_tls)
     else:
         windows = _windows(timings, nodes, t_start, o.window_s)
     return ReplayRun(o.mode, records, timings, t_start, snic, windows, hit_bytes, verified,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dualpath.cluster.replay import ReplayOptions, ReplayRun, replay
 from dualpath.errors import UsageError
 from dualpath.kv.profiles import get_profile
+from dualpath.tls import TlsConfig
 from dualpath.trace.generator import generate
 from dualpath.trace.model import Trace, Trajectory, trace_stats
 from dualpath.trace.report import build_report
@@ -41,9 +42,11 @@ def make_trace(agents: int, *, table: str = "32k", context_scale: float = 0.1,
 
 def run_modes(scheduler: str, nodes: Sequence[str], prefill_nodes: int, trace: Trace,
               modes: Sequence[str], opts: ReplayOptions, *, snic_gbit_per_s: float,
-              model_profile: str = "demo", node_addresses: dict[str, str] | None = None
+              tls_config: TlsConfig, node_tls: TlsConfig, model_profile: str = "demo",
+              node_addresses: dict[str, str] | None = None
               ) -> tuple[dict, dict[str, ReplayRun]]:
-    """Replay ``trace`` once per mode (in order) and build the report dict."""
+    """Replay ``trace`` once per mode (in order) and build the report dict; the scheduler
+    is reached with ``tls_config``, the nodes with ``node_tls``."""
     if not modes:
         raise UsageError("no modes to run")
     prof = get_profile(model_profile)
@@ -52,6 +55,7 @@ def run_modes(scheduler: str, nodes: Sequence[str], prefill_nodes: int, trace: T
         o = dataclasses.replace(opts, mode=mode)
         runs[mode] = asyncio.run(replay(scheduler, trace, nodes, block_tokens=prof.block_tokens,
                                         kv_bytes_per_token=prof.kv_bytes_per_token, opts=o,
+                                        tls_config=tls_config, node_tls=node_tls,
                                         node_addresses=node_addresses))
     rate = snic_gbit_per_s * 1e9 / 8
     results = []

@@ -35,9 +35,9 @@ class EngineConfig:
                    "'auto' (cupy when it imports and sees a GPU, else host).",
                    choices=("auto", "cupy", "host"))
     prefill_hbm_mib: int = key(512, "HBM per PE engine for the prompts it prefills (MiB).",
-                               min=1)
+                               min=1, max=1 << 24)
     decode_hbm_mib: int = key(256, "HBM per DE engine for the requests it decodes (MiB); "
-                              "reported to the scheduler as hbm_bytes.", min=1)
+                              "reported to the scheduler as hbm_bytes.", min=1, max=1 << 24)
     max_prefills_per_engine: int = key(16, "Requests one PE engine works on at once (their "
                                        "layers interleave on its emulated GPU).", min=1)
     fetch_interval_ms: int = key(0, "Leader fetch period; 0 = what the scheduler suggests.",

@@ -179,7 +179,8 @@ class NodeDaemon:
         layout = BlockLayout.of(profile)
         store = BlockStore(s.resolved_dir(), profile, read_workers=s.read_workers,
                            write_workers=s.write_workers, direct_io=s.direct_io,
-                           verify_checksum=s.verify_checksum, fsync=s.fsync)
+                           verify_checksum=s.verify_checksum, fsync=s.fsync,
+                           integrity_key=s.integrity_key())
         self._stack.callback(store.close)
         read_queue = ReadQueue(store, self.limiter)
         self._stack.push_async_callback(read_queue.close)

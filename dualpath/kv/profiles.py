@@ -28,9 +28,10 @@ class ModelProfile:
     decode_s_per_token: float            # one decode step of one request (batched), seconds
     hbm_bytes: int                       # HBM one engine can devote to KV
     block_tokens: int = 64               # tokens per KV block (paper §4.1: "e.g., 64")
+    context_tokens: int = 131072         # longest prompt + generation the model takes
 
     def __post_init__(self) -> None:
-        for f in ("layers", "kv_bytes_per_token_layer", "block_tokens"):
+        for f in ("layers", "kv_bytes_per_token_layer", "block_tokens", "context_tokens"):
             if getattr(self, f) <= 0:
                 raise UsageError(f"model profile {self.name}: {f} must be > 0")
 
@@ -67,6 +68,8 @@ GiB = 1 << 30
 _HOPPER_EFFECTIVE = 0.4 * 990e12
 
 PROFILES: dict[str, ModelProfile] = {
+    # Contexts: 128K tokens (DeepSeek-V3.2's; Qwen2.5-32B's with YaRN; the DS 27B of
+    # the paper shares V3.2's architecture).
     # DeepSeek-V3.2 (660B MoE, MLA + DSA sparse attention, FP8 KV): 61 layers,
     # 656 B/token/layer (paper appendix). 37B active params -> 2*37e9/61 FLOPs/token/layer.
     # MLA absorbed: 128 heads x (576 qk + 512 v) x 2 FLOPs per pair; DSA attends top 2048.
@@ -81,8 +84,10 @@ PROFILES: dict[str, ModelProfile] = {
     "qwen32b": ModelProfile("qwen32b", 64, 4096, "fp16", 2 * 32e9 / 64, 2 * 40 * 128 * 2,
                             0, _HOPPER_EFFECTIVE, 0.025, 40 * GiB),
     # A small model sized for a 2-core machine: 8 layers x 2 KiB/token/layer, so a Full
-    # Block of 64 tokens is 1 MiB and a Layer Block 128 KiB. Compute is emulated.
-    "demo": ModelProfile("demo", 8, 2048, "fp16", 2e6, 4096, 0, 1e12, 0.002, 1 * GiB),
+    # Block of 64 tokens is 1 MiB and a Layer Block 128 KiB. Compute is emulated. Its
+    # context is what one engine's 1 GiB of HBM holds (16 KiB of KV per token).
+    "demo": ModelProfile("demo", 8, 2048, "fp16", 2e6, 4096, 0, 1e12, 0.002, 1 * GiB,
+                         context_tokens=65536),
 }
 
 

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from dualpath.cli import EXIT_OK
+from dualpath.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE
 from dualpath.errors import UsageError
 
 TOKEN_ENV = "DUALPATH_ADMIN_TOKEN"
@@ -101,14 +101,14 @@ def _run_scheduler(args) -> int:
     from dualpath import config as _config
     from dualpath.scheduler.service import serve
 
-    cfg = _config.load(args.config).scheduler
+    full = _config.load(args.config)
     over = {}
     if args.listen is not None:
         over["listen"] = args.listen
     if args.metrics_listen is not None:
         over["metrics_listen"] = args.metrics_listen
-    cfg = dataclasses.replace(cfg, **over)
-    _run(serve(cfg, config_path=args.config))
+    cfg = dataclasses.replace(full.scheduler, **over)
+    _run(serve(cfg, full.tls, config_path=args.config))
     return EXIT_OK
 
 
@@ -134,7 +134,8 @@ def _cmd(action: Callable, admin: bool = True) -> Callable[[argparse.Namespace],
         from dualpath.scheduler.client import SchedulerClient, rpc_error
         from dualpath.tls import read_token
 
-        cfg = _config.load(args.config).scheduler_client
+        full = _config.load(args.config)
+        cfg = full.scheduler_client
         token = None
         if admin:
             if args.token_file:
@@ -143,13 +144,17 @@ def _cmd(action: Callable, admin: bool = True) -> Callable[[argparse.Namespace],
                 token = os.environ.get(TOKEN_ENV) or None
 
         async def go():
-            async with SchedulerClient.from_config(cfg, args.scheduler, token) as client:
+            async with SchedulerClient.from_config(cfg, full.tls, args.scheduler,
+                                                   token) as client:
                 return await action(client, args)
 
         try:
             data, text = _run(go())
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, args.scheduler or cfg.address) from None
+        except SubmitRejected as e:
+            print(json.dumps(e.data, indent=2, sort_keys=True) if args.json else e.text)
+            return EXIT_USAGE if e.usage else EXIT_FAIL
         print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
         return EXIT_OK
 
@@ -271,5 +276,24 @@ async def _submit(client, args):
                                        max_new_tokens=args.max_new_tokens)
              for _ in range(args.count)]
     r = await client.submit(specs)
-    text = "\n".join(r.request_ids) + f"\nqueued: {r.queued_requests}"
+    lines = list(r.request_ids) + [
+        f"rejected: {x.request_id or f'#{x.index}'}: {_REASON.get(x.reason, x.reason)}: "
+        f"{x.detail}" for x in r.rejected]
+    text = "\n".join(lines + [f"queued: {r.queued_requests}"])
+    if r.rejected:
+        # Some were refused: exit 2 when the input was at fault, else 1 (queue, duplicate).
+        raise SubmitRejected(text, _msg_dict(r), usage=any(
+            x.reason in (scheduler_pb2.REJECT_REASON_INVALID, scheduler_pb2.REJECT_REASON_TOO_LARGE)
+            for x in r.rejected))
     return _msg_dict(r), text
+
+
+_REASON = {1: "invalid", 2: "too large", 3: "duplicate", 4: "queue full"}
+
+
+class SubmitRejected(Exception):
+    """Some submitted requests were rejected; carries what to print and the exit code."""
+
+    def __init__(self, text: str, data: dict, usage: bool):
+        super().__init__(text)
+        self.text, self.data, self.usage = text, data, usage

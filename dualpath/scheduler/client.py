@@ -60,9 +60,12 @@ class SchedulerClient:
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     @classmethod
-    def from_config(cls, cfg: SchedulerClientConfig, address: str | None = None,
+    def from_config(cls, cfg: SchedulerClientConfig, tls_config: tls.TlsConfig,
+                    address: str | None = None,
                     admin_token: str | None = None) -> SchedulerClient:
-        creds = tls.channel_credentials(cfg.tls_ca_file, cfg.tls_cert_file, cfg.tls_key_file)
+        """A client per ``[scheduler_client]`` over ``[tls]`` (mutual TLS with our
+        certificate, or explicit plaintext); ConfigError when neither is configured."""
+        creds = tls.channel_credentials(tls_config)
         if admin_token is None and cfg.admin_token_file:
             admin_token = tls.read_token(cfg.admin_token_file, "scheduler_client.admin_token_file")
         return cls(address or cfg.address, credentials=creds, admin_token=admin_token,

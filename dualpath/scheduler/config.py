@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from dualpath.config import key
+from dualpath.config import U32_MAX, key
 from dualpath.errors import ConfigError
 from dualpath.kv.profiles import PROFILES
-from dualpath.rpc import check_listen
+from dualpath.rpc import check_listen, parse_listen
+
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
 @dataclass(frozen=True)
@@ -41,33 +44,49 @@ class SchedulerConfig:
     split_read: bool = key(False, "Read a request's hit KV from both nodes, sized so both "
                            "read queues drain together (beyond the paper, its future work).")
     lease_ms: int = key(3000, "A group whose leader is silent this long is marked down and "
-                        "its unfinished requests are requeued at the head.", min=10)
-    fetch_interval_ms: int = key(20, "Fetch period suggested to leaders at registration.",
-                                 min=1)
+                        "its unfinished requests are requeued at the head (uint32 on the wire).",
+                        min=10, max=U32_MAX)
+    fetch_interval_ms: int = key(20, "Fetch period suggested to leaders at registration "
+                                 "(uint32 on the wire).", min=1, max=U32_MAX)
     max_assignments_per_fetch: int = key(4096, "Upper bound on assignments in one fetch "
                                          "answer.", min=1)
-    max_queued_requests: int = key(1_000_000, "Submissions beyond this many waiting requests "
-                                   "are refused (RESOURCE_EXHAUSTED).", min=1)
-    tls_cert_file: str = key("", "PEM server certificate; empty = plaintext gRPC (loopback "
-                             "and tests only).")
-    tls_key_file: str = key("", "PEM private key of tls_cert_file.")
-    tls_client_ca_file: str = key("", "PEM CA bundle; when set, clients must present a "
-                                  "certificate it signed (mutual TLS).")
+    max_queued_requests: int = key(1_000_000, "Requests submitted beyond this many waiting "
+                                   "ones are rejected (reason QUEUE_FULL).", min=1)
+    max_held_bytes: int = key(2 << 30, "The queue bounded by bytes: requests whose ids, "
+                              "payloads and bookkeeping (~1.7 KiB each) would take the live "
+                              "requests past this are rejected (QUEUE_FULL).", min=1 << 20)
+    max_payload_bytes: int = key(256 << 10, "Largest request payload accepted (a larger one "
+                                 "is rejected, reason INVALID). At most 2 MiB, so that one "
+                                 "assignment always fits a fetch reply.", min=0, max=2 << 20)
+    max_submit_requests: int = key(4096, "Requests in one SubmitRequest call; more and the "
+                                   "call is refused whole (INVALID_ARGUMENT). At most 8192, "
+                                   "so that the per-request reply fits a 4 MiB message.",
+                                   min=1, max=8192)
+    plaintext_node_listen: str = key(
+        "", "TEMPORARY: a second listener WITHOUT TLS for node daemons that cannot speak "
+        "TLS yet (dualpath up sets it while dualpath.cluster.local.NODES_SPEAK_TLS is "
+        "False); loopback addresses only, logged as a warning; its callers have no "
+        "identity. Empty = none.")
     admin_token_file: str = key("", "File holding the admin bearer token (first line). Admin "
-                                "calls without it are refused (UNAUTHENTICATED); empty = "
-                                "every admin call is refused.")
+                                "calls need it or an admin certificate (tls); empty = only "
+                                "admin certificates.")
     metrics_listen: str = key("", "Prometheus /metrics address host:port; empty = off, port "
                               "0 = any free port.")
 
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "tls_cert_file": "tls.cert_file", "tls_key_file": "tls.key_file",
+        "tls_client_ca_file": "tls.ca_file (the [tls] section is shared by every process)"}
+
     def validate(self) -> None:
-        check_listen("scheduler", ("metrics_listen",), listen=self.listen,
-                     metrics_listen=self.metrics_listen)
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ConfigError("config keys scheduler.tls_cert_file and scheduler.tls_key_file "
-                              "must be set together")
-        if self.tls_client_ca_file and not self.tls_cert_file:
-            raise ConfigError("config key scheduler.tls_client_ca_file needs "
-                              "scheduler.tls_cert_file (mutual TLS runs over TLS)")
+        check_listen("scheduler", ("metrics_listen", "plaintext_node_listen"),
+                     listen=self.listen, metrics_listen=self.metrics_listen,
+                     plaintext_node_listen=self.plaintext_node_listen)
+        if self.plaintext_node_listen:
+            host, _ = parse_listen(self.plaintext_node_listen)
+            if host not in LOOPBACK_HOSTS:
+                raise ConfigError(f"config key scheduler.plaintext_node_listen = "
+                                  f"{self.plaintext_node_listen!r}: only a loopback address "
+                                  f"({', '.join(LOOPBACK_HOSTS)}) may serve without TLS")
         if self.reference_append_tokens > self.reference_context_tokens:
             raise ConfigError(f"config key scheduler.reference_append_tokens = "
                               f"{self.reference_append_tokens}: must be <= "
@@ -79,20 +98,10 @@ class SchedulerClientConfig:
     """How leaders, clients and `dualpath ctl|submit` reach the scheduler."""
 
     address: str = key("127.0.0.1:50051", "Scheduler address host:port.")
-    tls_ca_file: str = key("", "PEM CA bundle that signed the scheduler's certificate; "
-                           "empty = plaintext.")
-    tls_cert_file: str = key("", "PEM client certificate (when the scheduler requires "
-                             "mutual TLS).")
-    tls_key_file: str = key("", "PEM private key of tls_cert_file.")
     admin_token_file: str = key("", "File holding the admin bearer token, for `dualpath "
                                 "ctl`.")
-    timeout_ms: int = key(5000, "Deadline of each call.", min=1)
+    timeout_ms: int = key(5000, "Deadline of each call.", min=1, max=U32_MAX)
 
-    def validate(self) -> None:
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ConfigError("config keys scheduler_client.tls_cert_file and "
-                              "scheduler_client.tls_key_file must be set together")
-        if self.tls_cert_file and not self.tls_ca_file:
-            raise ConfigError("config key scheduler_client.tls_cert_file needs "
-                              "scheduler_client.tls_ca_file (client certificates only "
-                              "travel over TLS)")
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "tls_ca_file": "tls.ca_file", "tls_cert_file": "tls.cert_file",
+        "tls_key_file": "tls.key_file (the [tls] section is shared by every process)"}

@@ -29,7 +29,7 @@ from dualpath.errors import UsageError
 from dualpath.kv.profiles import ModelProfile, get_profile
 from dualpath.scheduler.config import SchedulerConfig
 from dualpath.scheduler.core import policy
-from dualpath.scheduler.core.errors import Conflict, LeaseError, NotFound, QueueFull
+from dualpath.scheduler.core.errors import Conflict, LeaseError, NotFound, PermissionDenied
 from dualpath.scheduler.core.model import (
     Completion,
     CompletionStage,
@@ -60,7 +60,7 @@ _STATUS = (
     (LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (Conflict, grpc.StatusCode.ALREADY_EXISTS),
-    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (UsageError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 _ERRORS = tuple(cls for cls, _ in _STATUS)
@@ -88,6 +88,9 @@ def params_from_config(cfg: SchedulerConfig, profile: ModelProfile | None = None
                   lease_s=cfg.lease_ms / 1000.0,
                   max_assignments_per_fetch=cfg.max_assignments_per_fetch,
                   max_queued_requests=cfg.max_queued_requests,
+                  context_tokens=profile.context_tokens, max_held_bytes=cfg.max_held_bytes,
+                  max_payload_bytes=cfg.max_payload_bytes,
+                  max_submit_requests=cfg.max_submit_requests,
                   default_read_tokens_per_s=cfg.storage_read_bytes_per_s
                   / profile.kv_bytes_per_token)
 
@@ -110,6 +113,9 @@ class SchedulerMetrics:
                                     "Requests placed on a DE (in-group phase).")
         self.submitted = m.counter(registry, "dualpath_scheduler_requests_submitted_total",
                                    "Requests accepted by SubmitRequest.")
+        self.rejected = m.counter(registry, "dualpath_scheduler_requests_rejected_total",
+                                  "Requests SubmitRequest rejected (invalid, too large, "
+                                  "duplicate, queue full).")
         self.completed = m.counter(registry, "dualpath_scheduler_requests_completed_total",
                                    "Requests whose decode finished.")
         self.requeued = m.counter(registry, "dualpath_scheduler_requests_requeued_total",
@@ -137,7 +143,8 @@ class SchedulerMetrics:
             self.read_q.labels(lbl)
         for s in ("up", "down"):
             self.groups.labels(s)
-        self._seen = {"submitted": 0, "completed": 0, "requeued": 0, "placed": 0}
+        self._seen = {"submitted": 0, "completed": 0, "requeued": 0, "placed": 0,
+                      "rejected": 0}
         self._seen_paths = {s: 0 for s in _PATH_LABEL}
 
     def observe_fetch(self, role: Role, seconds: float) -> None:
@@ -147,6 +154,7 @@ class SchedulerMetrics:
         """Bring gauges and counters up to date with the core (O(engines + requests))."""
         c = s.counters
         for name, value, metric in (("submitted", c.submitted, self.submitted),
+                                    ("rejected", c.rejected, self.rejected),
                                     ("completed", c.completed, self.completed),
                                     ("requeued", c.requeued, self.requeued),
                                     ("placed", c.decode_assigned, self.placements)):
@@ -176,8 +184,10 @@ class SchedulerService:
     <-> token conversion), the clock, metrics and the lease sweeper. Loop-owned."""
 
     def __init__(self, config: SchedulerConfig | None = None, *,
-                 clock: Callable[[], float] = _clock.now, registry=None):
+                 clock: Callable[[], float] = _clock.now, registry=None,
+                 trust_domain: str = "dualpath"):
         self.config = config or SchedulerConfig()
+        self.trust_domain = trust_domain   # whose certificate identities name callers
         self.profile = get_profile(self.config.model_profile)
         self.kv_bytes_per_token = self.profile.kv_bytes_per_token
         self.core = Scheduler(params_from_config(self.config, self.profile))
@@ -275,12 +285,39 @@ async def _abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
     raise e
 
 
+async def caller_identity(context: grpc.aio.ServicerContext, trust_domain: str,
+                          roles: tuple[str, ...], what: str) -> str:
+    """The identity a call acts as: "role/name" from its certificate over mutual TLS
+    (PERMISSION_DENIED unless its role is one of ``roles``), "" over a plaintext
+    listener (an explicit opt-in: no identities there)."""
+    if not tls.is_secure(context):
+        return ""
+    ident = tls.peer_identity(context, trust_domain)
+    if ident is None:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"{what}: the client certificate names no "
+                            f"spiffe://{trust_domain}/<role>/<name> identity")
+    if ident.role not in roles:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"{what} needs a {' or '.join(roles)} certificate; the caller "
+                            f"is {ident}")
+    return str(ident)
+
+
+_LEADER = ("node",)
+_SUBMITTER = ("client", "admin", "node")
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """Leader calls need a node identity and act only on the caller's own group (the
+    core checks the binding); submissions need any cluster identity."""
+
     def __init__(self, svc: SchedulerService):
         self.svc = svc
 
     async def RegisterGroup(self, request, context):
         svc = self.svc
+        caller = await caller_identity(context, svc.trust_domain, _LEADER, "RegisterGroup")
         try:
             role = Role(request.role)
         except ValueError:
@@ -290,11 +327,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                             svc.tokens(e.hbm_bytes)) for e in request.engines]
         rate = request.storage_read_bytes_per_s / svc.kv_bytes_per_token
         try:
-            g = svc.core.register_group(request.group_id, role, specs, svc.clock(), rate)
+            g = svc.core.register_group(request.group_id, role, specs, svc.clock(), rate,
+                                        owner=caller)
         except _ERRORS as e:
+            if isinstance(e, PermissionDenied):
+                log.warning("RegisterGroup refused: %s", e)
             await _abort(context, e)
-        log.info("group %s registered: %s, %d engines, lease %d", g.group_id,
-                 _ROLE_LABEL[role], len(g.engines), g.lease_id)
+        log.info("group %s registered by %s: %s, %d engines, lease %d", g.group_id,
+                 caller or "an unauthenticated caller", _ROLE_LABEL[role], len(g.engines),
+                 g.lease_id)
         cfg = svc.config
         return scheduler_pb2.RegisterGroupResponse(
             lease_id=g.lease_id, lease_ms=cfg.lease_ms, fetch_interval_ms=cfg.fetch_interval_ms,
@@ -304,6 +345,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Fetch(self, request, context):
         svc = self.svc
         t0 = _clock.now()
+        caller = await caller_identity(context, svc.trust_domain, _LEADER, "Fetch")
         kvb = svc.kv_bytes_per_token
         reports = [EngineReport(s.engine_id, s.unfinished_requests, s.unfinished_tokens,
                                 s.read_queue_tokens, s.free_hbm_bytes // kvb)
@@ -313,9 +355,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             now = svc.clock()
             if request.completions:
                 accepted, ignored = svc.core.report(request.group_id, request.lease_id,
-                                                    _completions(request.completions), now)
+                                                    _completions(request.completions), now,
+                                                    caller)
             res = svc.core.fetch(request.group_id, request.lease_id, reports, now,
-                                 request.max_assignments)
+                                 request.max_assignments, caller)
         except _ERRORS as e:
             await _abort(context, e)
         with_pe = res.role is Role.PREFILL
@@ -329,9 +372,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def ReportCompletion(self, request, context):
         svc = self.svc
+        caller = await caller_identity(context, svc.trust_domain, _LEADER, "ReportCompletion")
         try:
             accepted, ignored = svc.core.report(request.group_id, request.lease_id,
-                                                _completions(request.completions), svc.clock())
+                                                _completions(request.completions), svc.clock(),
+                                                caller)
         except _ERRORS as e:
             await _abort(context, e)
         return scheduler_pb2.ReportCompletionResponse(accepted=accepted,
@@ -339,14 +384,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def SubmitRequest(self, request, context):
         core = self.svc.core
+        await caller_identity(context, self.svc.trust_domain, _SUBMITTER, "SubmitRequest")
         specs = [RequestSpec(r.prompt_tokens, r.hit_tokens, r.max_new_tokens, r.request_id,
                              r.payload) for r in request.requests]
         try:
             out = core.submit(specs)
         except _ERRORS as e:
             await _abort(context, e)
-        return scheduler_pb2.SubmitRequestResponse(request_ids=[r.request_id for r in out],
-                                                   queued_requests=core.queued_requests())
+        return scheduler_pb2.SubmitRequestResponse(
+            request_ids=[r.request_id for r in out.accepted],
+            queued_requests=core.queued_requests(),
+            rejected=[scheduler_pb2.RejectedRequest(index=x.index, request_id=x.request_id,
+                                                    reason=int(x.reason), detail=x.detail)
+                      for x in out.rejected])
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -419,12 +469,14 @@ def create_server(address: str, service: SchedulerService | None = None, *,
                   credentials: grpc.ServerCredentials | None = None,
                   admin_token: str | None = None) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server (not started) with the Scheduler, Admin, health and reflection
-    services bound to ``address`` (port 0 = a free port); returns it and the port.
-    Call from inside the event loop that will run it. ``service.dualpath_service`` is
-    reachable as ``server.dualpath_service`` for tests."""
+    services bound to ``address`` (port 0 = a free port; mutual TLS with
+    ``credentials``, plaintext without); returns it and the port. Call from inside the
+    event loop that will run it. ``service.dualpath_service`` is reachable as
+    ``server.dualpath_service`` for tests."""
     svc = service or SchedulerService()
     server = grpc.aio.server(
-        interceptors=[tls.TokenAuthInterceptor(admin_token, (ADMIN_PREFIX,))],
+        interceptors=[tls.AdminAuthInterceptor(admin_token, (ADMIN_PREFIX,),
+                                               svc.trust_domain)],
         options=[("grpc.so_reuseport", 0)])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(svc), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(svc), server)
@@ -455,17 +507,21 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-async def serve(config: SchedulerConfig, *, config_path: str | None = None,
+async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
+                config_path: str | None = None,
                 stop: asyncio.Event | None = None,
                 on_ready: Callable[[int, int | None], None] | None = None) -> None:
     """Run the scheduler until SIGTERM/SIGINT (or ``stop`` is set): bind, log how it is
     reachable, sweep leases, serve /metrics, then shut down gracefully."""
-    creds = tls.server_credentials(config.tls_cert_file, config.tls_key_file,
-                                   config.tls_client_ca_file)
+    creds = tls.server_credentials(tls_config)
     token = (tls.read_token(config.admin_token_file, "scheduler.admin_token_file")
              if config.admin_token_file else None)
-    svc = SchedulerService(config)
+    svc = SchedulerService(config, trust_domain=tls_config.trust_domain)
     server, port = create_server(config.listen, svc, credentials=creds, admin_token=token)
+    node_port = None
+    if config.plaintext_node_listen:
+        node_port = rpc.bind(server, config.plaintext_node_listen,
+                             "scheduler.plaintext_node_listen")
     metrics_srv = _metrics.start_metrics_server(config.metrics_listen, svc.registry,
                                                  "scheduler.metrics_listen")
     stop = stop or asyncio.Event()
@@ -478,13 +534,19 @@ async def serve(config: SchedulerConfig, *, config_path: str | None = None,
         await set_serving(server, True)
         svc.start_sweeper()
         tune_gc()
+        tls.log_mode(tls_config, "scheduler", log)
+        if node_port is not None:
+            log.warning("scheduler: ALSO listening WITHOUT TLS on %s:%d for node daemons "
+                        "(scheduler.plaintext_node_listen; node daemons cannot speak TLS "
+                        "yet): its callers have no identity",
+                        config.plaintext_node_listen.rpartition(":")[0], node_port)
         p = svc.core.params
         host = config.listen.rpartition(":")[0]
         log.info("scheduler listening on %s:%d, %s, admin token %s; config %s; model %s, "
                  "alpha %d tokens, beta %d tokens, quota %d ms, split read %s, lease %d ms; "
                  "metrics %s", host, port,
-                 tls.tls_mode(config.tls_cert_file, config.tls_client_ca_file),
-                 "set" if token else "not set (admin calls refused)",
+                 tls.mode(tls_config),
+                 "set" if token else "not set (admin certificates only)",
                  config_path or "(defaults)", svc.profile.name, p.alpha_tokens, p.beta_tokens,
                  p.compute_quota_ms, p.split_read, config.lease_ms,
                  metrics_srv.url if metrics_srv else "off")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from dualpath.config import key
+from dualpath.errors import ConfigError
+from dualpath.storage.format import MIN_KEY_BYTES
 from dualpath.storage.store import DIRECT_IO_MODES
 
 
@@ -32,6 +35,32 @@ class StorageConfig:
                                  "(token bucket on its reads); 0 = no limit.", min=0.0)
     snic_burst_bytes: int = key(0, "Token-bucket depth of the storage-NIC emulation in bytes; "
                                 "0 = 10 ms at the configured rate.", min=0)
+    integrity_key_file: str = key("", "File holding the cluster's block integrity key (at "
+                                  "least 32 bytes, e.g. `head -c 32 /dev/urandom`; not "
+                                  "readable by every user). Set: blocks are written with a "
+                                  "keyed BLAKE2b tag and only blocks whose tag verifies are "
+                                  "read (a writer of the shared mount without the key cannot "
+                                  "plant blocks). Empty = no tags.")
+
+    def integrity_key(self) -> bytes | None:
+        """The key of integrity_key_file (None when unset); ConfigError naming the file
+        when it is unreadable, too short or readable by every user."""
+        if not self.integrity_key_file:
+            return None
+        path = self.integrity_key_file
+        what = f"storage.integrity_key_file = {path!r}"
+        try:
+            data = Path(path).read_bytes()
+            mode = os.stat(path).st_mode
+        except OSError as e:
+            raise ConfigError(f"{what}: cannot read ({e.strerror})") from None
+        if mode & stat.S_IROTH:
+            raise ConfigError(f"{what}: readable by every user (mode "
+                              f"{stat.S_IMODE(mode):04o}); chmod 600 it")
+        if len(data) < MIN_KEY_BYTES:
+            raise ConfigError(f"{what}: {len(data)} bytes; the key needs at least "
+                              f"{MIN_KEY_BYTES} (head -c 32 /dev/urandom > FILE)")
+        return data
 
     def resolved_dir(self) -> Path:
         if self.dir:

@@ -6,7 +6,7 @@ A block file is a 4096-byte header followed by the Full Block payload, nothing e
     0       8     magic            b"DPKVBLK\\0"
     8       2     format version   1
     10      2     header bytes     4096 (payload offset; keeps the payload O_DIRECT-aligned)
-    12      4     flags            0 (reserved)
+    12      4     flags            bit 0: TAGGED (an integrity tag follows the hash)
     16      32    profile name     UTF-8, NUL padded (e.g. "ds660b")
     48      4     layers           \\
     52      4     tokens            > the block layout (dualpath.kv.layout.BlockLayout)
@@ -16,7 +16,9 @@ A block file is a 4096-byte header followed by the Full Block payload, nothing e
     72      8     payload hash     XXH3-64 (seed 0) of the payload
     80      16    block key        the chained prefix key (dualpath.kv.prefix)
     96      8     header hash      XXH3-64 (seed 0) of bytes 0..95
-    104..4095     zero
+    104     32    integrity tag    TAGGED only: keyed BLAKE2b-256 (the cluster key) of
+                                   bytes 0..103 and the payload; else zero
+    136..4095     zero
 
 All integers are little-endian. A reader accepts a file only when every field matches
 what it expects, both hashes match and the file is exactly header + payload bytes long.
@@ -25,10 +27,19 @@ Why XXH3-64 and not zlib's CRC-32: the check runs on every block read, and a nod
 at its storage NICs' speed. On one core XXH3 hashes tens of GB/s and zlib.crc32 a few
 (measured on the dev VM: 48 against 3-7 GB/s; bench/storage.py prints both), so the
 check costs a sliver of a core instead of limiting the read.
+
+The XXH3 digests catch accidents, not an adversary: anyone who can write the shared
+mount can forge a block whose hashes match. With a cluster key (storage.integrity_key_
+file) every block carries a keyed BLAKE2b tag over its header and payload, which only
+a holder of the key can make; a reader with the key accepts only tagged blocks whose tag
+verifies. BLAKE2b (hashlib, releases the GIL) hashes ~1 GB/s per core: the price of
+integrity against writers of the mount, paid only where a key is configured.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 
 import xxhash
@@ -41,19 +52,46 @@ HEADER_BYTES = 4096
 _FIELDS = struct.Struct("<8sHHI32sIIIIQQ16s")
 _HASH = struct.Struct("<Q")
 PROFILE_NAME_BYTES = 32
+FLAG_TAGGED = 1
+TAG_OFFSET, TAG_BYTES = 104, 32
+MIN_KEY_BYTES = 32
 
 payload_hash = xxhash.xxh3_64_intdigest   # (buffer) -> int; releases the GIL on big inputs
 
 
-def pack_header(profile: str, layout: BlockLayout, key: bytes, payload_digest: int) -> bytes:
-    """The 4096-byte header of a block file."""
+def integrity_tag(secret: bytes, head: bytes, payload) -> bytes:
+    """Keyed BLAKE2b-256 of a header's first 104 bytes and the payload."""
+    h = hashlib.blake2b(head[:TAG_OFFSET], key=secret[:64], digest_size=TAG_BYTES)
+    h.update(payload)
+    return h.digest()
+
+
+def pack_header(profile: str, layout: BlockLayout, key: bytes, payload_digest: int,
+                secret: bytes | None = None, payload=None) -> bytes:
+    """The 4096-byte header of a block file; with ``secret`` (the cluster key) it is
+    TAGGED and carries the integrity tag of itself and ``payload``."""
     name = profile.encode()
     if len(name) > PROFILE_NAME_BYTES:
         raise ValueError(f"profile name {profile!r} is longer than {PROFILE_NAME_BYTES} bytes")
-    fields = _FIELDS.pack(MAGIC, VERSION, HEADER_BYTES, 0, name, layout.layers, layout.tokens,
-                          layout.token_bytes, 0, layout.full_bytes, payload_digest, key)
+    flags = FLAG_TAGGED if secret is not None else 0
+    fields = _FIELDS.pack(MAGIC, VERSION, HEADER_BYTES, flags, name, layout.layers,
+                          layout.tokens, layout.token_bytes, 0, layout.full_bytes,
+                          payload_digest, key)
     head = fields + _HASH.pack(payload_hash(fields))
+    if secret is not None:
+        head += integrity_tag(secret, head, payload)
     return head + bytes(HEADER_BYTES - len(head))
+
+
+def check_tag(buf, secret: bytes, payload) -> str | None:
+    """None when the header is TAGGED and its tag verifies under ``secret``."""
+    head = bytes(buf[:TAG_OFFSET + TAG_BYTES])
+    (flags,) = struct.unpack_from("<I", head, 12)
+    if not flags & FLAG_TAGGED:
+        return "no integrity tag (written without the cluster key)"
+    if not hmac.compare_digest(head[TAG_OFFSET:], integrity_tag(secret, head, payload)):
+        return "integrity tag mismatch (not written with this cluster key)"
+    return None
 
 
 def check_header(buf, profile: str, layout: BlockLayout, key: bytes) -> tuple[str | None, int]:

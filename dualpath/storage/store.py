@@ -13,6 +13,17 @@ rename is atomic, so a reader sees either no block or the whole block, never a p
 A crashed writer leaves only a ``.tmp`` file, which no reader opens; :meth:`sweep_temp`
 removes old ones.
 
+Paths stay inside the store (the mount may be writable by others): every directory
+below the store's root is opened with O_NOFOLLOW relative to its parent's descriptor,
+and a block file with O_NOFOLLOW | O_NONBLOCK, so a symlink anywhere below the root is
+refused (counted in ``stats.unsafe_paths``, a miss) and a FIFO planted in place of a
+block cannot block a reader. A directory or any other non-regular file in place of a
+block is a miss too; none of these says anything about O_DIRECT support.
+
+Integrity against writers of the mount: with ``integrity_key`` (the cluster key) every
+block written carries a keyed BLAKE2b tag (format.py) and only blocks whose tag verifies
+are hits; an untagged or forged block is corrupt (quarantined, a miss).
+
 Reads: one ``preadv`` of header + payload straight into the caller's buffer, with
 O_DIRECT when the filesystem supports it (bypassing the page cache: reads run at the
 disk's speed and do not evict the host's memory). O_DIRECT needs 4096-aligned
@@ -29,10 +40,13 @@ pools (``os.preadv``, ``os.fsync`` and the XXH3 hash release the GIL).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno as _errno
+import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -47,7 +61,14 @@ from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import ModelProfile
 from dualpath.storage.errors import StorageError
-from dualpath.storage.format import HEADER_BYTES, check_header, pack_header, payload_hash
+from dualpath.storage.format import (
+    HEADER_BYTES,
+    MIN_KEY_BYTES,
+    check_header,
+    check_tag,
+    pack_header,
+    payload_hash,
+)
 
 log = logging.getLogger("dualpath.storage")
 
@@ -65,6 +86,7 @@ class StoreStats:
     misses: int = 0              # no such block
     corrupt_blocks: int = 0      # bad header, length or checksum: quarantined, a miss
     read_errors: int = 0         # I/O errors other than "no such file": a miss
+    unsafe_paths: int = 0        # a symlink or non-regular file on a block's path: a miss
     bounce_reads: int = 0        # O_DIRECT reads into an unaligned buffer (one extra copy)
     bytes_read: int = 0          # payload bytes handed out
     writes: int = 0
@@ -97,9 +119,14 @@ class BlockStore:
 
     def __init__(self, root: str | os.PathLike, profile: ModelProfile, *,
                  read_workers: int = 8, write_workers: int = 2, direct_io: str = "auto",
-                 verify_checksum: bool = True, fsync: bool = True):
+                 verify_checksum: bool = True, fsync: bool = True,
+                 integrity_key: bytes | None = None):
         if direct_io not in DIRECT_IO_MODES:
             raise UsageError(f"direct_io={direct_io!r}; allowed: {', '.join(DIRECT_IO_MODES)}")
+        if integrity_key is not None and len(integrity_key) < MIN_KEY_BYTES:
+            raise UsageError(f"the block integrity key has {len(integrity_key)} bytes; at "
+                             f"least {MIN_KEY_BYTES}")
+        self.integrity_key = integrity_key
         if read_workers < 1 or write_workers < 1:
             raise UsageError("read_workers and write_workers must be >= 1")
         self.profile = profile
@@ -114,18 +141,20 @@ class BlockStore:
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._scratch = _Scratch()
-        self._dirs: set[Path] = set()
         self._read_pool = ThreadPoolExecutor(read_workers, thread_name_prefix="dp-store-read")
         self._write_pool = ThreadPoolExecutor(write_workers, thread_name_prefix="dp-store-write")
         self._closed = False
+        self._root_fd = -1
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            self._root_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
             self.close()
             raise StorageError(e.errno or _errno.EIO, "creating the block store directory",
                                self.dir) from None
-        log.info("block store %s: profile %s, %d-byte full blocks, direct_io=%s, %d read workers",
-                 self.dir, profile.name, self.layout.full_bytes, direct_io, read_workers)
+        log.info("block store %s: profile %s, %d-byte full blocks, direct_io=%s, %d read "
+                 "workers, integrity tags %s", self.dir, profile.name, self.layout.full_bytes,
+                 direct_io, read_workers, "on (cluster key)" if integrity_key else "off")
 
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
@@ -135,6 +164,9 @@ class BlockStore:
         self._closed = True
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
 
     def __enter__(self) -> Self:
         return self
@@ -144,21 +176,65 @@ class BlockStore:
 
     # --- naming -------------------------------------------------------------------------
     def path_of(self, key: bytes) -> Path:
-        if len(key) != 16:
-            raise UsageError(f"block keys are 16 bytes, got {len(key)}")
-        h = key.hex()
-        return self.dir / h[:2] / h[2:4] / (h + SUFFIX)
+        """Where block ``key`` lives (for people and tests; I/O goes through
+        :meth:`_block_dir`, which refuses symlinks)."""
+        return self.dir.joinpath(*_parts(key))
+
+    def _block_dir(self, key: bytes, create: bool = False) -> tuple[int, str]:
+        """(descriptor of the block's directory, file name): each level opened with
+        O_NOFOLLOW below the root, made when ``create``. OSError: ENOENT when missing,
+        ELOOP or ENOTDIR when a symlink or a file is in the way. Caller closes the fd."""
+        *dirs, name = _parts(key)
+        fd = os.dup(self._root_fd)
+        try:
+            for d in dirs:
+                flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+                try:
+                    nxt = os.open(d, flags, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(d, 0o755, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    nxt = os.open(d, flags, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, name
+
+    def _is_block_file(self, dfd: int, name: str) -> bool:
+        try:
+            return stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return False
 
     def contains(self, key: bytes) -> bool:
         """Whether a block file exists (advisory: only a read checks its bytes)."""
-        return self.path_of(key).is_file()
+        try:
+            dfd, name = self._block_dir(key)
+        except OSError:
+            return False
+        try:
+            return self._is_block_file(dfd, name)
+        finally:
+            os.close(dfd)
 
     def delete(self, key: bytes) -> bool:
         try:
-            self.path_of(key).unlink()
-            return True
-        except FileNotFoundError:
+            dfd, name = self._block_dir(key)
+        except OSError:
             return False
+        try:
+            os.unlink(name, dir_fd=dfd)
+            return True
+        except (FileNotFoundError, IsADirectoryError):
+            return False
+        finally:
+            os.close(dfd)
 
     # --- writes -------------------------------------------------------------------------
     def write(self, key: bytes, data, *, overwrite: bool = False) -> bool:
@@ -169,29 +245,38 @@ class BlockStore:
         """
         src = self._as_block(data)
         final = self.path_of(key)
-        if not overwrite and final.is_file():
-            self._count(writes_skipped=1)
-            return False
-        self._ensure_dir(final.parent)
-        header = pack_header(self.profile.name, self.layout, key, payload_hash(src))
-        tmp = final.with_name(f".{final.name}.{os.urandom(6).hex()}.tmp")
-        fd = -1
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            dfd, name = self._block_dir(key, create=True)
+        except OSError as e:
+            raise StorageError(e.errno or _errno.EIO, f"writing block {key.hex()}: the "
+                               "directory (a symlink or a file in the way?) of", final) from None
+        fd = -1
+        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
+        try:
+            if not overwrite and self._is_block_file(dfd, name):
+                self._count(writes_skipped=1)
+                return False
+            header = pack_header(self.profile.name, self.layout, key, payload_hash(src),
+                                 self.integrity_key, src)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                         os.O_CLOEXEC, 0o644, dir_fd=dfd)
             _write_all(fd, [memoryview(header), memoryview(src)])
             if self.fsync:
                 os.fsync(fd)
             os.close(fd)
             fd = -1
-            os.rename(tmp, final)
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             if self.fsync:
-                _fsync_dir(final.parent)
+                os.fsync(dfd)
         except OSError as e:
             if fd >= 0:
                 os.close(fd)
-            _unlink_quiet(tmp)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
             raise StorageError(e.errno or _errno.EIO, f"writing block {key.hex()} to",
                                final) from None
+        finally:
+            os.close(dfd)
         self._count(writes=1, bytes_written=src.size)
         return True
 
@@ -211,12 +296,16 @@ class BlockStore:
         path = self.path_of(key)
         self._count(reads=1)
         try:
-            problem = self._read_file(path, key, dst)
+            problem = self._read_file(key, dst)
         except FileNotFoundError:
             self._count(misses=1)
             return False
         except StorageError:
             raise
+        except _Unsafe as e:
+            self._count(unsafe_paths=1)
+            log.warning("block %s: %s; treated as a miss", path, e)
+            return False
         except OSError as e:
             self._count(read_errors=1)
             log.warning("reading block %s: %s; treating it as a miss", path, e)
@@ -224,7 +313,7 @@ class BlockStore:
         if problem is not None:
             self._count(corrupt_blocks=1)
             log.warning("corrupt block %s (%s): quarantined, treated as a miss", path, problem)
-            _quarantine(path)
+            self._quarantine(key)
             return False
         self._count(hits=1, bytes_read=dst.size)
         return True
@@ -240,12 +329,12 @@ class BlockStore:
             raise UsageError(f"{len(keys)} keys but {len(outs)} buffers")
         return list(self._read_pool.map(self.read_into, keys, outs))
 
-    def _read_file(self, path: Path, key: bytes, dst: np.ndarray) -> str | None:
+    def _read_file(self, key: bytes, dst: np.ndarray) -> str | None:
         """Read and check one file into ``dst``: the problem found, or None when good."""
         full = dst.size
         s = self._scratch
         direct = self.direct
-        fd = self._open_for_read(path, direct)
+        fd = self._open_for_read(key, direct)
         try:
             body = dst
             if direct:
@@ -263,7 +352,7 @@ class BlockStore:
                 if not (direct and e.errno == _errno.EINVAL):
                     raise
                 self._direct_unsupported(e)
-                return self._read_file(path, key, dst)
+                return self._read_file(key, dst)
         finally:
             os.close(fd)
         if got != HEADER_BYTES + full:
@@ -277,18 +366,57 @@ class BlockStore:
             dst[:] = body[:full]
         if self.verify_checksum and payload_hash(dst) != digest:
             return "payload hash mismatch"
+        if self.integrity_key is not None:
+            return check_tag(s.header, self.integrity_key, dst)
         return None
 
-    def _open_for_read(self, path: Path, direct: bool) -> int:
-        if not direct:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    def _open_for_read(self, key: bytes, direct: bool) -> int:
+        """The block's file, opened without following a symlink anywhere below the root
+        and only when it is a regular file (_Unsafe otherwise); O_DIRECT is set after
+        that check, so only a real block file can say the filesystem refuses it."""
         try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+            dfd, name = self._block_dir(key)
         except OSError as e:
-            if e.errno != _errno.EINVAL:
-                raise
-            self._direct_unsupported(e)
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            if e.errno in (_errno.ELOOP, _errno.ENOTDIR):
+                raise _Unsafe("a symlink or a file in place of its directory") from None
+            raise
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         dir_fd=dfd)
+        except OSError as e:
+            if e.errno == _errno.ELOOP:
+                raise _Unsafe("a symlink in place of the block") from None
+            raise
+        finally:
+            os.close(dfd)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise _Unsafe(f"not a regular file (mode {mode:o}) in place of the block")
+            flags = os.O_RDONLY | os.O_CLOEXEC    # drop O_NONBLOCK (regular file: no-op)
+            if direct:
+                try:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+                except OSError as e:
+                    if e.errno != _errno.EINVAL:
+                        raise
+                    self._direct_unsupported(e)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _quarantine(self, key: bytes) -> None:
+        try:
+            dfd, name = self._block_dir(key)
+        except OSError:
+            return
+        try:
+            os.rename(name, name + ".corrupt", src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError as e:   # read-only store or already gone: the count and log remain
+            log.debug("could not quarantine %s: %s", self.path_of(key), e)
+        finally:
+            os.close(dfd)
 
     def _direct_unsupported(self, e: OSError) -> None:
         if self.direct_io == "on":
@@ -310,6 +438,9 @@ class BlockStore:
         cutoff = time.time() - max_age_s
         removed = 0
         for tmp in self.dir.glob("*/*/.*.tmp"):
+            if tmp.parent.is_symlink() or tmp.parent.parent.is_symlink() or \
+                    tmp.is_symlink():
+                continue   # never reach outside the store
             try:
                 if tmp.stat().st_mtime <= cutoff:
                     tmp.unlink()
@@ -330,16 +461,6 @@ class BlockStore:
         if writable and not arr.flags.writeable:
             raise UsageError("read buffer is not writable")
         return arr
-
-    def _ensure_dir(self, d: Path) -> None:
-        if d in self._dirs:
-            return
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StorageError(e.errno or _errno.EIO, "creating directory", d) from None
-        with self._lock:
-            self._dirs.add(d)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -381,23 +502,13 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             views = [views[0][n:], *views[1:]]
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class _Unsafe(Exception):
+    """A symlink or a non-regular file on a block's path (a miss, never followed)."""
 
 
-def _unlink_quiet(p: Path) -> None:
-    try:
-        os.unlink(p)
-    except OSError:
-        pass
-
-
-def _quarantine(p: Path) -> None:
-    try:
-        os.replace(p, p.with_name(p.name + ".corrupt"))
-    except OSError as e:   # read-only store or already gone: the count and log remain
-        log.debug("could not quarantine %s: %s", p, e)
+def _parts(key: bytes) -> tuple[str, str, str]:
+    """The two fan-out directories and the file name of block ``key``."""
+    if len(key) != 16:
+        raise UsageError(f"block keys are 16 bytes, got {len(key)}")
+    h = key.hex()
+    return h[:2], h[2:4], h + SUFFIX

@@ -196,8 +196,9 @@ class TransferEngine:
         else:
             region = self.provider.register(buf, addr=addr, length=length)
         self._regions[name] = region
-        log.info("transfer engine %s: region %r, %d bytes at %#x", self.name, name,
-                 region.length, region.addr)
+        log.info("transfer engine %s: region %r, %d bytes", self.name, name, region.length)
+        # Addresses help an attacker aim a WRITE: DEBUG only.
+        log.debug("transfer engine %s: region %r at %#x", self.name, name, region.addr)
         return region
 
     def rekey(self, name: str) -> Region:

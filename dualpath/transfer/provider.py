@@ -20,11 +20,18 @@ while the data-path thread polls (nothing posts on a connection being connected)
 
 from __future__ import annotations
 
+import errno
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
+from dualpath.errors import TransferError
 from dualpath.verbs import Completion, WcStatus
+
+#: Admission bounds of the passive side: connections (QPs) one peer may have us make,
+#: and peers we make them for (TransferConfig.connections_per_peer is at most 64).
+MAX_CONNECTIONS_PER_PEER = 64
+MAX_PEERS = 1024
 
 #: Completion statuses that blame one WRITE (its keys or range), not the path: the items
 #: before it in the same connection did land (RC order), and retrying it cannot help.
@@ -39,6 +46,36 @@ def status_name(status: int) -> str:
         return f"{WcStatus(status).name} ({status})"
     except ValueError:
         return f"status {status}"
+
+
+class Admissions:
+    """The passive side's book of peers admitted through the authenticated out-of-band
+    exchange: a small integer tag per peer (the TCP engine's per-peer cap counts by it)
+    and the bounds on peers and connections per peer. Control thread only."""
+
+    def __init__(self, max_peers: int = MAX_PEERS,
+                 per_peer: int = MAX_CONNECTIONS_PER_PEER):
+        self.max_peers, self.per_peer = max_peers, per_peer
+        self._tags: dict[str, int] = {}
+        self._next = 0
+
+    def admit(self, peer: str, index: int) -> int:
+        """The peer's tag; TransferError(EPERM) past a bound (nothing is made)."""
+        if not 0 <= index < self.per_peer:
+            raise TransferError(f"peer {peer!r} asked for connection {index}; at most "
+                                f"{self.per_peer} per peer", errno=errno.EPERM)
+        tag = self._tags.get(peer)
+        if tag is None:
+            if len(self._tags) >= self.max_peers:
+                raise TransferError(f"{len(self._tags)} peers admitted already (at most "
+                                    f"{self.max_peers}); refusing {peer!r}",
+                                    errno=errno.EPERM)
+            self._next += 1
+            tag = self._tags[peer] = self._next
+        return tag
+
+    def forget(self, peer: str) -> None:
+        self._tags.pop(peer, None)
 
 
 @dataclass(frozen=True)

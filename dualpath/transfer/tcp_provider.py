@@ -1,29 +1,49 @@
 """The TCP provider behind the TransferEngine: one :class:`~dualpath.tcp.TcpEngine`
 (listener, regions, server thread) and one completion queue for every connection.
 
-Endpoints: the passive side answers with its listen address (``host:port``); the active
-side's connection needs nothing from us, so its endpoint is empty. ``accept`` makes
-nothing: the peer's connection simply arrives at the listener.
+Endpoints: the passive side answers with its listen address and a fresh credential for
+that one connection (``host:port#<id>:<secret>``, hex; dualpath.tcp.Credential): the
+engine admits a connection only with a credential it issued, and the endpoint travels in
+the ConnectReply of the authenticated out-of-band exchange, so only a peer that passed
+that exchange can connect at all. The active side's endpoint is empty. ``accept``
+withdraws the unused credential of the same (peer, connection) it issued before, so a
+peer holds at most connections_per_peer of them; ``forget`` withdraws all of a peer's.
 """
 
 from __future__ import annotations
 
 from dualpath._native import ffi
 from dualpath.errors import UsageError
-from dualpath.tcp import ACCESS_RW, TcpConfig, TcpEngine
-from dualpath.transfer.provider import Connection, Provider
+from dualpath.tcp import ACCESS_RW, SECRET_BYTES, Credential, TcpConfig, TcpEngine
+from dualpath.transfer.provider import MAX_CONNECTIONS_PER_PEER, Admissions, Connection, Provider
 from dualpath.verbs import Completion
 
 
-def encode_address(host: str, port: int) -> bytes:
-    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
+def encode_address(host: str, port: int, cred: Credential | None = None) -> bytes:
+    addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if cred is not None:
+        addr += f"#{cred.id:08x}:{cred.secret.hex()}"
+    return addr.encode()
 
 
-def decode_address(data: bytes) -> tuple[str, int]:
-    host, sep, port = data.decode().rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise UsageError(f"not a TCP provider endpoint (host:port): {data!r}")
-    return host.strip("[]"), int(port)
+def decode_address(data: bytes) -> tuple[str, int, Credential | None]:
+    """``host:port[#id:secret]`` -> (host, port, credential or None)."""
+    try:
+        text = data.decode()
+        addr, sep, cred = text.partition("#")
+        host, hsep, port = addr.rpartition(":")
+        credential = None
+        if sep:
+            cid, _, secret = cred.partition(":")
+            credential = Credential(int(cid, 16), bytes.fromhex(secret))
+    except (UnicodeDecodeError, ValueError):
+        raise UsageError(f"not a TCP provider endpoint (host:port#id:secret): "
+                         f"{len(data)} bytes") from None
+    if not hsep or not port.isdigit() or not host or (sep and len(credential.secret) !=
+                                                      SECRET_BYTES):
+        raise UsageError(f"not a TCP provider endpoint (host:port#id:secret): "
+                         f"{len(data)} bytes")
+    return host.strip("[]"), int(port), credential
 
 
 class TcpProvider(Provider):
@@ -34,16 +54,23 @@ class TcpProvider(Provider):
     poll_slice_s = 0.05     # wait() sleeps in epoll and wake() interrupts it
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, cq_depth: int = 4096,
-                 sockbuf_bytes: int = 0, user_timeout_ms: int = 0, advertise: str = ""):
-        self.engine = TcpEngine(host, port, sockbuf_bytes=sockbuf_bytes)
+                 sockbuf_bytes: int = 0, user_timeout_ms: int = 0, advertise: str = "",
+                 open: bool = False):
+        # ``open``: no admission (bench/dataplane.py's unauthenticated baseline only).
+        self.engine = TcpEngine(host, port, sockbuf_bytes=sockbuf_bytes, open=open,
+                                max_conns_per_peer=MAX_CONNECTIONS_PER_PEER)
         try:
             self.cq = self.engine.cq(cq_depth)
         except BaseException:
             self.engine.close()
             raise
         self._conn_config = {"sockbuf_bytes": sockbuf_bytes, "user_timeout_ms": user_timeout_ms}
-        self.address = encode_address(advertise or host, self.engine.port)
-        self.description = f"tcp listening on {host}:{self.engine.port}"
+        self._advertise = (advertise or host, self.engine.port)
+        self.address = encode_address(*self._advertise)
+        self._admissions = Admissions()
+        self._creds: dict[tuple[str, int], Credential] = {}   # unused, by (peer, index)
+        self.description = (f"tcp listening on {host}:{self.engine.port}, "
+                            + ("OPEN (no admission)" if open else "admission by credential"))
 
     def register(self, buf=None, *, addr=None, length=None):
         return self.engine.register(buf, ACCESS_RW, addr=addr, length=length)
@@ -52,10 +79,19 @@ class TcpProvider(Provider):
         return _TcpConnection(self, TcpConfig(max_send_wr=max_send_wr, **self._conn_config))
 
     def accept(self, peer: str, index: int, remote: bytes) -> bytes:
-        return self.address
+        tag = self._admissions.admit(peer, index)
+        if self.engine.open:
+            return self.address
+        old = self._creds.pop((peer, index), None)
+        if old is not None:
+            self.engine.revoke(old)
+        cred = self._creds[(peer, index)] = self.engine.admit(tag)
+        return encode_address(*self._advertise, cred)
 
     def forget(self, peer: str) -> None:
-        pass
+        for key in [k for k in self._creds if k[0] == peer]:
+            self.engine.revoke(self._creds.pop(key))
+        self._admissions.forget(peer)
 
     def wait(self, timeout: float) -> list[Completion]:
         return self.cq.wait(timeout)
@@ -78,8 +114,8 @@ class _TcpConnection(Connection):
         return b""
 
     def connect(self, remote: bytes, timeout: float) -> None:
-        host, port = decode_address(remote)
-        self.conn.connect(host, port, timeout)
+        host, port, cred = decode_address(remote)
+        self.conn.connect(host, port, timeout, credential=cred)
 
     def reset(self) -> None:
         self.conn.reset()

@@ -19,7 +19,7 @@ import threading
 
 from dualpath import verbs
 from dualpath.errors import UsageError
-from dualpath.transfer.provider import Connection, Provider
+from dualpath.transfer.provider import Admissions, Connection, Provider
 from dualpath.verbs import Completion
 
 _ENDPOINT = struct.Struct("<IIII16s")
@@ -64,6 +64,8 @@ class VerbsProvider(Provider):
                          "service_level": service_level, "traffic_class": traffic_class,
                          "retry_cnt": retry_cnt, "timeout": ack_timeout}
         self._passive: dict[tuple[str, int], verbs.QueuePair] = {}
+        # QPs are made only for peers of the authenticated exchange, bounded per peer.
+        self._admissions = Admissions()
         self._lock = threading.Lock()   # the shared CQ: see the module docstring
         self.description = (f"verbs {self.device.name} port {port} "
                             f"gid {f'[{gid.index}] {gid}' if gid else 'none (LID)'} "
@@ -83,6 +85,7 @@ class VerbsProvider(Provider):
             return _VerbsConnection(self, config)
 
     def accept(self, peer: str, index: int, remote: bytes) -> bytes:
+        self._admissions.admit(peer, index)
         qp = self._passive.get((peer, index))
         if qp is None:
             qp = self.pd.qp(self._passive_cq,
@@ -97,6 +100,7 @@ class VerbsProvider(Provider):
     def forget(self, peer: str) -> None:
         for key in [k for k in self._passive if k[0] == peer]:
             self._passive.pop(key).close()
+        self._admissions.forget(peer)
 
     def wait(self, timeout: float) -> list[Completion]:
         with self._lock:

@@ -10,6 +10,14 @@ from dualpath.errors import RemoteUnavailable
 DOWN = "127.0.0.1:1"
 
 
+@pytest.fixture
+def plaintext(tmp_path):
+    """A config that opts into plaintext gRPC (clients refuse to run without [tls])."""
+    path = tmp_path / "plain.toml"
+    path.write_text("[tls]\nplaintext = true\n")
+    return str(path)
+
+
 def run(capsys, *argv):
     rc = cli.main(list(argv))
     err = capsys.readouterr().err
@@ -17,10 +25,11 @@ def run(capsys, *argv):
     return rc, err
 
 
-def test_replay_against_an_unreachable_scheduler_exits_3(capsys):
+def test_replay_against_an_unreachable_scheduler_exits_3(capsys, plaintext):
     # Was an AioRpcError traceback with exit 1.
     rc, err = run(capsys, "replay", "--scheduler", DOWN, "--nodes", "p0,d0", "--agents", "1",
-                  "--max-rounds", "1", "--modes", "basic", "--no-progress", "--timeout", "10")
+                  "--max-rounds", "1", "--modes", "basic", "--no-progress", "--timeout", "10",
+                  "--config", plaintext)
     assert rc == cli.EXIT_UNAVAILABLE and f"scheduler {DOWN}: UNAVAILABLE" in err
 
 
@@ -34,8 +43,8 @@ def test_replay_missing_trace_file_exits_2(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv", [["ctl", "engines"], ["ctl", "stats", "--json"],
                                   ["submit", "--prompt-tokens", "10"]])
-def test_client_commands_against_an_unreachable_scheduler_exit_3(capsys, argv):
-    rc, err = run(capsys, *argv, "--scheduler", DOWN)
+def test_client_commands_against_an_unreachable_scheduler_exit_3(capsys, argv, plaintext):
+    rc, err = run(capsys, *argv, "--scheduler", DOWN, "--config", plaintext)
     assert rc == cli.EXIT_UNAVAILABLE and "UNAVAILABLE" in err
 
 
@@ -117,10 +126,10 @@ def test_bad_log_level_exits_2_without_a_traceback(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("word", ["quota=4294967296", f"alpha={2**64}", "beta=²", "beta=-1"])
-def test_ctl_set_values_beyond_the_wire_field_exit_2(capsys, word):
+def test_ctl_set_values_beyond_the_wire_field_exit_2(capsys, word, plaintext):
     # compute_quota_ms is uint32 and alpha/beta uint64 (proto/dualpath/v1/admin.proto);
     # past that protobuf raised a ValueError traceback, and '²' passed str.isdigit().
-    rc, err = run(capsys, "ctl", "set", word, "--scheduler", DOWN)
+    rc, err = run(capsys, "ctl", "set", word, "--scheduler", DOWN, "--config", plaintext)
     assert rc == cli.EXIT_USAGE and f"ctl set: {word!r}" in err
 
 

@@ -42,6 +42,7 @@ def test_sigkill_one_decode_node_mid_replay(tmp_path):
         run = asyncio.run(replay(cluster.scheduler_address, trace, cluster.node_ids(),
                                  block_tokens=PROFILE.block_tokens,
                                  kv_bytes_per_token=PROFILE.kv_bytes_per_token,
+                                 tls_config=cluster.client_tls, node_tls=cluster.node_tls,
                                  opts=ReplayOptions(progress=False, timeout_s=180,
                                                     observer=observer)))
         sched_log = (tmp_path / "logs" / "scheduler.log").read_text()

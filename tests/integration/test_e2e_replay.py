@@ -38,7 +38,9 @@ def _replay(cluster, **kw):
     opts = ReplayOptions(progress=False, timeout_s=120, **kw)
     return asyncio.run(replay(cluster.scheduler_address, TRACE, cluster.node_ids(),
                               block_tokens=PROFILE.block_tokens,
-                              kv_bytes_per_token=PROFILE.kv_bytes_per_token, opts=opts))
+                              kv_bytes_per_token=PROFILE.kv_bytes_per_token,
+                              tls_config=cluster.client_tls, node_tls=cluster.node_tls,
+                              opts=opts))
 
 
 @pytest.mark.parametrize("mode,read_policy", [("dualpath", ""), ("basic", ""),

@@ -28,7 +28,8 @@ def test_node_startup_line_and_sigterm(tmp_path):
         line = log.wait_for(r"prefill node p0 up: .*").group(0)
         # The config's "auto" placeholders (device (auto), GID index -1) were printed
         # beside the provider's real description; now only what is in use.
-        assert re.search(r"transport tcp \(tcp listening on 127\.0\.0\.1:\d+\)", line), line
+        assert re.search(r"transport tcp \(tcp listening on 127\.0\.0\.1:\d+, admission by "
+                         r"credential\)", line), line
         assert "lane SL 3 / TC 96" in line and "GID index -1" not in line
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         assert 'dualpath_node_transport_info{transport="tcp"} 1.0' in text, text[:2000]

@@ -51,13 +51,23 @@ class DaemonLog:
                 return m
 
 
+def tls_toml(pki, identity) -> str:
+    return "[tls]\n" + "".join(f'{k} = "{v}"\n' for k, v in pki.section(identity).items())
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
+    from dualpath import tls
+
     d = tmp_path_factory.mktemp("sched")
+    pki = tls.make_cluster_pki(d / "pki", ("scheduler/s", "node/node-7", "client/ctl"))
     (d / "token").write_text(TOKEN + "\n")
     cfg = d / "scheduler.toml"
     cfg.write_text(f'[scheduler]\nadmin_token_file = "{d / "token"}"\n'
-                   'metrics_listen = "127.0.0.1:0"\nmodel_profile = "ds27b"\n')
+                   'metrics_listen = "127.0.0.1:0"\nmodel_profile = "ds27b"\n'
+                   + tls_toml(pki, "scheduler/s"))
+    client_cfg = d / "client.toml"
+    client_cfg.write_text(tls_toml(pki, "client/ctl"))
     proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "scheduler", "--config",
                              str(cfg), "--listen", "127.0.0.1:0"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -67,14 +77,15 @@ def daemon(tmp_path_factory):
         addr = f"127.0.0.1:{m.group(1)}"
 
         async def register():
-            async with SchedulerClient(addr) as c:
+            async with SchedulerClient(addr, credentials=tls.channel_credentials(
+                    pki.config("node/node-7"))) as c:
                 info = [pb.EngineInfo(engine_id=f"de7.{k}", rank=k, node_id="node-7",
                                       hbm_bytes=1 << 30) for k in range(2)]
                 await c.register_group("de7", pb.ENGINE_ROLE_DECODE, info)
 
         asyncio.run(register())
         yield {"addr": addr, "token_file": str(d / "token"), "proc": proc, "log": log,
-               "startup": "".join(log.seen)}
+               "startup": "".join(log.seen), "config": str(client_cfg)}
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -89,7 +100,7 @@ def ctl(capsys, *argv):
 
 def test_startup_log_names_address_tls_mode_and_config(daemon):
     line = daemon["startup"]
-    assert "plaintext" in line and "admin token set" in line
+    assert "mutual-tls" in line and "admin token set" in line
     assert "scheduler.toml" in line and "model ds27b" in line
     assert re.search(r"metrics http://127\.0\.0\.1:\d+/metrics", line)
 
@@ -97,7 +108,8 @@ def test_startup_log_names_address_tls_mode_and_config(daemon):
 def test_ctl_engines_in_a_real_subprocess(daemon):
     # The command an operator types, as its own process.
     out = subprocess.run([sys.executable, "-m", "dualpath.cli", "ctl", "engines",
-                          "--scheduler", daemon["addr"], "--token-file", daemon["token_file"]],
+                          "--scheduler", daemon["addr"], "--token-file", daemon["token_file"],
+                          "--config", daemon["config"]],
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -107,7 +119,8 @@ def test_ctl_engines_in_a_real_subprocess(daemon):
 
 
 def test_ctl_json_groups_stats_drain_set_and_submit(daemon, capsys):
-    a = ["--scheduler", daemon["addr"], "--token-file", daemon["token_file"]]
+    a = ["--scheduler", daemon["addr"], "--token-file", daemon["token_file"],
+         "--config", daemon["config"]]
     rc, out, _ = ctl(capsys, "ctl", "engines", "--json", *a)
     assert rc == 0
     engines = json.loads(out)["engines"]
@@ -119,7 +132,8 @@ def test_ctl_json_groups_stats_drain_set_and_submit(daemon, capsys):
     assert rc == 0 and "de7" in out and "decode" in out
 
     rc, out, _ = ctl(capsys, "submit", "--prompt-tokens", "4000", "--hit-tokens", "3500",
-                     "--count", "3", "--json", "--scheduler", daemon["addr"])
+                     "--count", "3", "--json", "--scheduler", daemon["addr"], "--config",
+                     daemon["config"])
     assert rc == 0 and len(json.loads(out)["request_ids"]) == 3
 
     rc, out, _ = ctl(capsys, "ctl", "stats", "--json", *a)
@@ -140,11 +154,12 @@ def test_ctl_json_groups_stats_drain_set_and_submit(daemon, capsys):
 
 
 def test_exit_codes(daemon, capsys, monkeypatch):
-    a = ["--scheduler", daemon["addr"]]
-    # 3: refused for lack of a token, or wrong token (from the environment).
+    a = ["--scheduler", daemon["addr"], "--config", daemon["config"]]
+    # 3: refused for lack of a token (a client certificate is not an admin's), or for a
+    # wrong token (from the environment).
     monkeypatch.delenv("DUALPATH_ADMIN_TOKEN", raising=False)
     rc, _, err = ctl(capsys, "ctl", "engines", *a)
-    assert rc == 3 and "UNAUTHENTICATED" in err
+    assert rc == 3 and "PERMISSION_DENIED" in err and "the caller is client/ctl" in err
     monkeypatch.setenv("DUALPATH_ADMIN_TOKEN", "wrong")
     rc, _, err = ctl(capsys, "ctl", "stats", *a)
     assert rc == 3 and "PERMISSION_DENIED" in err
@@ -157,13 +172,19 @@ def test_exit_codes(daemon, capsys, monkeypatch):
     assert rc == 2 and "gamma=1" in err
     rc, _, err = ctl(capsys, "ctl", "set", "quota=0", *a)
     assert rc == 2 and "INVALID_ARGUMENT" in err
-    rc, _, err = ctl(capsys, "submit", "--prompt-tokens", "0", *a)
-    assert rc == 2
+    rc, out, err = ctl(capsys, "submit", "--prompt-tokens", "0", *a)
+    assert rc == 2 and "rejected: #0: invalid: request (unnamed): prompt_tokens" in out
+    # 1: a request refused for a reason that is not the input's (a duplicate id).
+    rc, out, _ = ctl(capsys, "submit", "--prompt-tokens", "5", "--id", "dup", *a)
+    assert rc == 0
+    rc, out, _ = ctl(capsys, "submit", "--prompt-tokens", "5", "--id", "dup", *a)
+    assert rc == 1 and "rejected: dup: duplicate" in out
     with pytest.raises(SystemExit) as e:
         cli.main(["ctl", "--no-such-flag"])
     assert e.value.code == 2
     # 3: nothing listens there (port 1 on loopback is closed).
-    rc, _, err = ctl(capsys, "ctl", "engines", "--scheduler", "127.0.0.1:1")
+    rc, _, err = ctl(capsys, "ctl", "engines", "--scheduler", "127.0.0.1:1", "--config",
+                     daemon["config"])
     assert rc == 3 and "UNAVAILABLE" in err
 
 

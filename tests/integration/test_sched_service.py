@@ -145,14 +145,17 @@ def test_domain_errors_become_status_codes():
             assert await code_of(c.register_group("g2", pb.ENGINE_ROLE_DECODE, de_eng)) \
                 == C.ALREADY_EXISTS  # de0.0 is taken by an up group
             await c.submit([pb.RequestSpec(request_id="a", prompt_tokens=10)])
-            assert await code_of(c.submit([pb.RequestSpec(request_id="a", prompt_tokens=10)]))\
-                == C.ALREADY_EXISTS
-            assert await code_of(c.submit([pb.RequestSpec(prompt_tokens=0)])) \
-                == C.INVALID_ARGUMENT
-            assert await code_of(c.submit([pb.RequestSpec(prompt_tokens=6000)])) \
-                == C.INVALID_ARGUMENT  # needs more HBM than any DE has
-            assert await code_of(c.submit([pb.RequestSpec(prompt_tokens=1)] * 2)) \
-                == C.RESOURCE_EXHAUSTED  # 1 queued + 2 > max_queued_requests 2
+            # Admission is per request: refusals come back as reasons, the call succeeds.
+            r = await c.submit([pb.RequestSpec(request_id="a", prompt_tokens=10),
+                                pb.RequestSpec(prompt_tokens=0),
+                                pb.RequestSpec(prompt_tokens=6000),  # > any DE's HBM
+                                pb.RequestSpec(request_id="b", prompt_tokens=1),
+                                pb.RequestSpec(prompt_tokens=1)])  # a, b queued: full
+            assert list(r.request_ids) == ["b"] and r.queued_requests == 2
+            assert [(x.index, x.reason) for x in r.rejected] == [
+                (0, pb.REJECT_REASON_DUPLICATE), (1, pb.REJECT_REASON_INVALID),
+                (2, pb.REJECT_REASON_TOO_LARGE), (4, pb.REJECT_REASON_QUEUE_FULL)]
+            assert "largest decode engine has 5000" in r.rejected[2].detail
             assert await code_of(c.drain("nope")) == C.NOT_FOUND
             assert await code_of(c.set_params(compute_quota_ms=0)) == C.INVALID_ARGUMENT
             bad = pb.Completion(request_id="a", engine_id="de0.0", stage=0)
@@ -277,7 +280,8 @@ def test_config_defaults_are_valid_and_documented():
     cfg = config.load(None)
     assert cfg.scheduler == SchedulerConfig()
     sample = config.load(Path(__file__).parents[2] / "deploy" / "scheduler.toml")
-    assert sample.scheduler.tls_client_ca_file and sample.scheduler.admin_token_file
+    assert sample.tls.ca_file and sample.tls.cert_file and sample.scheduler.admin_token_file
+    assert config.load(Path(__file__).parents[2] / "deploy" / "cluster-multinode.toml").tls.key_file
     docs = config.docs()
     for f in dataclasses.fields(SchedulerConfig):
         assert f"`scheduler.{f.name}`" in docs and f.metadata["doc"]

@@ -1,22 +1,34 @@
-"""Transport security and admin auth on the scheduler: refused connections (plaintext
-client to a TLS server, untrusted server, no or foreign client certificate under mutual
-TLS) and refused calls (no or wrong admin token). Certificates are made at test time
-with the openssl command (dualpath.tls.make_dev_pki); no key is committed."""
+"""Transport security, identities and admin auth on the scheduler: one [tls] section,
+mutual TLS always (a plaintext client, a client without a certificate, or one from
+another CA is refused at the handshake), groups bound to the node identity that
+registered them, admin calls by token or admin certificate, certificates reloaded on
+change, clear start-up errors. Attackers run in a network namespace of their own
+(tests/netns.py). Certificates are made at test time with the openssl command
+(dualpath.tls.make_cluster_pki); no key is committed."""
 
 import asyncio
 import contextlib
+import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
 
-from dualpath import metrics, tls
+from dualpath import cli, config, metrics, tls
+from dualpath.errors import ConfigError
 from dualpath.scheduler.client import SchedulerClient
 from dualpath.scheduler.service import SchedulerService, create_server
 from dualpath.v1 import admin_pb2
 from dualpath.v1 import scheduler_pb2 as pb
+from tests import netns
+from tests.integration.test_sched_cli import DaemonLog
 
 TOKEN = "tls-admin-token"
+IDENTITIES = ("scheduler/sched", "node/d0", "node/d1", "admin/ops", "client/fe")
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="the openssl command is needed to make test certs "
@@ -25,13 +37,15 @@ pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    return tls.make_dev_pki(tmp_path_factory.mktemp("pki"))
+    return tls.make_cluster_pki(tmp_path_factory.mktemp("pki"), IDENTITIES,
+                                foreign=("node/d0",))
 
 
 @contextlib.asynccontextmanager
-async def server(creds, token=TOKEN):
+async def server(pki, token=TOKEN, identity="scheduler/sched"):
     svc = SchedulerService(registry=metrics.new_registry(process=False))
-    srv, port = create_server("127.0.0.1:0", svc, credentials=creds, admin_token=token)
+    srv, port = create_server("127.0.0.1:0", svc, admin_token=token,
+                              credentials=tls.server_credentials(pki.config(identity)))
     await srv.start()
     try:
         yield f"127.0.0.1:{port}"
@@ -39,103 +53,231 @@ async def server(creds, token=TOKEN):
         await srv.stop(None)
 
 
-async def outcome(addr, creds=None, token=TOKEN, admin=True):
-    """'ok' or the status code name of one call."""
-    async with SchedulerClient(addr, credentials=creds, admin_token=token,
-                               timeout_s=10) as c:
+def client(addr, pki, identity, token=None):
+    return SchedulerClient(addr, credentials=tls.channel_credentials(pki.config(identity)),
+                           admin_token=token, timeout_s=10)
+
+
+async def code(coro):
+    try:
+        await coro
+    except grpc.aio.AioRpcError as e:
+        return e.code().name
+    return "OK"
+
+
+def de(group, node="n"):
+    return [pb.EngineInfo(engine_id=f"{group}.0", rank=0, node_id=node, hbm_bytes=1 << 30)]
+
+
+def test_handshake_refuses_plaintext_certless_and_foreign_clients(pki):
+    async def body():
+        async with server(pki) as addr:
+            async with client(addr, pki, "client/fe") as c:
+                assert await code(c.submit([pb.RequestSpec(prompt_tokens=10)])) == "OK"
+            ca = Path(pki.ca_cert).read_bytes()
+            for creds in (None,                                  # plaintext
+                          grpc.ssl_channel_credentials(ca),      # no client certificate
+                          tls.channel_credentials(pki.config("other:node/d0"))):  # other CA
+                async with SchedulerClient(addr, credentials=creds, timeout_s=10) as c:
+                    assert await code(c.submit([pb.RequestSpec(prompt_tokens=1)])) == \
+                        "UNAVAILABLE"
+
+    asyncio.run(body())
+
+
+def test_a_group_is_bound_to_the_identity_that_registered_it(pki):
+    async def body():
+        async with server(pki) as addr, client(addr, pki, "node/d0") as d0, \
+                client(addr, pki, "node/d1") as d1, client(addr, pki, "client/fe") as fe:
+            lease = (await d0.register_group("d0", pb.ENGINE_ROLE_DECODE, de("d0"))).lease_id
+            # Another node cannot take over d0's lease, fetch or report for it.
+            assert await code(d1.register_group("d0", pb.ENGINE_ROLE_DECODE,
+                                                de("d0", "x"))) == "PERMISSION_DENIED"
+            assert await code(d1.fetch("d0", lease, [])) == "PERMISSION_DENIED"
+            assert await code(d1.report("d0", lease, [])) == "PERMISSION_DENIED"
+            # Only node certificates register at all.
+            assert await code(fe.register_group("fe", pb.ENGINE_ROLE_DECODE, de("fe"))) == \
+                "PERMISSION_DENIED"
+            # d0's lease is intact; d0 restarted (same identity) may register again.
+            assert await code(d0.fetch("d0", lease, [])) == "OK"
+            again = await d0.register_group("d0", pb.ENGINE_ROLE_DECODE, de("d0"))
+            assert again.lease_id > lease
+
+    asyncio.run(body())
+
+
+def test_admin_calls_take_the_token_or_an_admin_certificate(pki):
+    async def body():
+        async with server(pki) as addr:
+            async with client(addr, pki, "admin/ops") as c:   # no token: the cert suffices
+                assert await code(c.stats()) == "OK"
+            async with client(addr, pki, "node/d0") as c:
+                assert await code(c.stats()) == "PERMISSION_DENIED"
+            async with client(addr, pki, "node/d0", token="wrong") as c:
+                assert await code(c.stats()) == "PERMISSION_DENIED"
+            async with client(addr, pki, "node/d0", token=TOKEN) as c:
+                assert await code(c.stats()) == "OK"
+                # A malformed header (not "Bearer ...") counts as no token.
+                assert await code(c.admin.Stats(admin_pb2.StatsRequest(), metadata=(
+                    ("authorization", TOKEN),))) == "PERMISSION_DENIED"
+        async with server(pki, token=None) as addr, client(addr, pki, "client/fe",
+                                                           token=TOKEN) as c:
+            assert await code(c.stats()) == "PERMISSION_DENIED"
+
+    asyncio.run(body())
+
+
+def test_server_certificates_are_reloaded_when_the_files_change(pki, tmp_path):
+    # The scheduler's files are replaced by ones from a new CA: the next handshake uses
+    # them (gRPC asks the fetcher at each handshake; no timing involved).
+    new = tls.make_cluster_pki(tmp_path / "new", ("scheduler/sched", "client/fe"))
+    live = tmp_path / "live"
+    live.mkdir()
+    for name, src in (("ca.crt", pki.ca_cert), ("s.crt", pki.certs["scheduler/sched"][0]),
+                      ("s.key", pki.certs["scheduler/sched"][1])):
+        shutil.copy(src, live / name)
+    os.chmod(live / "s.key", 0o600)
+    cfg = tls.TlsConfig(ca_file=str(live / "ca.crt"), cert_file=str(live / "s.crt"),
+                        key_file=str(live / "s.key"))
+
+    async def body():
+        svc = SchedulerService(registry=metrics.new_registry(process=False))
+        srv, port = create_server("127.0.0.1:0", svc, credentials=tls.server_credentials(cfg))
+        await srv.start()
+        addr = f"127.0.0.1:{port}"
         try:
-            if admin:
-                await c.list_engines()
-            else:
-                await c.submit([pb.RequestSpec(prompt_tokens=10)])
-        except grpc.aio.AioRpcError as e:
-            return e.code().name
-    return "ok"
-
-
-def test_tls_server_refuses_plaintext_and_untrusting_clients(pki):
-    async def body():
-        creds = tls.server_credentials(pki.server_cert, pki.server_key)
-        async with server(creds) as addr:
-            good = tls.channel_credentials(pki.ca_cert)
-            assert await outcome(addr, good) == "ok"
-            assert await outcome(addr, good, admin=False) == "ok"
-            # A plaintext client cannot talk to a TLS server.
-            assert await outcome(addr, None) == "UNAVAILABLE"
-            # A client that trusts another CA refuses the server's certificate.
-            assert await outcome(addr, tls.channel_credentials(pki.other_ca_cert)) == \
-                "UNAVAILABLE"
+            async with client(addr, pki, "client/fe") as c:
+                assert await code(c.submit([pb.RequestSpec(prompt_tokens=1)])) == "OK"
+            for name, src in (("ca.crt", new.ca_cert),
+                              ("s.crt", new.certs["scheduler/sched"][0]),
+                              ("s.key", new.certs["scheduler/sched"][1])):
+                shutil.copy(src, live / f"{name}.tmp")
+                os.replace(live / f"{name}.tmp", live / name)
+            async with client(addr, new, "client/fe") as c:
+                assert await code(c.submit([pb.RequestSpec(prompt_tokens=1)])) == "OK"
+            async with client(addr, pki, "client/fe") as c:   # the old CA: refused now
+                assert await code(c.submit([pb.RequestSpec(prompt_tokens=1)])) == \
+                    "UNAVAILABLE"
+        finally:
+            await srv.stop(None)
 
     asyncio.run(body())
 
 
-def test_mutual_tls_requires_a_client_certificate_from_the_configured_ca(pki):
-    async def body():
-        creds = tls.server_credentials(pki.server_cert, pki.server_key, pki.ca_cert)
-        async with server(creds) as addr:
-            with_cert = tls.channel_credentials(pki.ca_cert, pki.client_cert, pki.client_key)
-            assert await outcome(addr, with_cert) == "ok"
-            # No client certificate: the handshake fails, the call never runs.
-            assert await outcome(addr, tls.channel_credentials(pki.ca_cert)) == "UNAVAILABLE"
-            assert await outcome(addr, tls.channel_credentials(pki.ca_cert),
-                                 admin=False) == "UNAVAILABLE"
-            # A certificate signed by a CA the server does not trust.
-            foreign = tls.channel_credentials(pki.ca_cert, pki.other_client_cert,
-                                              pki.other_client_key)
-            assert await outcome(addr, foreign) == "UNAVAILABLE"
-
-    asyncio.run(body())
-
-
-def test_admin_calls_need_the_token_and_leader_calls_do_not(pki):
-    async def body():
-        creds = tls.server_credentials(pki.server_cert, pki.server_key)
-        client_creds = tls.channel_credentials(pki.ca_cert)
-        async with server(creds) as addr:
-            assert await outcome(addr, client_creds, token=None) == "UNAUTHENTICATED"
-            assert await outcome(addr, client_creds, token="wrong") == "PERMISSION_DENIED"
-            assert await outcome(addr, client_creds, token=TOKEN + "x") == "PERMISSION_DENIED"
-            assert await outcome(addr, client_creds, token=None, admin=False) == "ok"
-            # A malformed header (not "Bearer ...") is treated as no token.
-            async with SchedulerClient(addr, credentials=client_creds) as c:
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await c.admin.Stats(admin_pb2.StatsRequest(),
-                                        metadata=(("authorization", TOKEN),))
-                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        # A scheduler without an admin token refuses every admin call.
-        async with server(None, token=None) as addr:
-            assert await outcome(addr, None, token=TOKEN) == "UNAUTHENTICATED"
-            assert await outcome(addr, None, admin=False) == "ok"
-
-    asyncio.run(body())
-
-
-def test_token_and_cert_files_are_read_with_clear_errors(tmp_path):
-    from dualpath.errors import ConfigError
-
-    (tmp_path / "empty").write_text("\n")
-    with pytest.raises(ConfigError, match="holds no token"):
-        tls.read_token(str(tmp_path / "empty"))
-    with pytest.raises(ConfigError, match="cannot read"):
-        tls.server_credentials(str(tmp_path / "missing.crt"), str(tmp_path / "missing.key"))
-    (tmp_path / "tok").write_text("  abc  \nignored\n")
-    assert tls.read_token(str(tmp_path / "tok")) == "abc"
-
-
-def test_tls_and_token_errors_name_the_dotted_config_key(tmp_path, capsys):
-    # Said 'tls_key_file = ...' (which section?) and a binary token file was a
-    # UnicodeDecodeError traceback.
-    from dualpath import cli
-    from dualpath.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=r"^scheduler\.tls_key_file = "):
-        tls.server_credentials(str(tmp_path / "a.crt"), str(tmp_path / "a.key"))
-    with pytest.raises(ConfigError, match=r"^scheduler_client\.tls_ca_file = "):
-        tls.channel_credentials(str(tmp_path / "ca.crt"))
+def test_start_up_errors_name_the_key_and_the_file(pki, tmp_path):
+    cert, key_path = pki.certs["node/d0"]
+    ok = {"ca_file": pki.ca_cert, "cert_file": cert, "key_file": key_path}
+    with pytest.raises(ConfigError, match="no TLS configured: set tls.ca_file"):
+        tls.server_credentials(tls.TlsConfig())
+    with pytest.raises(ConfigError, match=r"tls.ca_file = .*missing.crt.*cannot read"):
+        tls.server_credentials(tls.TlsConfig(**{**ok, "ca_file": str(tmp_path / "missing.crt")}))
+    loose = tmp_path / "loose.key"
+    shutil.copy(key_path, loose)
+    os.chmod(loose, 0o644)
+    with pytest.raises(ConfigError, match=r"readable by every user \(mode 0644\); chmod 600"):
+        tls.channel_credentials(tls.TlsConfig(**{**ok, "key_file": str(loose)}))
+    with pytest.raises(ConfigError, match="is not the key of tls.cert_file"):
+        tls.server_credentials(tls.TlsConfig(**{**ok, "key_file": pki.certs["node/d1"][1]}))
+    junk = tmp_path / "junk.crt"
+    junk.write_bytes(b"\x00\x01 not pem")
+    with pytest.raises(ConfigError, match="tls.cert_file = .*not a PEM file"):
+        tls.server_credentials(tls.TlsConfig(**{**ok, "cert_file": str(junk)}))
+    with pytest.raises(ConfigError, match="tls.ca_file needs tls.key_file too"):
+        config.from_dict({"tls": {"ca_file": "a", "cert_file": "b"}})
+    with pytest.raises(ConfigError, match="tls.plaintext = true conflicts with tls.ca_file"):
+        config.from_dict({"tls": {"ca_file": "a", "plaintext": True}})
     (tmp_path / "bin").write_bytes(b"\xff\xfe\x00token")
     with pytest.raises(ConfigError, match="not a text file"):
         tls.read_token(str(tmp_path / "bin"))
+
+
+@pytest.mark.parametrize("section, old, new", [
+    ("scheduler", "tls_cert_file", "tls.cert_file"),
+    ("scheduler", "tls_client_ca_file", "tls.ca_file"),
+    ("scheduler_client", "tls_ca_file", "tls.ca_file"),
+    ("scheduler_client", "tls_key_file", "tls.key_file"),
+])
+def test_the_old_tls_keys_are_refused_naming_the_new_ones(tmp_path, capsys, section, old, new):
+    path = tmp_path / "c.toml"
+    path.write_text(f'[{section}]\n{old} = "/x"\n')
+    assert cli.main(["config", "check", str(path)]) == cli.EXIT_USAGE
+    assert f"config key {section}.{old} is gone: use {new}" in capsys.readouterr().err
+
+
+def test_daemons_refuse_to_start_without_tls_unless_plaintext_is_explicit(tmp_path, capsys):
     cfg = tmp_path / "s.toml"
-    cfg.write_text(f'[scheduler]\nadmin_token_file = "{tmp_path / "none"}"\n')
+    cfg.write_text("[scheduler]\n")
+    assert cli.main(["scheduler", "--config", str(cfg), "--listen", "127.0.0.1:0"]) == 2
+    assert "no TLS configured: set tls.ca_file, tls.cert_file and tls.key_file" in \
+        capsys.readouterr().err
+    assert cli.main(["ctl", "stats", "--config", str(cfg), "--scheduler", "127.0.0.1:1"]) == 2
+    cfg.write_text('[scheduler]\nadmin_token_file = "/nonexistent/t"\n[tls]\nplaintext = true\n')
     assert cli.main(["scheduler", "--config", str(cfg), "--listen", "127.0.0.1:0"]) == 2
     assert "scheduler.admin_token_file = " in capsys.readouterr().err
+
+
+def test_plaintext_is_logged_as_a_warning(tmp_path):
+    cfg = tmp_path / "s.toml"
+    cfg.write_text("[tls]\nplaintext = true\n")
+    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "scheduler", "--config",
+                             str(cfg), "--listen", "127.0.0.1:0"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        log = DaemonLog(proc)
+        log.wait_for(r"WARNING dualpath.scheduler\[\d+\]: scheduler: gRPC in PLAINTEXT")
+        log.wait_for(r"listening on 127\.0\.0\.1:\d+, plaintext")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ---------------------------------------------------------------- from another namespace
+
+
+@pytest.fixture(scope="module")
+def ns(pki):
+    yield from netns.netns_fixture("tls")
+
+
+def test_attacker_namespace_cannot_register_or_hijack_a_group(ns, tmp_path_factory):
+    # The scheduler runs in the victim namespace on its veth address; the legitimate node
+    # d0 registers from there, attackers call from their own namespace over the veth.
+    d = tmp_path_factory.mktemp("nspki")
+    pki = tls.make_cluster_pki(d, IDENTITIES, ips=("127.0.0.1", ns.victim_ip),
+                               foreign=("node/d0",))
+    cfg = d / "sched.toml"
+    sched = pki.section("scheduler/sched")
+    cfg.write_text("[scheduler]\nlease_ms = 600000\n[tls]\n" + "".join(
+        f'{k} = "{v}"\n' for k, v in sched.items()))
+    proc = ns.popen(ns.victim, [sys.executable, "-m", "dualpath.cli", "scheduler",
+                                "--config", str(cfg), "--listen", f"{ns.victim_ip}:0"],
+                    stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        log = DaemonLog(proc)
+        port = log.wait_for(r"listening on [\d.]+:(\d+)").group(1)
+        addr = f"{ns.victim_ip}:{port}"
+
+        def calls(where, identity, ops):
+            if isinstance(identity, str) and "/" in identity:   # one of the PKI's
+                identity = [pki.ca_cert, *pki.certs[identity]]
+            spec = {"address": addr, "calls": ops, "tls": identity}
+            return json.loads(ns.python(where, "import runpy; runpy.run_module("
+                                        "'tests.sched_calls', run_name='__main__')",
+                                        json.dumps(spec)))
+
+        legit = calls(ns.victim, "node/d0", [["register", "d0", "n0"]])
+        assert legit[0].startswith("OK:")
+        lease = int(legit[0][3:])
+        hijack = [["register", "d0", "evil"], ["fetch", "d0", lease], ["report", "d0", lease]]
+        # Without a cluster certificate: refused at the handshake (no call runs).
+        assert calls(ns.attacker, "plaintext", hijack) == ["UNAVAILABLE"] * 3
+        assert calls(ns.attacker, ["ca-only", pki.ca_cert], hijack) == ["UNAVAILABLE"] * 3
+        assert calls(ns.attacker, "other:node/d0", hijack) == ["UNAVAILABLE"] * 3
+        # With another node's certificate: the lease stays d0's.
+        assert calls(ns.attacker, "node/d1", hijack + [["stats"]]) == \
+            ["PERMISSION_DENIED"] * 4
+        assert calls(ns.victim, "node/d0", [["fetch", "d0", lease]]) == ["OK:0"]
+    finally:
+        proc.kill()
+        proc.wait()

@@ -31,14 +31,22 @@ def test_dataplane_bench_tiny_sweep_writes_its_record(tmp_path):
         assert f"{p['bw_mbps']:.1f}" in run.stdout
     summary = rec["summary"]
     for name in ("verbs_vs_perftest_min_ratio_ge_64k", "verbs_vs_perftest_ratio_4k_batch32",
-                 "batch32_vs_batch1_msg_rate_4k", "tcp_vs_ucx_min_ratio_ge_64k"):
+                 "batch32_vs_batch1_msg_rate_4k", "tcp_vs_ucx_min_ratio_ge_64k",
+                 "tcp_auth_overhead_max_ge_64k", "tcp_connect_us_auth", "tcp_connect_us_open"):
         assert name in summary
+    # Authenticated against the open twin at the same points, the worst >= 64 KiB.
+    twin = {(q["size"], q["batch"]): q for q in rec["peers"] if q["tool"] == "tcp_open"}
+    assert sorted(twin) == [(4096, 1), (4096, 32), (65536, 1), (65536, 32)]
+    assert summary["tcp_auth_overhead_max_ge_64k"] == max(
+        round(1 - by_pt["bw_mbps"] / twin[(by_pt["size"], by_pt["batch"])]["bw_mbps"], 3)
+        for by_pt in rec["points"] if by_pt["size"] >= 65536)
+    assert summary["tcp_connect_us_auth"] > 0 and summary["tcp_connect_us_open"] > 0
     assert summary["verbs_vs_perftest_min_ratio_ge_64k"] is None      # no verbs here
     by = {(p["size"], p["batch"]): p for p in rec["points"]}
     assert summary["batch32_vs_batch1_msg_rate_4k"] == round(
         by[(4096, 32)]["msg_rate_mpps"] / by[(4096, 1)]["msg_rate_mpps"], 3)
     if ucx:
-        (peer,) = [q for q in rec["peers"] if q["size"] == 65536]
+        (peer,) = [q for q in rec["peers"] if q["size"] == 65536 and q["tool"] != "tcp_open"]
         assert summary["tcp_vs_ucx_min_ratio_ge_64k"] == round(
             by[(65536, 1)]["bw_mbps"] / peer["bw_mbps"], 3)
         assert "UCX_TLS=tcp,self" in peer["command"]

@@ -35,6 +35,7 @@ def test_dual_path_replay_over_verbs(dev_names, tmp_path):
         run = asyncio.run(replay(cluster.scheduler_address, trace, cluster.node_ids(),
                                  block_tokens=PROFILE.block_tokens,
                                  kv_bytes_per_token=PROFILE.kv_bytes_per_token,
+                                 tls_config=cluster.client_tls, node_tls=cluster.node_tls,
                                  opts=ReplayOptions(progress=False, timeout_s=300,
                                                     read_policy="round_robin")))
         logs = {n: (tmp_path / "logs" / f"{n}.log").read_text() for n in ("p0", "d0", "d1")}

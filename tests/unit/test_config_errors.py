@@ -16,6 +16,21 @@ from dualpath.errors import ConfigError
     ("[bogus]\n", "unknown config section [bogus]"),
     ("scheduler = 5\n", "config section [scheduler] must be a table"),
     ("[scheduler\n", "is not valid TOML"),
+    # nan and inf compare false with every bound: `config check` said ok and the
+    # scheduler started with a NaN storage rate (alpha = NaN tokens).
+    ("[scheduler]\nstorage_read_bytes_per_s = nan\n",
+     "scheduler.storage_read_bytes_per_s = nan: must be a finite number"),
+    ("[scheduler]\nalpha_window_s = inf\n", ("scheduler.alpha_window_s = inf: must be a "
+     "finite number")),
+    ("[transfer]\ntimeout_s = -inf\n", "transfer.timeout_s = -inf: must be a finite number"),
+    # lease_ms travels as uint32 in RegisterGroupResponse: 2^32 raised ValueError there.
+    ("[scheduler]\nlease_ms = 4294967296\n", ("scheduler.lease_ms = 4294967296: must be "
+     ">= 10, <= 4294967295")),
+    ("[engine]\ndecode_hbm_mib = 17592186044416\n", ("engine.decode_hbm_mib = "
+     "17592186044416: must be >= 1, <= 16777216")),
+    # TOML integers are int64; Python's parser reads any size.
+    ("[storage]\nsnic_burst_bytes = 99999999999999999999\n",
+     "storage.snic_burst_bytes = 99999999999999999999: outside TOML's integer range"),
 ])
 def test_bad_file_names_what_is_wrong_and_exits_2(tmp_path, capsys, text, expected):
     path = tmp_path / "c.toml"
@@ -83,3 +98,13 @@ def test_listen_addresses_are_checked_by_config_check(tmp_path, capsys, section,
     assert cli.main(["config", "check", str(path)]) == cli.EXIT_USAGE
     assert f"config key {section}.{key} = {value!r}: expected host:port" in \
         capsys.readouterr().err
+
+
+def test_binary_file_is_a_config_error_not_a_traceback(tmp_path, capsys):
+    # tomllib raised UnicodeDecodeError: exit 1 with a traceback.
+    path = tmp_path / "c.toml"
+    path.write_bytes(b"\xff\xfe\x00\x01[scheduler]\n")
+    with pytest.raises(ConfigError, match="is not a UTF-8 text file"):
+        config.load(path)
+    assert cli.main(["config", "check", str(path)]) == cli.EXIT_USAGE
+    assert "not a UTF-8 text file" in capsys.readouterr().err

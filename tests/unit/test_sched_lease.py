@@ -38,7 +38,7 @@ def reports(g, free=10**6):
 
 def test_a_prefill_group_that_misses_its_deadline_gives_its_requests_back_at_the_head():
     s, pe, (d0, d1) = cluster()
-    reqs = s.submit([RequestSpec(100, 50, 10) for _ in range(6)])
+    reqs = s.submit([RequestSpec(100, 50, 10) for _ in range(6)]).accepted
     s.fetch("de0", d0.lease_id, reports(d0), now=0.5)   # group phase: 3 to de0, 3 to de1
     s.fetch("de0", d0.lease_id, reports(d0), now=0.6)
     s.fetch("de1", d1.lease_id, reports(d1), now=0.6)
@@ -90,7 +90,7 @@ def test_a_decode_group_that_misses_its_deadline_requeues_everything_it_held():
     s.report("pe", pe.lease_id, [Completion(first.request_id, first.pe.engine_id,
                                             CompletionStage.PREFILL_DONE)], now=0.3)
     # New work waits in the global queue (no DE fetch since).
-    late = s.submit([RequestSpec(100, 0, 10) for _ in range(2)])
+    late = s.submit([RequestSpec(100, 0, 10) for _ in range(2)]).accepted
     s.report("pe", pe.lease_id, [], now=3.0)
     s.report("de1", d1.lease_id, [], now=3.0)
     assert s.expire(now=3.2) == [d0]

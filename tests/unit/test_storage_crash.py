@@ -41,7 +41,7 @@ if stage == "mid-payload":       # half the bytes reach the temp file, then we s
         pause()
     os.writev = writev
 elif stage == "before-rename":   # the whole temp file is written and fsynced
-    os.rename = lambda *a: pause()
+    os.rename = lambda *a, **kw: pause()
 store = BlockStore(sys.argv[1], get_profile("demo", 4))
 store.write(bytes.fromhex(sys.argv[3]), aligned_bytes(store.layout.full_bytes))
 """

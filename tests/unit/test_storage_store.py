@@ -2,6 +2,7 @@
 
 import dataclasses
 import errno
+import fcntl
 import logging
 import os
 import struct
@@ -32,9 +33,10 @@ def store(request, tmp_path):
         yield s
 
 
-def _put(store, key):
+def _put(store, key, fill=None):
+    """Write block ``key`` holding the synthetic KV of ``fill`` (default: its own)."""
     buf = aligned_bytes(store.layout.full_bytes)
-    SyntheticKV(store.layout).fill_full(buf, key)
+    SyntheticKV(store.layout).fill_full(buf, fill or key)
     assert store.write(key, buf)
     return buf
 
@@ -173,11 +175,24 @@ def _failing_open(flag: int, err: int):
     return fake_open
 
 
+def _refuse_direct(monkeypatch, err: int = errno.EINVAL):
+    """Setting O_DIRECT fails with ``err``: what a filesystem without it answers (the
+    store opens a block without O_DIRECT, checks it is a regular file, then sets it)."""
+    real = fcntl.fcntl
+
+    def fake(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(err, os.strerror(err))
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", fake)
+
+
 def test_fallback_when_open_rejects_o_direct(tmp_path, monkeypatch, caplog):
-    # Filesystems without O_DIRECT (older tmpfs, some FUSE) fail open() with EINVAL.
+    # Filesystems without O_DIRECT (older tmpfs, some FUSE) refuse the flag with EINVAL.
     with BlockStore(tmp_path, PROFILES[1]) as s:
         _put(s, KEYS[0])
-        monkeypatch.setattr(os, "open", _failing_open(os.O_DIRECT, errno.EINVAL))
+        _refuse_direct(monkeypatch)
         with caplog.at_level(logging.WARNING, "dualpath.storage"):
             assert _read(s, KEYS[0])[0]
             ok, out = _read(s, KEYS[0])
@@ -187,23 +202,16 @@ def test_fallback_when_open_rejects_o_direct(tmp_path, monkeypatch, caplog):
 
 
 def test_fallback_when_the_read_rejects_o_direct(tmp_path, monkeypatch, caplog):
-    # Others accept the flag at open() and fail the read itself with EINVAL.
-    real_open, real_preadv = os.open, os.preadv
-    direct_fds = set()
-
-    def tracking_open(path, flags, *a, **kw):
-        fd = real_open(path, flags, *a, **kw)
-        (direct_fds.add if flags & os.O_DIRECT else direct_fds.discard)(fd)
-        return fd
+    # Others accept the flag and fail the read itself with EINVAL.
+    real_preadv = os.preadv
 
     def preadv(fd, bufs, offset):
-        if fd in direct_fds:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_preadv(fd, bufs, offset)
 
     with BlockStore(tmp_path, PROFILES[0]) as s:
         _put(s, KEYS[0])
-        monkeypatch.setattr(os, "open", tracking_open)
         monkeypatch.setattr(os, "preadv", preadv)
         with caplog.at_level(logging.WARNING, "dualpath.storage"):
             ok, out = _read(s, KEYS[0])
@@ -214,7 +222,7 @@ def test_fallback_when_the_read_rejects_o_direct(tmp_path, monkeypatch, caplog):
 def test_direct_io_on_fails_loudly_where_unsupported(tmp_path, monkeypatch):
     with BlockStore(tmp_path, PROFILES[0], direct_io="on") as s:
         _put(s, KEYS[0])
-        monkeypatch.setattr(os, "open", _failing_open(os.O_DIRECT, errno.EINVAL))
+        _refuse_direct(monkeypatch)
         with pytest.raises(StorageError, match="O_DIRECT is not supported") as ei:
             _read(s, KEYS[0])
         assert ei.value.errno == errno.EINVAL

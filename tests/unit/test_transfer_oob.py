@@ -8,6 +8,7 @@ import errno
 import pytest
 
 from dualpath.errors import TransferError, UsageError
+from dualpath.tcp import Credential
 from dualpath.transfer.oob import (
     ConnectReply,
     ConnectRequest,
@@ -57,8 +58,13 @@ def test_in_process_channel_routes_by_name_and_refuses_strangers():
 
 
 def test_tcp_addresses_round_trip_including_ipv6():
-    assert decode_address(encode_address("127.0.0.1", 4791)) == ("127.0.0.1", 4791)
-    assert decode_address(encode_address("::1", 80)) == ("::1", 80)
+    assert decode_address(encode_address("127.0.0.1", 4791)) == ("127.0.0.1", 4791, None)
+    assert decode_address(encode_address("::1", 80)) == ("::1", 80, None)
+    cred = Credential(0x10002, bytes(range(16)))
+    assert decode_address(encode_address("::1", 80, cred)) == ("::1", 80, cred)
+    for bad in (b"h:1#zz:00", b"h:1#1:abcd", b"\xff:1"):
+        with pytest.raises(UsageError, match="not a TCP provider endpoint"):
+            decode_address(bad)
     with pytest.raises(UsageError):
         decode_address(b"nohostport")
 

@@ -3,7 +3,13 @@
 No I/O and no gRPC here; see dualpath.scheduler.service for the RPC edge.
 """
 
-from dualpath.scheduler.core.errors import Conflict, LeaseError, NotFound, QueueFull, SchedulerError
+from dualpath.scheduler.core.errors import (
+    Conflict,
+    LeaseError,
+    NotFound,
+    PermissionDenied,
+    SchedulerError,
+)
 from dualpath.scheduler.core.model import (
     Completion,
     CompletionStage,
@@ -24,6 +30,6 @@ from dualpath.scheduler.core.scheduler import Scheduler
 
 __all__ = [
     "Completion", "CompletionStage", "Conflict", "Engine", "EngineReport", "EngineSpec",
-    "FetchResult", "Group", "LeaseError", "Node", "NotFound", "Params", "QueueFull",
+    "FetchResult", "Group", "LeaseError", "Node", "NotFound", "Params", "PermissionDenied",
     "ReadSide", "Request", "RequestSpec", "Role", "Scheduler", "SchedulerError", "Stage",
 ]

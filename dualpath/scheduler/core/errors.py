@@ -21,5 +21,5 @@ class Conflict(SchedulerError):
     """An id is already taken: a live request, or an engine/node of another group (ALREADY_EXISTS)."""
 
 
-class QueueFull(SchedulerError):
-    """The waiting queues hold ``max_queued_requests`` already (RESOURCE_EXHAUSTED)."""
+class PermissionDenied(SchedulerError):
+    """The caller's identity does not own the group it names (PERMISSION_DENIED)."""

@@ -71,6 +71,7 @@ class Request:
     read_side: ReadSide = ReadSide.UNSPECIFIED
     prefill_read_tokens: int = 0
     decode_read_tokens: int = 0
+    wire_bytes: int = 0               # what its Assignment adds to a fetch reply (at most)
 
     @property
     def new_tokens(self) -> int:
@@ -127,6 +128,9 @@ class Group:
     private_tokens: int = 0
     # Requests this group's engines must drop, delivered with its next fetch.
     pending_cancel: list[str] = field(default_factory=list)
+    # The identity that registered it ("node/p0"; "" = unauthenticated): only it may
+    # register, fetch or report for this group id again, for as long as the scheduler runs.
+    owner: str = ""
 
     @property
     def total_tok(self) -> int:
@@ -167,6 +171,31 @@ class RequestSpec:
     payload: bytes = b""
 
 
+class RejectReason(IntEnum):
+    INVALID = 1
+    TOO_LARGE = 2
+    DUPLICATE = 3
+    QUEUE_FULL = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """One submitted request that was not enqueued, and why (``detail``: one line)."""
+
+    index: int
+    request_id: str
+    reason: RejectReason
+    detail: str
+
+
+@dataclass(slots=True)
+class Admission:
+    """What one submit did: the accepted requests (enqueued, in order) and the rest."""
+
+    accepted: list[Request]
+    rejected: list[Rejection]
+
+
 @dataclass(frozen=True, slots=True)
 class Completion:
     request_id: str
@@ -188,6 +217,14 @@ class Params:
     max_assignments_per_fetch: int = 4096
     max_queued_requests: int = 1_000_000
     default_read_tokens_per_s: float = 1.0  # node read rate when a group gives none
+    # Admission bounds (paper-independent; see Scheduler.submit).
+    context_tokens: int = 1 << 30     # prompt + max_new_tokens of one request (the model's)
+    max_held_bytes: int = 2 << 30     # bytes of live requests the scheduler holds
+    max_payload_bytes: int = 256 << 10
+    max_submit_requests: int = 4096   # per SubmitRequest call (its reply must fit)
+    # A fetch reply stops adding assignments (and cancellations) at this many bytes, so it
+    # fits gRPC's default 4 MiB receive limit of every client with room to spare.
+    max_fetch_reply_bytes: int = 3 << 20
 
     def validate(self) -> None:
         from dualpath.errors import UsageError
@@ -202,11 +239,30 @@ class Params:
         if self.lease_s <= 0 or self.default_read_tokens_per_s <= 0:
             raise UsageError("scheduler parameters lease_s and default_read_tokens_per_s "
                              "must be > 0")
+        one = self.max_payload_bytes + MAX_REQUEST_ID_BYTES + ASSIGNMENT_FIXED_BYTES
+        if one > self.max_fetch_reply_bytes:
+            raise UsageError(f"scheduler parameter max_payload_bytes = "
+                             f"{self.max_payload_bytes}: one assignment would not fit a "
+                             f"fetch reply of {self.max_fetch_reply_bytes} bytes")
 
 
 _PARAM_MINIMUM = {"alpha_tokens": 0, "beta_tokens": 0, "compute_quota_ms": 1,
                   "split_align_tokens": 1, "max_assignments_per_fetch": 1,
-                  "max_queued_requests": 1}
+                  "max_queued_requests": 1, "context_tokens": 1, "max_held_bytes": 1,
+                  "max_payload_bytes": 0, "max_submit_requests": 1,
+                  "max_fetch_reply_bytes": 1}
+
+#: Longest request id (bytes of UTF-8) a submit accepts.
+MAX_REQUEST_ID_BYTES = 128
+#: Longest group/engine/node id or control address a registration accepts, and the most
+#: engines in one group.
+MAX_NAME_BYTES = 256
+MAX_GROUP_ENGINES = 1024
+#: What one Assignment carries besides the request id and payload, at most: two engine
+#: ids and two control addresses (each bounded at registration) and the numbers.
+ASSIGNMENT_FIXED_BYTES = 4 * MAX_NAME_BYTES + 128
+#: Bookkeeping of one live request in the scheduler besides its id and payload.
+REQUEST_FIXED_BYTES = 512
 
 
 @dataclass(slots=True)

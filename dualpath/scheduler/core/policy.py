@@ -59,15 +59,19 @@ def pick_prefill_engine(engines: list[Engine], alpha: int, beta: int) -> Engine 
 def assign_prefill(queue: deque[Request], engines: list[Engine], params: Params,
                    limit: int) -> list[Request]:
     """Pop requests FIFO from ``queue`` and give each a PE and a read side, updating tok_e,
-    seq_e and the read queues after each one so that categories are re-evaluated."""
+    seq_e and the read queues after each one so that categories are re-evaluated. Stops
+    at ``limit`` requests or when the next would take the reply past
+    ``params.max_fetch_reply_bytes``."""
     out: list[Request] = []
     alpha, beta = params.alpha_tokens, params.beta_tokens
     split, align = params.split_read, params.split_align_tokens
-    while queue and len(out) < limit:
+    room = params.max_fetch_reply_bytes
+    while queue and len(out) < limit and queue[0].wire_bytes <= room:
         e = pick_prefill_engine(engines, alpha, beta)
         if e is None:
             break
         r = queue.popleft()
+        room -= r.wire_bytes
         e.tok += r.prompt_tokens
         e.seq += 1
         e.assigned_total += 1
@@ -177,8 +181,8 @@ def pick_decode_engine(engines: list[Engine], need_hbm: int, length: int,
 
 def assign_in_group(group: Group, params: Params, limit: int) -> list[Request]:
     """In-group phase (paper §6.1): take the private queue's head repeatedly, place it on
-    a DE and reserve its HBM, until the queue is empty, ``limit`` is reached or no DE has
-    the HBM for the head."""
+    a DE and reserve its HBM, until the queue is empty, ``limit`` is reached, the reply
+    would pass ``params.max_fetch_reply_bytes`` or no DE has the HBM for the head."""
     engines = [e for e in group.engines if not e.drained]
     q = group.private_queue
     if not engines or not q:
@@ -187,13 +191,15 @@ def assign_in_group(group: Group, params: Params, limit: int) -> list[Request]:
     if z is None:
         return []
     out: list[Request] = []
-    while q and len(out) < limit:
+    room = params.max_fetch_reply_bytes
+    while q and len(out) < limit and q[0].wire_bytes <= room:
         r = q[0]
         need = r.hbm_tokens
         e = pick_decode_engine(engines, need, r.prompt_tokens, z)
         if e is None:
             break
         q.popleft()
+        room -= r.wire_bytes
         group.private_tokens -= r.prompt_tokens
         e.tok += r.prompt_tokens
         e.seq += 1

@@ -8,6 +8,11 @@ Where each live request is (the invariant the tests check): exactly one of the g
 queue, one DE group's private queue, the prefill queue, or an engine (stages PREFILLING
 and DECODING). Requests leave the books only with DECODE_DONE.
 
+Identity: a group is bound to the identity that first registered it (``owner``, from
+its certificate at the RPC edge; "" when the edge has none). Another identity can neither
+register that group id, nor fetch or report for it; the same identity may (a restarted
+node). The binding outlives the lease.
+
 Leases: every leader call renews its group's lease for ``params.lease_s``. A group whose
 deadline passes is marked down (by ``expire`` or by its own late call) and every
 unfinished request it held goes back to the head of an earlier queue in arrival order:
@@ -25,8 +30,14 @@ from typing import Any
 
 from dualpath.errors import UsageError
 from dualpath.scheduler.core import policy
-from dualpath.scheduler.core.errors import Conflict, LeaseError, NotFound, QueueFull
+from dualpath.scheduler.core.errors import Conflict, LeaseError, NotFound, PermissionDenied
 from dualpath.scheduler.core.model import (
+    ASSIGNMENT_FIXED_BYTES,
+    MAX_GROUP_ENGINES,
+    MAX_NAME_BYTES,
+    MAX_REQUEST_ID_BYTES,
+    REQUEST_FIXED_BYTES,
+    Admission,
     Completion,
     CompletionStage,
     Engine,
@@ -37,6 +48,8 @@ from dualpath.scheduler.core.model import (
     Node,
     Params,
     ReadSide,
+    Rejection,
+    RejectReason,
     Request,
     RequestSpec,
     Role,
@@ -48,6 +61,7 @@ from dualpath.scheduler.core.model import (
 class Counters:
     submitted: int = 0
     completed: int = 0
+    rejected: int = 0
     requeued: int = 0
     fetches: int = 0
     decode_assigned: int = 0
@@ -70,20 +84,35 @@ class Scheduler:
         self.counters = Counters()
         self._next_seq = 0
         self._next_lease = 0
+        self.held_bytes = 0   # live requests' bytes (ids, payloads, bookkeeping)
         self._prefilling = 0  # requests in stage PREFILLING, kept so stats are O(groups)
         self._decode_groups: list[Group] | None = None  # up DE groups with a usable engine
 
     # ------------------------------------------------------------ registration
 
     def register_group(self, group_id: str, role: Role, specs: list[EngineSpec], now: float,
-                       read_tokens_per_s: float = 0.0) -> Group:
-        """Start a lease for a group. Re-registering an up group ends its old lease first."""
+                       read_tokens_per_s: float = 0.0, owner: str = "") -> Group:
+        """Start a lease for a group. Re-registering an up group ends its old lease first.
+        ``owner`` is the caller's identity; a group id stays bound to its first owner."""
         if not group_id:
             raise UsageError("group_id must not be empty")
+        old = self.groups.get(group_id)
+        if old is not None and old.owner != owner:
+            raise PermissionDenied(f"group {group_id} is bound to {_who(old.owner)}; "
+                                   f"{_who(owner)} cannot register it")
         if role not in (Role.PREFILL, Role.DECODE):
             raise UsageError(f"group {group_id}: role must be PREFILL or DECODE, got {role!r}")
         if not specs:
             raise UsageError(f"group {group_id}: a group needs at least one engine")
+        if len(specs) > MAX_GROUP_ENGINES:
+            raise UsageError(f"group {group_id[:MAX_NAME_BYTES]}: {len(specs)} engines; at "
+                             f"most {MAX_GROUP_ENGINES}")
+        for name in (group_id, *(x for sp in specs
+                                 for x in (sp.engine_id, sp.node_id, sp.control_address))):
+            if len(name.encode()) > MAX_NAME_BYTES:
+                raise UsageError(f"group {group_id[:MAX_NAME_BYTES]}: a group, engine or node "
+                                 f"id or control address of {len(name.encode())} bytes; at "
+                                 f"most {MAX_NAME_BYTES}")
         ids = [s.engine_id for s in specs]
         ranks = sorted(s.rank for s in specs)
         if len(set(ids)) != len(ids) or "" in ids:
@@ -106,7 +135,6 @@ class Scheduler:
                 if taken:
                     raise Conflict(f"node {min(taken)} already belongs to group "
                                    f"{g.group_id} (all engines of a node are in one group)")
-        old = self.groups.get(group_id)
         if old is not None:
             if old.up:
                 self._mark_down(old)
@@ -115,7 +143,8 @@ class Scheduler:
                     del self.engines[e.engine_id]
         rate = read_tokens_per_s or self.params.default_read_tokens_per_s
         self._next_lease += 1
-        g = Group(group_id, role, self._next_lease, now + self.params.lease_s, last_fetch=now)
+        g = Group(group_id, role, self._next_lease, now + self.params.lease_s, last_fetch=now,
+                  owner=owner)
         for s in sorted(specs, key=lambda s: s.rank):
             node = self.nodes.get(s.node_id)
             if node is None:
@@ -131,37 +160,74 @@ class Scheduler:
 
     # ------------------------------------------------------------ requests
 
-    def submit(self, specs: list[RequestSpec]) -> list[Request]:
-        """Enqueue a batch (all or nothing) at the tail of the global queue."""
-        if self.queued_requests() + len(specs) > self.params.max_queued_requests:
-            raise QueueFull(f"{self.queued_requests()} requests wait already "
-                            f"(max_queued_requests = {self.params.max_queued_requests})")
+    def submit(self, specs: list[RequestSpec]) -> Admission:
+        """Admit each request on its own, in order: a valid one is enqueued at the tail
+        of the global queue, the others come back as rejections with a reason. Bounds:
+        the model's context (whether or not a DE is up), the largest up DE's HBM, the
+        request id and payload sizes, and the queue (requests waiting, bytes held).
+        UsageError, nothing enqueued, for more than ``max_submit_requests`` in one call."""
+        p = self.params
+        if len(specs) > p.max_submit_requests:
+            raise UsageError(f"{len(specs)} requests in one submit; at most "
+                             f"{p.max_submit_requests} per call (max_submit_requests)")
         max_hbm = max((e.hbm_tokens for e in self.engines.values()
                        if e.role is Role.DECODE and e.group.up), default=0)
+        queued = self.queued_requests()
         seen: set[str] = set()
-        for s in specs:
-            if s.prompt_tokens <= 0 or s.hit_tokens < 0 or s.max_new_tokens < 0:
-                raise UsageError(f"request {s.request_id or '(unnamed)'}: prompt_tokens must "
-                                 "be > 0, hit_tokens and max_new_tokens >= 0")
-            if max_hbm and s.prompt_tokens + s.max_new_tokens > max_hbm:
-                raise UsageError(f"request {s.request_id or '(unnamed)'} needs "
-                                 f"{s.prompt_tokens + s.max_new_tokens} tokens of HBM; the "
-                                 f"largest decode engine has {max_hbm}")
+        accepted: list[Request] = []
+        rejected: list[Rejection] = []
+        for i, s in enumerate(specs):
+            reason, detail = self._check_spec(s, max_hbm, seen)
+            wire = len(s.request_id.encode()) + len(s.payload) + ASSIGNMENT_FIXED_BYTES
+            held = wire + REQUEST_FIXED_BYTES
+            if reason is None and (queued >= p.max_queued_requests
+                                   or self.held_bytes + held > p.max_held_bytes):
+                reason, detail = RejectReason.QUEUE_FULL, (
+                    f"{queued} requests wait, {self.held_bytes} bytes held (max_queued_"
+                    f"requests {p.max_queued_requests}, max_held_bytes {p.max_held_bytes})")
+            if reason is not None:
+                rejected.append(Rejection(i, s.request_id[:MAX_REQUEST_ID_BYTES], reason,
+                                          detail[:160]))
+                continue
             if s.request_id:
-                if s.request_id in self.requests or s.request_id in seen:
-                    raise Conflict(f"request {s.request_id} is already queued or running")
                 seen.add(s.request_id)
-        out = []
-        for s in specs:
             self._next_seq += 1
             rid = s.request_id or self._auto_id(self._next_seq)
             r = Request(rid, s.prompt_tokens, min(s.hit_tokens, s.prompt_tokens - 1),
-                        s.max_new_tokens, s.payload, self._next_seq)
+                        s.max_new_tokens, s.payload, self._next_seq,
+                        wire_bytes=wire + (len(rid) - len(s.request_id)))
             self.requests[rid] = r
-            out.append(r)
-        self.global_queue.extend(out)
-        self.counters.submitted += len(out)
-        return out
+            self.held_bytes += r.wire_bytes + REQUEST_FIXED_BYTES
+            accepted.append(r)
+            queued += 1
+        self.global_queue.extend(accepted)
+        self.counters.submitted += len(accepted)
+        self.counters.rejected += len(rejected)
+        return Admission(accepted, rejected)
+
+    def _check_spec(self, s: RequestSpec, max_hbm: int, seen: set[str]
+                    ) -> tuple[RejectReason | None, str]:
+        p = self.params
+        name = s.request_id[:MAX_REQUEST_ID_BYTES] or "(unnamed)"
+        if s.prompt_tokens <= 0 or s.hit_tokens < 0 or s.max_new_tokens < 0:
+            return RejectReason.INVALID, (f"request {name}: prompt_tokens must be > 0, "
+                                          "hit_tokens and max_new_tokens >= 0")
+        if len(s.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+            return RejectReason.INVALID, (f"request id of {len(s.request_id.encode())} bytes;"
+                                          f" at most {MAX_REQUEST_ID_BYTES}")
+        if len(s.payload) > p.max_payload_bytes:
+            return RejectReason.INVALID, (f"request {name}: payload of {len(s.payload)} "
+                                          f"bytes; at most {p.max_payload_bytes}")
+        need = s.prompt_tokens + s.max_new_tokens
+        if need > p.context_tokens:
+            return RejectReason.TOO_LARGE, (f"request {name}: {need} tokens; the model's "
+                                            f"context is {p.context_tokens}")
+        if max_hbm and need > max_hbm:
+            return RejectReason.TOO_LARGE, (f"request {name} needs {need} tokens of HBM; "
+                                            f"the largest decode engine has {max_hbm}")
+        if s.request_id and (s.request_id in self.requests or s.request_id in seen):
+            return RejectReason.DUPLICATE, f"request {name} is already queued or running"
+        return None, ""
 
     def _auto_id(self, seq: int) -> str:
         rid = f"r-{seq}"
@@ -174,9 +240,9 @@ class Scheduler:
     # ------------------------------------------------------------ leader calls
 
     def fetch(self, group_id: str, lease_id: int, reports: list[EngineReport], now: float,
-              limit: int = 0) -> FetchResult:
+              limit: int = 0, caller: str = "") -> FetchResult:
         """A leader's fetch: record its engines' load, then run the policy of its role."""
-        g = self._leased_group(group_id, lease_id, now)
+        g = self._leased_group(group_id, lease_id, now, caller)
         engines = self.engines
         for rep in reports:
             e = engines.get(rep.engine_id)
@@ -202,15 +268,23 @@ class Scheduler:
             out = policy.assign_in_group(g, p, limit)
             self.prefill_queue.extend(out)
             self.counters.decode_assigned += len(out)
-        cancelled = g.pending_cancel
-        g.pending_cancel = []
+        # Cancellations share the reply's byte budget; what does not fit waits for the next.
+        room = p.max_fetch_reply_bytes - sum(r.wire_bytes for r in out)
+        cut = 0
+        for rid in g.pending_cancel:
+            room -= len(rid) + 8
+            if room < 0:
+                break
+            cut += 1
+        cancelled = g.pending_cancel[:cut]
+        del g.pending_cancel[:cut]
         return FetchResult(out, cancelled, g.role)
 
     def report(self, group_id: str, lease_id: int, completions: list[Completion],
-               now: float) -> tuple[int, list[str]]:
+               now: float, caller: str = "") -> tuple[int, list[str]]:
         """Completions from a leader: ``(accepted, ignored request ids)``. Unknown,
         finished or foreign requests are ignored, so a retried report is harmless."""
-        g = self._leased_group(group_id, lease_id, now)
+        g = self._leased_group(group_id, lease_id, now, caller)
         accepted = 0
         ignored: list[str] = []
         to_global: list[Request] = []
@@ -229,6 +303,7 @@ class Scheduler:
                     self._prefilling -= 1
                 r.stage = Stage.DONE
                 del self.requests[r.request_id]
+                self.held_bytes -= r.wire_bytes + REQUEST_FIXED_BYTES
                 self.counters.completed += 1
             elif c.stage is CompletionStage.FAILED and pe_here:
                 to_prefill.append(r)
@@ -246,10 +321,13 @@ class Scheduler:
             self._requeue_prefill(to_prefill)
         return accepted, ignored
 
-    def _leased_group(self, group_id: str, lease_id: int, now: float) -> Group:
+    def _leased_group(self, group_id: str, lease_id: int, now: float, caller: str) -> Group:
         g = self.groups.get(group_id)
         if g is None:
             raise NotFound(f"group {group_id} is not registered")
+        if g.owner != caller:   # before the lease: a stranger learns nothing about it
+            raise PermissionDenied(f"group {group_id} is bound to {_who(g.owner)}; "
+                                   f"{_who(caller)} cannot act for it")
         if not g.up or g.lease_id != lease_id:
             raise LeaseError(f"group {group_id}: lease {lease_id} is not current "
                              "(expired or replaced); register again")
@@ -368,3 +446,7 @@ class Scheduler:
         counts[Stage.PREFILLING] = self._prefilling
         counts[Stage.DECODING] = held - self._prefilling
         return counts
+
+
+def _who(identity: str) -> str:
+    return identity or "an unauthenticated caller"

@@ -1,0 +1,100 @@
+"""Stored KV that cannot be forged or redirected by a writer of the shared mount:
+keyed integrity tags (a block planted without the cluster key is a miss, however valid
+its XXH3 hashes), block paths that never leave the store root (symlinks refused, never
+followed, for reads and writes), and a directory, FIFO or device in place of a block is
+a miss that says nothing about O_DIRECT support."""
+
+import os
+import shutil
+
+import pytest
+
+from dualpath import config
+from dualpath.errors import ConfigError
+from dualpath.kv.prefix import block_keys
+from dualpath.kv.profiles import get_profile
+from dualpath.kv.synth import SyntheticKV
+from dualpath.storage import BlockStore
+from dualpath.storage.store import aligned_bytes
+from tests.unit.test_storage_store import _put, _read
+
+PROFILE = get_profile("demo", 4)   # 64 KiB blocks
+KEYS = block_keys(list(range(32)), 4)
+SECRET = bytes(range(32))
+
+
+def test_a_block_planted_without_the_cluster_key_is_a_miss(tmp_path):
+    # The attacker writes the shared mount with the same code but no key (or another
+    # key): every XXH3 hash in the file is valid, the KV is the attacker's.
+    with BlockStore(tmp_path, PROFILE, integrity_key=SECRET) as good, \
+            BlockStore(tmp_path, PROFILE) as forger, \
+            BlockStore(tmp_path, PROFILE, integrity_key=bytes(32)) as other_key:
+        _put(good, KEYS[0])
+        ok, out = _read(good, KEYS[0])
+        assert ok and SyntheticKV(good.layout).verify_full(out, KEYS[0]) is None
+        _put(forger, KEYS[1], fill=KEYS[2])        # untagged
+        _put(other_key, KEYS[3], fill=KEYS[4])     # tagged with the wrong key
+        for k in (KEYS[1], KEYS[3]):
+            assert _read(good, k)[0] is False
+        assert good.stats.corrupt_blocks == 2 and good.stats.hits == 1
+        # Overwriting a good block in place with a forged one is caught the same way.
+        _put(forger, KEYS[5])
+        forger.write(KEYS[0], aligned_bytes(good.layout.full_bytes), overwrite=True)
+        assert _read(good, KEYS[0])[0] is False
+
+
+def test_block_paths_never_follow_a_symlink_out_of_the_store(tmp_path):
+    outside = tmp_path / "outside"
+    with BlockStore(outside, PROFILE) as elsewhere:
+        _put(elsewhere, KEYS[0])                   # a valid block outside our root
+        target = elsewhere.path_of(KEYS[0])
+    root = tmp_path / "store"
+    with BlockStore(root, PROFILE) as s:
+        # A symlink in place of the block file.
+        p = s.path_of(KEYS[0])
+        p.parent.mkdir(parents=True)
+        p.symlink_to(target)
+        assert _read(s, KEYS[0])[0] is False and not s.contains(KEYS[0])
+        # A symlinked fan-out directory: no read through it, and no write lands in it.
+        q = s.path_of(KEYS[1])
+        q.parent.parent.mkdir(parents=True, exist_ok=True)
+        victim = tmp_path / "victim"
+        victim.mkdir()
+        q.parent.symlink_to(victim)
+        shutil.copy(target, victim / q.name)
+        assert _read(s, KEYS[1])[0] is False
+        with pytest.raises(Exception, match="symlink or a file in the way"):
+            _put(s, KEYS[1])
+        assert sorted(x.name for x in victim.iterdir()) == [q.name]   # nothing new there
+        assert s.stats.unsafe_paths == 2 and s.stats.hits == 0
+        assert s.delete(KEYS[1]) is False and (victim / q.name).exists()
+
+
+def test_a_directory_or_fifo_in_place_of_a_block_is_a_miss_and_o_direct_stays_on(tmp_path):
+    with BlockStore(tmp_path, PROFILE, direct_io="auto") as s:
+        _put(s, KEYS[0])
+        d = s.path_of(KEYS[1])
+        d.mkdir(parents=True)                      # a directory named like a block
+        f = s.path_of(KEYS[2])
+        f.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(f)                               # opening it for reading would block
+        direct = s.direct
+        assert _read(s, KEYS[1])[0] is False and _read(s, KEYS[2])[0] is False
+        assert s.direct == direct                  # not a reason to turn O_DIRECT off
+        assert s.stats.unsafe_paths == 2
+        assert _read(s, KEYS[0])[0] is True
+
+
+def test_integrity_key_file_errors_are_config_errors(tmp_path):
+    k = tmp_path / "k"
+    k.write_bytes(b"short")
+    os.chmod(k, 0o600)
+    with pytest.raises(ConfigError, match="5 bytes; the key needs at least 32"):
+        config.from_dict({"storage": {"integrity_key_file": str(k)}}).storage.integrity_key()
+    k.write_bytes(SECRET)
+    os.chmod(k, 0o644)
+    with pytest.raises(ConfigError, match="readable by every user"):
+        config.from_dict({"storage": {"integrity_key_file": str(k)}}).storage.integrity_key()
+    os.chmod(k, 0o600)
+    assert config.from_dict({"storage": {"integrity_key_file": str(k)}}).storage \
+        .integrity_key() == SECRET

@@ -65,6 +65,7 @@ class DualPathMetadata(KVConnectorMetadata):
     plan: StepPlan
 
 
+@dataclass
 class DualPathStats(KVConnectorStats):
     """Per-interval connector stats (vLLM aggregates them over workers and logs them)."""
 

@@ -1,0 +1,138 @@
+"""DualPathConnector's scheduler role as bookkeeping (dualpath/vllm/scheduler_side.py),
+driven with small stand-ins for vLLM's Request and SchedulerOutput.
+
+Expected values follow vLLM's contract as the module states it: a hit never covers the
+last prompt token (at most (len - 1) // T blocks), loads go into the engine blocks
+after vLLM's local hit, and every block is saved once, when it becomes full, unless it
+was loaded (or went back to being computed after a failed load)."""
+
+from types import SimpleNamespace
+
+from dualpath.kv.prefix import block_keys
+from dualpath.vllm.scheduler_side import SchedulerSide
+
+T = 4
+
+
+class Store:
+    def __init__(self):
+        self.keys: set[bytes] = set()
+        self.calls = 0
+
+    def __call__(self, keys):
+        self.calls += 1
+        n = 0
+        for k in keys:
+            if k not in self.keys:
+                break
+            n += 1
+        return n
+
+
+def _req(rid, tokens):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(tokens),
+                           all_token_ids=list(tokens))
+
+
+def _new(rid, block_ids, computed):
+    return SimpleNamespace(req_id=rid, block_ids=(list(block_ids),),
+                           num_computed_tokens=computed)
+
+
+def _cached(entries, resumed=()):
+    return SimpleNamespace(req_ids=[e[0] for e in entries], resumed_req_ids=set(resumed),
+                           new_block_ids=[(list(e[1]),) if e[1] is not None else None
+                                          for e in entries],
+                           num_computed_tokens=[e[2] for e in entries])
+
+
+def test_a_hit_never_covers_the_last_prompt_token():
+    store = Store()
+    tokens = list(range(100, 108))                      # exactly 2 blocks
+    store.keys.update(block_keys(tokens, T))
+    s = SchedulerSide(store, T)
+    assert s.matched_tokens(_req("r", tokens), 0) == T  # block 1 holds the last token
+    tokens9 = tokens + [7]
+    assert s.matched_tokens(_req("q", tokens9), 0) == 2 * T
+
+
+def test_hits_start_after_the_local_prefix_and_stop_at_a_hole():
+    store = Store()
+    tokens = list(range(50, 50 + 5 * T + 1))
+    keys = block_keys(tokens, T)
+    store.keys.update(keys[:2] + keys[3:])             # a hole at block 2
+    s = SchedulerSide(store, T)
+    assert s.matched_tokens(_req("r", tokens), 0) == 2 * T
+    assert s.matched_tokens(_req("r", tokens), T) == T  # vLLM has block 0 locally
+    assert s.matched_tokens(_req("r", tokens), 2 * T) == 0
+    assert s.matched_tokens(_req("r", tokens), 3) == 0  # a local hit inside a block
+
+
+def test_a_plan_loads_into_the_allocated_blocks_and_saves_what_becomes_full():
+    store = Store()
+    prompt = list(range(10, 10 + 3 * T + 2))            # 3 full blocks + 2 tokens
+    keys = block_keys(prompt, T)
+    store.keys.update(keys[:2])
+    s = SchedulerSide(store, T)
+    r = _req("r", prompt)
+    assert s.matched_tokens(r, 0) == 2 * T
+    s.after_alloc(r, [7, 3, 9, 4], 2 * T)
+    plan = s.build([_new("r", [7, 3, 9, 4], 2 * T)], _cached([]), {"r": len(prompt) - 2 * T})
+    (load,) = plan.loads
+    assert (load.keys, load.units) == (keys[:2], [7, 3])
+    (save,) = plan.saves                                # block 2 becomes full; 0, 1 loaded
+    assert (save.keys, save.units) == (keys[2:3], [9])
+    # Decode: 2 tokens generated fill block 3 at the step whose KV covers token 16.
+    r.all_token_ids += [1, 2]
+    n = len(prompt)
+    assert not s.build([], _cached([("r", None, n)]), {"r": 1}).saves    # 15 tokens
+    plan = s.build([], _cached([("r", None, n + 1)]), {"r": 1})          # 16 tokens
+    (save,) = plan.saves
+    assert (save.keys, save.units) == (block_keys(r.all_token_ids, T)[3:4], [4])
+    assert not s.build([], _cached([("r", [8], n + 2)]), {"r": 1}).saves  # nothing new
+
+
+def test_blocks_recomputed_after_a_failed_load_are_saved_again():
+    store = Store()
+    prompt = list(range(3 * T + 1))
+    keys = block_keys(prompt, T)
+    store.keys.update(keys)
+    s = SchedulerSide(store, T)
+    r = _req("r", prompt)
+    assert s.matched_tokens(r, 0) == 3 * T
+    s.after_alloc(r, [1, 2, 3, 4], 3 * T)
+    plan = s.build([_new("r", [1, 2, 3, 4], 3 * T)], _cached([]), {"r": 1})
+    assert plan.loads and not plan.saves
+    # vLLM found block 1 invalid: its computed tokens went back to T, it recomputes.
+    plan = s.build([], _cached([("r", None, T)]), {"r": 2 * T + 1})
+    (save,) = plan.saves
+    assert (save.keys, save.units) == (keys[1:3], [2, 3])
+
+
+def test_a_resumed_request_takes_its_new_blocks_and_a_failed_lookup_is_no_hit():
+    s = SchedulerSide(lambda keys: 0, T)
+    r = _req("r", list(range(2 * T + 1)))
+    assert s.matched_tokens(r, 0) == 0
+    s.after_alloc(r, [5, 6, 7], 0)
+    s.build([_new("r", [5, 6, 7], 0)], _cached([]), {"r": T})            # block 0 full
+    # Preempted, resumed with other blocks: saves name the new ones.
+    plan = s.build([], _cached([("r", [8, 9, 10], T)], resumed=["r"]), {"r": T + 1})
+    (save,) = plan.saves
+    assert save.units == [9]
+    s.finished("r")
+    assert "r" not in s.reqs
+
+
+def test_block_units_make_one_dualpath_block_of_several_engine_blocks():
+    store = Store()
+    prompt = list(range(4 * T + 1))                     # 2 DualPath blocks of 2 units
+    keys = block_keys(prompt, 2 * T)
+    store.keys.update(keys[:1])
+    s = SchedulerSide(store, T, block_units=2)
+    r = _req("r", prompt)
+    assert s.matched_tokens(r, 0) == 2 * T
+    assert s.matched_tokens(r, T) == 0                  # not aligned to a DualPath block
+    s.matched_tokens(r, 0)
+    s.after_alloc(r, [4, 5, 6, 7, 8], 2 * T)
+    plan = s.build([_new("r", [4, 5, 6, 7, 8], 2 * T)], _cached([]), {"r": 2 * T + 1})
+    assert plan.loads[0].units == [4, 5] and plan.saves[0].units == [6, 7]

@@ -82,11 +82,13 @@ class KvSpace:
         """Unit ids (for :func:`dualpath.kv.placement.runs`) of a reservation's blocks."""
         return self.buffer.units_of_slots(res.slots)
 
-    async def read(self, request_id: str, keys: list[bytes], res: Reservation) -> ReadOutcome:
-        """Read ``keys`` into the first ``len(keys)`` blocks of ``res`` through the read
-        queue (ending ``request_id``'s expectation there)."""
+    async def read(self, request_id: str, keys: list[bytes], res: Reservation,
+                   slots: list[int] | None = None) -> ReadOutcome:
+        """Read ``keys`` into blocks ``slots`` (default: the first ``len(keys)``) of
+        ``res`` through the read queue (ending ``request_id``'s expectation there)."""
         t0 = time.time()
-        got = await self.read_queue.read(keys, [res.flat(i) for i in range(len(keys))],
+        slots = list(range(len(keys))) if slots is None else slots
+        got = await self.read_queue.read(keys, [res.flat(i) for i in slots],
                                          request_id=request_id)
         usable = got.hit_tokens // self.layout.tokens
         return ReadOutcome(usable, len(keys), len(keys) * self.layout.full_bytes,

@@ -43,6 +43,10 @@ class NodeMetrics:
         self.connector_loaded_bytes = m.counter(
             registry, "dualpath_node_connector_loaded_bytes_total",
             "KV bytes written into the local vLLM instance's KV cache.")
+        self.connector_pending_blocks = m.gauge(
+            registry, "dualpath_node_connector_pending_blocks",
+            "Saved blocks committed but not on disk yet (write-back in the DRAM buffer; "
+            "lookups and loads already see them).")
         self.connector_load_failed_blocks = m.counter(
             registry, "dualpath_node_connector_load_failed_blocks_total",
             "Hit blocks that could not be loaded (missing, corrupt): vLLM recomputed them.")

@@ -33,7 +33,9 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from dualpath import faults
 from dualpath.buffers.pool import Reservation
@@ -100,6 +102,8 @@ class _Save:
     keys: list[bytes]
     res: Reservation
     deadline: float
+    readers: int = 0                 # loads copying from its slots (they stay until 0)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class VllmEngine:
@@ -125,6 +129,9 @@ class VllmEngine:
         self.namespace = ""
         self.workers: dict[str, Worker] = {}
         self._saves: dict[int, _Save] = {}
+        # Committed blocks not on disk yet (write-back): lookups count them, loads copy
+        # them from the save's slots instead of waiting for the store.
+        self._pending: dict[bytes, tuple[_Save, int]] = {}
         self._save_ids = itertools.count(1)
         self._persists: set[asyncio.Task] = set()
 
@@ -217,7 +224,7 @@ class VllmEngine:
             return 0
         hit = 0
         for k in keys:
-            if not self.space.store.contains(k):
+            if k not in self._pending and not self.space.store.contains(k):
                 break
             hit += 1
         self.metrics.connector_lookups.inc()
@@ -249,11 +256,9 @@ class VllmEngine:
         queue: asyncio.Queue[int] = asyncio.Queue()
         writer: asyncio.Task | None = None
         try:
-            got = await space.read(request_id, keys, res)
-            self.metrics.read_bytes.inc(got.nbytes)
+            ok = await self._fill(request_id, keys, res)
             log.debug("%s: load of %s: %d blocks, %d usable, into engine blocks %s of %s",
-                      self.node_id, request_id, len(keys), got.usable, units[:8], w.name)
-            ok = got.usable
+                      self.node_id, request_id, len(keys), ok, units[:8], w.name)
             failed = tuple(range(ok, len(keys)))
             if failed:
                 self.metrics.connector_load_failed_blocks.inc(len(failed))
@@ -293,6 +298,32 @@ class VllmEngine:
                 await asyncio.gather(writer, return_exceptions=True)
             res.release()
 
+    async def _fill(self, request_id: str, keys: list[bytes], res: Reservation) -> int:
+        """Bring ``keys`` into ``res``: blocks still waiting to be persisted are copied
+        from their save's slots, the rest read from the store. How many leading blocks
+        are usable (a missing or corrupt one ends them)."""
+        space = self.space
+        copies = [(i, *self._pending[k]) for i, k in enumerate(keys) if k in self._pending]
+        for _, s, _ in copies:
+            s.readers += 1
+        try:
+            await asyncio.gather(*(asyncio.to_thread(np.copyto, res.flat(i), s.res.flat(j))
+                                   for i, s, j in copies))
+        finally:
+            for _, s, _ in copies:
+                s.readers -= 1
+                if not s.readers:
+                    s.idle.set()
+        copied = {i for i, _, _ in copies}
+        rest = [i for i in range(len(keys)) if i not in copied]
+        bad = len(keys)
+        if rest:
+            got = await space.read(request_id, [keys[i] for i in rest], res, rest)
+            self.metrics.read_bytes.inc(got.nbytes)
+            if got.usable < len(rest):
+                bad = rest[got.usable]
+        return bad
+
     # ------------------------------------------------------------------ save
 
     async def begin_save(self, request_id: str, worker_name: str, keys: list[bytes],
@@ -323,6 +354,9 @@ class VllmEngine:
         if not commit:
             s.res.release()
             return 0
+        for i, key in enumerate(s.keys):
+            self._pending.setdefault(key, (s, i))
+        self.metrics.connector_pending_blocks.set(len(self._pending))
         t = asyncio.ensure_future(self._persist(s))
         self._persists.add(t)
         t.add_done_callback(self._persists.discard)
@@ -333,18 +367,29 @@ class VllmEngine:
         assert space is not None
         try:
             for i, key in enumerate(s.keys):
-                if space.store.contains(key):
-                    continue
-                if self.limiter is not None:
-                    await self.limiter.acquire(space.layout.full_bytes)
                 try:
+                    if space.store.contains(key):
+                        continue
+                    if self.limiter is not None:
+                        await self.limiter.acquire(space.layout.full_bytes)
                     if await space.store.awrite(key, s.res.flat(i)):
                         self.metrics.persisted.inc()
                 except DualPathError as e:   # disk full, I/O error: skip caching it
                     self.metrics.persist_failed.inc()
                     log.warning("%s: persisting a block of %s failed: %s", self.node_id,
                                 s.request_id, e)
+                finally:
+                    if self._pending.get(key, (None,))[0] is s:
+                        del self._pending[key]
+                    self.metrics.connector_pending_blocks.set(len(self._pending))
         finally:
+            for key in s.keys:
+                if self._pending.get(key, (None,))[0] is s:
+                    del self._pending[key]
+            self.metrics.connector_pending_blocks.set(len(self._pending))
+            while s.readers:              # a load still copies from these slots
+                s.idle.clear()
+                await s.idle.wait()
             s.res.release()
 
     def _expire_saves(self) -> None:

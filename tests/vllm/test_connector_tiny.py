@@ -103,8 +103,16 @@ def _corrupt(path, how: str) -> None:
 
 
 def _block_file(rig, key):
-    (path,) = rig.node.store_dir.glob(f"*/{key.hex()[:2]}/{key.hex()[2:4]}/{key.hex()}.kvb")
-    return path
+    """The stored file of ``key``, once its (write-back) persist reached the disk (a
+    generous liveness bound, not a timing)."""
+    deadline = time.monotonic() + 60
+    while True:
+        found = list(rig.node.store_dir.glob(
+            f"*/{key.hex()[:2]}/{key.hex()[2:4]}/{key.hex()}.kvb"))
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"block {key.hex()} never reached the store"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate", "delete"])

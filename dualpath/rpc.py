@@ -42,3 +42,20 @@ def bind(server: grpc.aio.Server, address: str, what: str,
                 else server.add_insecure_port(address))
     except RuntimeError as e:
         raise UsageError(f"{what} = {address!r}: cannot listen ({e})") from None
+
+
+# Long-lived channels (leaders, replay clients) ping an idle connection every 10 s and drop
+# it when a ping is not answered within 5 s, so a peer that vanished without a FIN (host
+# down, a partition) is noticed and the channel reconnects once the network heals, instead
+# of waiting for TCP's own timeouts (minutes). Servers allow those pings.
+CLIENT_KEEPALIVE: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+SERVER_KEEPALIVE: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+)

@@ -48,6 +48,27 @@ class SchedulerConfig:
                                          "answer.", min=1)
     max_queued_requests: int = key(1_000_000, "Submissions beyond this many waiting requests "
                                    "are refused (RESOURCE_EXHAUSTED).", min=1)
+    journal_file: str = key("", "SQLite file (WAL mode) of the durable state: submissions, "
+                            "attempts and outcomes survive a restart, and SubmitRequest "
+                            "answers only once they are on disk (docs/reliability.md). Empty "
+                            "= off: a restart loses every queued and running request.")
+    journal_sync: str = key("normal", "normal: a commit survives the scheduler being killed "
+                            "at any instant; full: also power loss (an fsync per call that "
+                            "changes durable state).", choices=("normal", "full"))
+    max_failed_attempts: int = key(5, "A request whose attempts failed this many times (a "
+                                   "FAILED report, or the lease of a group holding it lost) "
+                                   "ends FAILED, reported to its submitter.", min=1)
+    retry_backoff_ms: int = key(100, "Backoff after a request's first failed attempt; it "
+                                "doubles with each further failure, jittered to between "
+                                "half and all of it.", min=0)
+    retry_backoff_max_ms: int = key(5000, "Upper bound of that backoff.", min=0)
+    peer_avoid_ms: int = key(3000, "After a failed attempt the request avoids the groups "
+                             "blamed for it this long, unless they register again (a new "
+                             "lease); then it may go back (a one-node side recovers).",
+                             min=0)
+    finished_requests_kept: int = key(100_000, "Ended requests remembered (outcome for the "
+                                      "submitter, idempotent resubmission, `ctl "
+                                      "requests`); the oldest are forgotten first.", min=0)
     tls_cert_file: str = key("", "PEM server certificate; empty = plaintext gRPC (loopback "
                              "and tests only).")
     tls_key_file: str = key("", "PEM private key of tls_cert_file.")

@@ -136,7 +136,7 @@ def test_domain_errors_become_status_codes():
             de_eng = engines("de0", 1, "n0", hbm_tokens=5000)
             de = await c.register_group("de0", pb.ENGINE_ROLE_DECODE, de_eng)
             C = grpc.StatusCode
-            assert await code_of(c.fetch("nope", 1, [])) == C.NOT_FOUND
+            assert await code_of(c.fetch("nope", 1, [])) == C.FAILED_PRECONDITION  # register again
             assert await code_of(c.fetch("de0", de.lease_id + 7, [])) == C.FAILED_PRECONDITION
             assert await code_of(c.fetch("de0", de.lease_id, status(engines("x", 1, "n"))))\
                 == C.INVALID_ARGUMENT  # an engine of another group
@@ -145,7 +145,10 @@ def test_domain_errors_become_status_codes():
             assert await code_of(c.register_group("g2", pb.ENGINE_ROLE_DECODE, de_eng)) \
                 == C.ALREADY_EXISTS  # de0.0 is taken by an up group
             await c.submit([pb.RequestSpec(request_id="a", prompt_tokens=10)])
-            assert await code_of(c.submit([pb.RequestSpec(request_id="a", prompt_tokens=10)]))\
+            # The same id again is a retry (idempotent); with other content a conflict.
+            again = await c.submit([pb.RequestSpec(request_id="a", prompt_tokens=10)])
+            assert list(again.resubmitted_request_ids) == ["a"] and again.queued_requests == 1
+            assert await code_of(c.submit([pb.RequestSpec(request_id="a", prompt_tokens=11)]))\
                 == C.ALREADY_EXISTS
             assert await code_of(c.submit([pb.RequestSpec(prompt_tokens=0)])) \
                 == C.INVALID_ARGUMENT
@@ -180,15 +183,24 @@ def test_lease_expiry_through_the_service_with_an_injected_clock():
             groups = {g.group_id: g for g in (await c.list_groups()).groups}
             assert groups["pe0"].state == admin_pb2.GROUP_STATE_DOWN
             assert groups["de0"].state == admin_pb2.GROUP_STATE_UP
+            # Their attempts failed: they wait out a backoff (retry_backoff_ms 100), and
+            # the DE is told to drop the attempt that was given up.
             st = await c.stats()
-            assert (st.prefill_queue_requests, st.prefilling_requests) == (3, 0)
+            assert (st.prefill_queue_requests, st.prefilling_requests) == (0, 0)
+            assert (st.backoff_requests, st.failed_attempts_total) == (3, 3)
             assert st.requeued_requests_total == 3
             assert await code_of(c.fetch("pe0", pe.lease_id, status(pe_eng))) == \
                 grpc.StatusCode.FAILED_PRECONDITION
             pe = await c.register_group("pe0", pb.ENGINE_ROLE_PREFILL, pe_eng)
+            clock.t += 0.2
+            placed = await c.fetch("de0", de.lease_id, status(de_eng, free_tokens=10**6))
+            assert sorted(placed.cancelled_request_ids) == sorted(a.request_id
+                                                                  for a in got.assignments)
             again = await c.fetch("pe0", pe.lease_id, status(pe_eng))
             assert [a.request_id for a in again.assignments] == \
                 [a.request_id for a in got.assignments]
+            assert [a.attempt for a in got.assignments] == [1, 1, 1]
+            assert [a.attempt for a in again.assignments] == [2, 2, 2]
 
     run(body())
 

@@ -31,8 +31,9 @@ FAILED, DONE, PDONE = (CompletionStage.FAILED, CompletionStage.DECODE_DONE,
 
 
 def params(**kw):
-    base = dict(alpha_tokens=10**9, beta_tokens=10**9, lease_s=3.0, max_failed_attempts=3,
-                retry_backoff_s=0.1, retry_backoff_max_s=1.0, peer_avoid_s=2.0)
+    base = {"alpha_tokens": 10**9, "beta_tokens": 10**9, "lease_s": 3.0,
+            "max_failed_attempts": 3, "retry_backoff_s": 0.1, "retry_backoff_max_s": 1.0,
+            "peer_avoid_s": 2.0}
     base.update(kw)
     return Params(**base)
 
@@ -91,7 +92,7 @@ def test_backoff_doubles_is_capped_and_never_less_than_half(base, cap, n, jitter
 
 def test_a_request_that_fails_every_time_ends_failed_after_its_budget():
     s, gs = cluster()
-    (r,) = s.submit([RequestSpec(100, 0, 10, "poison")])
+    s.submit([RequestSpec(100, 0, 10, "poison")])
     now, attempts = 0.0, []
     while "poison" in s.requests:
         now += 2.5    # past every backoff and avoidance window, within the lease
@@ -205,7 +206,7 @@ def test_cancel_ends_queued_and_running_requests_and_tells_their_engines():
 
 
 def test_resubmission_is_idempotent_for_live_and_ended_requests():
-    s, gs = cluster()
+    s, _ = cluster()
     spec = RequestSpec(100, 99, 10, "a", b"payload")
     assert [r.request_id for r in s.submit([spec])] == ["a"]
     assert s.submit_batch([spec]).resubmitted == ["a"]
@@ -233,7 +234,7 @@ def test_submissions_without_engines_wait_and_say_so():
 
 
 def test_ended_requests_are_remembered_up_to_the_bound():
-    s, gs = cluster(finished_requests_kept=2)
+    s, _ = cluster(finished_requests_kept=2)
     s.submit([RequestSpec(1, 0, 0, f"r{i}") for i in range(3)])
     s.cancel(["r0", "r1", "r2"], 0.0)
     assert list(s.finished) == ["r1", "r2"]

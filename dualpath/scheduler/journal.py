@@ -186,6 +186,6 @@ def open_scheduler(params: Params, journal: Journal | None, now: float, **kw) ->
     for f in ended:
         f.finished_at = now
     keep = params.finished_requests_kept
-    s.restore(live, ended[len(ended) - keep:] if keep else [], next_seq=seq,
+    s.restore(live, ended[max(0, len(ended) - keep):] if keep else [], next_seq=seq,
               next_lease=lease, now=now)
     return s

@@ -531,7 +531,6 @@ class Scheduler:
                 for e in (r.pe if st is Stage.PREFILLING else None, r.de):
                     if e is not None and e.group.up and e.group is not reporter:
                         e.group.pending_cancel.append(r.request_id)
-                r.attempt += 1
             r.de_group = r.de = r.pe = None
             r.read_side = ReadSide.UNSPECIFIED
             r.prefill_read_tokens = r.decode_read_tokens = 0
@@ -541,23 +540,24 @@ class Scheduler:
                 r.error = error
                 self.counters.failed_attempts += 1
                 if r.failures >= p.max_failed_attempts:
-                    self._finish(r, Outcome.FAILED, now, error)
+                    self._finish(r, Outcome.FAILED, now, error)   # ends with this attempt
                     continue
+            if started:
+                r.attempt += 1
+                self._log("attempt", r)
+            if failed and started:
                 if p.peer_avoid_s > 0 and avoid:
                     if r.avoid is None:
                         r.avoid = {}
                     for g in avoid:
                         r.avoid[g.group_id] = (g.lease_id, now + p.peer_avoid_s)
                 delay = backoff_s(p, r.failures, self.rng.uniform(0.5, 1.0))
-                self._log("attempt", r)
                 if delay > 0:
                     r.stage, r.not_before = Stage.BACKOFF, now + delay
                     self.backoff[r.request_id] = r
                     heapq.heappush(self._backoff_heap, (r.not_before, r.seq, r))
                     self.counters.requeued += 1
                     continue
-            elif started:
-                self._log("attempt", r)
             r.stage = Stage.GLOBAL_QUEUE
             back.append(r)
         self.global_queue.extendleft(reversed(back))

@@ -116,7 +116,9 @@ def run_core(args) -> dict:
     alpha, beta = scaled_thresholds(profile, args.speedup)
     s = Scheduler(Params(alpha_tokens=alpha, beta_tokens=beta, lease_s=1e9,
                          default_read_tokens_per_s=cl.read_tokens_per_s,
-                         split_read=args.split_read))
+                         split_read=args.split_read,
+                         # In process the whole backlog is one call (no reply to fit).
+                         max_submit_requests=max(4096, args.backlog)))
     for g in cl.groups:
         g.lease_id = s.register_group(g.group_id, g.role, g.specs(), 0.0).lease_id
     perf, cpu = time.perf_counter, time.thread_time

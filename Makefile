@@ -43,7 +43,7 @@ test: install
 	$(MAKE) --no-print-directory test-rdma
 
 test-host: install
-	$(VPY) -m pytest tests/unit tests/integration tests/vm -q -p no:cacheprovider
+	$(VPY) -m pytest tests/unit tests/integration tests/faults tests/vm -q -p no:cacheprovider
 
 test-vllm: install
 	$(VPY) -m pytest tests/vllm -q -p no:cacheprovider

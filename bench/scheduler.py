@@ -46,11 +46,23 @@ and the PE fetch. Completions flow back too (PREFILL_DONE, DECODE_DONE).
   More leader processes do not help on 2 cores: they take CPU shares from the daemon
   (measured: 2 workers, p99 82-102 ms against 5-20 ms for 1 at the same load).
 
+* saturated (the cost of durability, issue 12): the gRPC set-up twice in the same run,
+  the daemon first without and then with its journal (``journal_file``, SQLite WAL,
+  ``journal_sync = "normal"``: every submission and every completion on disk before the
+  answer), the submitter closed-loop (the next SubmitRequest of 500 as soon as the last
+  is answered, while fewer than ``--backlog`` wait) and the engines fast enough
+  (``--sat-speedup``, each group fetching every ``--sat-fetch-interval-ms``) that the
+  daemon, not the simulated cluster, limits the rate. Requests/s = requests scheduled
+  (reached a PE) / window; CPU per request = the daemon's CPU over the window / those
+  requests. ``saturated_requests_per_s_journal_over_plain`` is the ratio of the two
+  rates (target >= 0.8: durable submission costs at most 20 %).
+
 Prints a fixed table and, with ``--json PATH``, the same record with a top-level
 ``summary`` {core_requests_per_s, grpc_requests_per_s, grpc_fetch_p99_ms, and beside
-them grpc_fetch_p50_ms, grpc_server_fetch_p99_ms_le, grpc_host_other_cpu_cores}.
-Targets (issue 5): core >= 50,000 requests/s on one core; gRPC >= 5,000 requests/s with
-p99 fetch <= 10 ms.
+them grpc_fetch_p50_ms, grpc_server_fetch_p99_ms_le, grpc_host_other_cpu_cores,
+saturated_requests_per_s_journal_over_plain, saturated_server_us_per_request_{plain,
+journal}}. Targets (issue 5): core >= 50,000 requests/s on one core; gRPC >= 5,000
+requests/s with p99 fetch <= 10 ms; (issue 12) journal over plain >= 0.8.
 """
 
 from __future__ import annotations
@@ -104,7 +116,9 @@ def run_core(args) -> dict:
     alpha, beta = scaled_thresholds(profile, args.speedup)
     s = Scheduler(Params(alpha_tokens=alpha, beta_tokens=beta, lease_s=1e9,
                          default_read_tokens_per_s=cl.read_tokens_per_s,
-                         split_read=args.split_read))
+                         split_read=args.split_read,
+                         # In process the whole backlog is one call (no reply to fit).
+                         max_submit_requests=max(4096, args.backlog)))
     for g in cl.groups:
         g.lease_id = s.register_group(g.group_id, g.role, g.specs(), 0.0).lease_id
     perf, cpu = time.perf_counter, time.thread_time
@@ -169,7 +183,9 @@ def start_daemon(args, profile, tmp: Path) -> tuple[subprocess.Popen, str, str]:
         f"storage_read_bytes_per_s = {READ_BYTES_PER_S * args.grpc_speedup}\n"
         f"split_read = {'true' if args.split_read else 'false'}\n"
         "lease_ms = 60000\nmax_queued_requests = 10000000\nmax_held_bytes = 17179869184\n"
-        'metrics_listen = "127.0.0.1:0"\n[tls]\nplaintext = true\n')
+        'metrics_listen = "127.0.0.1:0"\n'
+        + (f'journal_file = "{tmp / "scheduler.sqlite"}"\n' if args.journal else "")
+        + "[tls]\nplaintext = true\n")
     proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "--log-level", "INFO",
                              "scheduler", "--config", str(cfg), "--listen", "127.0.0.1:0"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -392,8 +408,23 @@ async def coordinate(args, profile, addr: str, pid: int, metrics_url: str,
     state = {"queued": 0}
 
     async def submitter(client) -> None:
-        """Open loop: ``--grpc-rate`` requests per second, sent every 10 ms in one batch."""
+        """Open loop: ``--grpc-rate`` requests per second, sent every 10 ms in one batch.
+        Saturated: closed loop, the next batch of 500 once the last one is answered,
+        while fewer than ``--backlog`` requests wait."""
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        if args.saturate:
+            while time.monotonic() < window_end:
+                if state["queued"] >= args.backlog:
+                    state["queued"] = (await client.submit([])).queued_requests
+                    await asyncio.sleep(0.002)
+                    continue
+                specs = [pb.RequestSpec(request_id=s.request_id,
+                                        prompt_tokens=s.prompt_tokens,
+                                        hit_tokens=s.hit_tokens,
+                                        max_new_tokens=s.max_new_tokens)
+                         for s in cl.new_requests(500)]
+                state["queued"] = (await client.submit(specs)).queued_requests
+            return
         sent = 0
         while (now := time.monotonic()) < window_end:
             due = min(int((now - start_at) * args.grpc_rate) - sent, 4096)  # per-call max
@@ -483,6 +514,23 @@ async def probe(addr: str, at: float, seconds: float) -> dict:
             "p99_ms": 1e3 * percentile(lat, 99)}
 
 
+def run_saturated(args) -> dict:
+    """The gRPC set-up, closed loop, without and then with the journal (same run)."""
+    out = {}
+    for journal in (False, True):
+        a = argparse.Namespace(**vars(args))
+        a.saturate, a.journal = True, journal
+        a.grpc_speedup, a.fetch_interval_ms = args.sat_speedup, args.sat_fetch_interval_ms
+        a.grpc_seconds = args.sat_seconds
+        r = run_grpc(a)
+        r["server_us_per_request"] = 1e6 * r["server_cpu_cores"] / r["requests_per_s"] \
+            if r["requests_per_s"] else float("nan")
+        out["journal" if journal else "plain"] = r
+    out["journal_over_plain"] = out["journal"]["requests_per_s"] / \
+        out["plain"]["requests_per_s"] if out["plain"]["requests_per_s"] else float("nan")
+    return out
+
+
 def run_grpc(args) -> dict:
     import multiprocessing
 
@@ -551,10 +599,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpc-warmup-s", type=float, default=3.0)
     p.add_argument("--grpc-seconds", type=float, default=10.0)
     p.add_argument("--skip-grpc", action="store_true")
+    p.add_argument("--skip-saturated", action="store_true",
+                   help="skip the journal-on vs journal-off closed-loop comparison")
+    p.add_argument("--sat-speedup", type=float, default=200.0,
+                   help="saturated: engine speed factor (the daemon must be the limit)")
+    p.add_argument("--sat-fetch-interval-ms", type=float, default=20.0)
+    p.add_argument("--sat-seconds", type=float, default=10.0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--probe", metavar="ADDR", help=argparse.SUPPRESS)  # internal: the floor
     p.add_argument("--probe-at", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.saturate, args.journal = False, False
     if args.probe:
         import uvloop
 
@@ -565,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     core = run_core(args)
     grpc_res = None if args.skip_grpc else run_grpc(args)
+    sat = None if args.skip_saturated else run_saturated(args)
     load_after = os.getloadavg()[0]
     engines = (args.pe_nodes + args.de_nodes) * args.engines_per_node
     record = {
@@ -574,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1min": [load_before, load_after],
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "engines": engines, "groups": args.pe_nodes + args.de_nodes,
-        "core": core, "grpc": grpc_res,
+        "core": core, "grpc": grpc_res, "saturated": sat,
         "summary": {
             "core_requests_per_s": round(core["requests_per_s"]),
             "grpc_requests_per_s": round(grpc_res["requests_per_s"]) if grpc_res else None,
@@ -584,6 +640,12 @@ def main(argv: list[str] | None = None) -> int:
                 grpc_res["server_fetch_p99_ms_le"] if grpc_res else None,
             "grpc_host_other_cpu_cores":
                 round(grpc_res["host_other_cpu_cores"], 2) if grpc_res else None,
+            "saturated_requests_per_s_journal_over_plain":
+                round(sat["journal_over_plain"], 3) if sat else None,
+            "saturated_server_us_per_request_plain":
+                round(sat["plain"]["server_us_per_request"], 1) if sat else None,
+            "saturated_server_us_per_request_journal":
+                round(sat["journal"]["server_us_per_request"], 1) if sat else None,
         },
     }
     print(f"scheduler bench: {args.pe_nodes}P{args.de_nodes}D x {args.engines_per_node} = "
@@ -619,6 +681,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{g['client_cpu_cores']:.2f}, submitter {g['submitter_cpu_cores']:.2f}, rest of "
               f"the host {g['host_other_cpu_cores']:.2f} (of {os.cpu_count()}); load average "
               f"{load_before:.1f} -> {load_after:.1f}")
+    if sat:
+        print(f"saturated (closed loop, engines x{args.sat_speedup:g}, fetch every "
+              f"{args.sat_fetch_interval_ms:g} ms): {'journal':<8} {'req/s':>9} "
+              f"{'daemon cores':>13} {'us CPU/req':>11} {'fetch p99 ms':>13}")
+        for name in ("plain", "journal"):
+            r = sat[name]
+            print(f"{'':<62}{name:<8} {r['requests_per_s']:>9.0f} "
+                  f"{r['server_cpu_cores']:>13.2f} {r['server_us_per_request']:>11.1f} "
+                  f"{r['fetch_p99_ms']:>13.2f}")
+        print(f"journal over plain: {sat['journal_over_plain']:.3f} (target >= 0.8); rest "
+              f"of the host {sat['plain']['host_other_cpu_cores']:.2f} / "
+              f"{sat['journal']['host_other_cpu_cores']:.2f} cores")
     print("summary: " + json.dumps(record["summary"]))
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dualpath.cluster.lifetime import die_with_parent
+
+    die_with_parent()   # a local cluster's processes die with the one that started them
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -11,6 +11,19 @@ from dualpath.errors import UsageError
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of the record, not the stream it
+    was when logging was set up (which a test harness may have closed since)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup(level: str | None = None, name: str = "dualpath") -> logging.Logger:
     """Configure root logging once (idempotent) and return the ``name`` logger."""
     level = (level or os.environ.get("DUALPATH_LOG", "INFO")).upper()
@@ -19,7 +32,7 @@ def setup(level: str | None = None, name: str = "dualpath") -> logging.Logger:
         raise UsageError(f"DUALPATH_LOG = {level!r}: allowed values are " + ", ".join(LEVELS))
     root = logging.getLogger()
     if not getattr(root, "_dualpath_configured", False):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(
             logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
         )

@@ -44,13 +44,28 @@ def bind(server: grpc.aio.Server, address: str, what: str,
         raise UsageError(f"{what} = {address!r}: cannot listen ({e})") from None
 
 
+# Keepalive of long-lived channels (leaders, peer channels between nodes, submitters and
+# replay clients): ping an idle connection every 10 s and drop it when a ping is not
+# answered within 5 s, so a peer that vanished without a FIN (host down, a partition) is
+# noticed and the channel reconnects once the network heals, instead of waiting for TCP's
+# own timeouts (minutes). Every server such a channel reaches allows those pings
+# (SERVER_KEEPALIVE); without it gRPC's default policy answers them with GOAWAY.
+CLIENT_KEEPALIVE: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+SERVER_KEEPALIVE: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+)
 #: Options of long-lived channels between daemons: reconnect quickly after a peer
-#: restarts (gRPC's default backoff grows to minutes) and notice a dead peer on an idle
-#: channel by keepalive pings.
-CHANNEL_OPTIONS = (
+#: restarts (gRPC's default backoff grows to minutes), and the keepalive above.
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.keepalive_time_ms", 20000),
-    ("grpc.keepalive_timeout_ms", 10000),
+    *CLIENT_KEEPALIVE,
 )

@@ -58,6 +58,14 @@ def register(sub) -> None:
                     help="ablation: override how the read side is chosen "
                     "(round_robin = scheduler balancing off)")
     mo.add_argument("--timeout", type=float, default=600.0, help="seconds per mode")
+    mo.add_argument("--give-up-after", type=float, default=60.0, metavar="S",
+                    help="stop (writing a partial report) when the scheduler has been "
+                    "unreachable this long; until then calls are retried with backoff")
+    mo.add_argument("--report-listen", default="127.0.0.1:0", metavar="HOST:PORT",
+                    help="where the nodes' timing reports are received (0.0.0.0:PORT for "
+                    "nodes on other hosts)")
+    mo.add_argument("--report-host", default="", help="the host name or address the nodes "
+                    "reach --report-listen at (default: its host)")
     out = r.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the report as JSON")
     out.add_argument("--plot", metavar="PATH", help="write the report's PNG plot")
@@ -153,15 +161,13 @@ def _up(args) -> int:
                 break
     finally:
         cluster.stop()
-        if rc == 0:
-            cluster.cleanup()
+        cluster.cleanup(keep=rc != 0)   # a failed cluster keeps its logs
     return rc
 
 
 def _replay(args) -> int:
-    from dualpath.cluster.replay import ReplayOptions
+    from dualpath.cluster.replay import ReplayAborted, ReplayOptions
     from dualpath.cluster.run import make_trace, run_modes
-    from dualpath.trace.report import format_table, to_json, write_plot
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
@@ -171,6 +177,14 @@ def _replay(args) -> int:
         raise UsageError("--online needs --aps (agents per second)")
     if args.timeout <= 0:
         raise UsageError(f"--timeout {args.timeout:g}: must be > 0 seconds")
+    if args.give_up_after <= 0:
+        raise UsageError(f"--give-up-after {args.give_up_after:g}: must be > 0 seconds")
+    from dualpath.rpc import parse_listen
+
+    parse_listen(args.report_listen, "--report-listen")
+    if args.report_listen.startswith(("0.0.0.0:", "[::]:")) and not args.report_host:
+        raise UsageError("--report-listen on every interface needs --report-host (the "
+                         "address the nodes reach it at)")
     if args.snic_gbit is not None and args.snic_gbit < 0:
         # The local cluster's config check caught it; a --scheduler run divided by it.
         raise UsageError(f"--snic-gbit {args.snic_gbit:g}: must be >= 0 (0 = unlimited)")
@@ -185,7 +199,8 @@ def _replay(args) -> int:
                          aps=args.aps if args.online else None,
                          layerwise=not args.no_layerwise, read_policy=args.read_policy,
                          seed=args.seed, timeout_s=args.timeout,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, give_up_s=args.give_up_after,
+                         sink_listen=args.report_listen, sink_host=args.report_host)
     if args.scheduler:
         nodes = [n for n in (args.nodes or "").split(",") if n]
         if not nodes:
@@ -202,6 +217,8 @@ def _replay(args) -> int:
                                   tls_config=cfg.tls, node_tls=node_tls(cfg.tls))
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, args.scheduler) from None
+        except ReplayAborted as e:
+            return _partial(e, args)
     else:
         cfg, raw = _load(args)
         cluster = cluster_from_config(cfg, raw)
@@ -214,9 +231,25 @@ def _replay(args) -> int:
                                       tls_config=cluster.client_tls,
                                       node_tls=cluster.node_tls,
                                       node_addresses=cluster.addresses())
+            except ReplayAborted as e:
+                return _partial(e, args)
             finally:
                 cluster.stop()
                 cluster.cleanup()
+    _write_report(report, args)
+    bad = {m: r for m, r in report["reliability"].items()
+           if r["requests_failed"] or r["requests_duplicated"]}
+    if bad:
+        print("dualpath: error: requests failed or were reported twice: "
+              + "; ".join(f"{m}: {r['requests_failed']} failed, {r['requests_duplicated']} "
+                          "duplicated" for m, r in bad.items()), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write_report(report: dict, args) -> None:
+    from dualpath.trace.report import format_table, to_json, write_plot
+
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as fh:
@@ -224,4 +257,18 @@ def _replay(args) -> int:
     if args.plot:
         write_plot(report, args.plot)
         print(f"plot: {args.plot}")
-    return 0
+
+
+def _partial(e, args) -> int:
+    """A replay that could not finish: the partial report, then exit 3 (the scheduler
+    unreachable) or 1."""
+    from dualpath.cli import EXIT_FAIL, EXIT_UNAVAILABLE
+
+    report = getattr(e, "report", None)
+    if report is not None:
+        _write_report(report, args)
+        where = f"partial report{' in ' + args.json if args.json else ' above'}"
+    else:
+        where = "no round finished: no partial report"
+    print(f"dualpath: error: {e} ({where})", file=sys.stderr)
+    return EXIT_UNAVAILABLE if e.unavailable else EXIT_FAIL

@@ -4,11 +4,18 @@ integration tests run).
 
 Life cycle: ``start()`` makes a throw-away cluster CA and certificates (``tls/``: the
 scheduler, one per node naming it, an admin and the replay client), writes one TOML
-config per process (block store under the work directory, the storage-NIC limit, the
-model profile, a fresh block integrity key, the process's own [tls]), starts the scheduler, waits until its health
-check serves over mutual TLS, starts every node and waits for each one's ready file;
-``stop()`` sends SIGTERM to the nodes, then the scheduler, and SIGKILL to whatever has
-not exited within the grace period. ``kill(node)`` SIGKILLs one node (the kill test).
+config per process (block store and the scheduler's journal under the work directory,
+the storage-NIC limit, the model profile, a fresh block integrity key, the process's own
+[tls]), starts the scheduler, waits until its health check serves over mutual TLS,
+starts every node and waits for each one's ready file; ``stop()`` sends SIGTERM to the
+nodes, then the scheduler, SIGKILL to whatever has not exited within the grace period,
+and SIGKILL to what is left in each one's process group. Every process dies with this
+one however it ends, and a work directory this cluster made goes with them
+(dualpath/cluster/lifetime.py).
+
+Faults (the kill test, tests/faults/): ``kill(node)``, ``signal(name, sig)``,
+``kill_scheduler()`` / ``start_scheduler()`` (same ports, same journal, same
+certificates) and ``restart_node(node)``.
 
 Threads: one owner thread; nothing here is asynchronous.
 """
@@ -31,6 +38,7 @@ from pathlib import Path
 from typing import Self
 
 from dualpath import tls
+from dualpath.cluster.lifetime import Janitor, child_env, kill_group
 from dualpath.errors import DualPathError, UsageError
 
 log = logging.getLogger("dualpath.cluster")
@@ -110,11 +118,14 @@ class LocalCluster:
         self.config_path = self.dir / "admin.toml"
         self.scheduler: subprocess.Popen | None = None
         self._sched_log: Path | None = None
+        self._sched_config: Path | None = None   # the scheduler's own config (start())
         self.pki: tls.ClusterPki | None = None
         #: TLS of the replay driver towards the scheduler, and towards the nodes.
         self.client_tls: tls.TlsConfig = tls.PLAINTEXT
         self.node_tls: tls.TlsConfig = tls.PLAINTEXT
         self._node_scheduler = ""
+        # A directory of our own is removed even if this process is SIGKILLed.
+        self._janitor = Janitor(self.dir) if self._own_dir else None
 
     def node_ids_planned(self) -> list[str]:
         return ([f"p{i}" for i in range(self.prefill_nodes)]
@@ -138,7 +149,8 @@ class LocalCluster:
             # /metrics on free ports (each process logs its URL).
             "scheduler": {"listen": f"127.0.0.1:{port}", "model_profile": "demo",
                           "lease_ms": 2000, "fetch_interval_ms": 5,
-                          "metrics_listen": "127.0.0.1:0"},
+                          "metrics_listen": "127.0.0.1:0",
+                          "journal_file": str(self.dir / "scheduler.sqlite")},
             "scheduler_client": {"address": f"127.0.0.1:{port}"},
             "storage": {"dir": str(self.dir / "kv"), "fsync": False, "direct_io": "off"},
             # Pinning needs RLIMIT_MEMLOCK; a local cluster runs where it is small.
@@ -169,14 +181,17 @@ class LocalCluster:
     def _spawn(self, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
         path = self.dir / "logs" / f"{name}.log"
         fh = open(path, "ab")  # noqa: SIM115 - the child owns it; closed below
-        env = dict(os.environ)
+        env = child_env()       # it dies with this process (PR_SET_PDEATHSIG)
         env.setdefault("DUALPATH_LOG", "INFO")
         try:
+            # Its own session, hence its own process group: what it starts dies with it.
             proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", *argv],
                                     stdout=fh, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         finally:
             fh.close()
+        if self._janitor is not None:
+            self._janitor.watch(proc.pid)
         return proc, path
 
     def _write_config(self, name: str, data: dict, tls_section: dict) -> Path:
@@ -195,16 +210,15 @@ class LocalCluster:
             self._node_scheduler = f"127.0.0.1:{free_port()}"
             sched["scheduler"] = {**data["scheduler"],
                                   "plaintext_node_listen": self._node_scheduler}
-        sched_path = self._write_config("scheduler", sched, sections["scheduler/scheduler"])
+        self._sched_config = self._write_config("scheduler", sched,
+                                                sections["scheduler/scheduler"])
         self._write_config("admin", data, sections["admin/operator"])
         for nid in self.node_ids_planned():
             self._write_config(f"node-{nid}", data, sections[f"node/{nid}"])
         self.client_tls = config_tls(sections["client/replay"])
         self.node_tls = node_tls(self.client_tls)
-        self.scheduler, self._sched_log = self._spawn(
-            "scheduler", ["scheduler", "--config", str(sched_path)])
         try:
-            self._wait_scheduler()
+            self.start_scheduler()
             roles = ([("prefill", f"p{i}") for i in range(self.prefill_nodes)]
                      + [("decode", f"d{i}") for i in range(self.decode_nodes)])
             for role, nid in roles:
@@ -217,6 +231,45 @@ class LocalCluster:
         log.info("local cluster up: scheduler %s, %s; logs in %s", self.scheduler_address,
                  ", ".join(f"{n.node_id}={n.address}" for n in self.nodes), self.dir / "logs")
         return self
+
+    def start_scheduler(self) -> None:
+        """(Re)start the scheduler on the cluster's port, with its journal: a restarted
+        one recovers what the killed one acknowledged. Returns once it serves."""
+        if self.scheduler is not None and self.scheduler.poll() is None:
+            raise UsageError("the scheduler is running")
+        if self._sched_config is None:
+            raise UsageError("start() the cluster first (it writes the scheduler's config)")
+        self.scheduler, self._sched_log = self._spawn(
+            "scheduler", ["scheduler", "--config", str(self._sched_config)])
+        self._wait_scheduler()
+
+    def kill_scheduler(self) -> None:
+        """SIGKILL the scheduler (its journal keeps what it acknowledged)."""
+        self._kill(self.scheduler, "scheduler")
+
+    def restart_node(self, node_id: str) -> NodeProc:
+        """Start a node again under its id (after a kill) and wait until it is ready."""
+        old = self.node(node_id)
+        if old.proc.poll() is None:
+            raise UsageError(f"node {node_id} is running")
+        self.nodes.remove(old)
+        n = self.start_node(old.role, node_id)
+        self._wait_ready(n)
+        return n
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` to the scheduler (``name`` "scheduler") or a node (SIGSTOP and
+        SIGCONT for a stalled process, SIGTERM for a graceful stop)."""
+        proc = self.scheduler if name == "scheduler" else self.node(name).proc
+        proc.send_signal(sig)
+
+    def _kill(self, proc: subprocess.Popen | None, what: str) -> None:
+        if proc is None:
+            raise UsageError(f"{what} was never started")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kill_group(proc.pid)
+        log.info("killed %s (pid %d)", what, proc.pid)
 
     def start_node(self, role: str, node_id: str) -> NodeProc:
         ready = self.dir / f"{node_id}.ready"
@@ -267,10 +320,7 @@ class LocalCluster:
 
     def kill(self, node_id: str) -> None:
         """SIGKILL one node process (its lease lapses; the scheduler requeues its work)."""
-        n = self.node(node_id)
-        n.proc.send_signal(signal.SIGKILL)
-        n.proc.wait()
-        log.info("killed node %s (pid %d)", node_id, n.proc.pid)
+        self._kill(self.node(node_id).proc, f"node {node_id}")
 
     def node(self, node_id: str) -> NodeProc:
         for n in self.nodes:
@@ -294,11 +344,13 @@ class LocalCluster:
         return [name for name, p in procs if p.poll() is not None]
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM nodes, then the scheduler; SIGKILL stragglers. Idempotent."""
+        """SIGTERM nodes, then the scheduler; SIGKILL stragglers and whatever is left in
+        their process groups. Idempotent."""
         groups = [[n.proc for n in self.nodes], [self.scheduler] if self.scheduler else []]
         for procs in groups:
             live = [p for p in procs if p.poll() is None]
             for p in live:
+                p.send_signal(signal.SIGCONT)   # a stopped (SIGSTOP) one cannot exit
                 p.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             for p in live:
@@ -308,10 +360,17 @@ class LocalCluster:
                     log.warning("pid %d ignored SIGTERM for %g s; killing it", p.pid, grace_s)
                     p.kill()
                     p.wait()
+            for p in procs:
+                kill_group(p.pid)
 
-    def cleanup(self) -> None:
-        if self._own_dir:
+    def cleanup(self, keep: bool = False) -> None:
+        """Remove a work directory this cluster made (after stop()); ``keep`` leaves it
+        (its logs) and only dismisses the janitor."""
+        if self._own_dir and not keep:
             shutil.rmtree(self.dir, ignore_errors=True)
+        if self._janitor is not None:
+            self._janitor.finish(keep)
+            self._janitor = None
 
     def __enter__(self) -> Self:
         return self.start()

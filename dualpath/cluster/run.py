@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 from collections.abc import Sequence
 
-from dualpath.cluster.replay import ReplayOptions, ReplayRun, replay
+from dualpath.cluster.replay import ReplayAborted, ReplayOptions, ReplayRun, replay
 from dualpath.errors import UsageError
 from dualpath.kv.profiles import get_profile
 from dualpath.tls import TlsConfig
@@ -46,17 +46,33 @@ def run_modes(scheduler: str, nodes: Sequence[str], prefill_nodes: int, trace: T
               node_addresses: dict[str, str] | None = None
               ) -> tuple[dict, dict[str, ReplayRun]]:
     """Replay ``trace`` once per mode (in order) and build the report dict; the scheduler
-    is reached with ``tls_config``, the nodes with ``node_tls``."""
+    is reached with ``tls_config``, the nodes with ``node_tls``. When a mode cannot
+    finish, the report of what ran (that mode's partial run included, the report marked
+    ``partial``) rides on the :class:`ReplayAborted` raised (``.report``)."""
     if not modes:
         raise UsageError("no modes to run")
     prof = get_profile(model_profile)
     runs: dict[str, ReplayRun] = {}
     for mode in modes:
         o = dataclasses.replace(opts, mode=mode)
-        runs[mode] = asyncio.run(replay(scheduler, trace, nodes, block_tokens=prof.block_tokens,
-                                        kv_bytes_per_token=prof.kv_bytes_per_token, opts=o,
-                                        tls_config=tls_config, node_tls=node_tls,
-                                        node_addresses=node_addresses))
+        try:
+            runs[mode] = asyncio.run(replay(
+                scheduler, trace, nodes, block_tokens=prof.block_tokens,
+                kv_bytes_per_token=prof.kv_bytes_per_token, opts=o, tls_config=tls_config,
+                node_tls=node_tls, node_addresses=node_addresses))
+        except ReplayAborted as e:
+            runs[mode] = e.run
+            e.report = None
+            if any(r.records for r in runs.values()):   # a report needs a finished round
+                e.report = _report({m: r for m, r in runs.items() if r.records}, nodes,
+                                   prefill_nodes, trace, opts, snic_gbit_per_s)
+                e.report["partial"] = str(e)
+            raise
+    return _report(runs, nodes, prefill_nodes, trace, opts, snic_gbit_per_s), runs
+
+
+def _report(runs: dict[str, ReplayRun], nodes: Sequence[str], prefill_nodes: int,
+            trace: Trace, opts: ReplayOptions, snic_gbit_per_s: float) -> dict:
     rate = snic_gbit_per_s * 1e9 / 8
     results = []
     for mode, run in runs.items():
@@ -75,4 +91,9 @@ def run_modes(scheduler: str, nodes: Sequence[str], prefill_nodes: int, trace: T
     report["settings"]["nodes"] = list(nodes)
     if trace.meta.get("max_rounds"):
         report["settings"]["max_rounds"] = trace.meta["max_rounds"]
-    return report, runs
+    report["reliability"] = {mode: {
+        "requests_submitted": r.requests_submitted, "requests_failed": r.requests_failed,
+        "requests_duplicated": r.requests_duplicated, "requests_lost": r.requests_lost,
+        "reexecutions": r.reexecutions, "results_without_timings": r.results_without_timings,
+        "bytes_mismatched": r.bytes_mismatched} for mode, r in runs.items()}
+    return report

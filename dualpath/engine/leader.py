@@ -6,6 +6,10 @@ read queue, free HBM on DEs) and the completions since the last fetch; its answe
 assignments are converted to :class:`~dualpath.engine.assignment.Assignment` once, here,
 and handed to the node's path. A lost lease drops all in-flight work and registers again.
 
+Each completion carries the attempt of the assignment it answers (docs/reliability.md), so
+the scheduler ignores one from an execution it has since given up; the channel to the
+scheduler keeps itself alive (:data:`dualpath.rpc.CHANNEL_OPTIONS`).
+
 Threads: the node's event loop.
 """
 
@@ -23,9 +27,14 @@ from dualpath.engine.emulated import EngineRank
 from dualpath.engine.metrics import NodeMetrics
 from dualpath.engine.roles import DECODE, PREFILL, ROLE_PB
 from dualpath.errors import ConfigError, UsageError
+from dualpath.rpc import CHANNEL_OPTIONS
 from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("dualpath.engine")
+
+#: Attempts remembered for requests not yet reported; past this many, those no engine
+#: of the node holds any more are forgotten (a completion without one says attempt 0).
+MAX_ATTEMPTS_KEPT = 65536
 
 
 class Leader:
@@ -50,16 +59,19 @@ class Leader:
         self.fetch_interval_ms = fetch_interval_ms
         self.fetch_interval_s = (fetch_interval_ms or 20) / 1000.0
         self.completions: list[scheduler_pb2.Completion] = []
+        # Request id -> the attempt of its assignment here, until this node reports it.
+        self.attempts: dict[str, int] = {}
         self.lease_id = 0
         self._last_status_log = 0.0
-        self.channel = grpc.aio.insecure_channel(scheduler)
+        self.channel = grpc.aio.insecure_channel(scheduler, options=CHANNEL_OPTIONS)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
 
     def complete(self, rid: str, engine: EngineRank, stage: int) -> None:
-        """Queue a completion; it rides on the next fetch."""
-        self.completions.append(scheduler_pb2.Completion(request_id=rid,
-                                                         engine_id=engine.engine_id,
-                                                         stage=stage))
+        """Queue a completion; it rides on the next fetch. Any completion ends this
+        node's part of the request (PREFILL_DONE on a PE; DECODE_DONE or FAILED)."""
+        self.completions.append(scheduler_pb2.Completion(
+            request_id=rid, engine_id=engine.engine_id, stage=stage,
+            attempt=self.attempts.pop(rid, 0)))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Register, then fetch/report every interval until ``stop`` is set."""
@@ -130,12 +142,17 @@ class Leader:
             self.completions[:0] = done     # reports are idempotent: resend next time
             raise
         for rid in r.cancelled_request_ids:
+            self.attempts.pop(rid, None)
             self.cancel(rid)
+        if len(self.attempts) > MAX_ATTEMPTS_KEPT:   # ended without a report: forget them
+            live = set(busy)
+            self.attempts = {k: v for k, v in self.attempts.items() if k in live}
         for pb in r.assignments:
             eid = pb.prefill_engine_id if self.role == PREFILL else pb.decode_engine_id
             e = self.by_id.get(eid)
             if e is None:
                 continue
+            self.attempts[pb.request_id] = pb.attempt
             try:
                 a = Assignment.from_pb(pb)
             except UsageError as err:
@@ -148,6 +165,7 @@ class Leader:
         for rid in self._in_flight():
             self.cancel(rid)
         self.completions.clear()
+        self.attempts.clear()
 
     async def close(self) -> None:
         await self.channel.close()

@@ -32,7 +32,8 @@ def new_server(address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthSer
     ``address`` (port 0 = a free port): the server, its port and its health servicer
     (NOT_SERVING until set). Bound first, so its address can name the node; the node's
     services are added (:func:`add_services`) once made."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # Peers dial with dualpath.rpc.CHANNEL_OPTIONS (keepalive pings): allow them.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *rpc.SERVER_KEEPALIVE])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = rpc.bind(server, address, "engine.control_listen")

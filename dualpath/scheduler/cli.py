@@ -1,4 +1,5 @@
-"""`dualpath scheduler`, `dualpath ctl engines|groups|stats|drain|set`, `dualpath submit`.
+"""`dualpath scheduler`, `dualpath ctl engines|groups|stats|drain|set|requests|cancel`,
+`dualpath submit`.
 
 Tables by default, ``--json`` for scripts. Exit codes (dualpath.cli, from the typed
 error :func:`dualpath.scheduler.client.rpc_error` makes of a gRPC status): 0 ok, 1 the
@@ -62,16 +63,34 @@ def register(sub) -> None:
     s.add_argument("assignments", nargs="+", metavar="KEY=VALUE",
                    help="keys: " + ", ".join(sorted(_SET_KEYS)))
     s.set_defaults(func=_cmd(_set))
+    q = csub.add_parser("requests", parents=[conn], help="failed requests and stuck ones "
+                        "(live, stage unchanged for --stuck-after seconds)")
+    q.add_argument("--stuck-after", type=float, default=60.0, metavar="S",
+                   help="seconds in one stage that make a live request stuck (default 60)")
+    q.add_argument("--all", action="store_true", help="every live request too")
+    q.add_argument("--limit", type=_int_in(1, _U32_MAX), default=100)
+    q.set_defaults(func=_cmd(_requests))
+    c = csub.add_parser("cancel", parents=[conn], help="cancel queued or running requests")
+    c.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
+    c.set_defaults(func=_cmd(_cancel))
 
     sm = sub.add_parser("submit", parents=[conn], help="submit requests to the scheduler")
     # uint64 on the wire; what the scheduler accepts beyond that it checks itself.
     sm.add_argument("--prompt-tokens", type=_int_in(0, _U64_MAX), required=True)
     sm.add_argument("--hit-tokens", type=_int_in(0, _U64_MAX), default=0, help="prefix "
                     "tokens whose KV is in storage")
-    sm.add_argument("--max-new-tokens", type=_int_in(0, _U64_MAX), default=128)
+    sm.add_argument("--max-new-tokens", type=_int_in(1, _U64_MAX), default=128)
     sm.add_argument("--count", type=_int_in(1, 1_000_000), default=1,
                     help="submit this many alike")
-    sm.add_argument("--id", dest="request_id", default="", help="request id (count 1 only)")
+    sm.add_argument("--id", dest="request_id", default="", help="request id (count 1 "
+                    "only); submitting an id again is a safe retry")
+    sm.add_argument("--trajectory", default="", help="the token stream the requests extend "
+                    "(default: a new one per run); --hit-tokens N is a real hit only when "
+                    "an earlier request of the same trajectory covered N tokens")
+    sm.add_argument("--model-profile", default="", help="profile whose KV block size the "
+                    "hit is aligned to (default: the config's engine.model_profile)")
+    sm.add_argument("--wait", action="store_true", help="wait until every request ended; "
+                    "exit 1 when one failed or was cancelled")
     sm.set_defaults(func=_cmd(_submit, admin=False))
 
 
@@ -265,27 +284,95 @@ async def _set(client, args):
     return d, table(["PARAM", "VALUE"], [[k, v] for k, v in sorted(d["params"].items())])
 
 
+def _state(value: int) -> str:
+    from dualpath.v1 import scheduler_pb2
+
+    try:
+        return scheduler_pb2.RequestState.Name(value).removeprefix("REQUEST_STATE_").lower()
+    except ValueError:
+        return str(value)
+
+
+async def _requests(client, args):
+    r = await client.list_requests(stuck_after_ms=max(1, int(args.stuck_after * 1000)),
+                                   all=args.all, limit=args.limit)
+    rows = [[v.request_id, _state(v.state), v.stage, v.attempt,
+             v.failed_attempts, round(v.ms_in_stage / 1000, 1),
+             v.prefill_engine_id or "-", v.decode_engine_id or "-", v.error or "-"]
+            for v in r.requests]
+    text = table(["REQUEST", "STATE", "STAGE", "ATTEMPT", "FAILED", "S_IN_STAGE", "PE", "DE",
+                  "ERROR"], rows)
+    if r.matched > len(r.requests):
+        text += f"\n({r.matched - len(r.requests)} more; --limit)"
+    return _msg_dict(r), text
+
+
+async def _cancel(client, args):
+    r = await client.cancel(args.request_ids)
+    rows = [[x.request_id, _state(x.state)] for x in r.results]
+    return _msg_dict(r), table(["REQUEST", "STATE"], rows)
+
+
+def submit_payload(trajectory: str, prompt: int, hit: int, gen: int, block_tokens: int
+                   ) -> tuple[int, bytes]:
+    """A payload the engines can run (dualpath.engine.payload.Payload: round 0 of
+    ``trajectory``) and the hit it claims: at most prompt - 1, whole KV blocks."""
+    from dualpath.engine.payload import Payload
+
+    hit = min(hit, prompt - 1)
+    hit -= hit % block_tokens
+    return hit, Payload(trajectory, 0, prompt, hit, gen).encode()
+
+
 async def _submit(client, args):
+    import uuid
+
+    from dualpath import config as _config
+    from dualpath.kv.profiles import get_profile
     from dualpath.v1 import scheduler_pb2
 
     if args.request_id and args.count != 1:
         raise UsageError("submit: --id needs --count 1")
+    if args.prompt_tokens < 1:
+        raise UsageError("submit: --prompt-tokens must be >= 1")
+    profile = get_profile(args.model_profile or _config.load(args.config).engine.model_profile)
+    traj = args.trajectory or f"submit-{uuid.uuid4().hex[:12]}"
+    hit, payload = submit_payload(traj, args.prompt_tokens, args.hit_tokens,
+                                  args.max_new_tokens, profile.block_tokens)
     specs = [scheduler_pb2.RequestSpec(request_id=args.request_id,
-                                       prompt_tokens=args.prompt_tokens,
-                                       hit_tokens=args.hit_tokens,
-                                       max_new_tokens=args.max_new_tokens)
+                                       prompt_tokens=args.prompt_tokens, hit_tokens=hit,
+                                       max_new_tokens=args.max_new_tokens, payload=payload)
              for _ in range(args.count)]
     r = await client.submit(specs)
+    data = _msg_dict(r)
     lines = list(r.request_ids) + [
         f"rejected: {x.request_id or f'#{x.index}'}: {_REASON.get(x.reason, x.reason)}: "
-        f"{x.detail}" for x in r.rejected]
-    text = "\n".join(lines + [f"queued: {r.queued_requests}"])
+        f"{x.detail}" for x in r.rejected] + [f"queued: {r.queued_requests}"]
+    if r.resubmitted_request_ids:
+        lines.append(f"already submitted (not queued again): "
+                     f"{', '.join(r.resubmitted_request_ids)}")
+    if r.waiting_for_engines:
+        lines.append("waiting for engines: no prefill or no decode group is up")
     if r.rejected:
-        # Some were refused: exit 2 when the input was at fault, else 1 (queue, duplicate).
-        raise SubmitRejected(text, _msg_dict(r), usage=any(
+        # Some were refused: exit 2 when the input was at fault, else 1 (queue full,
+        # another request under the id). The accepted ones are not waited for.
+        raise SubmitRejected("\n".join(lines), data, usage=any(
             x.reason in (scheduler_pb2.REJECT_REASON_INVALID, scheduler_pb2.REJECT_REASON_TOO_LARGE)
             for x in r.rejected))
-    return _msg_dict(r), text
+    if args.wait:
+        ends = await wait_results(client, list(r.request_ids))
+        data["results"] = [_msg_dict(x) for x in ends]
+        lines += [f"{x.request_id}: {_state(x.state)}"
+                  + (f" ({x.error})" if x.error else "") for x in ends]
+        bad = [x for x in ends if x.state not in (scheduler_pb2.REQUEST_STATE_DECODE_DONE,
+                                                  scheduler_pb2.REQUEST_STATE_REPORTED)]
+        if bad:
+            print(json.dumps(data, indent=2, sort_keys=True) if args.json
+                  else "\n".join(lines))
+            from dualpath.errors import DualPathError
+
+            raise DualPathError(f"submit: {len(bad)} of {len(ends)} requests did not finish")
+    return data, "\n".join(lines)
 
 
 _REASON = {1: "invalid", 2: "too large", 3: "duplicate", 4: "queue full"}
@@ -297,3 +384,22 @@ class SubmitRejected(Exception):
     def __init__(self, text: str, data: dict, usage: bool):
         super().__init__(text)
         self.text, self.data, self.usage = text, data, usage
+
+
+async def wait_results(client, ids: list[str]) -> list:
+    """Long-poll GetResults until every request in ``ids`` ended; acknowledges them."""
+    from dualpath.v1 import scheduler_pb2
+
+    left, ended, ack = list(ids), {}, []
+    while left:
+        r = await client.get_results(left, acknowledged=ack, wait_ms=5000)
+        ack = []
+        for x in r.results:
+            if x.state >= scheduler_pb2.REQUEST_STATE_DECODE_DONE or \
+                    x.state == scheduler_pb2.REQUEST_STATE_UNKNOWN:
+                ended[x.request_id] = x
+                ack.append(x.request_id)
+        left = [rid for rid in left if rid not in ended]
+    if ack:
+        await client.get_results([], acknowledged=ack)
+    return [ended[rid] for rid in ids]

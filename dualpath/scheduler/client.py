@@ -14,7 +14,7 @@ from typing import Self
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dualpath import tls
+from dualpath import rpc, tls
 from dualpath.errors import DualPathError, RemoteUnavailable, UsageError
 from dualpath.scheduler.config import SchedulerClientConfig
 from dualpath.v1 import admin_pb2, admin_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -44,12 +44,16 @@ def rpc_error(e: grpc.aio.AioRpcError, address: str) -> DualPathError:
 
 
 class SchedulerClient:
-    """Scheduler, Admin and health stubs over one channel."""
+    """Scheduler, Admin and health stubs over one channel (with keepalives and a short
+    reconnect backoff, :data:`dualpath.rpc.CHANNEL_OPTIONS`, unless ``options`` set
+    them)."""
 
     def __init__(self, address: str, *, credentials: grpc.ChannelCredentials | None = None,
                  admin_token: str | None = None, timeout_s: float = 5.0,
                  options: Iterable[tuple[str, object]] = ()):
         opts = list(options)
+        given = {k for k, _ in opts}
+        opts += [kv for kv in rpc.CHANNEL_OPTIONS if kv[0] not in given]
         self.channel = (grpc.aio.secure_channel(address, credentials, opts)
                         if credentials is not None else grpc.aio.insecure_channel(address, opts))
         self.address = address
@@ -84,11 +88,18 @@ class SchedulerClient:
 
     async def register_group(self, group_id: str, role: int,
                              engines: Iterable[scheduler_pb2.EngineInfo],
-                             storage_read_bytes_per_s: int = 0
+                             storage_read_bytes_per_s: int = 0,
+                             running: Iterable[scheduler_pb2.RunningRequest] = ()
                              ) -> scheduler_pb2.RegisterGroupResponse:
         return await self.scheduler.RegisterGroup(scheduler_pb2.RegisterGroupRequest(
             group_id=group_id, role=role, engines=list(engines),
-            storage_read_bytes_per_s=storage_read_bytes_per_s), timeout=self.timeout_s)
+            storage_read_bytes_per_s=storage_read_bytes_per_s, running=list(running)),
+            timeout=self.timeout_s)
+
+    async def release_group(self, group_id: str, lease_id: int
+                            ) -> scheduler_pb2.ReleaseGroupResponse:
+        return await self.scheduler.ReleaseGroup(scheduler_pb2.ReleaseGroupRequest(
+            group_id=group_id, lease_id=lease_id), timeout=self.timeout_s)
 
     async def fetch(self, group_id: str, lease_id: int,
                     engines: Iterable[scheduler_pb2.EngineStatus],
@@ -112,6 +123,13 @@ class SchedulerClient:
         return await self.scheduler.SubmitRequest(
             scheduler_pb2.SubmitRequestRequest(requests=list(requests)), timeout=self.timeout_s)
 
+    async def get_results(self, request_ids: Iterable[str], *,
+                          acknowledged: Iterable[str] = (), wait_ms: int = 0
+                          ) -> scheduler_pb2.GetResultsResponse:
+        return await self.scheduler.GetResults(scheduler_pb2.GetResultsRequest(
+            request_ids=list(request_ids), acknowledged_request_ids=list(acknowledged),
+            wait_ms=wait_ms), timeout=self.timeout_s + wait_ms / 1000.0)
+
     # ------------------------------------------------------------ operators
 
     async def list_engines(self) -> admin_pb2.ListEnginesResponse:
@@ -133,6 +151,16 @@ class SchedulerClient:
     async def set_params(self, **changes: int | bool) -> admin_pb2.SetParamsResponse:
         return await self.admin.SetParams(admin_pb2.SetParamsRequest(**changes),
                                           timeout=self.timeout_s, metadata=self._auth)
+
+    async def list_requests(self, *, stuck_after_ms: int = 0, all: bool = False,
+                            limit: int = 0) -> admin_pb2.ListRequestsResponse:
+        return await self.admin.ListRequests(admin_pb2.ListRequestsRequest(
+            stuck_after_ms=stuck_after_ms, all=all, limit=limit), timeout=self.timeout_s,
+            metadata=self._auth)
+
+    async def cancel(self, request_ids: Iterable[str]) -> admin_pb2.CancelResponse:
+        return await self.admin.Cancel(admin_pb2.CancelRequest(request_ids=list(request_ids)),
+                                       timeout=self.timeout_s, metadata=self._auth)
 
     async def health(self, service: str = "") -> int:
         """The health status enum (1 = SERVING)."""

@@ -62,6 +62,29 @@ class SchedulerConfig:
                                    "call is refused whole (INVALID_ARGUMENT). At most 8192, "
                                    "so that the per-request reply fits a 4 MiB message.",
                                    min=1, max=8192)
+    journal_file: str = key("", "SQLite file (WAL mode) of the durable state: submissions, "
+                            "attempts and outcomes survive a restart, and SubmitRequest "
+                            "answers only once they are on disk (docs/reliability.md). Empty "
+                            "= off: a restart loses every queued and running request.")
+    journal_sync: str = key("normal", "normal: a commit survives the scheduler being killed "
+                            "at any instant; full: also power loss (an fsync per call that "
+                            "changes durable state).", choices=("normal", "full"))
+    max_failed_attempts: int = key(5, "A request whose attempts failed this many times (a "
+                                   "FAILED report, or the lease of a group holding it lost) "
+                                   "ends FAILED, reported to its submitter.", min=1,
+                                   max=U32_MAX)
+    retry_backoff_ms: int = key(100, "Backoff after a request's first failed attempt; it "
+                                "doubles with each further failure, jittered to between "
+                                "half and all of it.", min=0, max=U32_MAX)
+    retry_backoff_max_ms: int = key(5000, "Upper bound of that backoff.", min=0,
+                                    max=U32_MAX)
+    peer_avoid_ms: int = key(3000, "After a failed attempt the request avoids the groups "
+                             "blamed for it this long, unless they register again (a new "
+                             "lease); then it may go back (a one-node side recovers).",
+                             min=0, max=U32_MAX)
+    finished_requests_kept: int = key(100_000, "Ended requests remembered (outcome for the "
+                                      "submitter, idempotent resubmission, `ctl "
+                                      "requests`); the oldest are forgotten first.", min=0)
     plaintext_node_listen: str = key(
         "", "TEMPORARY: a second listener WITHOUT TLS for node daemons that cannot speak "
         "TLS yet (dualpath up sets it while dualpath.cluster.local.NODES_SPEAK_TLS is "

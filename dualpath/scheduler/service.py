@@ -4,6 +4,12 @@ Servicers are thin: protobuf -> core dataclasses -> :class:`Scheduler` -> protob
 domain errors -> gRPC status codes (never error strings inside a response). HBM bytes
 become tokens here, with the model profile, and nowhere else.
 
+Durability: a handler that changed the core writes the core's journal events
+(:mod:`dualpath.scheduler.journal`) before it answers, with no await in between, so no
+answer (and no other handler) ever shows state that is not on disk. A journal that
+cannot be written stops the scheduler (fail-stop: every later call is UNAVAILABLE and the
+daemon exits 1); its restart recovers the last committed state, and callers retry.
+
 Threads: everything runs on the asyncio loop that runs the server; the core is not
 thread-safe and needs no lock because handlers never await while they touch it. The
 Prometheus endpoint runs on its own thread and reads only prometheus-client objects.
@@ -31,12 +37,15 @@ from dualpath.scheduler.config import SchedulerConfig
 from dualpath.scheduler.core import policy
 from dualpath.scheduler.core.errors import Conflict, LeaseError, NotFound, PermissionDenied
 from dualpath.scheduler.core.model import (
+    Claim,
     Completion,
     CompletionStage,
     Engine,
     EngineReport,
     EngineSpec,
+    Finished,
     Group,
+    Outcome,
     Params,
     ReadSide,
     Request,
@@ -45,6 +54,7 @@ from dualpath.scheduler.core.model import (
     Stage,
 )
 from dualpath.scheduler.core.scheduler import Scheduler
+from dualpath.scheduler.journal import Journal, JournalError, open_scheduler
 from dualpath.v1 import admin_pb2, admin_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("dualpath.scheduler")
@@ -63,7 +73,7 @@ _STATUS = (
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (UsageError, grpc.StatusCode.INVALID_ARGUMENT),
 )
-_ERRORS = tuple(cls for cls, _ in _STATUS)
+_ERRORS = (*(cls for cls, _ in _STATUS), JournalError)
 
 LAG_TICK_S = 0.05
 # gc thresholds once serving: young generations as Python's defaults; a full collection
@@ -74,6 +84,17 @@ GC_THRESHOLDS = (700, 10, 100)
 _PATH_LABEL = {ReadSide.PREFILL: "pe_read", ReadSide.DECODE: "de_read",
                ReadSide.SPLIT: "split", ReadSide.NONE: "none"}
 _ROLE_LABEL = {Role.PREFILL: "prefill", Role.DECODE: "decode"}
+# The core's stage -> what a submitter is told (RequestState).
+_STATE = {Stage.GLOBAL_QUEUE: scheduler_pb2.REQUEST_STATE_QUEUED,
+          Stage.GROUP_QUEUE: scheduler_pb2.REQUEST_STATE_QUEUED,
+          Stage.BACKOFF: scheduler_pb2.REQUEST_STATE_QUEUED,
+          Stage.RECOVERING: scheduler_pb2.REQUEST_STATE_QUEUED,
+          Stage.PREFILL_QUEUE: scheduler_pb2.REQUEST_STATE_ASSIGNED,
+          Stage.PREFILLING: scheduler_pb2.REQUEST_STATE_ASSIGNED,
+          Stage.DECODING: scheduler_pb2.REQUEST_STATE_PREFILL_DONE}
+STUCK_AFTER_MS = 60_000     # ListRequests' default
+LIST_LIMIT = 1000
+MAX_WAIT_MS = 60_000        # GetResults' long poll, at most
 
 
 def params_from_config(cfg: SchedulerConfig, profile: ModelProfile | None = None) -> Params:
@@ -92,7 +113,12 @@ def params_from_config(cfg: SchedulerConfig, profile: ModelProfile | None = None
                   max_payload_bytes=cfg.max_payload_bytes,
                   max_submit_requests=cfg.max_submit_requests,
                   default_read_tokens_per_s=cfg.storage_read_bytes_per_s
-                  / profile.kv_bytes_per_token)
+                  / profile.kv_bytes_per_token,
+                  max_failed_attempts=cfg.max_failed_attempts,
+                  retry_backoff_s=cfg.retry_backoff_ms / 1000.0,
+                  retry_backoff_max_s=cfg.retry_backoff_max_ms / 1000.0,
+                  peer_avoid_s=cfg.peer_avoid_ms / 1000.0,
+                  finished_requests_kept=cfg.finished_requests_kept)
 
 
 class SchedulerMetrics:
@@ -120,6 +146,15 @@ class SchedulerMetrics:
                                    "Requests whose decode finished.")
         self.requeued = m.counter(registry, "dualpath_scheduler_requests_requeued_total",
                                   "Requests sent back to a queue head (lease loss, failure).")
+        self.failed_attempts = m.counter(
+            registry, "dualpath_scheduler_failed_attempts_total",
+            "Attempts given up as failures (FAILED reports, leases lost): the failure rate.")
+        self.failed = m.counter(registry, "dualpath_scheduler_requests_failed_total",
+                                "Requests ended FAILED: their failure budget was spent.")
+        self.cancelled = m.counter(registry, "dualpath_scheduler_requests_cancelled_total",
+                                   "Requests cancelled by an operator.")
+        self.journal_s = m.histogram(registry, "dualpath_scheduler_journal_commit_seconds",
+                                     "Time to write one call's journal transaction.")
         self.tokens = m.gauge(registry, "dualpath_scheduler_tokens_in_flight",
                               "Sum of tok_e over the engines of up groups, by role.", ("role",))
         self.read_q = m.gauge(registry, "dualpath_scheduler_read_queue_tokens",
@@ -134,7 +169,7 @@ class SchedulerMetrics:
                                     "time no call could be served.")
         self._fetch_s = {r: self.fetch_s.labels(lbl) for r, lbl in _ROLE_LABEL.items()}
         self._assign = {s: self.assignments.labels(lbl) for s, lbl in _PATH_LABEL.items()}
-        for q in ("global", "group", "prefill"):
+        for q in ("global", "group", "prefill", "backoff", "recovering"):
             self.queue.labels(q)
         for s in ("prefilling", "decoding"):
             self.running.labels(s)
@@ -144,7 +179,7 @@ class SchedulerMetrics:
         for s in ("up", "down"):
             self.groups.labels(s)
         self._seen = {"submitted": 0, "completed": 0, "requeued": 0, "placed": 0,
-                      "rejected": 0}
+                      "rejected": 0, "failed_attempts": 0, "failed": 0, "cancelled": 0}
         self._seen_paths = {s: 0 for s in _PATH_LABEL}
 
     def observe_fetch(self, role: Role, seconds: float) -> None:
@@ -157,7 +192,11 @@ class SchedulerMetrics:
                                     ("rejected", c.rejected, self.rejected),
                                     ("completed", c.completed, self.completed),
                                     ("requeued", c.requeued, self.requeued),
-                                    ("placed", c.decode_assigned, self.placements)):
+                                    ("placed", c.decode_assigned, self.placements),
+                                    ("failed_attempts", c.failed_attempts,
+                                     self.failed_attempts),
+                                    ("failed", c.failed, self.failed),
+                                    ("cancelled", c.cancelled, self.cancelled)):
             metric.inc(value - self._seen[name])
             self._seen[name] = value
         for side, child in self._assign.items():
@@ -167,6 +206,8 @@ class SchedulerMetrics:
         self.queue.labels("global").set(stages[Stage.GLOBAL_QUEUE])
         self.queue.labels("group").set(stages[Stage.GROUP_QUEUE])
         self.queue.labels("prefill").set(stages[Stage.PREFILL_QUEUE])
+        self.queue.labels("backoff").set(stages[Stage.BACKOFF])
+        self.queue.labels("recovering").set(stages[Stage.RECOVERING])
         self.running.labels("prefilling").set(stages[Stage.PREFILLING])
         self.running.labels("decoding").set(stages[Stage.DECODING])
         up = [g for g in s.groups.values() if g.up]
@@ -181,7 +222,9 @@ class SchedulerMetrics:
 
 class SchedulerService:
     """The scheduler as the servicers see it: the core plus the model profile (for byte
-    <-> token conversion), the clock, metrics and the lease sweeper. Loop-owned."""
+    <-> token conversion), the clock, the journal, metrics and the lease sweeper.
+    Loop-owned. With ``config.journal_file`` it opens the journal and recovers what it
+    recorded (``recovered``: live requests, ended ones)."""
 
     def __init__(self, config: SchedulerConfig | None = None, *,
                  clock: Callable[[], float] = _clock.now, registry=None,
@@ -190,20 +233,108 @@ class SchedulerService:
         self.trust_domain = trust_domain   # whose certificate identities name callers
         self.profile = get_profile(self.config.model_profile)
         self.kv_bytes_per_token = self.profile.kv_bytes_per_token
-        self.core = Scheduler(params_from_config(self.config, self.profile))
         self.clock = clock
+        cfg = self.config
+        self.journal = Journal(cfg.journal_file, cfg.journal_sync) if cfg.journal_file \
+            else None
+        try:
+            self.core: Scheduler = open_scheduler(params_from_config(cfg, self.profile),
+                                                  self.journal, clock())
+        except BaseException:
+            self.close()
+            raise
+        self.recovered = (len(self.core.requests), len(self.core.finished))
         self.registry = registry if registry is not None else _metrics.new_registry()
         self.metrics = SchedulerMetrics(self.registry)
         self._sweeper: asyncio.Task | None = None
+        self.failed: JournalError | None = None   # set once: fail-stop
+        self.on_fatal: Callable[[], None] | None = None
+        self._ended = self._ended_total()
+        self._ended_event: asyncio.Event | None = None
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+    # -------------------------------------------------------- durability
+
+    def commit(self) -> None:
+        """Write what the last core calls journaled (one transaction), wake long polls
+        when requests ended, and log the ones that ended FAILED. Raises JournalError
+        after stopping the service (fail-stop)."""
+        core = self.core
+        events = core.journal
+        if events:
+            t0 = _clock.now()
+            try:
+                self.journal.write(events)  # type: ignore[union-attr]
+            except JournalError as e:
+                self._fatal(e)
+                raise
+            finally:
+                events.clear()
+            self.metrics.journal_s.observe(_clock.now() - t0)
+        for f in core.newly_failed:
+            log.warning("request %s failed after %d failed attempts: %s", f.request_id,
+                        f.failures, f.error)
+        core.newly_failed.clear()
+        ended = self._ended_total()
+        if ended != self._ended:
+            self._ended = ended
+            if self._ended_event is not None:
+                self._ended_event.set()
+                self._ended_event = None
+
+    def _ended_total(self) -> int:
+        c = self.core.counters
+        return c.completed + c.failed + c.cancelled
+
+    def _fatal(self, e: JournalError) -> None:
+        if self.failed is None:
+            self.failed = e
+            log.critical("%s; the scheduler stops (what it acknowledged is on disk; a "
+                         "restart recovers it)", e)
+            if self.on_fatal is not None:
+                self.on_fatal()
+
+    async def wait_ended(self, timeout_s: float) -> None:
+        """Until some request ends (or ``timeout_s``)."""
+        if self._ended_event is None:
+            self._ended_event = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ended_event.wait(), timeout_s)
+
+    def result(self, rid: str) -> scheduler_pb2.RequestResult:
+        x = self.core.lookup(rid)
+        if x is None:
+            return scheduler_pb2.RequestResult(request_id=rid,
+                                               state=scheduler_pb2.REQUEST_STATE_UNKNOWN)
+        if isinstance(x, Finished):
+            state = scheduler_pb2.REQUEST_STATE_REPORTED if x.reported else int(x.outcome)
+            return scheduler_pb2.RequestResult(request_id=rid, state=state,
+                                               attempt=x.attempt,
+                                               failed_attempts=x.failures, error=x.error)
+        return scheduler_pb2.RequestResult(request_id=rid, state=_STATE[x.stage],
+                                           attempt=x.attempt, failed_attempts=x.failures,
+                                           error=x.error)
 
     # -------------------------------------------------------- leases and metrics
 
     def housekeeping(self) -> list[Group]:
-        """Expire late groups and refresh the metrics; returns the groups marked down."""
+        """Expire late groups, end due backoffs and the recovery hold, write the journal
+        and refresh the metrics; returns the groups marked down."""
+        if self.failed is not None:
+            return []
+        recovering = len(self.core.recovering)
         late = self.core.expire(self.clock())
         for g in late:
             log.warning("group %s (%s) missed its lease; marked down, its unfinished "
                         "requests requeued", g.group_id, _ROLE_LABEL[g.role])
+        if recovering and not self.core.recovering:
+            log.info("recovery hold over: %d recovered requests no engine claimed were "
+                     "requeued with their next attempt", recovering)
+        with contextlib.suppress(JournalError):
+            self.commit()
         self.metrics.refresh(self.core)
         return late
 
@@ -267,18 +398,21 @@ def _assignment(r: Request, with_pe: bool) -> scheduler_pb2.Assignment:
         prefill_read_tokens=r.prefill_read_tokens, decode_read_tokens=r.decode_read_tokens,
         prefill_control_address=pe.control_address if pe else "",
         decode_control_address=de.control_address,  # type: ignore[union-attr]
-        payload=r.payload)
+        payload=r.payload, attempt=r.attempt)
 
 
 def _completions(msgs) -> list[Completion]:
     try:
-        return [Completion(c.request_id, c.engine_id, CompletionStage(c.stage)) for c in msgs]
+        return [Completion(c.request_id, c.engine_id, CompletionStage(c.stage), c.attempt,
+                           c.error, c.suspect_engine_id) for c in msgs]
     except ValueError:
         raise UsageError("completion stage must be PREFILL_DONE, DECODE_DONE or "
                          "FAILED") from None
 
 
 async def _abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
+    if isinstance(e, JournalError):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler stopping: {e}")
     for cls, code in _STATUS:
         if isinstance(e, cls):
             await context.abort(code, str(e))
@@ -306,6 +440,10 @@ async def caller_identity(context: grpc.aio.ServicerContext, trust_domain: str,
 
 _LEADER = ("node",)
 _SUBMITTER = ("client", "admin", "node")
+async def _refuse_if_failed(svc: SchedulerService, context) -> None:
+    if svc.failed is not None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"scheduler stopping: {svc.failed}")
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -326,21 +464,28 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         specs = [EngineSpec(e.engine_id, e.rank, e.node_id, e.control_address,
                             svc.tokens(e.hbm_bytes)) for e in request.engines]
         rate = request.storage_read_bytes_per_s / svc.kv_bytes_per_token
+        claims = [Claim(c.request_id, c.engine_id, c.attempt, c.prefill_done)
+                  for c in request.running]
+        await _refuse_if_failed(svc, context)
         try:
             g = svc.core.register_group(request.group_id, role, specs, svc.clock(), rate,
-                                        owner=caller)
+                                        claims, owner=caller)
+            cancelled = svc.core.take_cancelled(g)
+            svc.commit()
         except _ERRORS as e:
             if isinstance(e, PermissionDenied):
                 log.warning("RegisterGroup refused: %s", e)
             await _abort(context, e)
-        log.info("group %s registered by %s: %s, %d engines, lease %d", g.group_id,
+        refused = len(set(cancelled) & {c.request_id for c in claims})
+        log.info("group %s registered by %s: %s, %d engines, lease %d; %d running requests "
+                 "claimed, %d of them refused", g.group_id,
                  caller or "an unauthenticated caller", _ROLE_LABEL[role], len(g.engines),
-                 g.lease_id)
+                 g.lease_id, len(claims), refused)
         cfg = svc.config
         return scheduler_pb2.RegisterGroupResponse(
             lease_id=g.lease_id, lease_ms=cfg.lease_ms, fetch_interval_ms=cfg.fetch_interval_ms,
             compute_quota_ms=svc.core.params.compute_quota_ms,
-            model_profile=svc.profile.name)
+            model_profile=svc.profile.name, cancelled_request_ids=cancelled)
 
     async def Fetch(self, request, context):
         svc = self.svc
@@ -351,6 +496,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                 s.read_queue_tokens, s.free_hbm_bytes // kvb)
                    for s in request.engines]
         accepted, ignored = 0, []
+        await _refuse_if_failed(svc, context)
         try:
             now = svc.clock()
             if request.completions:
@@ -359,7 +505,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                                     caller)
             res = svc.core.fetch(request.group_id, request.lease_id, reports, now,
                                  request.max_assignments, caller)
+            svc.commit()
         except _ERRORS as e:
+            with contextlib.suppress(JournalError):
+                svc.commit()   # a lease found expired gave its requests back
             await _abort(context, e)
         with_pe = res.role is Role.PREFILL
         reply = scheduler_pb2.FetchResponse(
@@ -373,30 +522,82 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def ReportCompletion(self, request, context):
         svc = self.svc
         caller = await caller_identity(context, svc.trust_domain, _LEADER, "ReportCompletion")
+        await _refuse_if_failed(svc, context)
         try:
             accepted, ignored = svc.core.report(request.group_id, request.lease_id,
                                                 _completions(request.completions), svc.clock(),
                                                 caller)
+            svc.commit()
         except _ERRORS as e:
+            with contextlib.suppress(JournalError):
+                svc.commit()
             await _abort(context, e)
         return scheduler_pb2.ReportCompletionResponse(accepted=accepted,
                                                       ignored_request_ids=ignored)
 
+    async def ReleaseGroup(self, request, context):
+        svc = self.svc
+        caller = await caller_identity(context, svc.trust_domain, _LEADER, "ReleaseGroup")
+        await _refuse_if_failed(svc, context)
+        try:
+            n = svc.core.release_group(request.group_id, request.lease_id, svc.clock(),
+                                       caller)
+            svc.commit()
+        except _ERRORS as e:
+            await _abort(context, e)
+        if n or request.group_id in svc.core.groups:
+            log.info("group %s released lease %d; %d requests handed back", request.group_id,
+                     request.lease_id, n)
+        return scheduler_pb2.ReleaseGroupResponse(requeued_requests=n)
+
     async def SubmitRequest(self, request, context):
-        core = self.svc.core
-        await caller_identity(context, self.svc.trust_domain, _SUBMITTER, "SubmitRequest")
+        svc = self.svc
+        core = svc.core
+        await caller_identity(context, svc.trust_domain, _SUBMITTER, "SubmitRequest")
         specs = [RequestSpec(r.prompt_tokens, r.hit_tokens, r.max_new_tokens, r.request_id,
                              r.payload) for r in request.requests]
+        await _refuse_if_failed(svc, context)
         try:
-            out = core.submit(specs)
+            out = core.submit(specs, svc.clock())
+            svc.commit()
         except _ERRORS as e:
             await _abort(context, e)
         return scheduler_pb2.SubmitRequestResponse(
-            request_ids=[r.request_id for r in out.accepted],
-            queued_requests=core.queued_requests(),
+            request_ids=out.ids, queued_requests=core.queued_requests(),
             rejected=[scheduler_pb2.RejectedRequest(index=x.index, request_id=x.request_id,
                                                     reason=int(x.reason), detail=x.detail)
-                      for x in out.rejected])
+                      for x in out.rejected],
+            resubmitted_request_ids=out.resubmitted,
+            waiting_for_engines=core.waiting_for_engines())
+
+    async def GetResults(self, request, context):
+        svc = self.svc
+        await caller_identity(context, svc.trust_domain, _SUBMITTER, "GetResults")
+        await _refuse_if_failed(svc, context)
+        n = len(request.request_ids) + len(request.acknowledged_request_ids)
+        if n > svc.core.params.max_submit_requests:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{n} request ids in one GetResults; at most "
+                                f"{svc.core.params.max_submit_requests} "
+                                "(scheduler.max_submit_requests)")
+        if request.acknowledged_request_ids:
+            svc.core.acknowledge(list(request.acknowledged_request_ids))
+            try:
+                svc.commit()
+            except JournalError as e:
+                await _abort(context, e)
+        ids = list(request.request_ids)
+        results = [svc.result(rid) for rid in ids]
+        if request.wait_ms and ids and not any(_ended(x) for x in results):
+            await svc.wait_ended(min(request.wait_ms, MAX_WAIT_MS) / 1000.0)
+            await _refuse_if_failed(svc, context)
+            results = [svc.result(rid) for rid in ids]
+        return scheduler_pb2.GetResultsResponse(results=results)
+
+
+def _ended(x: scheduler_pb2.RequestResult) -> bool:
+    return x.state >= scheduler_pb2.REQUEST_STATE_DECODE_DONE or \
+        x.state == scheduler_pb2.REQUEST_STATE_UNKNOWN
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -441,7 +642,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             assignments_decode_read_total=c.by_read_side[ReadSide.DECODE],
             assignments_split_total=c.by_read_side[ReadSide.SPLIT],
             assignments_no_read_total=c.by_read_side[ReadSide.NONE],
-            groups_up=up, groups_down=len(core.groups) - up, model_profile=svc.profile.name)
+            groups_up=up, groups_down=len(core.groups) - up, model_profile=svc.profile.name,
+            backoff_requests=stages[Stage.BACKOFF], recovering_requests=stages[Stage.RECOVERING],
+            failed_attempts_total=c.failed_attempts, failed_requests_total=c.failed,
+            cancelled_requests_total=c.cancelled, journal=svc.journal is not None)
 
     async def Drain(self, request, context):
         svc = self.svc
@@ -464,6 +668,42 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         log.info("parameters changed: %s", changes)
         return admin_pb2.SetParamsResponse(params=svc.params_pb())
 
+    async def ListRequests(self, request, context):
+        svc = self.svc
+        core = svc.core
+        now = svc.clock()
+        stuck_s = (request.stuck_after_ms or STUCK_AFTER_MS) / 1000.0
+        failed = [f for f in reversed(core.finished.values()) if f.outcome is Outcome.FAILED]
+        live = sorted((r for r in core.requests.values()
+                       if request.all or now - r.since >= stuck_s),
+                      key=lambda r: r.since)
+        views = [admin_pb2.RequestView(
+            request_id=f.request_id, state=scheduler_pb2.REQUEST_STATE_FAILED, stage="failed",
+            attempt=f.attempt, failed_attempts=f.failures, error=f.error,
+            ms_in_stage=int(max(0.0, now - f.finished_at) * 1000)) for f in failed]
+        views += [admin_pb2.RequestView(
+            request_id=r.request_id, state=_STATE[r.stage], stage=r.stage.name.lower(),
+            attempt=r.attempt, failed_attempts=r.failures, error=r.error,
+            ms_in_stage=int(max(0.0, now - r.since) * 1000),
+            prefill_engine_id=r.pe.engine_id if r.pe and r.stage is Stage.PREFILLING else "",
+            decode_engine_id=r.de.engine_id if r.de else "") for r in live]
+        return admin_pb2.ListRequestsResponse(requests=views[:request.limit or LIST_LIMIT],
+                                              matched=len(views))
+
+    async def Cancel(self, request, context):
+        svc = self.svc
+        await _refuse_if_failed(svc, context)
+        ids = list(request.request_ids)
+        live = [rid for rid in ids if rid in svc.core.requests]
+        try:
+            svc.core.cancel(ids, svc.clock())
+            svc.commit()
+        except _ERRORS as e:
+            await _abort(context, e)
+        if live:
+            log.info("cancelled %d requests: %s", len(live), ", ".join(live[:20]))
+        return admin_pb2.CancelResponse(results=[svc.result(rid) for rid in ids])
+
 
 def create_server(address: str, service: SchedulerService | None = None, *,
                   credentials: grpc.ServerCredentials | None = None,
@@ -477,7 +717,7 @@ def create_server(address: str, service: SchedulerService | None = None, *,
     server = grpc.aio.server(
         interceptors=[tls.AdminAuthInterceptor(admin_token, (ADMIN_PREFIX,),
                                                svc.trust_domain)],
-        options=[("grpc.so_reuseport", 0)])
+        options=[("grpc.so_reuseport", 0), *rpc.SERVER_KEEPALIVE])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(svc), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(svc), server)
     health_servicer = health.aio.HealthServicer()
@@ -525,11 +765,20 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
     metrics_srv = _metrics.start_metrics_server(config.metrics_listen, svc.registry,
                                                  "scheduler.metrics_listen")
     stop = stop or asyncio.Event()
+    svc.on_fatal = stop.set
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     try:
+        if svc.journal is not None:
+            live, ended = svc.recovered
+            log.info("journal %s (sync %s): recovered %d unfinished requests (held %d ms "
+                     "for the groups to claim what they still run) and %d ended ones",
+                     svc.journal.path, svc.journal.sync, live, config.lease_ms, ended)
+        else:
+            log.warning("journal off (scheduler.journal_file unset): a restart loses every "
+                        "queued and running request")
         await server.start()
         await set_serving(server, True)
         svc.start_sweeper()
@@ -558,8 +807,11 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
         await server.stop(5.0)
     finally:
         await svc.stop_sweeper()
+        svc.close()
         if metrics_srv is not None:
             metrics_srv.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
+    if svc.failed is not None:
+        raise svc.failed

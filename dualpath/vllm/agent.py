@@ -193,7 +193,9 @@ class WorkerAgent:
         s = self.settings
         self.channels = GrpcChannels()
         self.oob = GrpcOutOfBand(self.channels)
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # Peers dial with dualpath.rpc.CHANNEL_OPTIONS (keepalive pings): allow them.
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                               *rpc.SERVER_KEEPALIVE])
         engine_pb2_grpc.add_EngineServicer_to_server(_EngineEdge(self), self.server)
         port = rpc.bind(self.server, s.listen, "vLLM worker agent listen")
         host = s.listen.rpartition(":")[0]

@@ -26,11 +26,12 @@ def run(capsys, *argv):
 
 
 def test_replay_against_an_unreachable_scheduler_exits_3(capsys, plaintext):
-    # Was an AioRpcError traceback with exit 1.
+    # Was an AioRpcError traceback with exit 1. Now it retries, then gives up.
     rc, err = run(capsys, "replay", "--scheduler", DOWN, "--nodes", "p0,d0", "--agents", "1",
                   "--max-rounds", "1", "--modes", "basic", "--no-progress", "--timeout", "10",
-                  "--config", plaintext)
+                  "--config", plaintext, "--give-up-after", "0.3")
     assert rc == cli.EXIT_UNAVAILABLE and f"scheduler {DOWN}: UNAVAILABLE" in err
+    assert "no round finished: no partial report" in err
 
 
 def test_replay_missing_trace_file_exits_2(capsys, tmp_path):

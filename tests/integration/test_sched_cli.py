@@ -173,10 +173,18 @@ def test_exit_codes(daemon, capsys, monkeypatch):
     rc, _, err = ctl(capsys, "ctl", "set", "quota=0", *a)
     assert rc == 2 and "INVALID_ARGUMENT" in err
     rc, out, err = ctl(capsys, "submit", "--prompt-tokens", "0", *a)
-    assert rc == 2 and "rejected: #0: invalid: request (unnamed): prompt_tokens" in out
-    # 1: a request refused for a reason that is not the input's (a duplicate id).
-    rc, out, _ = ctl(capsys, "submit", "--prompt-tokens", "5", "--id", "dup", *a)
+    assert rc == 2 and "--prompt-tokens must be >= 1" in err      # before sending
+    rc, out, err = ctl(capsys, "submit", "--prompt-tokens", "100000000", *a)
+    assert rc == 2 and "rejected: #0: too large: request (unnamed): 100000128 tokens" in out
+    # 0: the same request again (same id, same trajectory) is a retry, accepted.
+    rc, out, _ = ctl(capsys, "submit", "--prompt-tokens", "5", "--id", "dup",
+                     "--trajectory", "t-dup", *a)
     assert rc == 0
+    rc, out, _ = ctl(capsys, "submit", "--prompt-tokens", "5", "--id", "dup",
+                     "--trajectory", "t-dup", *a)
+    assert rc == 0 and "already submitted (not queued again): dup" in out
+    # 1: a request refused for a reason that is not the input's (its id is taken by a
+    # request with other content: another trajectory).
     rc, out, _ = ctl(capsys, "submit", "--prompt-tokens", "5", "--id", "dup", *a)
     assert rc == 1 and "rejected: dup: duplicate" in out
     with pytest.raises(SystemExit) as e:

@@ -136,7 +136,7 @@ def test_domain_errors_become_status_codes():
             de_eng = engines("de0", 1, "n0", hbm_tokens=5000)
             de = await c.register_group("de0", pb.ENGINE_ROLE_DECODE, de_eng)
             C = grpc.StatusCode
-            assert await code_of(c.fetch("nope", 1, [])) == C.NOT_FOUND
+            assert await code_of(c.fetch("nope", 1, [])) == C.FAILED_PRECONDITION  # register again
             assert await code_of(c.fetch("de0", de.lease_id + 7, [])) == C.FAILED_PRECONDITION
             assert await code_of(c.fetch("de0", de.lease_id, status(engines("x", 1, "n"))))\
                 == C.INVALID_ARGUMENT  # an engine of another group
@@ -146,16 +146,27 @@ def test_domain_errors_become_status_codes():
                 == C.ALREADY_EXISTS  # de0.0 is taken by an up group
             await c.submit([pb.RequestSpec(request_id="a", prompt_tokens=10)])
             # Admission is per request: refusals come back as reasons, the call succeeds.
+            # The same id with the same content is a retry (idempotent: accepted, not
+            # queued again); with other content, or twice in one call, a DUPLICATE.
             r = await c.submit([pb.RequestSpec(request_id="a", prompt_tokens=10),
                                 pb.RequestSpec(prompt_tokens=0),
                                 pb.RequestSpec(prompt_tokens=6000),  # > any DE's HBM
                                 pb.RequestSpec(request_id="b", prompt_tokens=1),
-                                pb.RequestSpec(prompt_tokens=1)])  # a, b queued: full
-            assert list(r.request_ids) == ["b"] and r.queued_requests == 2
+                                pb.RequestSpec(prompt_tokens=1),   # a, b queued: full
+                                pb.RequestSpec(request_id="b", prompt_tokens=1)])
+            assert list(r.request_ids) == ["a", "b"] and r.queued_requests == 2
+            assert list(r.resubmitted_request_ids) == ["a"]
             assert [(x.index, x.reason) for x in r.rejected] == [
-                (0, pb.REJECT_REASON_DUPLICATE), (1, pb.REJECT_REASON_INVALID),
-                (2, pb.REJECT_REASON_TOO_LARGE), (4, pb.REJECT_REASON_QUEUE_FULL)]
-            assert "largest decode engine has 5000" in r.rejected[2].detail
+                (1, pb.REJECT_REASON_INVALID), (2, pb.REJECT_REASON_TOO_LARGE),
+                (4, pb.REJECT_REASON_QUEUE_FULL), (5, pb.REJECT_REASON_DUPLICATE)]
+            assert "largest decode engine has 5000" in r.rejected[1].detail
+            other = await c.submit([pb.RequestSpec(request_id="a", prompt_tokens=11)])
+            assert not other.request_ids and [x.reason for x in other.rejected] == [
+                pb.REJECT_REASON_DUPLICATE]
+            assert "known with other content" in other.rejected[0].detail
+            # A retry is accepted even when the queue is full.
+            again = await c.submit([pb.RequestSpec(request_id="a", prompt_tokens=10)])
+            assert list(again.resubmitted_request_ids) == ["a"] and not again.rejected
             assert await code_of(c.drain("nope")) == C.NOT_FOUND
             assert await code_of(c.set_params(compute_quota_ms=0)) == C.INVALID_ARGUMENT
             bad = pb.Completion(request_id="a", engine_id="de0.0", stage=0)
@@ -183,15 +194,24 @@ def test_lease_expiry_through_the_service_with_an_injected_clock():
             groups = {g.group_id: g for g in (await c.list_groups()).groups}
             assert groups["pe0"].state == admin_pb2.GROUP_STATE_DOWN
             assert groups["de0"].state == admin_pb2.GROUP_STATE_UP
+            # Their attempts failed: they wait out a backoff (retry_backoff_ms 100), and
+            # the DE is told to drop the attempt that was given up.
             st = await c.stats()
-            assert (st.prefill_queue_requests, st.prefilling_requests) == (3, 0)
+            assert (st.prefill_queue_requests, st.prefilling_requests) == (0, 0)
+            assert (st.backoff_requests, st.failed_attempts_total) == (3, 3)
             assert st.requeued_requests_total == 3
             assert await code_of(c.fetch("pe0", pe.lease_id, status(pe_eng))) == \
                 grpc.StatusCode.FAILED_PRECONDITION
             pe = await c.register_group("pe0", pb.ENGINE_ROLE_PREFILL, pe_eng)
+            clock.t += 0.2
+            placed = await c.fetch("de0", de.lease_id, status(de_eng, free_tokens=10**6))
+            assert sorted(placed.cancelled_request_ids) == sorted(a.request_id
+                                                                  for a in got.assignments)
             again = await c.fetch("pe0", pe.lease_id, status(pe_eng))
             assert [a.request_id for a in again.assignments] == \
                 [a.request_id for a in got.assignments]
+            assert [a.attempt for a in got.assignments] == [1, 1, 1]
+            assert [a.attempt for a in again.assignments] == [2, 2, 2]
 
     run(body())
 

@@ -96,6 +96,14 @@ def test_a_group_is_bound_to_the_identity_that_registered_it(pki):
                                                 de("d0", "x"))) == "PERMISSION_DENIED"
             assert await code(d1.fetch("d0", lease, [])) == "PERMISSION_DENIED"
             assert await code(d1.report("d0", lease, [])) == "PERMISSION_DENIED"
+            # ... nor release it (issue 12's graceful shutdown), and no identity but a
+            # node's releases at all.
+            assert await code(d1.release_group("d0", lease)) == "PERMISSION_DENIED"
+            assert await code(fe.release_group("d0", lease)) == "PERMISSION_DENIED"
+            # Submitters read results; ListRequests and Cancel are admin calls.
+            assert await code(fe.get_results(["x"])) == "OK"
+            assert await code(fe.list_requests()) == "PERMISSION_DENIED"
+            assert await code(d1.cancel(["x"])) == "PERMISSION_DENIED"
             # Only node certificates register at all.
             assert await code(fe.register_group("fe", pb.ENGINE_ROLE_DECODE, de("fe"))) == \
                 "PERMISSION_DENIED"
@@ -103,6 +111,9 @@ def test_a_group_is_bound_to_the_identity_that_registered_it(pki):
             assert await code(d0.fetch("d0", lease, [])) == "OK"
             again = await d0.register_group("d0", pb.ENGINE_ROLE_DECODE, de("d0"))
             assert again.lease_id > lease
+            # Its own release works (idempotent for the replaced lease).
+            assert (await d0.release_group("d0", lease)).requeued_requests == 0
+            assert await code(d0.release_group("d0", again.lease_id)) == "OK"
 
     asyncio.run(body())
 

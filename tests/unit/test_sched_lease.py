@@ -1,5 +1,6 @@
 """Leases: a group that misses its fetch deadline is marked down and its unfinished
-requests are requeued at the head — none lost, none duplicated. Time is injected (the
+requests are requeued at the head of the global queue with their next attempt — none
+lost, none duplicated. Time is injected (the
 core takes ``now``); nothing sleeps."""
 
 import pytest
@@ -54,16 +55,19 @@ def test_a_prefill_group_that_misses_its_deadline_gives_its_requests_back_at_the
         s.report("de1", d1.lease_id, [], now=t)
     assert s.expire(now=4.5) == []  # exactly at the deadline: not yet late
     audit(s)
+    des = {r.request_id: r.de_group for r in got[1:]}
     assert s.expire(now=4.5001) == [pe]
     audit(s)
-    # Its three unfinished requests lead the prefill queue in arrival order, their DE kept.
+    # Its three unfinished requests lead the global queue in arrival order, with their
+    # next attempt; their DEs are told to drop the attempt that was given up.
     order = sorted(got[1:], key=lambda r: r.seq)
-    waiting = [r for r in reqs if r not in got]
-    assert list(s.prefill_queue) == order + sorted(waiting, key=lambda r: r.seq)
-    assert all(r.stage is Stage.PREFILL_QUEUE and r.pe is None and r.de is not None
-               for r in order)
+    assert list(s.global_queue) == order
+    assert all(r.stage is Stage.GLOBAL_QUEUE and r.pe is None and r.de is None
+               and r.attempt == 2 and r.failures == 1 for r in order)
+    for rid, g in des.items():
+        assert rid in g.pending_cancel
     assert got[0].stage is Stage.DECODING  # finished prefill stays with its DE
-    assert s.counters.requeued == 3
+    assert s.counters.requeued == 3 and s.counters.failed_attempts == 3
     # The old lease is dead; a re-registered group receives the requeued requests first.
     with pytest.raises(LeaseError):
         s.fetch("pe", pe.lease_id, reports(pe), now=4.6)
@@ -71,8 +75,14 @@ def test_a_prefill_group_that_misses_its_deadline_gives_its_requests_back_at_the
         s.report("pe", pe.lease_id, [], now=4.6)
     pe2 = s.register_group("pe", Role.PREFILL,
                            [EngineSpec(f"pe.{k}", k, "pe-node") for k in range(2)], now=5.0)
-    again = s.fetch("pe", pe2.lease_id, reports(pe2), now=5.0, limit=3).assignments
-    assert again == order
+    for d in (d0, d1):
+        s.fetch(d.group_id, d.lease_id, reports(d), now=5.0)
+    # The requests that waited in the prefill queue all along are still ahead of them.
+    again = s.fetch("pe", pe2.lease_id, reports(pe2), now=5.0).assignments
+    waiting = sorted((r for r in reqs if r not in got), key=lambda r: r.seq)
+    assert again[:len(waiting)] == waiting
+    assert sorted(again[len(waiting):], key=lambda r: r.seq) == order
+    assert all(r.attempt == 2 for r in order)
     audit(s)
 
 

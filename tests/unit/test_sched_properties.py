@@ -4,9 +4,12 @@
 * the PE order is FIFO (a PE fetch hands out a prefix of the prefill queue), and the PE
   picked is the one §6.1 names given the loads at that moment;
 * HBM is never over-committed (a DE receives at most its reported free HBM);
-* every request is in exactly one place (a queue or an engine) until DECODE_DONE — none
-  lost, none duplicated — across fetches, completions, failures, drains, lease expiry and
-  re-registration.
+* every request is in exactly one place (a queue, an engine, the backoff area or the
+  recovery hold) until it ends (DECODE_DONE, FAILED, CANCELLED), and then in the finished
+  records only — none lost, none duplicated — across fetches, completions, failures,
+  drains, cancels, lease expiry, release and re-registration with claims;
+* a given-up attempt is announced to the engines that hold it and never finishes the
+  request; failed attempts stay within the budget; resubmitting a known id adds nothing.
 The quota invariant of intra-engine batching is in test_sched_batching.py.
 """
 
@@ -23,20 +26,24 @@ from hypothesis.stateful import (
 )
 
 from dualpath.scheduler.core import (
+    Claim,
     Completion,
     CompletionStage,
     EngineReport,
     EngineSpec,
     LeaseError,
+    Outcome,
     Params,
     RequestSpec,
     Role,
     Scheduler,
     Stage,
 )
+from dualpath.scheduler.core.model import REQUEST_FIXED_BYTES, wire_bytes
 
 ALPHA, BETA, HBM = 500, 1000, 2000
 LEASE_S = 10.0
+BUDGET = 3
 # Loads drawn often right at the thresholds, where an off-by-one would show.
 TOKENS = st.one_of(st.integers(0, 2 * BETA), st.sampled_from([BETA - 1, BETA, BETA + 1]))
 READ_Q = st.one_of(st.integers(0, 2 * ALPHA), st.sampled_from([0, ALPHA - 150, ALPHA, ALPHA + 1]))
@@ -64,12 +71,28 @@ def audit(s: Scheduler) -> None:
             if r.stage is Stage.PREFILLING:
                 assert r.pe is not None and r.pe.group.up
             where[r.request_id] += 1
+        assert r.failures < s.params.max_failed_attempts
+        assert r.attempt >= r.failures + 1
+    for rid, r in s.backoff.items():
+        assert r.stage is Stage.BACKOFF and r.de is None and s.requests[rid] is r
+        where[rid] += 1
+    for rid, r in s.recovering.items():
+        assert r.stage is Stage.RECOVERING and r.de is None and s.requests[rid] is r
+        where[rid] += 1
     stages = Counter(r.stage for r in s.requests.values())
     counts = s.stage_counts()
     assert all(counts[st] == stages[st] for st in counts), (counts, stages)
     assert set(where) == set(s.requests), "a request is lost or unknown"
     assert all(n == 1 for n in where.values()), f"duplicated: {where.most_common(3)}"
-    assert s.counters.submitted == s.counters.completed + len(s.requests)
+    assert not set(s.finished) & set(s.requests), "a request is both live and ended"
+    c = s.counters
+    assert c.submitted == c.completed + c.failed + c.cancelled + len(s.requests)
+    for r in s.requests.values():   # the byte bound's books: live requests only
+        assert r.wire_bytes == wire_bytes(r.request_id, r.payload)
+    assert s.held_bytes == sum(r.wire_bytes + REQUEST_FIXED_BYTES for r in s.requests.values())
+    for f in s.finished.values():
+        assert f.failures <= s.params.max_failed_attempts
+        assert (f.outcome is Outcome.FAILED) == (f.failures == s.params.max_failed_attempts)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -77,13 +100,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.s = Scheduler(Params(alpha_tokens=ALPHA, beta_tokens=BETA, lease_s=LEASE_S,
                                   max_assignments_per_fetch=7, split_align_tokens=8,
-                                  default_read_tokens_per_s=100.0))
+                                  default_read_tokens_per_s=100.0,
+                                  max_failed_attempts=BUDGET))
         self.now = 0.0
         self.leases: dict[str, int] = {}
         self.roles: dict[str, Role] = {}
-        # What each leader believes its engines hold: assigned, minus completed, failed
-        # and cancelled. The scheduler must agree (see the invariant below).
-        self.held: dict[str, set[str]] = {}
+        # What each leader believes its engines hold: request id -> (engine id, attempt)
+        # as assigned, minus completed, failed and cancelled. The scheduler must agree
+        # (see the invariant below).
+        self.held: dict[str, dict[str, tuple[str, int]]] = {}
 
     # ---------------------------------------------------------------- set-up
 
@@ -104,7 +129,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         g = self.s.register_group(gid, role, specs, self.now)
         self.leases[gid] = g.lease_id
         self.roles[gid] = role
-        self.held[gid] = set()
+        self.held[gid] = {}
+        self.s.take_cancelled(g)   # the registration answer (claimed nothing)
 
     @rule(sizes=st.lists(st.tuples(st.integers(1, 400), st.integers(0, 400),
                                    st.integers(0, 200)), min_size=1, max_size=8))
@@ -175,9 +201,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not self.s.global_queue, "the group phase must drain the global queue"
 
     def _received(self, gid, res):
-        assert set(res.cancelled) <= self.held[gid], "cancelled what the group never had"
-        self.held[gid] -= set(res.cancelled)
-        self.held[gid] |= {r.request_id for r in res.assignments}
+        held = self.held[gid]
+        for rid in res.cancelled:
+            held.pop(rid, None)
+        for r in res.assignments:
+            e = r.pe if res.role is Role.PREFILL else r.de
+            held[r.request_id] = (e.engine_id, r.attempt)
 
     # ---------------------------------------------------------------- completions
 
@@ -185,34 +214,52 @@ class SchedulerMachine(RuleBasedStateMachine):
         return sorted((r for r in self.s.requests.values() if r.stage is stage),
                       key=lambda r: r.seq)
 
+    def _given_up(self, r, before_failures):
+        """After a FAILED report: back at the global queue's head with the next attempt,
+        or ended FAILED when that was the last of its budget."""
+        if before_failures + 1 >= BUDGET:
+            assert r.request_id not in self.s.requests
+            assert self.s.finished[r.request_id].outcome is Outcome.FAILED
+        else:
+            assert self.s.global_queue[0] is r and r.failures == before_failures + 1
+
     @precondition(lambda self: self._held(Stage.PREFILLING))
     @rule(data=st.data(), fail=st.booleans())
     def prefill_done(self, data, fail):
         r = data.draw(st.sampled_from(self._held(Stage.PREFILLING)))
         gid = r.pe.group.group_id
+        de_group, attempt, failures = r.de.group, r.attempt, r.failures
         stage = CompletionStage.FAILED if fail else CompletionStage.PREFILL_DONE
-        acc, ign = self.s.report(gid, self.leases[gid], [Completion(r.request_id,
-                                                                    r.pe.engine_id, stage)],
-                                 self.now)
+        acc, ign = self.s.report(gid, self.leases[gid], [Completion(
+            r.request_id, r.pe.engine_id, stage, attempt)], self.now)
         assert (acc, ign) == (1, [])
-        self.held[gid].discard(r.request_id)
-        assert r.stage is (Stage.PREFILL_QUEUE if fail else Stage.DECODING)
+        self.held[gid].pop(r.request_id)
         if fail:
-            assert self.s.prefill_queue[0] is r, "a failed prefill is requeued at the head"
+            self._given_up(r, failures)
+            assert r.request_id in de_group.pending_cancel, "the DE must drop it too"
+        else:
+            assert r.stage is Stage.DECODING
 
     @precondition(lambda self: self._held(Stage.DECODING))
-    @rule(data=st.data(), fail=st.booleans())
-    def decode_done(self, data, fail):
+    @rule(data=st.data(), fail=st.booleans(), stale=st.booleans())
+    def decode_done(self, data, fail, stale):
         r = data.draw(st.sampled_from(self._held(Stage.DECODING)))
         gid = r.de.group.group_id
         stage = CompletionStage.FAILED if fail else CompletionStage.DECODE_DONE
-        comp = Completion(r.request_id, r.de.engine_id, stage)
+        if stale:   # an old attempt's report: ignored, whatever it says
+            comp = Completion(r.request_id, r.de.engine_id, stage, r.attempt + 1)
+            assert self.s.report(gid, self.leases[gid], [comp], self.now) == \
+                (0, [r.request_id])
+            return
+        failures = r.failures
+        comp = Completion(r.request_id, r.de.engine_id, stage, r.attempt)
         assert self.s.report(gid, self.leases[gid], [comp], self.now)[0] == 1
-        self.held[gid].discard(r.request_id)
+        self.held[gid].pop(r.request_id)
         if fail:
-            assert self.s.global_queue[0] is r
+            self._given_up(r, failures)
         else:
             assert r.request_id not in self.s.requests
+            assert self.s.finished[r.request_id].outcome is Outcome.DECODE_DONE
             # A retried report is ignored, not an error.
             assert self.s.report(gid, self.leases[gid], [comp], self.now) == \
                 (0, [r.request_id])
@@ -229,18 +276,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             if g.up and int(gid[1:]) in keep and self.now <= g.deadline:
                 self.s.report(gid, self.leases[gid], [], self.now)
         late = {g for g in self.s.groups.values() if g.up and self.now > g.deadline}
-        held_de = sorted((r for r in self.s.requests.values() if r.de_group in late),
-                         key=lambda r: r.seq)
-        held_pe = sorted((r for r in self.s.requests.values() if r.stage is Stage.PREFILLING
-                          and r.pe.group in late and r not in held_de), key=lambda r: r.seq)
+        held = sorted((r for r in self.s.requests.values() if r.de_group in late or (
+            r.stage is Stage.PREFILLING and r.pe.group in late)), key=lambda r: r.seq)
         waiting_global = list(self.s.global_queue)
-        waiting_prefill = [r for r in self.s.prefill_queue if r not in held_de]
         down = self.s.expire(self.now)
         assert set(down) == late
-        assert list(self.s.global_queue) == held_de + waiting_global
-        assert list(self.s.prefill_queue) == held_pe + waiting_prefill
+        back = [r for r in held if r.request_id in self.s.requests]
+        assert list(self.s.global_queue) == back + waiting_global
+        assert all(r not in self.s.prefill_queue for r in held)
         for g in down:
-            self.held[g.group_id] = set()  # a leader without a lease drops everything
+            self.held[g.group_id] = {}  # a leader without a lease drops everything
             assert not g.up and not g.private_queue
             try:
                 self.s.fetch(g.group_id, self.leases[g.group_id], [], self.now)
@@ -262,11 +307,72 @@ class SchedulerMachine(RuleBasedStateMachine):
         r = data.draw(st.sampled_from(self._held(Stage.PREFILLING)))
         gid = r.de.group.group_id
         comp = Completion(r.request_id, r.de.engine_id, CompletionStage.FAILED)
-        pe_group = r.pe.group
+        pe_group, failures = r.pe.group, r.failures
         assert self.s.report(gid, self.leases[gid], [comp], self.now) == (1, [])
-        self.held[gid].discard(r.request_id)
-        assert self.s.global_queue[0] is r
+        self.held[gid].pop(r.request_id)
+        self._given_up(r, failures)
         assert pe_group.pending_cancel[-1] == r.request_id
+
+    @precondition(lambda self: self.s.requests or self.s.finished)
+    @rule(data=st.data())
+    def cancel(self, data):
+        rid = data.draw(st.sampled_from(sorted(set(self.s.requests) | set(self.s.finished))))
+        live = rid in self.s.requests
+        before = self.s.finished.get(rid)
+        (got,) = self.s.cancel([rid], self.now)
+        assert rid not in self.s.requests
+        if live:
+            assert got.outcome is Outcome.CANCELLED
+        else:
+            assert got is before, "an ended request is left as it ended"
+
+    @precondition(lambda self: self.s.requests or self.s.finished)
+    @rule(data=st.data())
+    def resubmit(self, data):
+        """A client retrying a submission it already made adds nothing."""
+        rid = data.draw(st.sampled_from(sorted(set(self.s.requests) | set(self.s.finished))))
+        r = self.s.requests.get(rid)
+        if r is None:
+            return   # the finished record keeps only a digest: covered in the unit tests
+        n = len(self.s.requests)
+        res = self.s.submit([RequestSpec(r.prompt_tokens, r.hit_tokens,
+                                               r.max_new_tokens, rid, r.payload)])
+        assert res.accepted == [] and res.rejected == [] and res.resubmitted == [rid]
+        assert res.ids == [rid]
+        assert len(self.s.requests) == n
+
+    @precondition(lambda self: self._up(Role.PREFILL) + self._up(Role.DECODE))
+    @rule(data=st.data(), release=st.booleans(), forget=st.sets(st.integers(0, 9)))
+    def leader_restarts(self, data, release, forget):
+        """A leader releases its lease (graceful shutdown) or registers again while up,
+        claiming what its engines still run (some claims forgotten): the claimed stay,
+        the rest are given back without counting as failures."""
+        gid = data.draw(st.sampled_from(self._up(Role.PREFILL) + self._up(Role.DECODE)))
+        g = self.s.groups[gid]
+        failures = {rid: r.failures for rid, r in self.s.requests.items()}
+        if release:
+            self.s.release_group(gid, self.leases[gid], self.now)
+            assert not g.up
+            self.held[gid] = {}
+            assert self.s.release_group(gid, self.leases[gid], self.now) == 0  # idempotent
+        else:
+            held = sorted(self.held[gid].items())
+            claims = [Claim(rid, eid, att, self.s.requests[rid].stage is Stage.DECODING
+                            if rid in self.s.requests else False)
+                      for i, (rid, (eid, att)) in enumerate(held) if i not in forget]
+            specs = [EngineSpec(e.engine_id, e.rank, e.node.node_id, "", e.hbm_tokens)
+                     for e in g.engines]
+            g2 = self.s.register_group(gid, g.role, specs, self.now, claims=claims)
+            self.leases[gid] = g2.lease_id
+            refused = set(self.s.take_cancelled(g2))
+            self.held[gid] = {c.request_id: (c.engine_id, c.attempt) for c in claims
+                              if c.request_id not in refused}
+            for c in claims:
+                if c.request_id not in refused:
+                    r = self.s.requests[c.request_id]
+                    assert g2 in (r.de_group, r.pe.group if r.pe else None), "claim not kept"
+        for rid, r in self.s.requests.items():
+            assert r.failures == failures[rid], "a graceful hand-back counted as a failure"
 
     @invariant()
     def nothing_lost_nothing_duplicated(self):
@@ -274,20 +380,24 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def leaders_and_scheduler_agree(self):
-        """What a leader holds is what the scheduler has placed on its engines, plus (PE)
-        what it will be told to drop on its next fetch: nothing is taken away silently."""
+        """What the scheduler has placed on a group's engines its leader holds, with the
+        same attempt; what the leader holds beyond that it will be told to drop on its
+        next fetch: nothing is given or taken away silently."""
         for gid, g in self.s.groups.items():
             if not g.up:
                 continue
             if g.role is Role.PREFILL:
-                placed = {r.request_id for r in self.s.requests.values()
+                placed = {r.request_id: (r.pe.engine_id, r.attempt)
+                          for r in self.s.requests.values()
                           if r.stage is Stage.PREFILLING and r.pe.group is g}
-                assert not placed & set(g.pending_cancel)
-                assert self.held[gid] == placed | set(g.pending_cancel)
             else:
-                placed = {r.request_id for r in self.s.requests.values()
+                placed = {r.request_id: (r.de.engine_id, r.attempt)
+                          for r in self.s.requests.values()
                           if r.de is not None and r.de.group is g}
-                assert self.held[gid] == placed
+            held = self.held[gid]
+            assert not set(placed) & set(g.pending_cancel)
+            assert all(held.get(rid) == v for rid, v in placed.items()), "placed unknown"
+            assert set(held) - set(placed) <= set(g.pending_cancel), "taken silently"
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,

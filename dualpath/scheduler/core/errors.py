@@ -13,8 +13,13 @@ class LeaseError(SchedulerError):
     """The group's lease expired or was replaced: register again (FAILED_PRECONDITION)."""
 
 
+class UnknownGroup(LeaseError):
+    """A leader call names a group the scheduler does not know, e.g. after a restart:
+    register again (FAILED_PRECONDITION, like any lease it does not hold)."""
+
+
 class NotFound(SchedulerError):
-    """Unknown group or engine (NOT_FOUND)."""
+    """Unknown engine or request in an operator's call (NOT_FOUND)."""
 
 
 class Conflict(SchedulerError):

@@ -10,14 +10,21 @@ the DE chosen before the PE so that a PE only receives requests whose KV has a h
 
     GLOBAL_QUEUE --(DE fetch, group phase)--> GROUP_QUEUE --(in-group phase)-->
     PREFILL_QUEUE --(PE fetch: PE + read side)--> PREFILLING --(PREFILL_DONE)-->
-    DECODING --(DECODE_DONE)--> removed
+    DECODING --(DECODE_DONE)--> DONE (a :class:`Finished` record)
 
-A failure on either side sends it back to the head of an earlier queue (see
-``Scheduler.expire``).
+An *attempt* is one execution: it starts when a DE is chosen (PREFILL_QUEUE) and ends
+with DECODE_DONE or by being given up (a FAILED report, a lost or released lease, a
+cancel). Every attempt that is given up cancels both sides and sends the request to the
+head of the global queue with the next attempt number; a failed attempt (FAILED, lease
+lost) also waits out a backoff in BACKOFF and counts against the request's budget, after
+which it ends FAILED. RECOVERING holds what a restarted scheduler read from its journal
+until the groups have re-registered and claimed what they still run
+(docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -51,6 +58,16 @@ class Stage(IntEnum):
     PREFILLING = 4
     DECODING = 5
     DONE = 6
+    BACKOFF = 7       # a failed attempt's backoff: not eligible before ``not_before``
+    RECOVERING = 8    # read from the journal, waiting for the groups' claims
+
+
+class Outcome(IntEnum):
+    """How a request ended (values equal dualpath.v1.RequestState's)."""
+
+    DECODE_DONE = 5
+    FAILED = 7
+    CANCELLED = 8
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +88,17 @@ class Request:
     read_side: ReadSide = ReadSide.UNSPECIFIED
     prefill_read_tokens: int = 0
     decode_read_tokens: int = 0
+    attempt: int = 1                  # the current (or next) execution's number
+    failures: int = 0                 # failed attempts so far (the budget's count)
+    error: str = ""                   # why the last attempt failed
+    since: float = 0.0                # clock time of the last change of stage
+    not_before: float = 0.0           # BACKOFF: eligible again from this time
+    # Groups this request keeps away from after failing there: group id -> (lease id,
+    # until). A new lease (re-registration) or the time passing lifts it. None = none.
+    avoid: dict[str, tuple[int, float]] | None = None
+    # RECOVERING: the engines that claimed it at re-registration (PE, DE).
+    claim_pe: Engine | None = None
+    claim_de: Engine | None = None
     wire_bytes: int = 0               # what its Assignment adds to a fetch reply (at most)
 
     @property
@@ -174,7 +202,7 @@ class RequestSpec:
 class RejectReason(IntEnum):
     INVALID = 1
     TOO_LARGE = 2
-    DUPLICATE = 3
+    DUPLICATE = 3     # known with other content, or twice in one call
     QUEUE_FULL = 4
 
 
@@ -190,10 +218,14 @@ class Rejection:
 
 @dataclass(slots=True)
 class Admission:
-    """What one submit did: the accepted requests (enqueued, in order) and the rest."""
+    """What one submit did: the requests it enqueued (in order), the known ids it
+    accepted again without enqueuing them (idempotent resubmission), every accepted id
+    in submission order (both kinds), and the rest."""
 
     accepted: list[Request]
     rejected: list[Rejection]
+    resubmitted: list[str] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +233,35 @@ class Completion:
     request_id: str
     engine_id: str
     stage: CompletionStage
+    attempt: int = 0                  # 0 = not said (then the engine id alone must match)
+    error: str = ""                   # FAILED: why
+    suspect_engine_id: str = ""       # FAILED: the engine the reporter blames ("" = unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A request a re-registering group's engine still runs (reconciliation)."""
+
+    request_id: str
+    engine_id: str
+    attempt: int
+    prefill_done: bool = False        # DE: all prompt KV arrived, it is decoding
+
+
+@dataclass(slots=True)
+class Finished:
+    """What is kept of a request that ended: enough to answer its submitter, ``ctl
+    requests`` and an idempotent resubmission (``spec_key``)."""
+
+    request_id: str
+    outcome: Outcome
+    attempt: int
+    failures: int
+    error: str
+    spec_key: tuple[int, int, int, int]
+    finished_at: float
+    finish_seq: int = 0               # order of ending (the journal trims by it)
+    reported: bool = False            # the submitter acknowledged the result
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +278,11 @@ class Params:
     max_assignments_per_fetch: int = 4096
     max_queued_requests: int = 1_000_000
     default_read_tokens_per_s: float = 1.0  # node read rate when a group gives none
+    max_failed_attempts: int = 5      # the budget: this many failed attempts end it FAILED
+    retry_backoff_s: float = 0.0      # first backoff (doubles per failure, jittered)
+    retry_backoff_max_s: float = 0.0
+    peer_avoid_s: float = 0.0         # how long a failed request avoids the groups blamed
+    finished_requests_kept: int = 100_000  # ended requests remembered (idempotency)
     # Admission bounds (paper-independent; see Scheduler.submit).
     context_tokens: int = 1 << 30     # prompt + max_new_tokens of one request (the model's)
     max_held_bytes: int = 2 << 30     # bytes of live requests the scheduler holds
@@ -239,6 +305,9 @@ class Params:
         if self.lease_s <= 0 or self.default_read_tokens_per_s <= 0:
             raise UsageError("scheduler parameters lease_s and default_read_tokens_per_s "
                              "must be > 0")
+        if min(self.retry_backoff_s, self.retry_backoff_max_s, self.peer_avoid_s) < 0:
+            raise UsageError("scheduler parameters retry_backoff_s, retry_backoff_max_s and "
+                             "peer_avoid_s must be >= 0")
         one = self.max_payload_bytes + MAX_REQUEST_ID_BYTES + ASSIGNMENT_FIXED_BYTES
         if one > self.max_fetch_reply_bytes:
             raise UsageError(f"scheduler parameter max_payload_bytes = "
@@ -250,7 +319,8 @@ _PARAM_MINIMUM = {"alpha_tokens": 0, "beta_tokens": 0, "compute_quota_ms": 1,
                   "split_align_tokens": 1, "max_assignments_per_fetch": 1,
                   "max_queued_requests": 1, "context_tokens": 1, "max_held_bytes": 1,
                   "max_payload_bytes": 0, "max_submit_requests": 1,
-                  "max_fetch_reply_bytes": 1}
+                  "max_fetch_reply_bytes": 1, "max_failed_attempts": 1,
+                  "finished_requests_kept": 0}
 
 #: Longest request id (bytes of UTF-8) a submit accepts.
 MAX_REQUEST_ID_BYTES = 128
@@ -258,11 +328,20 @@ MAX_REQUEST_ID_BYTES = 128
 #: engines in one group.
 MAX_NAME_BYTES = 256
 MAX_GROUP_ENGINES = 1024
+#: Longest failure reason (bytes of UTF-8) kept from a FAILED completion (longer ones are
+#: cut): it lives in the request, its ended record, the journal and GetResults answers.
+MAX_ERROR_BYTES = 256
 #: What one Assignment carries besides the request id and payload, at most: two engine
 #: ids and two control addresses (each bounded at registration) and the numbers.
 ASSIGNMENT_FIXED_BYTES = 4 * MAX_NAME_BYTES + 128
-#: Bookkeeping of one live request in the scheduler besides its id and payload.
+#: Bookkeeping of one live request in the scheduler besides its id and payload (its
+#: attempt counters and last failure's reason included).
 REQUEST_FIXED_BYTES = 512
+
+
+def wire_bytes(request_id: str, payload: bytes) -> int:
+    """What the Assignment of a request adds to a fetch reply, at most."""
+    return len(request_id.encode()) + len(payload) + ASSIGNMENT_FIXED_BYTES
 
 
 @dataclass(slots=True)
@@ -273,3 +352,18 @@ class FetchResult:
     assignments: list[Request]
     cancelled: list[str]
     role: Role
+
+
+def spec_key(prompt_tokens: int, hit_tokens: int, max_new_tokens: int,
+             payload: bytes) -> tuple[int, int, int, int]:
+    """What must match for a resubmission under a known id to be the same request (the
+    payload by CRC-32: cheap, and stable across processes unlike hash())."""
+    return (prompt_tokens, hit_tokens, max_new_tokens, zlib.crc32(payload))
+
+
+def backoff_s(params: Params, failures: int, jitter: float) -> float:
+    """Backoff after the ``failures``-th failed attempt: the base doubled per failure,
+    capped, times ``jitter`` in [0.5, 1] ("equal jitter": never less than half, so a
+    burst of failures spreads out without any retry coming back at once)."""
+    d = min(params.retry_backoff_max_s, params.retry_backoff_s * 2.0 ** (failures - 1))
+    return d * jitter

@@ -56,17 +56,30 @@ def pick_prefill_engine(engines: list[Engine], alpha: int, beta: int) -> Engine 
     return best
 
 
+def avoids(r: Request, g: Group, now: float) -> bool:
+    """Whether ``r`` keeps away from group ``g``: it failed there under the same lease
+    less than ``peer_avoid_s`` ago [ours: the paper has no failures]."""
+    a = r.avoid.get(g.group_id) if r.avoid else None
+    return a is not None and a[0] == g.lease_id and now < a[1]
+
+
 def assign_prefill(queue: deque[Request], engines: list[Engine], params: Params,
-                   limit: int) -> list[Request]:
+                   limit: int, group: Group | None = None, now: float = 0.0
+                   ) -> list[Request]:
     """Pop requests FIFO from ``queue`` and give each a PE and a read side, updating tok_e,
-    seq_e and the read queues after each one so that categories are re-evaluated. Stops
-    at ``limit`` requests or when the next would take the reply past
+    seq_e and the read queues after each one so that categories are re-evaluated. A
+    request that avoids ``group`` is passed over and keeps its place for other groups.
+    Stops at ``limit`` requests or when the next would take the reply past
     ``params.max_fetch_reply_bytes``."""
     out: list[Request] = []
     alpha, beta = params.alpha_tokens, params.beta_tokens
     split, align = params.split_read, params.split_align_tokens
     room = params.max_fetch_reply_bytes
+    passed: list[Request] = []
     while queue and len(out) < limit and queue[0].wire_bytes <= room:
+        if queue[0].avoid and group is not None and avoids(queue[0], group, now):
+            passed.append(queue.popleft())
+            continue
         e = pick_prefill_engine(engines, alpha, beta)
         if e is None:
             break
@@ -83,6 +96,8 @@ def assign_prefill(queue: deque[Request], engines: list[Engine], params: Params,
         de_node.read_q += de_part
         r.read_side, r.prefill_read_tokens, r.decode_read_tokens = side, pe_part, de_part
         out.append(r)
+    if passed:
+        queue.extendleft(reversed(passed))
     return out
 
 
@@ -118,23 +133,41 @@ def choose_read_side(hit: int, pe_node: Node, de_node: Node, split: bool,
 # ---------------------------------------------------------------- DE scheduling
 
 
-def distribute_to_groups(queue: deque[Request], groups: list[Group]) -> int:
+def distribute_to_groups(queue: deque[Request], groups: list[Group], now: float = 0.0
+                         ) -> int:
     """Group phase (paper §6.1): drain the global queue, each request to the DE group
     with the minimum total tok_e. A group's load includes what already waits in its
-    private queue [ours], else one drain would send everything to the same group."""
+    private queue [ours], else one drain would send everything to the same group. A
+    request that avoids groups goes to the least loaded other one, or stays in the global
+    queue when it avoids them all [ours]. Returns how many were placed."""
     if not groups or not queue:
         return 0
     heap = [(g.total_tok, i, g) for i, g in enumerate(groups)]
     heapify(heap)
-    n = len(queue)
+    n = 0
+    left: list[Request] = []
     while queue:
         r = queue.popleft()
         load, i, g = heap[0]
+        k = 0
+        if r.avoid and avoids(r, g, now):
+            ok = [j for j, (_, _, h) in enumerate(heap) if not avoids(r, h, now)]
+            if not ok:
+                left.append(r)
+                continue
+            k = min(ok, key=lambda j: heap[j][:2])
+            load, i, g = heap[k]
         g.private_queue.append(r)
         g.private_tokens += r.prompt_tokens
         r.de_group = g
         r.stage = Stage.GROUP_QUEUE
-        heapreplace(heap, (load + r.prompt_tokens, i, g))
+        n += 1
+        if k == 0:
+            heapreplace(heap, (load + r.prompt_tokens, i, g))
+        else:
+            heap[k] = (load + r.prompt_tokens, i, g)
+            heapify(heap)
+    queue.extend(left)
     return n
 
 

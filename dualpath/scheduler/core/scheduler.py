@@ -1,51 +1,83 @@
-"""The scheduler's domain object: queues, groups, leases and the §6.1 policies.
+"""The scheduler's domain object: queues, groups, leases, attempts and the §6.1 policies.
 
 Pure (no I/O, no clock: every call that needs time takes ``now`` in seconds) so that the
 gRPC service, the simulator, the benchmark and the tests drive the same code. Not
 thread-safe: one thread owns it (in the daemon, the asyncio loop).
 
 Where each live request is (the invariant the tests check): exactly one of the global
-queue, one DE group's private queue, the prefill queue, or an engine (stages PREFILLING
-and DECODING). Requests leave the books only with DECODE_DONE.
+queue, one DE group's private queue, the prefill queue, an engine (stages PREFILLING and
+DECODING), the backoff area (BACKOFF) or the recovery hold (RECOVERING). A request leaves
+the live books once: DECODE_DONE, its budget spent (FAILED) or a cancel (CANCELLED); a
+:class:`Finished` record of it is kept (``finished_requests_kept`` of them, oldest
+forgotten first) for its submitter and for idempotent resubmission.
+
+Attempts (docs/reliability.md). An attempt starts when a DE is chosen and carries its
+number in both assignments. It is given up by a FAILED report, by the lease of a group
+holding it ending (lapsed, replaced or released), by a cancel, or by the recovery hold
+ending unclaimed; then both sides are told to drop it (``pending_cancel``, delivered with
+their group's next fetch) and the request goes back to the head of the global queue with
+the next attempt number, in arrival order, ahead of newer work. A *failed* attempt
+(FAILED, lease lapsed) also counts against the budget (``max_failed_attempts``), waits a
+jittered exponential backoff (BACKOFF), and avoids the groups blamed for
+``peer_avoid_s`` unless they register again; a graceful release or a restart does not
+count. Completions that name another attempt are ignored, so a re-execution can never
+finish a request twice.
+
+Admission (docs/scheduler.md): each submitted request is admitted or rejected on its
+own (INVALID, TOO_LARGE, DUPLICATE, QUEUE_FULL); the queue is bounded by requests and by
+the bytes the live ones hold (``held_bytes``). A known id (live or remembered) with the
+same content is accepted again without being enqueued twice (idempotent resubmission);
+with other content it is rejected (DUPLICATE).
 
 Identity: a group is bound to the identity that first registered it (``owner``, from
 its certificate at the RPC edge; "" when the edge has none). Another identity can neither
-register that group id, nor fetch or report for it; the same identity may (a restarted
-node). The binding outlives the lease.
+register that group id, nor fetch, report or release for it; the same identity may (a
+restarted node). The binding outlives the lease, not the scheduler process: after a
+restart the first registrant of a group id owns it again.
 
-Leases: every leader call renews its group's lease for ``params.lease_s``. A group whose
-deadline passes is marked down (by ``expire`` or by its own late call) and every
-unfinished request it held goes back to the head of an earlier queue in arrival order:
+Leases: every leader call renews its group's lease for ``params.lease_s``; a group whose
+deadline passes is marked down (by ``expire`` or by its own late call).
 
-* a PE group: its PREFILLING requests -> head of the prefill queue (their DE keeps the HBM);
-* a DE group: every request placed on it or in its private queue -> head of the global
-  queue; a PE already prefilling one of them is told to drop it on its next fetch.
+Journal: with ``journaling`` on, every change that must survive a restart is appended to
+:attr:`Scheduler.journal` as a plain tuple (see :mod:`dualpath.scheduler.journal`, which
+writes them and rebuilds a Scheduler from them); the caller writes them before it answers.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import random
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dualpath.errors import UsageError
 from dualpath.scheduler.core import policy
-from dualpath.scheduler.core.errors import Conflict, LeaseError, NotFound, PermissionDenied
+from dualpath.scheduler.core.errors import (
+    Conflict,
+    LeaseError,
+    NotFound,
+    PermissionDenied,
+    UnknownGroup,
+)
 from dualpath.scheduler.core.model import (
-    ASSIGNMENT_FIXED_BYTES,
+    MAX_ERROR_BYTES,
     MAX_GROUP_ENGINES,
     MAX_NAME_BYTES,
     MAX_REQUEST_ID_BYTES,
     REQUEST_FIXED_BYTES,
     Admission,
+    Claim,
     Completion,
     CompletionStage,
     Engine,
     EngineReport,
     EngineSpec,
     FetchResult,
+    Finished,
     Group,
     Node,
+    Outcome,
     Params,
     ReadSide,
     Rejection,
@@ -54,7 +86,19 @@ from dualpath.scheduler.core.model import (
     RequestSpec,
     Role,
     Stage,
+    backoff_s,
+    spec_key,
+    wire_bytes,
 )
+
+# Stages in which an attempt has started (a DE holds the request).
+_STARTED = frozenset({Stage.PREFILL_QUEUE, Stage.PREFILLING, Stage.DECODING})
+
+
+def _clamped_hit(s: RequestSpec) -> int:
+    """The last prompt token is always computed (its forward pass yields the first output
+    token), so at most prompt_tokens - 1 are a hit."""
+    return min(s.hit_tokens, s.prompt_tokens - 1)
 
 
 @dataclass
@@ -65,35 +109,59 @@ class Counters:
     requeued: int = 0
     fetches: int = 0
     decode_assigned: int = 0
+    failed_attempts: int = 0          # attempts given up as failures (the failure rate)
+    failed: int = 0                   # requests ended FAILED (budget spent)
+    cancelled: int = 0
     by_read_side: dict[ReadSide, int] = field(
         default_factory=lambda: {s: 0 for s in ReadSide if s is not ReadSide.UNSPECIFIED})
 
 
 class Scheduler:
-    """Owns every request from submission to DECODE_DONE. See the module docstring."""
+    """Owns every request from submission to its end. See the module docstring."""
 
-    def __init__(self, params: Params):
+    def __init__(self, params: Params, *, rng: random.Random | None = None,
+                 journaling: bool = False):
         params.validate()
         self.params = params
+        self.rng = rng or random.Random()
         self.global_queue: deque[Request] = deque()
         self.prefill_queue: deque[Request] = deque()
         self.groups: dict[str, Group] = {}
         self.engines: dict[str, Engine] = {}
         self.nodes: dict[str, Node] = {}
         self.requests: dict[str, Request] = {}
+        self.finished: OrderedDict[str, Finished] = OrderedDict()
         self.counters = Counters()
+        self.journal: list[tuple] | None = [] if journaling else None
+        # Requests that ended FAILED since the caller last took them (one log line each).
+        self.newly_failed: list[Finished] = []
+        self.backoff: dict[str, Request] = {}
+        self._backoff_heap: list[tuple[float, int, Request]] = []
+        self.recovering: dict[str, Request] = {}
+        self.recover_until = 0.0
         self._next_seq = 0
         self._next_lease = 0
+        self._finish_seq = 0
         self.held_bytes = 0   # live requests' bytes (ids, payloads, bookkeeping)
         self._prefilling = 0  # requests in stage PREFILLING, kept so stats are O(groups)
         self._decode_groups: list[Group] | None = None  # up DE groups with a usable engine
 
+    def _log(self, *event: Any) -> None:
+        if self.journal is not None:
+            self.journal.append(event)
+
     # ------------------------------------------------------------ registration
 
     def register_group(self, group_id: str, role: Role, specs: list[EngineSpec], now: float,
-                       read_tokens_per_s: float = 0.0, owner: str = "") -> Group:
-        """Start a lease for a group. Re-registering an up group ends its old lease first.
-        ``owner`` is the caller's identity; a group id stays bound to its first owner."""
+                       read_tokens_per_s: float = 0.0, claims: list[Claim] = (),
+                       owner: str = "") -> Group:
+        """Start a lease for a group. ``claims`` are the requests its engines still run:
+        each one that matches what the scheduler holds (same engine or, after a restart,
+        a recovered request, and the current attempt) is kept; the others are refused
+        and listed in the new group's ``pending_cancel`` (for the registration answer).
+        Re-registering an up group ends its old lease first, giving back what no claim
+        kept. ``owner`` is the caller's identity; a group id stays bound to its first
+        owner (PermissionDenied for another, before anything changes)."""
         if not group_id:
             raise UsageError("group_id must not be empty")
         old = self.groups.get(group_id)
@@ -135,14 +203,27 @@ class Scheduler:
                 if taken:
                     raise Conflict(f"node {min(taken)} already belongs to group "
                                    f"{g.group_id} (all engines of a node are in one group)")
+        kept: dict[str, Claim] = {}      # request id -> its claim, held by the old lease
+        carried: list[str] = []
         if old is not None:
             if old.up:
-                self._mark_down(old)
+                for c in claims:
+                    r = self.requests.get(c.request_id)
+                    if r is not None and r.attempt == c.attempt and (
+                            (r.pe is not None and r.pe.group is old and r.stage is
+                             Stage.PREFILLING and r.pe.engine_id == c.engine_id) or
+                            (r.de is not None and r.de.group is old
+                             and r.de.engine_id == c.engine_id)):
+                        kept[c.request_id] = c
+                self._mark_down(old, now=now, keep=set(kept), failed=False,
+                                error=f"group {group_id} registered again")
+            carried = old.pending_cancel
             for e in old.engines:
                 if self.engines.get(e.engine_id) is e:
                     del self.engines[e.engine_id]
         rate = read_tokens_per_s or self.params.default_read_tokens_per_s
         self._next_lease += 1
+        self._log("lease", self._next_lease)
         g = Group(group_id, role, self._next_lease, now + self.params.lease_s, last_fetch=now,
                   owner=owner)
         for s in sorted(specs, key=lambda s: s.rank):
@@ -156,16 +237,59 @@ class Scheduler:
             self.engines[e.engine_id] = e
         self.groups[group_id] = g
         self._decode_groups = None
+        g.pending_cancel = list(dict.fromkeys(carried))
+        for c in claims:
+            self._claim(g, c, kept, now)
         return g
+
+    def _claim(self, g: Group, c: Claim, kept: dict[str, Claim], now: float) -> None:
+        e = self.engines.get(c.engine_id)
+        r = self.requests.get(c.request_id)
+        if e is None or e.group is not g or r is None or r.attempt != c.attempt:
+            g.pending_cancel.append(c.request_id)
+            return
+        if kept.get(c.request_id) is c:          # held by the old lease: re-point
+            if r.pe is not None and r.pe.engine_id == c.engine_id and g.role is Role.PREFILL:
+                r.pe = e
+            elif r.de is not None and r.de.engine_id == c.engine_id:
+                r.de, r.de_group = e, g
+            return
+        if r.stage is not Stage.RECOVERING:
+            g.pending_cancel.append(c.request_id)
+            return
+        if g.role is Role.DECODE:
+            if c.prefill_done:
+                pe = r.claim_pe
+                if pe is not None and pe.group.up:
+                    pe.group.pending_cancel.append(r.request_id)   # its part is done
+                self._adopt(r, None, e, Stage.DECODING, now)
+                return
+            r.claim_de = e
+        else:
+            r.claim_pe = e
+        if r.claim_pe is not None and r.claim_de is not None:
+            self._adopt(r, r.claim_pe, r.claim_de, Stage.PREFILLING, now)
+
+    def _adopt(self, r: Request, pe: Engine | None, de: Engine, stage: Stage,
+               now: float) -> None:
+        """A recovered request claimed by its engines resumes where it was."""
+        del self.recovering[r.request_id]
+        r.pe, r.de, r.de_group, r.stage, r.since = pe, de, de.group, stage, now
+        r.claim_pe = r.claim_de = None
+        if stage is Stage.PREFILLING:
+            self._prefilling += 1
 
     # ------------------------------------------------------------ requests
 
-    def submit(self, specs: list[RequestSpec]) -> Admission:
-        """Admit each request on its own, in order: a valid one is enqueued at the tail
-        of the global queue, the others come back as rejections with a reason. Bounds:
-        the model's context (whether or not a DE is up), the largest up DE's HBM, the
-        request id and payload sizes, and the queue (requests waiting, bytes held).
-        UsageError, nothing enqueued, for more than ``max_submit_requests`` in one call."""
+    def submit(self, specs: list[RequestSpec], now: float = 0.0) -> Admission:
+        """Admit each request on its own, in order: a valid new one is enqueued at the
+        tail of the global queue, a known id (live or remembered) with the same content
+        is accepted again without being enqueued twice (idempotent resubmission, even
+        when the queue is full), the others come back as rejections with a reason.
+        Bounds: the model's context (whether or not a DE is up), the largest up DE's
+        HBM, the request id and payload sizes, and the queue (requests waiting, bytes
+        held). UsageError, nothing enqueued, for more than ``max_submit_requests`` in
+        one call."""
         p = self.params
         if len(specs) > p.max_submit_requests:
             raise UsageError(f"{len(specs)} requests in one submit; at most "
@@ -174,39 +298,53 @@ class Scheduler:
                        if e.role is Role.DECODE and e.group.up), default=0)
         queued = self.queued_requests()
         seen: set[str] = set()
-        accepted: list[Request] = []
-        rejected: list[Rejection] = []
+        adm = Admission([], [], [], [])
         for i, s in enumerate(specs):
             reason, detail = self._check_spec(s, max_hbm, seen)
-            wire = len(s.request_id.encode()) + len(s.payload) + ASSIGNMENT_FIXED_BYTES
-            held = wire + REQUEST_FIXED_BYTES
+            if reason is None and s.request_id:
+                seen.add(s.request_id)
+                have = self._spec_key_of(s.request_id)
+                if have == spec_key(s.prompt_tokens, _clamped_hit(s), s.max_new_tokens,
+                                    s.payload):
+                    adm.resubmitted.append(s.request_id)
+                    adm.ids.append(s.request_id)
+                    continue
+                if have is not None:
+                    reason, detail = RejectReason.DUPLICATE, (
+                        f"request {s.request_id} is known with other content (prompt, hit, "
+                        "max_new_tokens or payload)")
+            if reason is None:
+                reason, detail = self._check_size(s, max_hbm)
+            wire = wire_bytes(s.request_id, s.payload)
             if reason is None and (queued >= p.max_queued_requests
-                                   or self.held_bytes + held > p.max_held_bytes):
+                                   or self.held_bytes + wire + REQUEST_FIXED_BYTES
+                                   > p.max_held_bytes):
                 reason, detail = RejectReason.QUEUE_FULL, (
                     f"{queued} requests wait, {self.held_bytes} bytes held (max_queued_"
                     f"requests {p.max_queued_requests}, max_held_bytes {p.max_held_bytes})")
             if reason is not None:
-                rejected.append(Rejection(i, s.request_id[:MAX_REQUEST_ID_BYTES], reason,
-                                          detail[:160]))
+                adm.rejected.append(Rejection(i, s.request_id[:MAX_REQUEST_ID_BYTES], reason,
+                                              detail[:160]))
                 continue
-            if s.request_id:
-                seen.add(s.request_id)
             self._next_seq += 1
             rid = s.request_id or self._auto_id(self._next_seq)
-            r = Request(rid, s.prompt_tokens, min(s.hit_tokens, s.prompt_tokens - 1),
-                        s.max_new_tokens, s.payload, self._next_seq,
-                        wire_bytes=wire + (len(rid) - len(s.request_id)))
+            r = Request(rid, s.prompt_tokens, _clamped_hit(s), s.max_new_tokens, s.payload,
+                        self._next_seq, since=now, wire_bytes=wire_bytes(rid, s.payload))
             self.requests[rid] = r
             self.held_bytes += r.wire_bytes + REQUEST_FIXED_BYTES
-            accepted.append(r)
+            adm.accepted.append(r)
+            adm.ids.append(rid)
             queued += 1
-        self.global_queue.extend(accepted)
-        self.counters.submitted += len(accepted)
-        self.counters.rejected += len(rejected)
-        return Admission(accepted, rejected)
+            self._log("new", r)
+        self.global_queue.extend(adm.accepted)
+        self.counters.submitted += len(adm.accepted)
+        self.counters.rejected += len(adm.rejected)
+        return adm
 
     def _check_spec(self, s: RequestSpec, max_hbm: int, seen: set[str]
                     ) -> tuple[RejectReason | None, str]:
+        """What a request must satisfy before its id is looked up (INVALID, DUPLICATE
+        within the call)."""
         p = self.params
         name = s.request_id[:MAX_REQUEST_ID_BYTES] or "(unnamed)"
         if s.prompt_tokens <= 0 or s.hit_tokens < 0 or s.max_new_tokens < 0:
@@ -218,6 +356,15 @@ class Scheduler:
         if len(s.payload) > p.max_payload_bytes:
             return RejectReason.INVALID, (f"request {name}: payload of {len(s.payload)} "
                                           f"bytes; at most {p.max_payload_bytes}")
+        if s.request_id and s.request_id in seen:
+            return RejectReason.DUPLICATE, (f"request {name} appears more than once in "
+                                            "this submission")
+        return None, ""
+
+    def _check_size(self, s: RequestSpec, max_hbm: int) -> tuple[RejectReason | None, str]:
+        """A new request's tokens against the model's context and the largest DE."""
+        p = self.params
+        name = s.request_id[:MAX_REQUEST_ID_BYTES] or "(unnamed)"
         need = s.prompt_tokens + s.max_new_tokens
         if need > p.context_tokens:
             return RejectReason.TOO_LARGE, (f"request {name}: {need} tokens; the model's "
@@ -225,17 +372,30 @@ class Scheduler:
         if max_hbm and need > max_hbm:
             return RejectReason.TOO_LARGE, (f"request {name} needs {need} tokens of HBM; "
                                             f"the largest decode engine has {max_hbm}")
-        if s.request_id and (s.request_id in self.requests or s.request_id in seen):
-            return RejectReason.DUPLICATE, f"request {name} is already queued or running"
         return None, ""
+
+    def _spec_key(self, r: Request) -> tuple[int, int, int, int]:
+        return spec_key(r.prompt_tokens, r.hit_tokens, r.max_new_tokens, r.payload)
+
+    def _spec_key_of(self, rid: str) -> tuple[int, int, int, int] | None:
+        r = self.requests.get(rid)
+        if r is not None:
+            return self._spec_key(r)
+        f = self.finished.get(rid)
+        return f.spec_key if f is not None else None
 
     def _auto_id(self, seq: int) -> str:
         rid = f"r-{seq}"
         n = 0
-        while rid in self.requests:
+        while rid in self.requests or rid in self.finished:
             n += 1
             rid = f"r-{seq}.{n}"
         return rid
+
+    def waiting_for_engines(self) -> bool:
+        """No up group of one role has an undrained engine: submissions only queue."""
+        roles = {e.role for e in self.engines.values() if e.group.up and not e.drained}
+        return roles != {Role.PREFILL, Role.DECODE}
 
     # ------------------------------------------------------------ leader calls
 
@@ -252,24 +412,36 @@ class Scheduler:
             e.tok = rep.tok
             e.node.read_q = rep.read_q
             e.free_hbm_tokens = rep.free_hbm_tokens
+        self._timers(now)
         p = self.params
         limit = min(limit, p.max_assignments_per_fetch) if limit > 0 else \
             p.max_assignments_per_fetch
         self.counters.fetches += 1
         if g.role is Role.PREFILL:
-            out = policy.assign_prefill(self.prefill_queue, g.engines, p, limit)
+            out = policy.assign_prefill(self.prefill_queue, g.engines, p, limit, g, now)
             self._prefilling += len(out)
             by_side = self.counters.by_read_side
             for r in out:
                 by_side[r.read_side] += 1
+                r.since = now
         else:
             if self.global_queue:
-                policy.distribute_to_groups(self.global_queue, self._up_decode_groups())
+                policy.distribute_to_groups(self.global_queue, self._up_decode_groups(), now)
             out = policy.assign_in_group(g, p, limit)
+            for r in out:
+                r.since = now
             self.prefill_queue.extend(out)
             self.counters.decode_assigned += len(out)
         # Cancellations share the reply's byte budget; what does not fit waits for the next.
         room = p.max_fetch_reply_bytes - sum(r.wire_bytes for r in out)
+        return FetchResult(out, self.take_cancelled(g, room), g.role)
+
+    def take_cancelled(self, g: Group, room: int | None = None) -> list[str]:
+        """The request ids ``g``'s engines must drop, once (fetch or registration answer),
+        as many as fit ``room`` bytes of the reply (default: a whole reply's budget); the
+        rest wait for the next fetch."""
+        if room is None:
+            room = self.params.max_fetch_reply_bytes
         cut = 0
         for rid in g.pending_cancel:
             room -= len(rid) + 8
@@ -278,131 +450,243 @@ class Scheduler:
             cut += 1
         cancelled = g.pending_cancel[:cut]
         del g.pending_cancel[:cut]
-        return FetchResult(out, cancelled, g.role)
+        return cancelled
 
     def report(self, group_id: str, lease_id: int, completions: list[Completion],
                now: float, caller: str = "") -> tuple[int, list[str]]:
         """Completions from a leader: ``(accepted, ignored request ids)``. Unknown,
-        finished or foreign requests are ignored, so a retried report is harmless."""
+        finished or foreign requests, and other attempts than the current one, are
+        ignored, so a retried report or a stale execution's is harmless."""
         g = self._leased_group(group_id, lease_id, now, caller)
         accepted = 0
         ignored: list[str] = []
-        to_global: list[Request] = []
-        to_prefill: list[Request] = []
+        failed: list[tuple[Request, Completion]] = []
         for c in completions:
             r = self.requests.get(c.request_id)
-            pe_here = r is not None and r.pe is not None and r.pe.group is g and \
+            if r is None or (c.attempt and c.attempt != r.attempt):
+                ignored.append(c.request_id)
+                continue
+            pe_here = r.pe is not None and r.pe.group is g and \
                 r.pe.engine_id == c.engine_id and r.stage is Stage.PREFILLING
-            de_here = r is not None and r.de is not None and r.de.group is g and \
-                r.de.engine_id == c.engine_id and r.stage in (Stage.PREFILLING, Stage.DECODING)
+            de_here = r.de is not None and r.de.group is g and \
+                r.de.engine_id == c.engine_id and r.stage in _STARTED
             if c.stage is CompletionStage.PREFILL_DONE and pe_here:
                 r.stage = Stage.DECODING
+                r.since = now
                 self._prefilling -= 1
-            elif c.stage is CompletionStage.DECODE_DONE and de_here:
+            elif c.stage is CompletionStage.DECODE_DONE and de_here and \
+                    r.stage is not Stage.PREFILL_QUEUE:
                 if r.stage is Stage.PREFILLING:
                     self._prefilling -= 1
-                r.stage = Stage.DONE
-                del self.requests[r.request_id]
-                self.held_bytes -= r.wire_bytes + REQUEST_FIXED_BYTES
+                self._finish(r, Outcome.DECODE_DONE, now)
                 self.counters.completed += 1
-            elif c.stage is CompletionStage.FAILED and pe_here:
-                to_prefill.append(r)
-            elif c.stage is CompletionStage.FAILED and (de_here or (
-                    r is not None and r.stage is Stage.PREFILL_QUEUE and r.de is not None
-                    and r.de.group is g and r.de.engine_id == c.engine_id)):
-                to_global.append(r)
+            elif c.stage is CompletionStage.FAILED and (pe_here or de_here):
+                failed.append((r, c))
             else:
                 ignored.append(c.request_id)
                 continue
             accepted += 1
-        if to_global:
-            self._requeue_global(to_global)
-        if to_prefill:
-            self._requeue_prefill(to_prefill)
+        for r, c in failed:   # one by one: each has its own reason and suspects
+            why = c.error.encode()[:MAX_ERROR_BYTES].decode(errors="ignore")
+            self._requeue([r], now, failed=True, reporter=g,
+                          error=why or f"{c.engine_id} reported a failure",
+                          avoid=self._blamed(r, c))
         return accepted, ignored
+
+    def _blamed(self, r: Request, c: Completion) -> list[Group]:
+        """Groups a failed attempt avoids: the suspect's when it is one of the request's
+        own engines (a reporter cannot steer work away from a group it has nothing to do
+        with), else both sides'."""
+        suspect = self.engines.get(c.suspect_engine_id) if c.suspect_engine_id else None
+        if suspect is not None and (suspect is r.pe or suspect is r.de):
+            return [suspect.group]
+        return [e.group for e in (r.pe, r.de) if e is not None]
+
+    def release_group(self, group_id: str, lease_id: int, now: float,
+                      caller: str = "") -> int:
+        """A leader shutting down gives its lease back: the group is marked down at once
+        and what it held is requeued without counting as a failure. Idempotent: an
+        unknown group or a lease that is not current changes nothing. Only the group's
+        owner may release it (PermissionDenied). Returns how many requests it gave back."""
+        g = self.groups.get(group_id)
+        if g is None:
+            return 0
+        self._check_owner(g, caller)
+        if not g.up or g.lease_id != lease_id:
+            return 0
+        return self._mark_down(g, now=now, failed=False,
+                               error=f"group {group_id} released its lease")
+
+    @staticmethod
+    def _check_owner(g: Group, caller: str) -> None:
+        if g.owner != caller:   # before the lease: a stranger learns nothing about it
+            raise PermissionDenied(f"group {g.group_id} is bound to {_who(g.owner)}; "
+                                   f"{_who(caller)} cannot act for it")
 
     def _leased_group(self, group_id: str, lease_id: int, now: float, caller: str) -> Group:
         g = self.groups.get(group_id)
         if g is None:
-            raise NotFound(f"group {group_id} is not registered")
-        if g.owner != caller:   # before the lease: a stranger learns nothing about it
-            raise PermissionDenied(f"group {group_id} is bound to {_who(g.owner)}; "
-                                   f"{_who(caller)} cannot act for it")
+            raise UnknownGroup(f"group {group_id} is not registered (a restarted "
+                               "scheduler knows no groups); register again")
+        self._check_owner(g, caller)
         if not g.up or g.lease_id != lease_id:
             raise LeaseError(f"group {group_id}: lease {lease_id} is not current "
-                             "(expired or replaced); register again")
+                             "(expired, replaced or released); register again")
         if now > g.deadline:
-            self._mark_down(g)
+            self._mark_down(g, now=now)
             raise LeaseError(f"group {group_id}: lease {lease_id} expired "
                              f"{now - g.deadline:.3f} s ago; register again")
         g.deadline = now + self.params.lease_s
         g.last_fetch = now
         return g
 
-    # ------------------------------------------------------------ leases
+    # ------------------------------------------------------------ leases and timers
 
     def expire(self, now: float) -> list[Group]:
-        """Mark down every up group whose lease deadline has passed; returns them."""
+        """Mark down every up group whose lease deadline has passed (returns them); end
+        backoffs that are due and the recovery hold once it is over."""
         late = [g for g in self.groups.values() if g.up and now > g.deadline]
         if late:
-            self._mark_down(*late)
+            self._mark_down(*late, now=now)
+        self._timers(now)
         return late
 
-    def _mark_down(self, *groups: Group) -> None:
-        """Take groups out of service and requeue what they held, all groups together so
-        that the requeued requests keep their arrival order."""
+    def _timers(self, now: float) -> None:
+        heap = self._backoff_heap
+        if heap and heap[0][0] <= now:
+            due = []
+            while heap and heap[0][0] <= now:
+                t, _, r = heapq.heappop(heap)
+                if r.stage is Stage.BACKOFF and r.not_before == t:
+                    due.append(r)
+                    del self.backoff[r.request_id]
+            if due:
+                due.sort(key=lambda r: r.seq)
+                for r in due:
+                    r.stage, r.since = Stage.GLOBAL_QUEUE, now
+                self.global_queue.extendleft(reversed(due))
+        if self.recovering and now >= self.recover_until:
+            left = sorted(self.recovering.values(), key=lambda r: r.seq)
+            self.recovering.clear()
+            for r in left:
+                for e in (r.claim_pe, r.claim_de):
+                    if e is not None and e.group.up:
+                        e.group.pending_cancel.append(r.request_id)
+                r.claim_pe = r.claim_de = None
+                r.stage, r.since = Stage.GLOBAL_QUEUE, now
+                r.attempt += 1    # fences any execution of the old attempt still running
+                self._log("attempt", r)
+            self.global_queue.extendleft(reversed(left))
+
+    def _mark_down(self, *groups: Group, now: float = 0.0, keep: set[str] = frozenset(),
+                   failed: bool = True, error: str = "") -> int:
+        """Take groups out of service and give up what they held (all groups together so
+        that the requeued requests keep their arrival order), except the ``keep`` ids.
+        Returns how many requests were given back."""
         down = set(groups)
         for g in groups:
             g.up = False
             g.pending_cancel.clear()
         self._decode_groups = None
-        to_global = [r for r in self.requests.values() if r.de_group in down]
-        to_prefill = [r for r in self.requests.values()
-                      if r.stage is Stage.PREFILLING and r.pe.group in down  # type: ignore[union-attr]
-                      and r.de_group not in down]
+        held = [r for r in self.requests.values() if r.request_id not in keep and (
+            r.de_group in down or (r.stage is Stage.PREFILLING and r.pe.group in down))]  # type: ignore[union-attr]
         for g in groups:
             g.private_queue.clear()
             g.private_tokens = 0
-        if to_global:
-            self._requeue_global(to_global)
-        if to_prefill:
-            self._requeue_prefill(to_prefill)
+        for r in self.recovering.values():
+            if r.claim_pe is not None and r.claim_pe.group in down:
+                r.claim_pe = None
+            if r.claim_de is not None and r.claim_de.group in down:
+                r.claim_de = None
+        if held:
+            names = ", ".join(sorted(g.group_id for g in groups))
+            self._requeue(held, now, failed=failed,
+                          error=error or f"group {names} lost its lease")
+        return len(held)
 
-    def _requeue_global(self, reqs: list[Request]) -> None:
-        """Back to the head of the global queue, in arrival order, forgetting DE and PE."""
+    def _requeue(self, reqs: list[Request], now: float, *, failed: bool,
+                 reporter: Group | None = None, error: str = "",
+                 avoid: list[Group] = ()) -> None:
+        """Give up the current attempt of each request and send it to the head of the
+        global queue, in arrival order; the other side (not ``reporter``) is told to drop
+        it. A failed attempt counts against the budget (ending FAILED when it is spent),
+        avoids the ``avoid`` groups and waits out its backoff first."""
         reqs.sort(key=lambda r: r.seq)
+        p = self.params
         ids = {id(r) for r in reqs}
         if any(r.stage is Stage.PREFILL_QUEUE for r in reqs):
             self.prefill_queue = deque(r for r in self.prefill_queue if id(r) not in ids)
+        back: list[Request] = []
         for r in reqs:
-            if r.stage is Stage.GROUP_QUEUE and r.de_group is not None and r.de_group.up:
+            st = r.stage
+            if st is Stage.GROUP_QUEUE and r.de_group is not None and r.de_group.up:
                 r.de_group.private_queue.remove(r)
                 r.de_group.private_tokens -= r.prompt_tokens
-            if r.stage is Stage.PREFILLING:
+            started = st in _STARTED
+            if st is Stage.PREFILLING:
                 self._prefilling -= 1
-                if r.pe.group.up:  # type: ignore[union-attr]
-                    r.pe.group.pending_cancel.append(r.request_id)  # type: ignore[union-attr]
-            r.stage = Stage.GLOBAL_QUEUE
+            if started:
+                # A PE whose prefill is done holds nothing of it any more.
+                for e in (r.pe if st is Stage.PREFILLING else None, r.de):
+                    if e is not None and e.group.up and e.group is not reporter:
+                        e.group.pending_cancel.append(r.request_id)
             r.de_group = r.de = r.pe = None
-            self._forget_read(r)
-        self.global_queue.extendleft(reversed(reqs))
-        self.counters.requeued += len(reqs)
+            r.read_side = ReadSide.UNSPECIFIED
+            r.prefill_read_tokens = r.decode_read_tokens = 0
+            r.since = now
+            if failed and started:
+                r.failures += 1
+                r.error = error
+                self.counters.failed_attempts += 1
+                if r.failures >= p.max_failed_attempts:
+                    self._finish(r, Outcome.FAILED, now, error)   # ends with this attempt
+                    continue
+            if started:
+                r.attempt += 1
+                self._log("attempt", r)
+            if failed and started:
+                if p.peer_avoid_s > 0 and avoid:
+                    if r.avoid is None:
+                        r.avoid = {}
+                    for g in avoid:
+                        r.avoid[g.group_id] = (g.lease_id, now + p.peer_avoid_s)
+                delay = backoff_s(p, r.failures, self.rng.uniform(0.5, 1.0))
+                if delay > 0:
+                    r.stage, r.not_before = Stage.BACKOFF, now + delay
+                    self.backoff[r.request_id] = r
+                    heapq.heappush(self._backoff_heap, (r.not_before, r.seq, r))
+                    self.counters.requeued += 1
+                    continue
+            r.stage = Stage.GLOBAL_QUEUE
+            back.append(r)
+        self.global_queue.extendleft(reversed(back))
+        self.counters.requeued += len(back)
 
-    def _requeue_prefill(self, reqs: list[Request]) -> None:
-        """Back to the head of the prefill queue, in arrival order, keeping their DE."""
-        reqs.sort(key=lambda r: r.seq)
-        self._prefilling -= len(reqs)  # every caller passes PREFILLING requests
-        for r in reqs:
-            r.stage = Stage.PREFILL_QUEUE
-            r.pe = None
-            self._forget_read(r)
-        self.prefill_queue.extendleft(reversed(reqs))
-        self.counters.requeued += len(reqs)
+    def _finish(self, r: Request, outcome: Outcome, now: float, error: str = "") -> Finished:
+        """Take ``r`` off the live books (it is in no queue and on no engine any more)."""
+        del self.requests[r.request_id]
+        self.held_bytes -= r.wire_bytes + REQUEST_FIXED_BYTES
+        r.stage = Stage.DONE
+        self._finish_seq += 1
+        f = Finished(r.request_id, outcome, r.attempt, r.failures, error or r.error,
+                     self._spec_key(r), now, self._finish_seq)
+        self._remember(f)
+        self._log("end", f)
+        if outcome is Outcome.FAILED:
+            self.counters.failed += 1
+            self.newly_failed.append(f)
+        elif outcome is Outcome.CANCELLED:
+            self.counters.cancelled += 1
+        return f
 
-    @staticmethod
-    def _forget_read(r: Request) -> None:
-        r.read_side = ReadSide.UNSPECIFIED
-        r.prefill_read_tokens = r.decode_read_tokens = 0
+    def _remember(self, f: Finished) -> None:
+        kept = self.finished
+        kept[f.request_id] = f
+        if len(kept) > self.params.finished_requests_kept:
+            last = 0
+            while len(kept) > self.params.finished_requests_kept:
+                last = kept.popitem(last=False)[1].finish_seq
+            self._log("trim", last)
 
     def _up_decode_groups(self) -> list[Group]:
         if self._decode_groups is None:
@@ -411,7 +695,50 @@ class Scheduler:
                                    and any(not e.drained for e in g.engines)]
         return self._decode_groups
 
+    # ------------------------------------------------------------ submitters
+
+    def lookup(self, request_id: str) -> Request | Finished | None:
+        return self.requests.get(request_id) or self.finished.get(request_id)
+
+    def acknowledge(self, request_ids: list[str]) -> None:
+        """The submitter has taken these results: they are REPORTED."""
+        for rid in request_ids:
+            f = self.finished.get(rid)
+            if f is not None and not f.reported:
+                f.reported = True
+                self._log("reported", rid)
+
     # ------------------------------------------------------------ admin
+
+    def cancel(self, request_ids: list[str], now: float) -> list[Request | Finished | None]:
+        """End queued or running requests CANCELLED (their engines are told to drop
+        them); an ended or unknown id is left as it is. What each id is now."""
+        out: list[Request | Finished | None] = []
+        for rid in request_ids:
+            r = self.requests.get(rid)
+            if r is None:
+                out.append(self.finished.get(rid))
+                continue
+            st = r.stage
+            if st is Stage.GLOBAL_QUEUE:
+                self.global_queue.remove(r)
+            elif st is Stage.GROUP_QUEUE:
+                r.de_group.private_queue.remove(r)  # type: ignore[union-attr]
+                r.de_group.private_tokens -= r.prompt_tokens  # type: ignore[union-attr]
+            elif st is Stage.PREFILL_QUEUE:
+                self.prefill_queue.remove(r)
+            elif st is Stage.BACKOFF:
+                del self.backoff[rid]
+            elif st is Stage.RECOVERING:
+                del self.recovering[rid]
+            if st is Stage.PREFILLING:
+                self._prefilling -= 1
+            pe = r.pe if st is Stage.PREFILLING else None
+            for e in (pe, r.de, r.claim_pe, r.claim_de):
+                if e is not None and e.group.up:
+                    e.group.pending_cancel.append(rid)
+            out.append(self._finish(r, Outcome.CANCELLED, now, "cancelled by an operator"))
+        return out
 
     def drain(self, engine_id: str, undo: bool = False) -> Engine:
         e = self.engines.get(engine_id)
@@ -432,9 +759,10 @@ class Scheduler:
         return p
 
     def queued_requests(self) -> int:
-        """Requests waiting for a DE or a PE (all queues)."""
+        """Requests waiting for a DE or a PE (all queues, backoff and recovery hold)."""
         return len(self.global_queue) + len(self.prefill_queue) + sum(
-            len(g.private_queue) for g in self.groups.values() if g.role is Role.DECODE)
+            len(g.private_queue) for g in self.groups.values() if g.role is Role.DECODE) \
+            + len(self.backoff) + len(self.recovering)
 
     def stage_counts(self) -> dict[Stage, int]:
         counts = {s: 0 for s in Stage if s is not Stage.DONE}
@@ -442,10 +770,41 @@ class Scheduler:
         counts[Stage.PREFILL_QUEUE] = len(self.prefill_queue)
         counts[Stage.GROUP_QUEUE] = sum(len(g.private_queue) for g in self.groups.values()
                                         if g.role is Role.DECODE)
+        counts[Stage.BACKOFF] = len(self.backoff)
+        counts[Stage.RECOVERING] = len(self.recovering)
         held = len(self.requests) - sum(counts.values())
         counts[Stage.PREFILLING] = self._prefilling
         counts[Stage.DECODING] = held - self._prefilling
         return counts
+
+    # ------------------------------------------------------------ recovery
+
+    def restore(self, live: list[Request], finished: list[Finished], *, next_seq: int,
+                next_lease: int, now: float) -> None:
+        """Load what a journal recorded into a fresh scheduler: live requests wait in the
+        recovery hold for one lease (the groups re-register within it and claim what they
+        still run), ended ones are remembered. The live ones count against
+        ``max_held_bytes`` as they did before the restart (even past it, if the bound
+        was lowered meanwhile: new submissions wait until they drain)."""
+        if self.requests or self.groups or self.finished:
+            raise UsageError("restore needs a fresh scheduler")
+        for r in sorted(live, key=lambda r: r.seq):
+            r.stage, r.since = Stage.RECOVERING, now
+            r.wire_bytes = wire_bytes(r.request_id, r.payload)
+            self.held_bytes += r.wire_bytes + REQUEST_FIXED_BYTES
+            self.requests[r.request_id] = r
+            self.recovering[r.request_id] = r
+        for f in sorted(finished, key=lambda f: f.finish_seq):
+            self.finished[f.request_id] = f
+        c = self.counters   # as if this incarnation had seen what it recovered
+        c.submitted = len(live) + len(finished)
+        ends = [f.outcome for f in finished]
+        c.completed, c.failed, c.cancelled = (ends.count(o) for o in (
+            Outcome.DECODE_DONE, Outcome.FAILED, Outcome.CANCELLED))
+        self._finish_seq = max((f.finish_seq for f in finished), default=0)
+        self._next_seq = max(next_seq, max((r.seq for r in live), default=0))
+        self._next_lease = next_lease
+        self.recover_until = now + self.params.lease_s
 
 
 def _who(identity: str) -> str:

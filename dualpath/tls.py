@@ -275,11 +275,14 @@ def channel(address: str, cfg: TlsConfig,
     return grpc.aio.secure_channel(address, creds, opts)
 
 
-def sync_channel(address: str, cfg: TlsConfig) -> grpc.Channel:
-    """:func:`channel` for blocking callers (supervisors' health checks)."""
+def sync_channel(address: str, cfg: TlsConfig,
+                 options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
+    """:func:`channel` for blocking callers (supervisors' health checks, vLLM's
+    scheduler)."""
     creds = channel_credentials(cfg)
-    return (grpc.insecure_channel(address) if creds is None
-            else grpc.secure_channel(address, creds))
+    opts = list(options)
+    return (grpc.insecure_channel(address, opts) if creds is None
+            else grpc.secure_channel(address, creds, opts))
 
 
 def mode(cfg: TlsConfig) -> str:

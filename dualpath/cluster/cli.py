@@ -207,14 +207,13 @@ def _replay(args) -> int:
             raise UsageError("--scheduler needs --nodes (prefill nodes first)")
         import grpc
 
-        from dualpath.cluster.local import node_tls
         from dualpath.scheduler.client import rpc_error
 
         cfg, _ = _load(args)
         try:
             report, _ = run_modes(args.scheduler, nodes, args.prefill_nodes, trace, modes,
                                   opts, snic_gbit_per_s=args.snic_gbit or 0.0,
-                                  tls_config=cfg.tls, node_tls=node_tls(cfg.tls))
+                                  tls_config=cfg.tls, node_tls=cfg.tls)
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, args.scheduler) from None
         except ReplayAborted as e:

@@ -43,19 +43,6 @@ from dualpath.errors import DualPathError, UsageError
 
 log = logging.getLogger("dualpath.cluster")
 
-#: THE SWITCH for the node daemons' TLS. False while dualpath/engine/ cannot speak TLS:
-#: the scheduler then also listens without TLS on a loopback port
-#: (scheduler.plaintext_node_listen) that only the nodes are given, and calls to the
-#: nodes (replay's StorageReads, the replay sink the DEs report to) stay plaintext.
-#: Their generated configs carry their own [tls] already; set True once the daemons use
-#: dualpath.tls (server_credentials / channel) and every surface is mutual TLS.
-NODES_SPEAK_TLS = False
-
-
-def node_tls(cluster_tls: tls.TlsConfig) -> tls.TlsConfig:
-    """What to use towards node daemons: the cluster's TLS once they speak it."""
-    return cluster_tls if NODES_SPEAK_TLS else tls.PLAINTEXT
-
 
 class ClusterError(DualPathError):
     """A cluster process failed to start or died; the message names its log file."""
@@ -123,7 +110,6 @@ class LocalCluster:
         #: TLS of the replay driver towards the scheduler, and towards the nodes.
         self.client_tls: tls.TlsConfig = tls.PLAINTEXT
         self.node_tls: tls.TlsConfig = tls.PLAINTEXT
-        self._node_scheduler = ""
         # A directory of our own is removed even if this process is SIGKILLed.
         self._janitor = Janitor(self.dir) if self._own_dir else None
 
@@ -204,19 +190,13 @@ class LocalCluster:
         data = self.config_data(port)
         sections = self._tls_sections()
         self.scheduler_address = f"127.0.0.1:{port}"
-        self._node_scheduler = self.scheduler_address
-        sched = dict(data)
-        if not NODES_SPEAK_TLS and not sections["scheduler/scheduler"].get("plaintext"):
-            self._node_scheduler = f"127.0.0.1:{free_port()}"
-            sched["scheduler"] = {**data["scheduler"],
-                                  "plaintext_node_listen": self._node_scheduler}
-        self._sched_config = self._write_config("scheduler", sched,
+        self._sched_config = self._write_config("scheduler", data,
                                                 sections["scheduler/scheduler"])
         self._write_config("admin", data, sections["admin/operator"])
         for nid in self.node_ids_planned():
             self._write_config(f"node-{nid}", data, sections[f"node/{nid}"])
         self.client_tls = config_tls(sections["client/replay"])
-        self.node_tls = node_tls(self.client_tls)
+        self.node_tls = self.client_tls      # the nodes speak mutual TLS like the rest
         try:
             self.start_scheduler()
             roles = ([("prefill", f"p{i}") for i in range(self.prefill_nodes)]
@@ -278,7 +258,7 @@ class LocalCluster:
         cfg = self.dir / f"node-{node_id}.toml"   # written by start(), with its identity
         proc, path = self._spawn(node_id, [
             "node", "--role", role, "--node-id", node_id, "--scheduler",
-            self._node_scheduler, "--config", str(cfg), "--ready-file", str(ready)])
+            self.scheduler_address, "--config", str(cfg), "--ready-file", str(ready)])
         n = NodeProc(node_id, role, proc, path)
         self.nodes.append(n)
         return n

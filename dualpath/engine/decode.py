@@ -36,7 +36,8 @@ from dualpath.engine.resources import NodeResources
 from dualpath.engine.roles import RS_DECODE
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.placement import KvPlacement
-from dualpath.kv.prefix import block_keys
+from dualpath.kv.prefix import KEY_BYTES, block_keys
+from dualpath.tls import Identity
 from dualpath.v1 import scheduler_pb2
 
 log = logging.getLogger("dualpath.engine")
@@ -58,6 +59,15 @@ class DecodeState:
     read_bytes: int = 0
     read_span: tuple[float, float] = (0.0, 0.0)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    owner: Identity | None = None               # the node that prepared it (mutual TLS)
+
+
+class NotYours(RequestFailed):
+    """A request prepared here by one node, touched by another (PERMISSION_DENIED)."""
+
+
+#: Bounds on what a PrepareRequest may ask the DE to allocate for.
+MAX_PROMPT_TOKENS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,7 @@ class PrepareCall:
     hit_tokens: int
     read_side: int
     payload: Payload
+    owner: Identity | None = None
 
 
 class DecodePath:
@@ -117,14 +128,25 @@ class DecodePath:
         e = self.ranks.get(req.decode_engine_id)
         if e is None:
             raise UsageError(f"engine {req.decode_engine_id} is not on node {n.node_id}")
-        old = self.requests.pop(req.request_id, None)
+        if not 0 <= req.hit_tokens < req.prompt_tokens <= MAX_PROMPT_TOKENS:
+            raise UsageError(f"PrepareRequest: need 0 <= hit_tokens < prompt_tokens <= "
+                             f"{MAX_PROMPT_TOKENS}, got {req.hit_tokens}, {req.prompt_tokens}")
+        if req.prompt_tokens != req.payload.prompt_tokens:
+            raise UsageError(f"PrepareRequest: {req.prompt_tokens} prompt tokens but the "
+                             f"payload says {req.payload.prompt_tokens}")
+        old = self.requests.get(req.request_id)
+        if old is not None and old.owner is not None and old.owner != req.owner:
+            raise NotYours(f"request {req.request_id} is prepared here by {old.owner}, "
+                           f"not {req.owner}")
         if old is not None:            # a retry after a failed prefill: start over
+            del self.requests[req.request_id]
             self._drop(old)
         p = req.payload
         spans = block_spans(p.token_ids(req.prompt_tokens, n.tokens),
                             self.space.fmt.block_tokens)
         res = None if p.oracle else await self.space.pool.reserve(len(spans))
-        st = DecodeState(req.request_id, e, p, spans, res, req.prefill_address)
+        st = DecodeState(req.request_id, e, p, spans, res, req.prefill_address,
+                         owner=req.owner)
         self.requests[req.request_id] = st
         if req.read_side == RS_DECODE:
             self.space.read_queue.expect(req.request_id, req.hit_tokens)
@@ -139,6 +161,8 @@ class DecodePath:
         if st is None:
             raise KeyError(order.request_id)
         k = self.space.fmt.units
+        if any(len(key) != KEY_BYTES for key in order.keys):
+            raise UsageError(f"order for {order.request_id}: block keys are {KEY_BYTES} bytes")
         if len(order.target_units) != len(order.keys) * k:
             raise UsageError(f"order for {len(order.keys)} blocks names "
                              f"{len(order.target_units)} target units, not {len(order.keys) * k}")

@@ -22,12 +22,14 @@ from collections.abc import Callable
 
 import grpc
 
+from dualpath import tls
 from dualpath.engine.assignment import Assignment
 from dualpath.engine.emulated import EngineRank
 from dualpath.engine.metrics import NodeMetrics
 from dualpath.engine.roles import DECODE, PREFILL, ROLE_PB
 from dualpath.errors import ConfigError, UsageError
 from dualpath.rpc import CHANNEL_OPTIONS
+from dualpath.tls import TlsConfig
 from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("dualpath.engine")
@@ -42,7 +44,7 @@ class Leader:
     ids it holds); ``cancel`` drops a request everywhere on the node."""
 
     def __init__(self, *, node_id: str, role: str, address: str, scheduler: str,
-                 ranks: list[EngineRank], path, cancel: Callable[[str], None],
+                 tls_config: TlsConfig, ranks: list[EngineRank], path, cancel: Callable[[str], None],
                  read_q_tokens: Callable[[], int], metrics: NodeMetrics, profile_name: str,
                  block_bytes: int, storage_read_bytes_per_s: int, fetch_interval_ms: int = 0):
         self.node_id, self.role, self.address = node_id, role, address
@@ -63,7 +65,7 @@ class Leader:
         self.attempts: dict[str, int] = {}
         self.lease_id = 0
         self._last_status_log = 0.0
-        self.channel = grpc.aio.insecure_channel(scheduler, options=CHANNEL_OPTIONS)
+        self.channel = tls.channel(scheduler, tls_config, options=CHANNEL_OPTIONS)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
 
     def complete(self, rid: str, engine: EngineRank, stage: int) -> None:

@@ -34,9 +34,11 @@ from collections.abc import Callable
 from grpc_health.v1 import health_pb2
 
 from dualpath import metrics as _metrics
+from dualpath import tls
 from dualpath.buffers.pool import BlockPool
 from dualpath.buffers.region import PinnedRegion
 from dualpath.config import Config
+from dualpath.engine.auth import Callers
 from dualpath.engine.decode import DecodePath
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.kvspace import KvSpace
@@ -105,12 +107,15 @@ class NodeDaemon:
     async def start(self) -> None:
         cfg, ecfg, s = self.cfg, self.cfg.engine, self.cfg.storage
         st = self._stack
-        self.channels = GrpcChannels()
+        tls.log_mode(cfg.tls, f"node {self.node_id}", log)
+        self.callers = Callers(cfg.tls, self.node_id)
+        self.channels = GrpcChannels(cfg.tls)
         st.push_async_callback(self.channels.close)
         self.oob = GrpcOutOfBand(self.channels)
         self.peers = PeerClient(self.channels)
         # The gRPC server is bound first: our name on the data plane is its address.
-        self.server, port, self.health = new_server(ecfg.control_listen)
+        self.server, port, self.health = new_server(ecfg.control_listen,
+                                                    tls.server_credentials(cfg.tls))
         host = ecfg.control_listen.rpartition(":")[0]
         self.address = f"{ecfg.advertise or host}:{port}"
         # Regions are unmapped only after the transfer engine closed (it deregisters
@@ -150,10 +155,11 @@ class NodeDaemon:
         # The provider's description names the device, port and GID in use (verbs) or
         # the listen address (tcp); the config's device "" / gid_index -1 only mean "auto".
         log.info("%s node %s up: control %s; transport %s (%s), lane SL %d / TC %d; TLS "
-                 "off (plaintext gRPC); engine %s; %s %d MiB; storage %s, storage NIC %s; "
-                 "scheduler %s; config %s", self.role, self.node_id, self.address,
+                 "%s; engine %s; %s %d MiB; storage %s, storage NIC %s; scheduler %s; "
+                 "config %s", self.role, self.node_id, self.address,
                  self.transfer.transport, self.transfer.provider.description,
-                 lane.service_level, lane.traffic_class, self.engine.describe(), buf_name,
+                 lane.service_level, lane.traffic_class, tls.mode(cfg.tls),
+                 self.engine.describe(), buf_name,
                  self.buffer.nbytes >> 20, s.resolved_dir(),
                  f"{s.snic_gbit_per_s:g} Gbit/s" if s.snic_gbit_per_s else "unlimited",
                  self.scheduler_address if self.leader else "none (role both)",
@@ -205,7 +211,7 @@ class NodeDaemon:
             self.path = PrefillPath(self.resources, self.space, engine)
         else:
             self.path = decode = DecodePath(self.resources, self.space, engine, ranks)
-        return engine_services(self.node_id, self.oob, self.transfer, decode, self.cancel,
+        return engine_services(self.callers, self.oob, self.transfer, decode, self.cancel,
                                self.limiter)
 
     def _start_vllm(self, buf_name: str) -> list:
@@ -214,14 +220,14 @@ class NodeDaemon:
                             limiter=self.limiter, metrics=self.metrics)
         self._stack.push_async_callback(engine.close)
         self.engine = engine
-        return [*engine_services(self.node_id, self.oob, self.transfer, None, self.cancel,
+        return [*engine_services(self.callers, self.oob, self.transfer, None, self.cancel,
                                  self.limiter),
                 (connector_pb2_grpc.add_KvConnectorServicer_to_server,
-                 KvConnectorServicer(engine))]
+                 KvConnectorServicer(engine, self.callers))]
 
     def _leader(self) -> Leader:
         return Leader(node_id=self.node_id, role=self.role, address=self.address,
-                      scheduler=self.scheduler_address, ranks=self.ranks, path=self.path,
+                      scheduler=self.scheduler_address, tls_config=self.cfg.tls, ranks=self.ranks, path=self.path,
                       cancel=self.cancel, read_q_tokens=self.read_q_tokens,
                       metrics=self.metrics, profile_name=self.profile.name,
                       block_bytes=self.space.layout.full_bytes,

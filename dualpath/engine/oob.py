@@ -11,26 +11,31 @@ Threads: the daemon's event loop only.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 
 import grpc
 
+from dualpath import tls
 from dualpath.errors import TransferError, UsageError
 from dualpath.rpc import CHANNEL_OPTIONS
+from dualpath.tls import TlsConfig
 from dualpath.transfer import oob
 from dualpath.v1 import engine_pb2, engine_pb2_grpc
 
 
 class GrpcChannels:
-    """One grpc.aio channel per peer address, made on first use; loop-owned."""
+    """One grpc.aio channel per peer address, made on first use (mutual TLS per ``tls``,
+    or plaintext when it says so); loop-owned."""
 
-    def __init__(self):
+    def __init__(self, tls_config: TlsConfig):
+        self.tls = tls_config
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = tls.channel(address, self.tls, options=CHANNEL_OPTIONS)
             self._channels[address] = ch
         return ch
 
@@ -54,11 +59,16 @@ class GrpcOutOfBand(oob.OutOfBand):
     def unserve(self, name: str) -> None:
         self._handlers.pop(name, None)
 
-    async def handle(self, data: bytes) -> bytes:
-        """The servicer side: decode a request, run the served engine's handler."""
+    async def handle(self, data: bytes, peer: str | None = None) -> bytes:
+        """The servicer side: decode a request, run the served engine's handler. ``peer``
+        (the caller's certificate identity, when there is one) replaces the name the
+        request gives itself: admissions are keyed by who called, not by who it says
+        it is."""
         req = oob.decode(data)
         if not isinstance(req, oob.ConnectRequest) or not self._handlers:
             raise UsageError("ExchangeEndpoint: expected a connect request for a served engine")
+        if peer is not None:
+            req = dataclasses.replace(req, source=peer)
         handler = next(iter(self._handlers.values()))
         return oob.encode(await handler(req))
 

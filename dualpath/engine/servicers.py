@@ -10,7 +10,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from dualpath import rpc
-from dualpath.engine.decode import DecodePath, PrepareCall
+from dualpath.engine.auth import Callers
+from dualpath.engine.decode import DecodePath, NotYours, PrepareCall
 from dualpath.engine.payload import Payload
 from dualpath.engine.peers import LoadOrder, PrefillReport
 from dualpath.engine.vllm_engine import BufferBusy, FormatConflict, NotAttached, VllmEngine, Worker
@@ -27,16 +28,17 @@ from dualpath.v1 import (
 )
 
 
-def new_server(address: str) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+def new_server(address: str, credentials: grpc.ServerCredentials | None = None
+               ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A grpc.aio server (not started) with the standard health service, bound to
-    ``address`` (port 0 = a free port): the server, its port and its health servicer
-    (NOT_SERVING until set). Bound first, so its address can name the node; the node's
-    services are added (:func:`add_services`) once made."""
+    ``address`` (port 0 = a free port; mutual TLS with ``credentials``): the server, its
+    port and its health servicer (NOT_SERVING until set). Bound first, so its address
+    can name the node; the node's services are added (:func:`add_services`) once made."""
     # Peers dial with dualpath.rpc.CHANNEL_OPTIONS (keepalive pings): allow them.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *rpc.SERVER_KEEPALIVE])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = rpc.bind(server, address, "engine.control_listen")
+    port = rpc.bind(server, address, "engine.control_listen", credentials)
     return server, port, health_servicer
 
 
@@ -46,13 +48,13 @@ def add_services(server: grpc.aio.Server, services) -> None:
         add(servicer, server)
 
 
-def engine_services(node_id: str, oob, transfer, decode: DecodePath | None,
+def engine_services(callers: Callers, oob, transfer, decode: DecodePath | None,
                     cancel: Callable[[str], None], limiter) -> list:
-    """The Engine and Node services of a PE or DE node."""
+    """The Engine and Node services of a node."""
     return [(engine_pb2_grpc.add_EngineServicer_to_server,
-             EngineServicer(node_id, oob, transfer, decode, cancel)),
+             EngineServicer(callers, oob, transfer, decode, cancel)),
             (node_pb2_grpc.add_NodeServicer_to_server,
-             NodeServicer(node_id, limiter, decode))]
+             NodeServicer(callers, limiter, decode))]
 
 
 async def _no_decode(context, decode):
@@ -61,21 +63,31 @@ async def _no_decode(context, decode):
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, node_id: str, oob, transfer, decode: DecodePath | None,
+    """Node-to-node calls: cluster nodes only (dualpath/engine/auth.py); a request's
+    order, watch and cancel only from the node that prepared it."""
+
+    def __init__(self, callers: Callers, oob, transfer, decode: DecodePath | None,
                  cancel: Callable[[str], None]):
-        self.node_id, self.oob, self.transfer = node_id, oob, transfer
+        self.callers, self.node_id = callers, callers.node_id
+        self.oob, self.transfer = oob, transfer
         self.decode, self.cancel = decode, cancel
 
     async def ExchangeEndpoint(self, request, context):
+        ident = await self.callers.require(context)
         try:
-            data = await self.oob.handle(request.caller.endpoint)
+            data = await self.oob.handle(request.caller.endpoint,
+                                         str(ident) if ident is not None else None)
         except DualPathError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return engine_pb2.ExchangeEndpointResponse(callee=engine_pb2.DataPlaneEndpoint(
             engine_id=self.node_id, transport=self.transfer.transport, endpoint=data))
 
     async def SubmitTransferOrder(self, request, context):
+        await self.callers.require(context)
         await _no_decode(context, self.decode)
+        st = self.decode.requests.get(request.request_id)
+        await self.callers.require_owner(context, st.owner if st else None,
+                                         request.request_id)
         if request.kind != engine_pb2.TRANSFER_KIND_LOAD_HIT_KV:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "only LOAD_HIT_KV orders exist")
@@ -94,11 +106,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.TransferOrderAccepted()
 
     async def WatchTransfers(self, request, context):
+        await self.callers.require(context)
         await _no_decode(context, self.decode)
         st = self.decode.requests.get(request.request_id)
         if st is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"request {request.request_id} is not here")
+        await self.callers.require_owner(context, st.owner, request.request_id)
         sent = -1
         L = self.decode.space.fmt.layers
         while True:
@@ -117,23 +131,34 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await st.changed.wait()
 
     async def CancelRequest(self, request, context):
-        known = self.decode is not None and request.request_id in self.decode.requests
+        await self.callers.require(context)
+        st = self.decode.requests.get(request.request_id) if self.decode else None
+        if st is not None:
+            await self.callers.require_owner(context, st.owner, request.request_id)
+        known = st is not None
         self.cancel(request.request_id)
         return engine_pb2.CancelRequestResponse(was_known=known)
 
 
 class NodeServicer(node_pb2_grpc.NodeServicer):
-    def __init__(self, node_id: str, limiter, decode: DecodePath | None):
-        self.node_id, self.limiter, self.decode = node_id, limiter, decode
+    """PrepareRequest and PrefillDone: cluster nodes, on their own requests;
+    StorageReads (figures): any cluster identity."""
+
+    def __init__(self, callers: Callers, limiter, decode: DecodePath | None):
+        self.callers, self.node_id = callers, callers.node_id
+        self.limiter, self.decode = limiter, decode
 
     async def PrepareRequest(self, request, context):
+        ident = await self.callers.require(context)
         await _no_decode(context, self.decode)
         try:
             call = PrepareCall(request.request_id, request.decode_engine_id,
                                request.prefill_control_address, int(request.prompt_tokens),
                                int(request.hit_tokens), request.read_side,
-                               Payload.decode(request.payload))
+                               Payload.decode(request.payload), ident)
             buffer, slots = await self.decode.prepare(call)
+        except NotYours as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except DualPathError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if buffer is None:
@@ -142,6 +167,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
                                                slots=slots)
 
     async def StorageReads(self, request, context):
+        await self.callers.require(context, ("node", "admin", "client"))
         lim = self.limiter
         keys = sorted(lim.slots)
         return node_pb2.StorageReadsResponse(
@@ -150,11 +176,13 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             slot_bytes=[lim.slots[k] for k in keys])
 
     async def PrefillDone(self, request, context):
+        await self.callers.require(context)
         await _no_decode(context, self.decode)
         st = self.decode.requests.get(request.request_id)
         if st is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"request {request.request_id} is not here")
+        await self.callers.require_owner(context, st.owner, request.request_id)
         self.decode.start_decode(st, PrefillReport(
             request.request_id, request.prefill_engine_id, request.prefill_node_id,
             request.prefill_done_unix_s, int(request.prefill_read_bytes),
@@ -164,15 +192,17 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
 
 class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
     """The KvConnector service over a :class:`~dualpath.engine.vllm_engine.VllmEngine`:
-    protobuf in, the engine's call, protobuf or a status code out."""
+    protobuf in, the engine's call, protobuf or a status code out. Only this node's own
+    identity may call it (its vLLM instance runs the connector with the node's
+    certificate)."""
 
     _STATUS = ((NotAttached, grpc.StatusCode.NOT_FOUND),
                (FormatConflict, grpc.StatusCode.FAILED_PRECONDITION),
                (BufferBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
                (UsageError, grpc.StatusCode.INVALID_ARGUMENT))
 
-    def __init__(self, engine: VllmEngine):
-        self.engine = engine
+    def __init__(self, engine: VllmEngine, callers: Callers):
+        self.engine, self.callers = engine, callers
 
     async def _abort(self, context, e: DualPathError):
         for cls, code in self._STATUS:
@@ -181,6 +211,7 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
         raise e
 
     async def Attach(self, request, context):
+        await self.callers.require(context, own=True)
         try:
             placement = placement_wire.from_pb(request.placement, "Attach placement")
             space = self.engine.attach(Worker(request.worker_name, request.model_id,
@@ -194,6 +225,7 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
             buffer=placement_wire.to_pb(space.buffer), block_tokens=space.fmt.block_tokens)
 
     async def Lookup(self, request, context):
+        await self.callers.require(context, own=True)
         try:
             hit = self.engine.lookup(request.model_id, list(request.block_keys))
         except DualPathError as e:
@@ -201,6 +233,7 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
         return connector_pb2.LookupResponse(hit_blocks=hit)
 
     async def Load(self, request, context):
+        await self.callers.require(context, own=True)
         try:
             async for step in self.engine.load(request.request_id, request.worker_name,
                                                list(request.block_keys), list(request.units)):
@@ -213,6 +246,7 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
             await self._abort(context, e)
 
     async def BeginSave(self, request, context):
+        await self.callers.require(context, own=True)
         try:
             sid, slots = await self.engine.begin_save(request.request_id, request.worker_name,
                                                       list(request.block_keys))
@@ -221,6 +255,7 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
         return connector_pb2.BeginSaveResponse(save_id=sid, slots=slots)
 
     async def EndSave(self, request, context):
+        await self.callers.require(context, own=True)
         try:
             n = self.engine.end_save(request.save_id, request.commit)
         except DualPathError as e:

@@ -134,6 +134,7 @@ class VllmEngine:
         self._pending: dict[bytes, tuple[_Save, int]] = {}
         self._save_ids = itertools.count(1)
         self._persists: set[asyncio.Task] = set()
+        self._warned_cap = False
 
     def describe(self) -> str:
         if self.space is None:
@@ -223,10 +224,15 @@ class VllmEngine:
         if self.space is None or model_id != self.model_id:
             return 0
         hit = 0
-        for k in keys:
+        cap = self.space.pool.capacity
+        for k in keys[:cap]:
             if k not in self._pending and not self.space.store.contains(k):
                 break
             hit += 1
+        if hit == cap < len(keys) and not self._warned_cap:
+            self._warned_cap = True
+            log.warning("%s: a hit longer than the DRAM buffer (%d blocks) was cut to it; "
+                        "raise buffers.pe_buffer_mib to load more", self.node_id, cap)
         self.metrics.connector_lookups.inc()
         self.metrics.connector_lookup_hit_blocks.inc(hit)
         return hit
@@ -252,13 +258,17 @@ class VllmEngine:
         if not keys:
             yield LoadStep(space.fmt.layers, (), True, 0)
             return
+        t0 = time.monotonic()
         res = await space.pool.reserve(len(keys))
         queue: asyncio.Queue[int] = asyncio.Queue()
         writer: asyncio.Task | None = None
         try:
+            t1 = time.monotonic()
             ok = await self._fill(request_id, keys, res)
-            log.debug("%s: load of %s: %d blocks, %d usable, into engine blocks %s of %s",
-                      self.node_id, request_id, len(keys), ok, units[:8], w.name)
+            t2 = time.monotonic()
+            log.debug("%s: load of %s: %d blocks, %d usable (buffer %.1f ms, read %.1f ms), "
+                      "into engine blocks %s of %s", self.node_id, request_id, len(keys), ok,
+                      1e3 * (t1 - t0), 1e3 * (t2 - t1), units[:8], w.name)
             failed = tuple(range(ok, len(keys)))
             if failed:
                 self.metrics.connector_load_failed_blocks.inc(len(failed))
@@ -291,6 +301,8 @@ class VllmEngine:
                 nbytes = writer.result() if last else 0
                 if last:
                     self.metrics.connector_loaded_bytes.inc(nbytes)
+                    log.debug("%s: load of %s: %d layers written in %.1f ms", self.node_id,
+                              request_id, done, 1e3 * (time.monotonic() - t2))
                 yield LoadStep(done, failed, last, nbytes)
         finally:
             if writer is not None and not writer.done():

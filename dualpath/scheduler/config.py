@@ -8,9 +8,7 @@ from typing import ClassVar
 from dualpath.config import U32_MAX, key
 from dualpath.errors import ConfigError
 from dualpath.kv.profiles import PROFILES
-from dualpath.rpc import check_listen, parse_listen
-
-LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+from dualpath.rpc import check_listen
 
 
 @dataclass(frozen=True)
@@ -85,11 +83,6 @@ class SchedulerConfig:
     finished_requests_kept: int = key(100_000, "Ended requests remembered (outcome for the "
                                       "submitter, idempotent resubmission, `ctl "
                                       "requests`); the oldest are forgotten first.", min=0)
-    plaintext_node_listen: str = key(
-        "", "TEMPORARY: a second listener WITHOUT TLS for node daemons that cannot speak "
-        "TLS yet (dualpath up sets it while dualpath.cluster.local.NODES_SPEAK_TLS is "
-        "False); loopback addresses only, logged as a warning; its callers have no "
-        "identity. Empty = none.")
     admin_token_file: str = key("", "File holding the admin bearer token (first line). Admin "
                                 "calls need it or an admin certificate (tls); empty = only "
                                 "admin certificates.")
@@ -101,15 +94,8 @@ class SchedulerConfig:
         "tls_client_ca_file": "tls.ca_file (the [tls] section is shared by every process)"}
 
     def validate(self) -> None:
-        check_listen("scheduler", ("metrics_listen", "plaintext_node_listen"),
-                     listen=self.listen, metrics_listen=self.metrics_listen,
-                     plaintext_node_listen=self.plaintext_node_listen)
-        if self.plaintext_node_listen:
-            host, _ = parse_listen(self.plaintext_node_listen)
-            if host not in LOOPBACK_HOSTS:
-                raise ConfigError(f"config key scheduler.plaintext_node_listen = "
-                                  f"{self.plaintext_node_listen!r}: only a loopback address "
-                                  f"({', '.join(LOOPBACK_HOSTS)}) may serve without TLS")
+        check_listen("scheduler", ("metrics_listen",), listen=self.listen,
+                     metrics_listen=self.metrics_listen)
         if self.reference_append_tokens > self.reference_context_tokens:
             raise ConfigError(f"config key scheduler.reference_append_tokens = "
                               f"{self.reference_append_tokens}: must be <= "

@@ -758,10 +758,6 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
              if config.admin_token_file else None)
     svc = SchedulerService(config, trust_domain=tls_config.trust_domain)
     server, port = create_server(config.listen, svc, credentials=creds, admin_token=token)
-    node_port = None
-    if config.plaintext_node_listen:
-        node_port = rpc.bind(server, config.plaintext_node_listen,
-                             "scheduler.plaintext_node_listen")
     metrics_srv = _metrics.start_metrics_server(config.metrics_listen, svc.registry,
                                                  "scheduler.metrics_listen")
     stop = stop or asyncio.Event()
@@ -784,11 +780,6 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
         svc.start_sweeper()
         tune_gc()
         tls.log_mode(tls_config, "scheduler", log)
-        if node_port is not None:
-            log.warning("scheduler: ALSO listening WITHOUT TLS on %s:%d for node daemons "
-                        "(scheduler.plaintext_node_listen; node daemons cannot speak TLS "
-                        "yet): its callers have no identity",
-                        config.plaintext_node_listen.rpartition(":")[0], node_port)
         p = svc.core.params
         host = config.listen.rpartition(":")[0]
         log.info("scheduler listening on %s:%d, %s, admin token %s; config %s; model %s, "

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from dualpath import rpc
+from dualpath import rpc, tls
 from dualpath.config_sections import KvLaneConfig, TransportConfig
 from dualpath.engine.kvio import write_runs
 from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv import placement_wire
 from dualpath.kv.placement import KvPlacement, runs
+from dualpath.tls import PLAINTEXT, TlsConfig
 from dualpath.transfer import TransferEngine
 from dualpath.transfer.config import TransferConfig
 from dualpath.v1 import connector_pb2, connector_pb2_grpc, engine_pb2, engine_pb2_grpc
@@ -61,6 +62,7 @@ class AgentSettings:
     transport: TransportConfig = field(default_factory=TransportConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     lane: KvLaneConfig = field(default_factory=KvLaneConfig)
+    tls: TlsConfig = PLAINTEXT      # the node's [tls]: the worker calls as the node
     load_timeout_s: float = 60.0      # a load that makes no progress for this long fails
     save_timeout_s: float = 60.0
     tp_rank: int = 0
@@ -150,8 +152,19 @@ class _EngineEdge(engine_pb2_grpc.EngineServicer):
         self.agent = agent
 
     async def ExchangeEndpoint(self, request, context):
+        cfg = self.agent.settings.tls
+        ident = None
+        if not cfg.plaintext:
+            # Only the node this worker attached to may connect into vLLM's KV memory.
+            ident = tls.peer_identity(context, cfg.trust_domain)
+            node = self.agent.attached.node_id if self.agent.attached else None
+            if ident is None or ident.role != "node" or ident.name != node:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"{ident or 'no identity'} may not connect to this "
+                                    f"worker (needs node/{node})")
         try:
-            data = await self.agent.oob.handle(request.caller.endpoint)
+            data = await self.agent.oob.handle(request.caller.endpoint,
+                                               str(ident) if ident else None)
         except DualPathError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return engine_pb2.ExchangeEndpointResponse(callee=engine_pb2.DataPlaneEndpoint(
@@ -191,13 +204,15 @@ class WorkerAgent:
 
     async def _start(self) -> Attached:
         s = self.settings
-        self.channels = GrpcChannels()
+        tls.log_mode(s.tls, "DualPath worker agent")
+        self.channels = GrpcChannels(s.tls)
         self.oob = GrpcOutOfBand(self.channels)
         # Peers dial with dualpath.rpc.CHANNEL_OPTIONS (keepalive pings): allow them.
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                                *rpc.SERVER_KEEPALIVE])
         engine_pb2_grpc.add_EngineServicer_to_server(_EngineEdge(self), self.server)
-        port = rpc.bind(self.server, s.listen, "vLLM worker agent listen")
+        port = rpc.bind(self.server, s.listen, "vLLM worker agent listen",
+                        tls.server_credentials(s.tls))
         host = s.listen.rpartition(":")[0]
         self.name = f"{s.advertise or host}:{port}"
         await self.server.start()

@@ -150,7 +150,7 @@ class DualPathConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 Lookup(self.settings.node_address, self.model_id,
-                       self.settings.lookup_timeout_s),
+                       self.settings.lookup_timeout_s, self.settings.config.tls),
                 self.block_size, self.settings.block_units)
         else:
             self._worker = WorkerSide(self.settings, self.model_id)

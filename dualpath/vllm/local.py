@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from dualpath import tls
 from dualpath.cluster.local import free_port, write_toml
 from dualpath.errors import DualPathError
 
@@ -47,7 +48,11 @@ def engine_args(model: Path, *, node: NodeProcess | None = None, prefix_caching:
 class NodeProcess:
     """``dualpath node --role both --engine vllm`` in a child process. ``settings`` are
     config sections merged over the defaults below; ``env`` adds to its environment
-    (e.g. DUALPATH_FAULTS for a negative control). start/stop/kill/restart."""
+    (e.g. DUALPATH_FAULTS for a negative control). start/stop/kill/restart.
+
+    Mutual TLS unless ``settings`` has a [tls]: a throw-away CA and the node's
+    certificate (``pki``), in the node's config, which the connector reads too (it calls
+    as the node)."""
 
     def __init__(self, work_dir: Path, name: str = "n0", *, settings: dict | None = None,
                  env: dict | None = None):
@@ -62,6 +67,11 @@ class NodeProcess:
                     "transport": {"kind": "tcp"},
                     "storage": {"dir": str(self.store_dir)},
                     "buffers": {"pe_buffer_mib": 256, "mlock": False}}
+        self.pki: tls.ClusterPki | None = None
+        if "tls" not in (settings or {}):
+            self.pki = tls.make_cluster_pki(self.dir / "tls", [f"node/{name}",
+                                                              "client/test"])
+            sections["tls"] = self.pki.section(f"node/{name}")
         for sec, kv in (settings or {}).items():
             sections.setdefault(sec, {}).update(kv)
         self.metrics_url = f"http://{sections['engine']['metrics_listen']}/metrics"
@@ -111,7 +121,8 @@ class NodeProcess:
         return self.start(env=env)
 
     def metric(self, name: str) -> float:
-        """The value of an unlabelled metric on the node's /metrics."""
+        """The value of an unlabelled metric on the node's /metrics (plain HTTP: the
+        metrics endpoint is for scrapers on the host)."""
         import urllib.request
 
         text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()

@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from dualpath import tls
 from dualpath.kv.prefix import ROOT_KEY, chain_key
 from dualpath.rpc import CHANNEL_OPTIONS
+from dualpath.tls import TlsConfig
 from dualpath.v1 import connector_pb2, connector_pb2_grpc
 
 log = logging.getLogger("dualpath.vllm")
@@ -60,10 +62,11 @@ class Lookup:
     """The hit lookup RPC; a failure means "no hit" (vLLM computes), logged at most
     every 10 s."""
 
-    def __init__(self, node_address: str, model_id: str, timeout_s: float):
+    def __init__(self, node_address: str, model_id: str, timeout_s: float,
+                 tls_config: TlsConfig):
         self.model_id = model_id
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(node_address, options=CHANNEL_OPTIONS)
+        self.channel = tls.sync_channel(node_address, tls_config, options=CHANNEL_OPTIONS)
         self.stub = connector_pb2_grpc.KvConnectorStub(self.channel)
         self.node_address = node_address
         self._warned = 0.0

@@ -64,7 +64,7 @@ class WorkerSide:
         self.agent = WorkerAgent(AgentSettings(
             node_address=self.settings.node_address, model_id=self.model_id,
             listen=self.settings.listen, advertise=self.settings.advertise,
-            transport=cfg.transport, transfer=cfg.transfer, lane=cfg.kv_lane,
+            transport=cfg.transport, transfer=cfg.transfer, lane=cfg.kv_lane, tls=cfg.tls,
             load_timeout_s=self.settings.load_timeout_s,
             save_timeout_s=self.settings.save_timeout_s, tp_rank=self.tp_rank,
             tp_size=self.tp_size), kv.ranges, kv.placement)
@@ -121,6 +121,8 @@ class WorkerSide:
                 self.kv.placement.fmt.block_tokens
             self.stats.loaded_bytes += h.nbytes
             self.stats.layer_wait_s.append(h.wait_s)
+            log.debug("DualPath: load of %s: %d blocks, %.1f ms waited in the forward",
+                      h.request_id, h.nblocks, 1e3 * h.wait_s)
         for h in self._saves:
             if self.agent.finish_save(h, commit=h.request_id not in failed_reqs):
                 self.stats.saved_blocks += len(h.keys)

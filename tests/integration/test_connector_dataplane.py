@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from dualpath import config as _config
+from dualpath import tls
 from dualpath.engine.node import NodeDaemon
 from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.prefix import block_keys
@@ -38,12 +39,17 @@ def _cpu_like_placement() -> KvPlacement:
 
 
 class Daemon:
-    """The node daemon on a loop of its own thread (the agent's calls block)."""
+    """The node daemon on a loop of its own thread (the agent's calls block), over mutual
+    TLS with a throw-away PKI (node/n0: the daemon and its worker; client/x: a cluster
+    identity that is not the node)."""
 
     def __init__(self, tmp):
+        self.pki = tls.make_cluster_pki(tmp / "tls", ["node/n0", "node/n1", "client/x"])
+        t = self.pki.section("node/n0")
         cfg = _config.load(None, {"engine.kind": "vllm", "transport.kind": "tcp",
                                   "storage.dir": str(tmp / "kv"), "storage.fsync": False,
-                                  "buffers.pe_buffer_mib": 4, "buffers.mlock": False})
+                                  "buffers.pe_buffer_mib": 4, "buffers.mlock": False,
+                                  **{f"tls.{k}": v for k, v in t.items()}})
         self.loop = asyncio.new_event_loop()
         self.node = NodeDaemon(cfg, "both", "n0", "")
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -63,10 +69,11 @@ def rig(tmp_path_factory):
     mem = np.zeros(L * UNITS * UNIT, np.uint8)
     agent = WorkerAgent(AgentSettings(node_address=d.node.address, model_id="test-model",
                                       transport=_config.load(None, {"transport.kind": "tcp"}
-                                                             ).transport),
+                                                             ).transport,
+                                      tls=d.pki.config("node/n0")),
                         [MemoryRange("kv", mem.ctypes.data, mem.nbytes)], _cpu_like_placement())
     agent.start()
-    ch = grpc.insecure_channel(d.node.address)
+    ch = tls.sync_channel(d.node.address, d.pki.config("node/n0"))
     yield d, agent, mem, connector_pb2_grpc.KvConnectorStub(ch)
     ch.close()
     agent.close()
@@ -155,6 +162,31 @@ def test_corrupt_and_deleted_blocks_are_reported_and_never_written(rig):
     h = agent.load("r-gone", keys[:1], [7])
     h.wait_layer(L - 1, 30)
     assert h.failed == {0}
+
+
+@pytest.mark.parametrize("who", ["client/x", "node/n1", None])
+def test_only_the_node_itself_may_call_its_connector(rig, who):
+    """The KvConnector writes into vLLM's memory: another cluster identity is refused
+    (PERMISSION_DENIED), a caller without a certificate never completes the handshake."""
+    d, agent, _, _ = rig
+    if who is None:
+        ch = grpc.insecure_channel(d.node.address)
+        code = grpc.StatusCode.UNAVAILABLE
+    else:
+        ch = tls.sync_channel(d.node.address, d.pki.config(who))
+        code = grpc.StatusCode.PERMISSION_DENIED
+    stub = connector_pb2_grpc.KvConnectorStub(ch)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Lookup(connector_pb2.LookupRequest(model_id="test-model"), timeout=10)
+        assert e.value.code() == code, e.value
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Load(connector_pb2.LoadRequest(request_id="x", worker_name=agent.name,
+                                                     block_keys=[b"k" * 16], units=[0]),
+                           timeout=10))
+        assert e.value.code() == code
+    finally:
+        ch.close()
 
 
 def test_bad_requests_are_refused_naming_the_problem(rig):

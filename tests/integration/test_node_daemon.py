@@ -16,7 +16,7 @@ def test_node_startup_line_and_sigterm(tmp_path):
     cfg.write_text(f'[storage]\ndir = "{tmp_path / "kv"}"\n[transport]\nkind = "tcp"\n'
                    "[kv_lane]\nservice_level = 3\ntraffic_class = 96\n"
                    "[buffers]\npe_buffer_mib = 8\n[engine]\nprefill_hbm_mib = 16\n"
-                   'metrics_listen = "127.0.0.1:0"\n')
+                   'metrics_listen = "127.0.0.1:0"\n[tls]\nplaintext = true\n')
     proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "node", "--role",
                              "prefill", "--node-id", "p0", "--scheduler", "127.0.0.1:1",
                              "--config", str(cfg)],
@@ -31,6 +31,7 @@ def test_node_startup_line_and_sigterm(tmp_path):
         assert re.search(r"transport tcp \(tcp listening on 127\.0\.0\.1:\d+, admission by "
                          r"credential\)", line), line
         assert "lane SL 3 / TC 96" in line and "GID index -1" not in line
+        assert "TLS plaintext" in line and "engine emulated (cost model of demo" in line
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         assert 'dualpath_node_transport_info{transport="tcp"} 1.0' in text, text[:2000]
         log.wait_for(r"scheduler 127\.0\.0\.1:1: UNAVAILABLE")

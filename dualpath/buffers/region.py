@@ -83,10 +83,15 @@ def memlock_fix_message(nbytes: int, err: int, what: str) -> str:
 
 
 class PinnedRegion:
-    """A page-aligned anonymous mapping, mlocked and optionally registered."""
+    """A page-aligned anonymous mapping, mlocked and optionally registered.
+
+    ``shared``: backed by a memfd (MAP_SHARED) instead of private anonymous memory, so
+    another process can map the same pages from :attr:`fd` (handed over a Unix socket:
+    dualpath/engine/shm.py). The descriptor is owned here and closed with the region."""
 
     def __init__(self, nbytes: int, *, huge_pages: str = "auto", lock: bool = True,
-                 register: Register | None = None, what: str = "DualPath buffers"):
+                 register: Register | None = None, what: str = "DualPath buffers",
+                 shared: bool = False):
         if nbytes <= 0:
             raise UsageError(f"region size must be > 0, got {nbytes}")
         if huge_pages not in HUGE_PAGE_MODES:
@@ -96,7 +101,9 @@ class PinnedRegion:
         self.locked = False
         self.registration: Registration | None = None
         self._closed = False
-        self._map = self._map_memory(nbytes, huge_pages)
+        self.fd = -1
+        self._map = (self._map_shared(nbytes, huge_pages) if shared
+                     else self._map_memory(nbytes, huge_pages))
         self.nbytes = len(self._map)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.addr = self.array.ctypes.data
@@ -116,6 +123,43 @@ class PinnedRegion:
                  "mlocked" if self.locked else "not locked",
                  "registered" if self.registration is not None else "not registered")
         log.debug("%s at %#x", what, self.addr)   # addresses aim WRITEs: never at INFO
+
+    def _map_shared(self, nbytes: int, huge_pages: str) -> mmap.mmap:
+        """A memfd of ``nbytes`` (2 MiB huge pages when asked and available), mapped
+        shared."""
+        name = self.what.replace(" ", "-")[:200]
+        if huge_pages != "off":
+            size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+            try:
+                fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_HUGETLB)
+                try:
+                    os.ftruncate(fd, size)
+                    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+                except OSError:
+                    os.close(fd)
+                    raise
+                self.fd, self.huge = fd, True
+                return m
+            except OSError as e:
+                if huge_pages == "on":
+                    raise RegionError(f"{self.what}: no 2 MiB huge pages for a shared "
+                                      f"{size}-byte buffer ({e.strerror})") from None
+        size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except OSError as e:
+            os.close(fd)
+            raise RegionError(f"{self.what}: cannot map {size} shared bytes ({e.strerror})"
+                              ) from None
+        self.fd = fd
+        if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                m.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        return m
 
     def _map_memory(self, nbytes: int, huge_pages: str) -> mmap.mmap:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -164,6 +208,9 @@ class PinnedRegion:
             _munlock(self.addr, self.nbytes)
             self.locked = False
         self.array = None  # type: ignore[assignment]
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         try:
             self._map.close()
         except BufferError:   # someone still holds a view: unmapped when the last one goes

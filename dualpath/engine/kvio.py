@@ -17,6 +17,7 @@ import asyncio
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
+from dualpath.engine.layers import LayerSource
 from dualpath.kv.placement import KvPlacement, Run, runs
 from dualpath.transfer import TransferEngine
 
@@ -35,12 +36,15 @@ async def write_layers(transfer: TransferEngine, peer: str, src: KvPlacement,
                        src_units: Sequence[int], dst: KvPlacement, dst_units: Sequence[int],
                        first_token: int, stop_token: int,
                        on_layer: Callable[[int], None] | None = None,
-                       layers: Sequence[int] | None = None) -> int:
+                       layers: Sequence[int] | None = None,
+                       source: LayerSource | None = None) -> int:
     """WRITE tokens ``[first_token, stop_token)`` of every layer (or of ``layers``) from
-    ``src`` to ``peer``'s ``dst``, in layer order; ``on_layer(n)`` after the n-th layer
-    landed (n counts from 1). Returns the bytes moved. At most two layers are in flight;
-    on an error, the other layer in flight is waited for before raising, so nothing
-    still reads ``src`` or writes ``dst`` once this returns."""
+    ``src`` to ``peer``'s ``dst``, in layer order; a layer starts once ``source`` says
+    it is in ``src`` (when given: layers still being read from storage);
+    ``on_layer(n)`` after the n-th layer landed (n counts from 1). Returns the bytes
+    moved. At most two layers are in flight; on an error, the other layer in flight is
+    waited for before raising, so nothing still reads ``src`` or writes ``dst`` once
+    this returns."""
     order = list(range(src.fmt.layers) if layers is None else layers)
     if stop_token <= first_token:
         for n in range(1, len(order) + 1):
@@ -53,13 +57,18 @@ async def write_layers(transfer: TransferEngine, peer: str, src: KvPlacement,
             transfer, peer, runs(src, src_units, dst, dst_units, layer, first_token,
                                  stop_token)))
 
+    async def begin(i: int) -> asyncio.Future:
+        if source is not None:
+            await source.ready(order[i])
+        return start(order[i])
+
     total = 0
     inflight: list[asyncio.Future] = []
     try:
-        inflight.append(start(order[0]))
+        inflight.append(await begin(0))
         for n in range(1, len(order) + 1):
             if n < len(order):
-                inflight.append(start(order[n]))
+                inflight.append(await begin(n))
             # Shielded: cancelling us must not abandon a write whose bytes are already
             # on the wire; the finally below waits for them instead.
             total += await asyncio.shield(inflight[0])

@@ -55,6 +55,7 @@ from dualpath.engine.servicers import (
     engine_services,
     new_server,
 )
+from dualpath.engine.shm import BufferOffer
 from dualpath.engine.vllm_engine import VllmEngine
 from dualpath.errors import ConfigError, UsageError
 from dualpath.kv.layout import BlockLayout
@@ -134,8 +135,9 @@ class NodeDaemon:
             self.limiter, self.metrics, trajectory_token_ids, self.spawn, self._complete)
         buf_name = "de_buffer" if self.role == DECODE else "pe_buffer"
         b = cfg.buffers
+        # A vLLM node shares its buffer with its own workers (engine/shm.py).
         self.buffer = self._region(buf_name, b.de_buffer_mib if self.role == DECODE
-                                   else b.pe_buffer_mib)
+                                   else b.pe_buffer_mib, shared=ecfg.kind == "vllm")
         if ecfg.kind == "vllm":
             services = self._start_vllm(buf_name)
         else:
@@ -165,13 +167,13 @@ class NodeDaemon:
                  self.scheduler_address if self.leader else "none (role both)",
                  self.config_path or "(defaults)")
 
-    def _region(self, name: str, mib: int) -> PinnedRegion:
+    def _region(self, name: str, mib: int, shared: bool = False) -> PinnedRegion:
         if mib <= 0:
             raise ConfigError(f"the {name} of a {self.role} node needs a size: set "
                               f"buffers.{'de' if name == 'de_buffer' else 'pe'}_buffer_mib > 0")
         b = self.cfg.buffers
         region = PinnedRegion(mib << 20, huge_pages=b.huge_pages, lock=b.mlock,
-                              what=f"{self.node_id} {name}")
+                              what=f"{self.node_id} {name}", shared=shared)
         self._regions.append(region)
         self.transfer.register(name, addr=region.addr, length=region.nbytes)
         return region
@@ -215,9 +217,10 @@ class NodeDaemon:
                                self.limiter)
 
     def _start_vllm(self, buf_name: str) -> list:
+        offer = BufferOffer(self.buffer.fd, self.buffer.nbytes, f"node {self.node_id}")
         engine = VllmEngine(node_id=self.node_id, storage=self.cfg.storage,
                             transfer=self.transfer, region=self.buffer, region_name=buf_name,
-                            limiter=self.limiter, metrics=self.metrics)
+                            limiter=self.limiter, metrics=self.metrics, offer=offer)
         self._stack.push_async_callback(engine.close)
         self.engine = engine
         return [*engine_services(self.callers, self.oob, self.transfer, None, self.cancel,

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from dualpath import rpc
 from dualpath.engine.auth import Callers
 from dualpath.engine.decode import DecodePath, NotYours, PrepareCall
+from dualpath.engine.errors import RequestFailed
 from dualpath.engine.payload import Payload
 from dualpath.engine.peers import LoadOrder, PrefillReport
 from dualpath.engine.vllm_engine import BufferBusy, FormatConflict, NotAttached, VllmEngine, Worker
@@ -214,15 +215,17 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
         await self.callers.require(context, own=True)
         try:
             placement = placement_wire.from_pb(request.placement, "Attach placement")
-            space = self.engine.attach(Worker(request.worker_name, request.model_id,
-                                              request.tp_rank, request.tp_size or 1,
-                                              placement))
+            worker = Worker(request.worker_name, request.model_id, request.tp_rank,
+                            request.tp_size or 1, placement, request.host_memory)
+            space = self.engine.attach(worker)
+            shm_name, shm_token = self.engine.share_with(worker)
         except DualPathError as e:
             await self._abort(context, e)
         return connector_pb2.AttachResponse(
             node_id=self.engine.node_id, namespace=self.engine.namespace,
             transport=self.engine.transfer.transport,
-            buffer=placement_wire.to_pb(space.buffer), block_tokens=space.fmt.block_tokens)
+            buffer=placement_wire.to_pb(space.buffer), block_tokens=space.fmt.block_tokens,
+            shm_name=shm_name, shm_token=shm_token)
 
     async def Lookup(self, request, context):
         await self.callers.require(context, own=True)
@@ -236,14 +239,21 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
         await self.callers.require(context, own=True)
         try:
             async for step in self.engine.load(request.request_id, request.worker_name,
-                                               list(request.block_keys), list(request.units)):
+                                               list(request.block_keys), list(request.units),
+                                               request.worker_copies):
                 yield connector_pb2.LoadProgress(
                     layers_done=step.layers_done, failed_blocks=list(step.failed_blocks),
-                    complete=step.complete, bytes_written=step.bytes_written)
+                    complete=step.complete, bytes_written=step.bytes_written,
+                    slots=list(step.slots), load_id=step.load_id, hold_ms=step.hold_ms)
         except DualPathError as e:
-            if isinstance(e, (TransferError, StorageError)):
+            if isinstance(e, (TransferError, StorageError, RequestFailed)):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             await self._abort(context, e)
+
+    async def EndLoad(self, request, context):
+        await self.callers.require(context, own=True)
+        self.engine.end_load(request.load_id)
+        return connector_pb2.EndLoadResponse()
 
     async def BeginSave(self, request, context):
         await self.callers.require(context, own=True)

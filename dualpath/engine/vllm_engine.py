@@ -42,6 +42,8 @@ from dualpath.buffers.pool import Reservation
 from dualpath.buffers.region import PinnedRegion
 from dualpath.engine.kvio import write_layers
 from dualpath.engine.kvspace import KvSpace
+from dualpath.engine.layers import LocalArrivals
+from dualpath.engine.shm import BufferOffer
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.prefix import KEY_BYTES
@@ -81,6 +83,7 @@ class Worker:
     tp_rank: int
     tp_size: int
     placement: KvPlacement
+    host_memory: bool = False   # its KV is host memory: it can copy from a shared buffer
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ class LoadStep:
     failed_blocks: tuple[int, ...] = ()
     complete: bool = False
     bytes_written: int = 0
+    slots: tuple[int, ...] = ()      # worker_copies: the blocks' buffer slots
+    load_id: int = 0
+    hold_ms: int = 0
 
 
 @dataclass
@@ -112,9 +118,14 @@ class VllmEngine:
 
     kind = "vllm"
 
+    #: How long a worker_copies load's slots stay lent without EndLoad (its worker died):
+    #: far past any worker's load timeout, after which the worker never copies.
+    HOLD_S = 600.0
+
     def __init__(self, *, node_id: str, storage: StorageConfig, transfer: TransferEngine,
                  region: PinnedRegion, region_name: str, limiter: RateLimiter | None,
-                 metrics, save_timeout_s: float = 120.0, max_blocks_per_call: int = 4096):
+                 metrics, save_timeout_s: float = 120.0, max_blocks_per_call: int = 4096,
+                 offer: BufferOffer | None = None):
         self.node_id = node_id
         self.storage = storage
         self.transfer = transfer
@@ -135,6 +146,9 @@ class VllmEngine:
         self._save_ids = itertools.count(1)
         self._persists: set[asyncio.Task] = set()
         self._warned_cap = False
+        self.offer = offer                     # the buffer, shared with same-host workers
+        self._held: dict[int, tuple[Reservation, float]] = {}   # worker_copies loads
+        self._load_ids = itertools.count(1)
 
     def describe(self) -> str:
         if self.space is None:
@@ -239,10 +253,19 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ load
 
+    def share_with(self, worker: Worker) -> tuple[str, bytes]:
+        """(socket name, one-time token) for a worker that may map the buffer itself, or
+        ("", b"") when it is not shared (no offer, or the worker's KV is GPU memory)."""
+        if self.offer is None or not worker.host_memory:
+            return "", b""
+        return self.offer.name, self.offer.grant()
+
     async def load(self, request_id: str, worker_name: str, keys: list[bytes],
-                   units: list[int]) -> AsyncIterator[LoadStep]:
+                   units: list[int], worker_copies: bool = False) -> AsyncIterator[LoadStep]:
         """Load ``keys`` into the worker's engine blocks ``units`` (units_per_block per
-        key), layer by layer; yields progress (see :class:`LoadStep`)."""
+        key), layer by layer; yields progress (see :class:`LoadStep`). ``worker_copies``:
+        only into the buffer; the last step names the slots, held until
+        :meth:`end_load`."""
         w = self._worker(worker_name)
         space = self.space
         assert space is not None
@@ -258,63 +281,192 @@ class VllmEngine:
         if not keys:
             yield LoadStep(space.fmt.layers, (), True, 0)
             return
-        t0 = time.monotonic()
+        if worker_copies and self.offer is None:
+            raise UsageError("Load: worker_copies, but this node shares no buffer")
+        self._expire()
         res = await space.pool.reserve(len(keys))
-        queue: asyncio.Queue[int] = asyncio.Queue()
+        L, T = space.fmt.layers, space.fmt.block_tokens
+        arrivals = LocalArrivals()               # layers in the buffer
+        reader: asyncio.Task | None = None
         writer: asyncio.Task | None = None
         try:
-            t1 = time.monotonic()
-            ok = await self._fill(request_id, keys, res)
-            t2 = time.monotonic()
-            log.debug("%s: load of %s: %d blocks, %d usable (buffer %.1f ms, read %.1f ms), "
-                      "into engine blocks %s of %s", self.node_id, request_id, len(keys), ok,
-                      1e3 * (t1 - t0), 1e3 * (t2 - t1), units[:8], w.name)
+            t0 = time.monotonic()
+            ok, reader = await self._start_read(
+                request_id, keys, res, arrivals,
+                zero_layer0=worker_copies and faults.active("load_skip_layer"))
             failed = tuple(range(ok, len(keys)))
+            yield LoadStep(0, failed)
+            if worker_copies:
+                lid = next(self._load_ids)
+                self._held[lid] = (res, time.monotonic() + self.HOLD_S)
+                held, res = res, None            # the worker gives it back (end_load)
+                slots = tuple(held.slots)
+                try:
+                    for n in range(1, L + 1):
+                        await arrivals.ready(n - 1)
+                        last = n == L
+                        if last:                 # the checksums: only once all is read
+                            ok = min(ok, await reader)
+                            failed = tuple(range(ok, len(keys)))
+                        yield LoadStep(n, failed, last,
+                                       ok * space.layout.full_bytes if last else 0,
+                                       slots, lid, int(self.HOLD_S * 1000))
+                except BaseException:
+                    # The worker sees the stream break and recomputes every block of the
+                    # load, so what it may still copy from these slots is overwritten.
+                    self.end_load(lid)
+                    raise
+                self.metrics.connector_loaded_bytes.inc(ok * space.layout.full_bytes)
+            else:
+                queue: asyncio.Queue[int] = asyncio.Queue()
+                layers, skipped = list(range(L)), 0
+                if faults.active("load_skip_layer"):
+                    layers, skipped = layers[1:], 1
+                    queue.put_nowait(1)
+                writer = asyncio.ensure_future(write_layers(
+                    self.transfer, w.name, space.buffer, space.buffer_units(res)[:ok * k],
+                    w.placement, units[:ok * k], 0, ok * T,
+                    on_layer=lambda n: queue.put_nowait(n + skipped), layers=layers,
+                    source=arrivals))
+                done = 0
+                while done < L:
+                    getter = asyncio.ensure_future(queue.get())
+                    await asyncio.wait({getter, writer}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        getter.cancel()
+                        writer.result()          # raises the transfer's error
+                        continue                 # finished: its last layers are queued
+                    done = getter.result()
+                    last = done == L
+                    nbytes = 0
+                    if last:
+                        nbytes = writer.result()
+                        ok = min(ok, await reader)
+                        failed = tuple(range(ok, len(keys)))
+                        self.metrics.connector_loaded_bytes.inc(nbytes)
+                    yield LoadStep(done, failed, last, nbytes)
             if failed:
                 self.metrics.connector_load_failed_blocks.inc(len(failed))
                 log.warning("%s: load of %s: %d of %d hit blocks missing or corrupt; vLLM "
                             "recomputes from block %d", self.node_id, request_id,
                             len(failed), len(keys), ok)
-            yield LoadStep(0, failed)
-            if faults.active("load_flip_byte"):
-                for i in range(ok):
-                    res.flat(i)[7] ^= 0x80     # the sign of a float32: finite, wrong
-            layers = list(range(space.fmt.layers))
-            skipped = 0
-            if faults.active("load_skip_layer"):
-                layers, skipped = layers[1:], 1
-                queue.put_nowait(1)
-            writer = asyncio.ensure_future(write_layers(
-                self.transfer, w.name, space.buffer, space.buffer_units(res)[:ok * k],
-                w.placement, units[:ok * k], 0, ok * space.fmt.block_tokens,
-                on_layer=lambda n: queue.put_nowait(n + skipped), layers=layers))
-            done = 0
-            while done < space.fmt.layers:
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, writer}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    writer.result()            # raises the transfer's error
-                    continue                   # finished: its last layers are queued
-                done = getter.result()
-                last = done == space.fmt.layers
-                nbytes = writer.result() if last else 0
-                if last:
-                    self.metrics.connector_loaded_bytes.inc(nbytes)
-                    log.debug("%s: load of %s: %d layers written in %.1f ms", self.node_id,
-                              request_id, done, 1e3 * (time.monotonic() - t2))
-                yield LoadStep(done, failed, last, nbytes)
+            log.debug("%s: load of %s: %d blocks, %d usable, %s, %.1f ms", self.node_id,
+                      request_id, len(keys), ok,
+                      "copied by the worker" if worker_copies else f"WRITE to {w.name}",
+                      1e3 * (time.monotonic() - t0))
         finally:
-            if writer is not None and not writer.done():
-                writer.cancel()                # write_layers waits for writes in flight
-                await asyncio.gather(writer, return_exceptions=True)
-            res.release()
+            for t in (writer, reader):
+                if t is not None and not t.done():
+                    t.cancel()                   # both wait for their I/O in flight
+                    await asyncio.gather(t, return_exceptions=True)
+            if res is not None:
+                res.release()
 
-    async def _fill(self, request_id: str, keys: list[bytes], res: Reservation) -> int:
-        """Bring ``keys`` into ``res``: blocks still waiting to be persisted are copied
-        from their save's slots, the rest read from the store. How many leading blocks
-        are usable (a missing or corrupt one ends them)."""
+    async def _start_read(self, request_id: str, keys: list[bytes], res: Reservation,
+                          arrivals: LocalArrivals, zero_layer0: bool = False
+                          ) -> tuple[int, asyncio.Task]:
+        """Bring ``keys`` into ``res``, layer by layer where the store can (so layer 0
+        is in place after 1/L of the read and the rest overlaps the engine's compute).
+        Returns the usable blocks known so far (a missing block ends them) and a task
+        that reads on, announcing each layer to ``arrivals``, and ends with the usable
+        blocks once every payload verified (a corrupt one ends them there)."""
         space = self.space
+        store = space.store
+        copied = await self._copy_pending(keys, res)
+        rest = [i for i in range(len(keys)) if i not in copied]
+        if not store.layered():
+            ok = await self._read_whole(request_id, keys, res, rest)
+            self._inject(res, range(ok), zero_layer0)
+            arrivals.landed(space.fmt.layers)
+
+            async def done() -> int:
+                return ok
+            return ok, asyncio.ensure_future(done())
+        opened = await asyncio.gather(*(store.arun(store.open_block, keys[i]) for i in rest))
+        blocks = dict(zip(rest, opened))
+        ok = next((i for i in rest if blocks[i] is None), len(keys))
+        for i, b in blocks.items():
+            if i >= ok and b is not None:
+                store.close_block(b)             # past the hole: unused
+        reading = {i: b for i, b in blocks.items() if i < ok}
+        lb = space.layout.layer_bytes
+
+        async def slice_(i: int, layer: int) -> bool:
+            if self.limiter is not None:
+                await self.limiter.acquire(lb)
+            view = res.flat(i)[layer * lb:(layer + 1) * lb]
+            return await store.arun(store.read_layer, reading[i], layer, view)
+
+        async def read_on() -> int:
+            good = {i: True for i in reading}
+            pristine: dict[int, np.ndarray] = {}
+            try:
+                for layer in range(space.fmt.layers):
+                    got = await asyncio.gather(*(slice_(i, layer) for i in reading))
+                    for i, g in zip(reading, got):
+                        good[i] = good[i] and g
+                    if layer == 0:
+                        pristine = self._inject(res, reading, zero_layer0)
+                    self.metrics.read_bytes.inc(lb * len(reading))
+                    arrivals.landed(layer + 1)
+                verified = await asyncio.gather(*(
+                    store.arun(store.finish_block, b, self._as_read(res.flat(i),
+                                                                    pristine.get(i)), good[i])
+                    for i, b in reading.items()))
+            except BaseException as e:
+                arrivals.failed(f"reading hit blocks: {e}")
+                for b in reading.values():
+                    store.close_block(b)
+                raise
+            bad = [i for i, v in zip(reading, verified) if not v]
+            return min([ok, *bad])
+
+        return ok, asyncio.ensure_future(read_on())
+
+    @staticmethod
+    def _as_read(block: np.ndarray, layer0: np.ndarray | None) -> np.ndarray:
+        """The block as storage gave it, for its checksum: under a fault, a copy with
+        layer 0 as it was read (the fault stands for damage after the check)."""
+        if layer0 is None:
+            return block
+        block = block.copy()
+        block[:layer0.size] = layer0
+        return block
+
+    def _inject(self, res: Reservation, blocks, zero_layer0: bool) -> dict[int, np.ndarray]:
+        """Negative controls (dualpath/faults.py), once layer 0 is in the buffer: a bit
+        flipped after the checksum passed; or (worker_copies) layer 0 as if never read.
+        Layer 0 of each damaged block as it was read (for :meth:`_as_read`)."""
+        flip = faults.active("load_flip_byte")
+        if not (flip or zero_layer0):
+            return {}
+        lb = self.space.layout.layer_bytes
+        pristine = {}
+        for i in blocks:
+            pristine[i] = res.flat(i)[:lb].copy()
+            if flip:
+                res.flat(i)[7] ^= 0x80           # the sign of a float32: finite, wrong
+            if zero_layer0:
+                res.flat(i)[:lb] = 0             # the worker copies zeros
+        return pristine
+
+    def end_load(self, load_id: int) -> None:
+        """The worker copied a worker_copies load: its slots go back (idempotent)."""
+        held = self._held.pop(load_id, None)
+        if held is not None:
+            held[0].release()
+
+    def _expire(self) -> None:
+        """Take back the slots of worker_copies loads never ended (their worker died)."""
+        now = time.monotonic()
+        for lid in [lid for lid, (_, d) in self._held.items() if d < now]:
+            log.warning("%s: load %d was never ended by its worker; slots taken back",
+                        self.node_id, lid)
+            self.end_load(lid)
+
+    async def _copy_pending(self, keys: list[bytes], res: Reservation) -> set[int]:
+        """Blocks of ``keys`` still waiting to be persisted, copied into ``res`` from
+        their save's slots (held until the copies end); their indices."""
         copies = [(i, *self._pending[k]) for i, k in enumerate(keys) if k in self._pending]
         for _, s, _ in copies:
             s.readers += 1
@@ -326,15 +478,17 @@ class VllmEngine:
                 s.readers -= 1
                 if not s.readers:
                     s.idle.set()
-        copied = {i for i, _, _ in copies}
-        rest = [i for i in range(len(keys)) if i not in copied]
-        bad = len(keys)
-        if rest:
-            got = await space.read(request_id, [keys[i] for i in rest], res, rest)
-            self.metrics.read_bytes.inc(got.nbytes)
-            if got.usable < len(rest):
-                bad = rest[got.usable]
-        return bad
+        return {i for i, _, _ in copies}
+
+    async def _read_whole(self, request_id: str, keys: list[bytes], res: Reservation,
+                          rest: list[int]) -> int:
+        """Whole-block reads of ``rest`` (a store whose layers are not O_DIRECT pages):
+        the usable leading blocks."""
+        if not rest:
+            return len(keys)
+        got = await self.space.read(request_id, [keys[i] for i in rest], res, rest)
+        self.metrics.read_bytes.inc(got.nbytes)
+        return rest[got.usable] if got.usable < len(rest) else len(keys)
 
     # ------------------------------------------------------------------ save
 
@@ -420,5 +574,9 @@ class VllmEngine:
         for s in self._saves.values():
             s.res.release()
         self._saves.clear()
+        for lid in list(self._held):
+            self.end_load(lid)
+        if self.offer is not None:
+            self.offer.close()
         if self.space is not None:
             await self.space.close()

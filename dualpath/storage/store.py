@@ -78,6 +78,18 @@ DIRECT_IO_MODES = ("auto", "on", "off")
 
 
 @dataclass
+class OpenBlock:
+    """A block file opened for layer reads (:meth:`BlockStore.open_block`); its header
+    checked, its payload hash still to verify (:meth:`BlockStore.finish_block`)."""
+
+    key: bytes
+    fd: int
+    digest: int
+    header: bytes
+    direct: bool
+
+
+@dataclass
 class StoreStats:
     """Counters since the store opened (exported as metrics by the daemons)."""
 
@@ -329,6 +341,103 @@ class BlockStore:
             raise UsageError(f"{len(keys)} keys but {len(outs)} buffers")
         return list(self._read_pool.map(self.read_into, keys, outs))
 
+    # --- reading a block layer by layer --------------------------------------------
+    def layered(self) -> bool:
+        """Whether :meth:`open_block` / :meth:`read_layer` can serve this store: each
+        Layer Block is a whole number of O_DIRECT pages (or O_DIRECT is off)."""
+        return not self.direct or self.layout.layer_bytes % ALIGN == 0
+
+    def open_block(self, key: bytes) -> OpenBlock | None:
+        """Open block ``key`` for :meth:`read_layer`: its header read and checked (magic,
+        geometry, key, length). None when it is missing, unsafe or its header is bad
+        (counted and, when bad, quarantined, as :meth:`read_into` does)."""
+        path = self.path_of(key)
+        self._count(reads=1)
+        direct = self.direct
+        try:
+            fd = self._open_for_read(key, direct)
+        except FileNotFoundError:
+            self._count(misses=1)
+            return None
+        except _Unsafe as e:
+            self._count(unsafe_paths=1)
+            log.warning("block %s: %s; treated as a miss", path, e)
+            return None
+        except OSError as e:
+            self._count(read_errors=1)
+            log.warning("reading block %s: %s; treating it as a miss", path, e)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            head = self._scratch.header
+            got = _read_all(fd, [head], HEADER_BYTES, direct)
+            problem = None
+            if size != HEADER_BYTES + self.layout.full_bytes or got != HEADER_BYTES:
+                problem = f"file holds {size} bytes, expected {HEADER_BYTES + self.layout.full_bytes}"
+            else:
+                problem, digest = check_header(head, self.profile.name, self.layout, key)
+        except OSError as e:
+            os.close(fd)
+            self._count(read_errors=1)
+            log.warning("reading block %s: %s; treating it as a miss", path, e)
+            return None
+        if problem is not None:
+            os.close(fd)
+            self._count(corrupt_blocks=1)
+            log.warning("corrupt block %s (%s): quarantined, treated as a miss", path, problem)
+            self._quarantine(key)
+            return None
+        return OpenBlock(key, fd, digest, bytes(head), direct)
+
+    def read_layer(self, block: OpenBlock, layer: int, dst: np.ndarray) -> bool:
+        """Read Layer Block ``layer`` of an open block into ``dst`` (page-aligned when
+        O_DIRECT); False on a short read or an I/O error (the block is then bad)."""
+        lb = self.layout.layer_bytes
+        if dst.size != lb:
+            raise UsageError(f"a layer of a {self.profile.name} block is {lb} bytes, got "
+                             f"{dst.size}")
+        if block.direct and dst.ctypes.data % ALIGN:
+            raise UsageError("O_DIRECT layer reads need a page-aligned buffer")
+        try:
+            got = _read_all_at(block.fd, dst, HEADER_BYTES + layer * lb, block.direct)
+        except OSError as e:
+            if block.direct and e.errno == _errno.EINVAL:
+                self._direct_unsupported(e)     # later blocks open without O_DIRECT
+            log.warning("reading layer %d of block %s: %s", layer, self.path_of(block.key), e)
+            return False
+        return got == lb
+
+    def close_block(self, block: OpenBlock) -> None:
+        """Close an open block without verifying it (not needed after all; idempotent)."""
+        if block.fd >= 0:
+            os.close(block.fd)
+            block.fd = -1
+
+    def finish_block(self, block: OpenBlock, full: np.ndarray, ok: bool = True) -> bool:
+        """Close an open block whose layers are all in ``full``: True when they verify
+        (payload hash, integrity tag); a bad one is counted and quarantined."""
+        self.close_block(block)
+        if not ok:                           # an I/O error, not proof of a bad file
+            self._count(read_errors=1)
+            return False
+        problem = None
+        if self.verify_checksum and payload_hash(full) != block.digest:
+            problem = "payload hash mismatch"
+        if problem is None and self.integrity_key is not None:
+            problem = check_tag(block.header, self.integrity_key, full)
+        if problem is not None:
+            self._count(corrupt_blocks=1)
+            log.warning("corrupt block %s (%s): quarantined, treated as a miss",
+                        self.path_of(block.key), problem)
+            self._quarantine(block.key)
+            return False
+        self._count(hits=1, bytes_read=full.size)
+        return True
+
+    async def arun(self, fn, *args):
+        """``fn(*args)`` on the store's read pool (its blocking reads)."""
+        return await asyncio.get_running_loop().run_in_executor(self._read_pool, fn, *args)
+
     def _read_file(self, key: bytes, dst: np.ndarray) -> str | None:
         """Read and check one file into ``dst``: the problem found, or None when good."""
         full = dst.size
@@ -470,6 +579,17 @@ class BlockStore:
     def stats_dict(self) -> dict[str, int]:
         with self._lock:
             return asdict(self.stats)
+
+
+def _read_all_at(fd: int, dst: np.ndarray, offset: int, direct: bool) -> int:
+    """pread into ``dst`` from ``offset`` until it is full or EOF."""
+    got = 0
+    while got < dst.size:
+        n = os.preadv(fd, [dst[got:]], offset + got)
+        got += n
+        if n == 0 or (direct and got % ALIGN):
+            break
+    return got
 
 
 def _read_all(fd: int, views: list[np.ndarray], want: int, direct: bool) -> int:

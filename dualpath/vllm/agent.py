@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import logging
 import threading
 import time
@@ -27,11 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 from dualpath import rpc, tls
 from dualpath.config_sections import KvLaneConfig, TransportConfig
 from dualpath.engine.kvio import write_runs
 from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
+from dualpath.engine.shm import take_buffer
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv import placement_wire
 from dualpath.kv.placement import KvPlacement, runs
@@ -63,6 +66,7 @@ class AgentSettings:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     lane: KvLaneConfig = field(default_factory=KvLaneConfig)
     tls: TlsConfig = PLAINTEXT      # the node's [tls]: the worker calls as the node
+    shared_buffer: bool = True      # map the node's buffer when offered (host KV only)
     load_timeout_s: float = 60.0      # a load that makes no progress for this long fails
     save_timeout_s: float = 60.0
     tp_rank: int = 0
@@ -91,12 +95,24 @@ class LoadHandle:
         self.error = ""
         self.nbytes = 0
         self.wait_s = 0.0             # time vLLM's forward waited on this load
+        # Shared-buffer loads: the blocks' slots in the daemon's buffer, the load's id
+        # (EndLoad), until when the daemon holds them, the layers copied so far.
+        self.slots: tuple[int, ...] = ()
+        self.load_id = 0
+        self.hold_deadline = 0.0
+        self.copied: set[int] = set()
         self._cond = threading.Condition()
         self._future: concurrent.futures.Future | None = None
 
     def _update(self, layers_done: int, failed: Sequence[int], complete: bool,
-                nbytes: int) -> None:
+                nbytes: int, slots: Sequence[int] = (), load_id: int = 0,
+                hold_ms: int = 0) -> None:
         with self._cond:
+            if slots and not self.slots:
+                self.slots, self.load_id = tuple(slots), load_id
+                # Copy only well inside the daemon's hold: past it the slots may serve
+                # another request.
+                self.hold_deadline = time.monotonic() + hold_ms / 2000.0
             self.layers_done = max(self.layers_done, layers_done)
             self.failed.update(failed)
             self.nbytes += nbytes
@@ -141,6 +157,7 @@ class SaveHandle:
         self.units = units
         self.begun: concurrent.futures.Future | None = None   # -> (save_id, slots) | None
         self.layers: list[concurrent.futures.Future] = []
+        self.copied = 0               # layers copied into the shared buffer
         self.ok = True
         self.error = ""
 
@@ -185,6 +202,9 @@ class WorkerAgent:
         self.placement = placement
         self.name = ""
         self.attached: Attached | None = None
+        self.shared = None            # the daemon's buffer, mapped (same host, host KV)
+        self.shared_addr = 0
+        self._range_addr = {r.name: r.addr for r in self.ranges}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever,
                                         name="dualpath-worker-agent", daemon=True)
@@ -228,20 +248,28 @@ class WorkerAgent:
     async def _attach(self) -> Attached:
         """Attach (again, after the daemon restarted: it answers NOT_FOUND for us)."""
         s = self.settings
+        host = s.shared_buffer and all(r.gpu_device is None for r in self.ranges)
         reply = await self.stub.Attach(connector_pb2.AttachRequest(
             worker_name=self.name, model_id=s.model_id, tp_rank=s.tp_rank,
-            tp_size=s.tp_size, placement=placement_wire.to_pb(self.placement)), timeout=30)
+            tp_size=s.tp_size, placement=placement_wire.to_pb(self.placement),
+            host_memory=host), timeout=30)
         if reply.transport != self.transfer.transport:
             raise UsageError(f"node daemon {s.node_address} uses transport {reply.transport}, "
                              f"this worker {self.transfer.transport}: set [transport] kind "
                              "alike on both")
         self.attached = Attached(reply.node_id, reply.namespace, reply.block_tokens,
                                  placement_wire.from_pb(reply.buffer, "daemon buffer"))
+        self.shared, self.shared_addr = None, 0
+        if reply.shm_name:
+            m = await asyncio.to_thread(take_buffer, reply.shm_name, reply.shm_token)
+            arr = np.frombuffer(m, np.uint8)
+            self.shared, self.shared_addr = (m, arr), arr.ctypes.data
         log.info("DualPath worker agent %s: transport %s (%s), %d KV range(s); attached to "
-                 "node %s at %s (store namespace %s, %d-token blocks)", self.name,
+                 "node %s at %s (store namespace %s, %d-token blocks); %s", self.name,
                  self.transfer.transport, self.transfer.provider.description,
                  len(self.ranges), reply.node_id, s.node_address, reply.namespace,
-                 reply.block_tokens)
+                 reply.block_tokens, "the node's buffer shared: this worker copies"
+                 if self.shared else "the node WRITEs into the KV memory")
         return self.attached
 
     def close(self) -> None:
@@ -285,12 +313,14 @@ class WorkerAgent:
         return True
 
     async def _load(self, h: LoadHandle, keys: list[bytes], units: list[int]) -> None:
-        req = connector_pb2.LoadRequest(request_id=h.request_id, worker_name=self.name,
-                                        block_keys=keys, units=units)
         for attempt in (1, 2):
+            req = connector_pb2.LoadRequest(request_id=h.request_id, worker_name=self.name,
+                                            block_keys=keys, units=units,
+                                            worker_copies=self.shared is not None)
             try:
                 async for p in self.stub.Load(req, timeout=self.settings.load_timeout_s):
-                    h._update(p.layers_done, p.failed_blocks, p.complete, p.bytes_written)
+                    h._update(p.layers_done, p.failed_blocks, p.complete, p.bytes_written,
+                              p.slots, p.load_id, p.hold_ms)
                 h._end()
                 return
             except grpc.aio.AioRpcError as e:
@@ -301,6 +331,35 @@ class WorkerAgent:
             except asyncio.CancelledError:
                 h._end("load given up")
                 raise
+
+    def copy_layer(self, h: LoadHandle, layer: int, units: list[int]) -> bool:
+        """A shared-buffer load: copy layer ``layer`` of its usable blocks from the
+        daemon's buffer into vLLM's KV memory (once). False when the load has no slots
+        or the daemon's hold ran out (the caller then counts its blocks failed)."""
+        if layer in h.copied or not h.slots:
+            return bool(h.slots)
+        if time.monotonic() > h.hold_deadline:
+            return False
+        fmt = self.placement.fmt
+        ok = min([*h.failed, h.nblocks])
+        buf = self.attached.buffer
+        for r in runs(buf, buf.units_of_slots(h.slots[:ok]), self.placement,
+                      units[:ok * fmt.units], layer, 0, ok * fmt.block_tokens):
+            ctypes.memmove(self._range_addr[r.dst_region] + r.dst_offset,
+                           self.shared_addr + r.src_offset, r.length)
+        h.copied.add(layer)
+        return True
+
+    def end_load(self, h: LoadHandle) -> None:
+        """Give a shared-buffer load's slots back to the daemon (returns at once)."""
+        if h.load_id:
+            self._submit(self._end_load(h.load_id))
+
+    async def _end_load(self, load_id: int) -> None:
+        try:
+            await self.stub.EndLoad(connector_pb2.EndLoadRequest(load_id=load_id), timeout=10)
+        except grpc.aio.AioRpcError as e:   # the daemon takes them back after its hold
+            log.warning("DualPath: EndLoad %d failed: %s", load_id, e.code().name)
 
     def fence(self) -> None:
         """Make every WRITE still on its way into our KV memory fail where it lands (the
@@ -338,8 +397,23 @@ class WorkerAgent:
                 return None
 
     def save_layer(self, h: SaveHandle, layer: int) -> None:
-        """WRITE layer ``layer`` of the save's blocks into the borrowed slots (async)."""
-        h.layers.append(self._submit(self._save_layer(h, layer)))
+        """Layer ``layer`` of the save's blocks into the borrowed slots: a copy into the
+        shared buffer (here, now), or a WRITE (async)."""
+        if self.shared is None:
+            h.layers.append(self._submit(self._save_layer(h, layer)))
+            return
+        try:
+            got = h.begun.result(self.settings.save_timeout_s)
+        except concurrent.futures.TimeoutError:
+            got, h.ok, h.error = None, False, "BeginSave timed out"
+        if got is None or not h.ok:
+            return
+        buf = self.attached.buffer
+        for r in runs(self.placement, h.units, buf, buf.units_of_slots(got[1]), layer, 0,
+                      len(h.keys) * self.placement.fmt.block_tokens):
+            ctypes.memmove(self.shared_addr + r.dst_offset,
+                           self._range_addr[r.src_region] + r.src_offset, r.length)
+        h.copied += 1
 
     async def _save_layer(self, h: SaveHandle, layer: int) -> None:
         got = await asyncio.wrap_future(h.begun)
@@ -371,8 +445,9 @@ class WorkerAgent:
         if got is None:
             return False
         layers = self.placement.fmt.layers
-        if len(h.layers) != layers:       # a layer never saved: its slots hold no KV
-            h.ok, h.error = False, f"{len(h.layers)} of {layers} layers written"
+        written = len(h.layers) + h.copied
+        if written != layers:             # a layer never saved: its slots hold no KV
+            h.ok, h.error = False, f"{written} of {layers} layers written"
         keep = commit and h.ok
         try:
             self._run(self._end_save(got[0], keep), 15)

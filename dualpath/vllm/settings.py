@@ -17,6 +17,9 @@ load_timeout_s    a load that makes no progress for this long fails (default 60;
                   blocks are recomputed, the memory fenced first)
 save_timeout_s    bound on persisting one step's new blocks (default 60; past it they
                   are not cached)
+shared_buffer  map the node daemon's DRAM buffer (same host, KV in host memory) and copy
+               layers from it instead of receiving WRITEs (default true; false forces
+               the data plane, e.g. to measure it)
 ============== =========================================================================
 
 The model id names the model, its weights and its KV geometry, so KV of one model can
@@ -37,7 +40,7 @@ from dualpath.errors import UsageError
 from dualpath.rpc import parse_listen
 
 KEYS = ("node_address", "config", "listen", "advertise", "block_units", "lookup_timeout_s",
-        "load_timeout_s", "save_timeout_s")
+        "load_timeout_s", "save_timeout_s", "shared_buffer")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class ConnectorSettings:
     lookup_timeout_s: float = 2.0
     load_timeout_s: float = 60.0
     save_timeout_s: float = 60.0
+    shared_buffer: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict) -> ConnectorSettings:
@@ -77,7 +81,12 @@ class ConnectorSettings:
                     raise UsageError(f"kv_connector_extra_config.{k} must be a number of "
                                      f"seconds in (0, 3600), not {v!r}")
                 times[k] = float(v)
-        return cls(node, cfg, listen, str(extra.get("advertise", "")), units, **times)
+        shared = extra.get("shared_buffer", True)
+        if not isinstance(shared, bool):
+            raise UsageError(f"kv_connector_extra_config.shared_buffer must be true or "
+                             f"false, not {shared!r}")
+        return cls(node, cfg, listen, str(extra.get("advertise", "")), units, **times,
+                   shared_buffer=shared)
 
 
 def model_id(vllm_config) -> str:

@@ -67,7 +67,8 @@ class WorkerSide:
             transport=cfg.transport, transfer=cfg.transfer, lane=cfg.kv_lane, tls=cfg.tls,
             load_timeout_s=self.settings.load_timeout_s,
             save_timeout_s=self.settings.save_timeout_s, tp_rank=self.tp_rank,
-            tp_size=self.tp_size), kv.ranges, kv.placement)
+            tp_size=self.tp_size, shared_buffer=self.settings.shared_buffer),
+            kv.ranges, kv.placement)
         a = self.agent.start()
         log.info("DualPath connector (worker): %d layers of %s KV (%s layout), format %s, "
                  "node %s", len(kv.layer_names), kv.dtype, kv.layout,
@@ -87,15 +88,16 @@ class WorkerSide:
         if not self._loads:
             return
         layer = self.layer_index[layer_name]
-        for h, _ in self._loads:
-            if h.ended and (h.error or layer < h.layers_done):
-                continue
-            if not h.wait_layer(layer, self.settings.load_timeout_s):
+        for h, units in self._loads:
+            if not (h.ended and (h.error or layer < h.layers_done)) and \
+                    not h.wait_layer(layer, self.settings.load_timeout_s):
                 log.warning("DualPath: load of %s made no progress for %.0f s at layer %d; "
                             "fencing the KV memory and recomputing", h.request_id,
                             self.settings.load_timeout_s, layer)
                 self.agent.fence()
                 h.give_up("timed out")
+            if h.slots and not h.error and not self.agent.copy_layer(h, layer, units):
+                h.give_up("the node's hold on the buffer ran out before the copy")
 
     def save_layer(self, layer_name: str) -> None:
         if not self._saves:
@@ -108,6 +110,13 @@ class WorkerSide:
         failed_reqs = set()
         k = self.kv.placement.fmt.units
         for h, units in self._loads:
+            # Blocks found corrupt only when their last layer was read come with the
+            # load's last message: wait for it (the forward normally already did).
+            if not h.ended and not h.wait_layer(self.kv.placement.fmt.layers - 1,
+                                                self.settings.load_timeout_s):
+                self.agent.fence()
+                h.give_up("timed out")
+            self.agent.end_load(h)
             if h.failed:
                 failed_reqs.add(h.request_id)
                 for i in h.failed:

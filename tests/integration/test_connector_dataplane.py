@@ -25,7 +25,7 @@ from dualpath.kv.prefix import block_keys
 from dualpath.v1 import connector_pb2, connector_pb2_grpc
 from dualpath.vllm.agent import AgentSettings, MemoryRange, WorkerAgent
 
-L, H, B, D = 3, 2, 16, 32            # layers, KV heads, tokens per block, bytes per head row
+L, H, B, D = 3, 2, 16, 64            # layers, KV heads, tokens per block, bytes per head row
 UNITS = 12                           # engine blocks per layer
 UNIT = H * 2 * B * D
 
@@ -63,16 +63,20 @@ class Daemon:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory):
+@pytest.fixture(scope="module", params=["write", "copy"])
+def rig(tmp_path_factory, request):
+    """``write``: the daemon WRITEs into the worker's memory over the data plane;
+    ``copy``: the worker maps the daemon's shared buffer and copies each layer."""
     d = Daemon(tmp_path_factory.mktemp("node"))
     mem = np.zeros(L * UNITS * UNIT, np.uint8)
     agent = WorkerAgent(AgentSettings(node_address=d.node.address, model_id="test-model",
                                       transport=_config.load(None, {"transport.kind": "tcp"}
                                                              ).transport,
-                                      tls=d.pki.config("node/n0")),
+                                      tls=d.pki.config("node/n0"),
+                                      shared_buffer=request.param == "copy"),
                         [MemoryRange("kv", mem.ctypes.data, mem.nbytes)], _cpu_like_placement())
     agent.start()
+    assert (agent.shared is not None) == (request.param == "copy")
     ch = tls.sync_channel(d.node.address, d.pki.config("node/n0"))
     yield d, agent, mem, connector_pb2_grpc.KvConnectorStub(ch)
     ch.close()
@@ -83,6 +87,18 @@ def rig(tmp_path_factory):
 def _engine_block(mem, layer, unit):
     off = (layer * UNITS + unit) * UNIT
     return mem[off:off + UNIT]
+
+
+def _load(agent, keys, units, rid="r-load"):
+    """Load ``keys`` into ``units`` as vLLM's forward would: wait for each layer (and, on
+    a shared buffer, copy it), then give the load back."""
+    h = agent.load(rid, keys, units)
+    for layer in range(L):
+        assert h.wait_layer(layer, 30)
+        if h.slots and not h.error:
+            assert agent.copy_layer(h, layer, units)
+    agent.end_load(h)
+    return h
 
 
 def _save(agent, keys, units):
@@ -114,9 +130,7 @@ def test_save_then_load_moves_exact_bytes_into_other_blocks(rig):
             _engine_block(mem, layer, u)[:] = rng.integers(0, 256, UNIT, dtype=np.uint8)
     assert _save(agent, keys, src)
     _wait_stored(d, keys, stub)
-    h = agent.load("r-load", keys, dst)
-    for layer in range(L):
-        assert h.wait_layer(layer, 30)
+    h = _load(agent, keys, dst)
     assert not h.failed and not h.error
     for layer in range(L):
         for s, t in zip(src, dst):
@@ -150,18 +164,26 @@ def test_corrupt_and_deleted_blocks_are_reported_and_never_written(rig):
     for layer in range(L):
         for u in dst:
             _engine_block(mem, layer, u)[:] = 0xAA
-    h = agent.load("r-bad", keys, dst)
-    for layer in range(L):
-        assert h.wait_layer(layer, 30)
+    h = _load(agent, keys, dst, "r-bad")
     assert h.failed == {1, 2} and not h.error    # from the first bad block on
     for layer in range(L):
         assert np.array_equal(_engine_block(mem, layer, 1), _engine_block(mem, layer, 7))
+    # A payload is verified once all its layers are read, and read layer by layer they
+    # may already be in place when it fails: reported failed all the same (vLLM
+    # recomputes them). A block the store knows is bad or missing is never written:
+    for layer in range(L):
+        _engine_block(mem, layer, 8)[:] = 0xAA
+    h = _load(agent, keys[:2], [7, 8], "r-quarantined")   # block 1 was quarantined
+    assert h.failed == {1}
+    for layer in range(L):
         assert (_engine_block(mem, layer, 8) == 0xAA).all()    # never written
-        assert (_engine_block(mem, layer, 10) == 0xAA).all()
     store.delete(keys[0])
-    h = agent.load("r-gone", keys[:1], [7])
-    h.wait_layer(L - 1, 30)
+    for layer in range(L):
+        _engine_block(mem, layer, 7)[:] = 0xAA
+    h = _load(agent, keys[:1], [7], "r-gone")
     assert h.failed == {0}
+    for layer in range(L):
+        assert (_engine_block(mem, layer, 7) == 0xAA).all()    # never written
 
 
 @pytest.mark.parametrize("who", ["client/x", "node/n1", None])

@@ -21,11 +21,12 @@ and the PE fetch. Completions flow back too (PREFILL_DONE, DECODE_DONE).
   on a shared host it also counts time given to other processes); fetch latency
   = one core ``fetch`` call.
 * grpc: ``dualpath scheduler`` runs as its own process on 127.0.0.1 (uvloop, grpc.aio,
-  plaintext). The 144 leaders run in ``--workers`` spawned processes (uvloop; default 1,
-  see below), each with its own channel and TCP connection as leaders on their own
-  hosts have (``--channels N`` shares N per process instead; measured: one connection
-  shared by all 144 schedules only ~5,800 of the 6,000 requests/s offered, its queue
-  growing, cause not found), each leader on its own fixed timer grid: it fetches every
+  plaintext; ``tls`` below compares it with mutual TLS). The 144 leaders run in
+  ``--workers`` spawned processes (uvloop; default 1, see below), each with its own
+  channel and TCP connection as leaders on their own hosts have (``--channels N``
+  shares N per process instead; measured: one connection shared by all 144 schedules
+  only ~5,800 of the 6,000 requests/s offered, its queue growing, cause not found),
+  each leader on its own fixed timer grid: it fetches every
   ``--fetch-interval-ms`` (100 ms, as deploy/scheduler.toml), the 144 grids staggered
   evenly, a late wake-up skipping to the next slot instead of shifting its phase (else
   one pause synchronises the groups into bursts that last the whole run). Each fetch
@@ -57,12 +58,37 @@ and the PE fetch. Completions flow back too (PREFILL_DONE, DECODE_DONE).
   requests. ``saturated_requests_per_s_journal_over_plain`` is the ratio of the two
   rates (target >= 0.8: durable submission costs at most 20 %).
 
+* tls (the cost of mutual TLS, issue 11): the gRPC set-up above (same engines, grids,
+  fetch period, offered rate and seeds) ``--tls-reps`` times with mutual TLS and as many
+  times in plaintext, in ONE run, alternated: repetition k runs both sides, plain first
+  when k is even and TLS first when it is odd (plain, TLS, TLS, plain, ...), each a fresh
+  daemon, ``--grpc-warmup-s`` then a ``--tls-seconds`` window. Only the ``[tls]`` of the
+  daemon and of its clients differs. One throw-away PKI (``dualpath.tls
+  .make_cluster_pki``, made before the first repetition and outside every window): a
+  node certificate per group named after its group id (spiffe://dualpath/node/<group
+  id>), as a real leader presents its node's, since the scheduler binds each group to
+  the identity that registered it — the scheduler would let one identity register every
+  group, but no cluster runs that way, and the per-connection handshakes fall before the
+  window either way; a ``scheduler`` certificate for the daemon and one ``client``
+  certificate for the submitter and both health probes. Each leader keeps its own
+  connection (``--channels`` is refused: a shared one would present one identity for
+  several groups). Over TLS the daemon reads each call's peer identity for its ownership
+  check, as deployed. Per repetition: the leaders' Fetch p99 (as above), the daemon's
+  CPU-seconds over the window / fetches begun in it (shown in us; the daemon also
+  served the window's submissions and health calls, the same on both sides), the same
+  for the leader process. ``grpc_fetch_p99_tls_over_plain`` = median over the TLS
+  repetitions of their p99 / the same median over the plain ones (target <= 1.10). The
+  144 leaders share one process on this host, so their client-side TLS work competes
+  with the daemon for the same cores, which real leaders on their own hosts do not.
+
 Prints a fixed table and, with ``--json PATH``, the same record with a top-level
 ``summary`` {core_requests_per_s, grpc_requests_per_s, grpc_fetch_p99_ms, and beside
 them grpc_fetch_p50_ms, grpc_server_fetch_p99_ms_le, grpc_host_other_cpu_cores,
 saturated_requests_per_s_journal_over_plain, saturated_server_us_per_request_{plain,
-journal}}. Targets (issue 5): core >= 50,000 requests/s on one core; gRPC >= 5,000
-requests/s with p99 fetch <= 10 ms; (issue 12) journal over plain >= 0.8.
+journal}, grpc_fetch_p99_tls_over_plain, and beside it grpc_fetch_p99_ms_{tls,plain},
+grpc_server_cpu_us_per_fetch_{tls,plain} (medians) and grpc_tls_repetitions}. Targets
+(issue 5): core >= 50,000 requests/s on one core; gRPC >= 5,000 requests/s with p99
+fetch <= 10 ms; (issue 12) journal over plain >= 0.8; (issue 11) TLS over plain <= 1.10.
 """
 
 from __future__ import annotations
@@ -173,6 +199,32 @@ def run_core(args) -> dict:
 # ---------------------------------------------------------------- through gRPC
 
 
+def tls_section(pki, identity: str) -> str:
+    """The daemon's [tls] table: mutual TLS as ``identity`` of ``pki``, or plaintext
+    (``pki`` None)."""
+    if pki is None:
+        return "[tls]\nplaintext = true\n"
+    return "[tls]\n" + "".join(f"{k} = {json.dumps(v)}\n"
+                               for k, v in pki.section(identity).items())
+
+
+def credentials(pki, identity: str):
+    """Channel credentials presenting ``identity``'s certificate (None: plaintext)."""
+    from dualpath import tls
+
+    return None if pki is None else tls.channel_credentials(pki.config(identity))
+
+
+def bench_identities(args) -> list[str]:
+    """Every identity a TLS run presents: one node certificate per group, named after
+    its group id (the id its leader registers; the scheduler binds the group to it),
+    the scheduler's, and one client certificate for the submitter and the probes."""
+    cl = SimCluster(get_profile(args.model), args.pe_nodes, args.de_nodes,
+                    args.engines_per_node, READ_BYTES_PER_S, args.grpc_speedup, seed=args.seed)
+    return [f"node/{g.group_id}" for g in cl.groups] + ["scheduler/scheduler",
+                                                          "client/bench"]
+
+
 def start_daemon(args, profile, tmp: Path) -> tuple[subprocess.Popen, str, str]:
     alpha, beta = scaled_thresholds(profile, args.grpc_speedup)
     cfg = tmp / "scheduler.toml"
@@ -185,7 +237,7 @@ def start_daemon(args, profile, tmp: Path) -> tuple[subprocess.Popen, str, str]:
         "lease_ms = 60000\nmax_queued_requests = 10000000\nmax_held_bytes = 17179869184\n"
         'metrics_listen = "127.0.0.1:0"\n'
         + (f'journal_file = "{tmp / "scheduler.sqlite"}"\n' if args.journal else "")
-        + "[tls]\nplaintext = true\n")
+        + tls_section(args.pki, "scheduler/scheduler"))
     proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "--log-level", "INFO",
                              "scheduler", "--config", str(cfg), "--listen", "127.0.0.1:0"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -194,8 +246,12 @@ def start_daemon(args, profile, tmp: Path) -> tuple[subprocess.Popen, str, str]:
     for line in proc.stderr:
         m = re.search(r"metrics: serving (http://\S+)", line)
         metrics_url = m.group(1) if m else metrics_url
-        m = re.search(r"listening on (127\.0\.0\.1:\d+)", line)
+        m = re.search(r"listening on (127\.0\.0\.1:\d+), ([\w-]+)", line)
         if m:
+            want = "mutual-tls" if args.pki else "plaintext"
+            if m.group(2) != want:  # the comparison is void if a side is not what it says
+                proc.terminate()
+                raise RuntimeError(f"scheduler daemon serves {m.group(2)}, expected {want}")
             # Keep draining the daemon's log so it never blocks on a full pipe.
             threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
             return proc, m.group(1), metrics_url
@@ -265,10 +321,17 @@ async def leaders(k: int, args, addr: str, ctl, rx: list, tx: dict) -> None:
             mine.append((i, g))
     loop = asyncio.get_running_loop()
     # Each leader has its own channel and TCP connection (a local subchannel pool each),
-    # as leaders on separate hosts do; --channels N shares N among this process's.
-    clients = [SchedulerClient(addr, timeout_s=30,
-                               options=[("grpc.use_local_subchannel_pool", 1)])
-               for _ in range(args.channels or len(mine))]
+    # as leaders on separate hosts do; --channels N shares N among this process's
+    # (plaintext only). Over mutual TLS each leader presents its own group's node
+    # certificate.
+    opts = [("grpc.use_local_subchannel_pool", 1)]
+    if args.channels:
+        clients = [SchedulerClient(addr, timeout_s=30, options=opts)
+                   for _ in range(args.channels)]
+    else:
+        clients = [SchedulerClient(addr, timeout_s=30, options=opts,
+                                   credentials=credentials(args.pki, f"node/{g.group_id}"))
+                   for _, g in mine]
     kvb = profile.kv_bytes_per_token
     channel = {g.group_id: clients[j % len(clients)] for j, (_, g) in enumerate(mine)}
     for _, g in mine:
@@ -366,7 +429,8 @@ async def leaders(k: int, args, addr: str, ctl, rx: list, tx: dict) -> None:
         # The floor again, from inside this process (own connection): when it is slow
         # and the separate process's is not, the delay is this process's, not the daemon's.
         probe_client = SchedulerClient(addr, timeout_s=30,
-                                       options=[("grpc.use_local_subchannel_pool", 1)])
+                                       options=[("grpc.use_local_subchannel_pool", 1)],
+                                       credentials=credentials(args.pki, "client/bench"))
         await probe_client.health()
         await asyncio.sleep(max(0.0, window_at - mono()))
         while (t := mono()) < window_end:
@@ -402,7 +466,9 @@ async def coordinate(args, profile, addr: str, pid: int, metrics_url: str,
     # measures over the same window.
     floor = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--probe", addr, "--probe-at", str(window_at),
-        "--grpc-seconds", str(args.grpc_seconds), stdout=asyncio.subprocess.PIPE)
+        "--grpc-seconds", str(args.grpc_seconds), "--probe-tls",
+        json.dumps(args.pki.section("client/bench") if args.pki else {}),
+        stdout=asyncio.subprocess.PIPE)
     cl = SimCluster(profile, args.pe_nodes, args.de_nodes, args.engines_per_node,
                     READ_BYTES_PER_S, args.grpc_speedup, seed=args.seed + 1000)
     state = {"queued": 0}
@@ -441,7 +507,8 @@ async def coordinate(args, profile, addr: str, pid: int, metrics_url: str,
         return (time.monotonic(), cpu_seconds(pid), [cpu_seconds(p.pid) for p in procs],
                 time.process_time(), cpu_seconds(floor.pid), host_busy_s())
 
-    async with SchedulerClient(addr, timeout_s=30) as client:
+    async with SchedulerClient(addr, timeout_s=30,
+                               credentials=credentials(args.pki, "client/bench")) as client:
         sub = asyncio.get_running_loop().create_task(submitter(client))
         await asyncio.sleep(max(0.0, window_at - time.monotonic() - 0.5))
         # Scrape the daemon's histograms outside the window: rendering /metrics holds
@@ -481,10 +548,17 @@ async def coordinate(args, profile, addr: str, pid: int, metrics_url: str,
         "leader_health_rtt_p50_ms": 1e3 * percentile(inner, 50),
         "leader_health_rtt_p99_ms": 1e3 * percentile(inner, 99),
         "server_cpu_cores": (b[1] - a[1]) / window,
+        # The daemon's CPU over the window per fetch begun in it (it also served the
+        # window's submissions and health calls: the same load on either side).
+        "fetches": len(both),
+        "server_cpu_us_per_fetch": 1e6 * (b[1] - a[1]) / len(both) if both else float("nan"),
+        "client_cpu_us_per_fetch":
+            1e6 * (sum(b[2]) - sum(a[2])) / len(both) if both else float("nan"),
         "client_cpu_cores": (sum(b[2]) - sum(a[2])) / window,
         "submitter_cpu_cores": (b[3] - a[3]) / window,
         # Everything else the host ran meanwhile (other users of the machine).
         "host_other_cpu_cores": max(0.0, (b[5] - a[5]) - mine) / window,
+        "tls": "mutual-tls" if args.pki else "plaintext",
         "leader_processes": args.workers,
         "connections": args.channels * args.workers or args.pe_nodes + args.de_nodes,
         "speedup": args.grpc_speedup,
@@ -494,14 +568,16 @@ async def coordinate(args, profile, addr: str, pid: int, metrics_url: str,
     }
 
 
-async def probe(addr: str, at: float, seconds: float) -> dict:
+async def probe(addr: str, at: float, seconds: float, tls_section: dict) -> dict:
     """The floor: round trips of a trivial call (gRPC health) from a process of its own,
     one every 10 ms from monotonic time ``at``, against the same daemon under the same
-    load."""
+    load (over mutual TLS with the ``tls_section`` files when given)."""
+    from dualpath import tls
     from dualpath.scheduler.client import SchedulerClient
 
+    creds = tls.channel_credentials(tls.TlsConfig(**tls_section)) if tls_section else None
     lat = []
-    async with SchedulerClient(addr, timeout_s=30) as c:
+    async with SchedulerClient(addr, timeout_s=30, credentials=creds) as c:
         await c.health()  # connect before the window
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         end = time.monotonic() + seconds
@@ -528,6 +604,57 @@ def run_saturated(args) -> dict:
         out["journal" if journal else "plain"] = r
     out["journal_over_plain"] = out["journal"]["requests_per_s"] / \
         out["plain"]["requests_per_s"] if out["plain"]["requests_per_s"] else float("nan")
+    return out
+
+
+def tls_order(reps: int) -> list[bool]:
+    """Which side runs when (True = mutual TLS): ``reps`` pairs, the side that goes first
+    alternating from one pair to the next (plain, TLS, TLS, plain, plain, TLS, ...), so
+    a drift of the host over the run weighs on both sides alike."""
+    return [side for rep in range(reps)
+            for side in ((False, True) if rep % 2 == 0 else (True, False))]
+
+
+def compare_tls(runs: list[dict]) -> dict:
+    """The medians of each side over its repetitions and their ratios (TLS / plain):
+    Fetch p99 as the leaders see it (the target's figure), p50, and the daemon's and the
+    leaders' CPU per fetch."""
+    from statistics import median
+
+    out: dict = {"repetitions": sum(1 for r in runs if r["tls"] == "mutual-tls")}
+    keys = ("fetch_p99_ms", "fetch_p50_ms", "server_cpu_us_per_fetch",
+            "client_cpu_us_per_fetch", "requests_per_s", "host_other_cpu_cores")
+    for side in ("plaintext", "mutual-tls"):
+        mine = [r for r in runs if r["tls"] == side]
+        out["tls" if side == "mutual-tls" else "plain"] = {
+            k: median(r[k] for r in mine) if mine else float("nan") for k in keys}
+    for k in ("fetch_p99_ms", "fetch_p50_ms", "server_cpu_us_per_fetch",
+              "client_cpu_us_per_fetch"):
+        plain = out["plain"][k]
+        out[f"{k}_tls_over_plain"] = out["tls"][k] / plain if plain else float("nan")
+    return out
+
+
+def run_tls(args) -> dict:
+    """The gRPC set-up ``--tls-reps`` times with mutual TLS and as many without, in
+    :func:`tls_order`; everything but the [tls] of the daemon and of its clients is the
+    same (engines, grids, fetch period, offered rate, seeds). One PKI for the run."""
+    from dualpath.tls import make_cluster_pki
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.monotonic()
+        pki = make_cluster_pki(Path(tmp) / "pki", bench_identities(args))
+        pki_s = time.monotonic() - t0
+        runs = []
+        for rep, side in enumerate(tls_order(args.tls_reps)):
+            a = argparse.Namespace(**vars(args))
+            a.pki = pki if side else None
+            a.grpc_seconds = args.tls_seconds
+            r = run_grpc(a)
+            r["repetition"] = rep // 2
+            runs.append(r)
+    out = compare_tls(runs)
+    out.update(runs=runs, pki_s=pki_s, identities=len(pki.certs))
     return out
 
 
@@ -605,22 +732,36 @@ def main(argv: list[str] | None = None) -> int:
                    help="saturated: engine speed factor (the daemon must be the limit)")
     p.add_argument("--sat-fetch-interval-ms", type=float, default=20.0)
     p.add_argument("--sat-seconds", type=float, default=10.0)
+    p.add_argument("--skip-tls", action="store_true",
+                   help="skip the mutual-TLS vs plaintext comparison")
+    p.add_argument("--tls-reps", type=int, default=5,
+                   help="tls: repetitions of each side (TLS and plain), alternated")
+    p.add_argument("--tls-seconds", type=float, default=10.0,
+                   help="tls: measured window of each repetition")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--probe", metavar="ADDR", help=argparse.SUPPRESS)  # internal: the floor
     p.add_argument("--probe-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--probe-tls", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.saturate, args.journal = False, False
+    args.saturate, args.journal, args.pki = False, False, None
+    if not args.skip_tls and args.channels:
+        p.error("the TLS comparison needs one connection per leader (--channels 0): a "
+                "shared connection would present one identity for several groups")
+    if not args.skip_tls and args.tls_reps < 1:
+        p.error("--tls-reps must be at least 1 (the issue's target needs >= 5)")
     if args.probe:
         import uvloop
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            print(json.dumps(runner.run(probe(args.probe, args.probe_at, args.grpc_seconds))))
+            print(json.dumps(runner.run(probe(args.probe, args.probe_at, args.grpc_seconds,
+                                              json.loads(args.probe_tls)))))
         return 0
 
     load_before = os.getloadavg()[0]
     core = run_core(args)
     grpc_res = None if args.skip_grpc else run_grpc(args)
     sat = None if args.skip_saturated else run_saturated(args)
+    tls_res = None if args.skip_tls else run_tls(args)
     load_after = os.getloadavg()[0]
     engines = (args.pe_nodes + args.de_nodes) * args.engines_per_node
     record = {
@@ -630,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1min": [load_before, load_after],
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "engines": engines, "groups": args.pe_nodes + args.de_nodes,
-        "core": core, "grpc": grpc_res, "saturated": sat,
+        "core": core, "grpc": grpc_res, "saturated": sat, "tls": tls_res,
         "summary": {
             "core_requests_per_s": round(core["requests_per_s"]),
             "grpc_requests_per_s": round(grpc_res["requests_per_s"]) if grpc_res else None,
@@ -646,6 +787,17 @@ def main(argv: list[str] | None = None) -> int:
                 round(sat["plain"]["server_us_per_request"], 1) if sat else None,
             "saturated_server_us_per_request_journal":
                 round(sat["journal"]["server_us_per_request"], 1) if sat else None,
+            "grpc_fetch_p99_tls_over_plain":
+                round(tls_res["fetch_p99_ms_tls_over_plain"], 3) if tls_res else None,
+            "grpc_fetch_p99_ms_tls":
+                round(tls_res["tls"]["fetch_p99_ms"], 3) if tls_res else None,
+            "grpc_fetch_p99_ms_plain":
+                round(tls_res["plain"]["fetch_p99_ms"], 3) if tls_res else None,
+            "grpc_server_cpu_us_per_fetch_tls":
+                round(tls_res["tls"]["server_cpu_us_per_fetch"], 1) if tls_res else None,
+            "grpc_server_cpu_us_per_fetch_plain":
+                round(tls_res["plain"]["server_cpu_us_per_fetch"], 1) if tls_res else None,
+            "grpc_tls_repetitions": tls_res["repetitions"] if tls_res else None,
         },
     }
     print(f"scheduler bench: {args.pe_nodes}P{args.de_nodes}D x {args.engines_per_node} = "
@@ -693,6 +845,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"journal over plain: {sat['journal_over_plain']:.3f} (target >= 0.8); rest "
               f"of the host {sat['plain']['host_other_cpu_cores']:.2f} / "
               f"{sat['journal']['host_other_cpu_cores']:.2f} cores")
+    if tls_res:
+        t = tls_res
+        print(f"mutual TLS vs plaintext ({t['repetitions']} repetitions of each, alternated, "
+              f"fresh daemon each; {t['identities']} certificates made in {t['pki_s']:.1f} s; "
+              f"{args.tls_seconds:g} s windows):")
+        print(f"  {'rep':>3} {'side':<10} {'req/s':>7} {'fetch p50 ms':>13} "
+              f"{'fetch p99 ms':>13} {'server p99 <=':>14} {'daemon us/fetch':>16} "
+              f"{'leaders us/fetch':>17} {'rest of host':>13}")
+        for r in t["runs"]:
+            print(f"  {r['repetition']:>3} {r['tls']:<10} {r['requests_per_s']:>7.0f} "
+                  f"{r['fetch_p50_ms']:>13.3f} {r['fetch_p99_ms']:>13.3f} "
+                  f"{r['server_fetch_p99_ms_le']:>14g} "
+                  f"{r['server_cpu_us_per_fetch']:>16.1f} {r['client_cpu_us_per_fetch']:>17.1f} "
+                  f"{r['host_other_cpu_cores']:>13.2f}")
+        for side in ("plain", "tls"):
+            m = t[side]
+            print(f"  {'med':>3} {side:<10} {m['requests_per_s']:>7.0f} "
+                  f"{m['fetch_p50_ms']:>13.3f} {m['fetch_p99_ms']:>13.3f} {'':>14} "
+                  f"{m['server_cpu_us_per_fetch']:>16.1f} {m['client_cpu_us_per_fetch']:>17.1f} "
+                  f"{m['host_other_cpu_cores']:>13.2f}")
+        print(f"  Fetch p99 TLS / plain (medians): {t['fetch_p99_ms_tls_over_plain']:.3f} "
+              f"(target <= 1.10); p50 {t['fetch_p50_ms_tls_over_plain']:.3f}; daemon CPU per "
+              f"fetch {t['server_cpu_us_per_fetch_tls_over_plain']:.3f}, leaders' "
+              f"{t['client_cpu_us_per_fetch_tls_over_plain']:.3f}")
     print("summary: " + json.dumps(record["summary"]))
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")

@@ -62,10 +62,12 @@ SERVER_KEEPALIVE: tuple[tuple[str, int], ...] = (
     ("grpc.http2.max_ping_strikes", 0),
 )
 #: Options of long-lived channels between daemons: reconnect quickly after a peer
-#: restarts (gRPC's default backoff grows to minutes), and the keepalive above.
+#: restarts (gRPC's default backoff grows to minutes), and the keepalive above. Not
+#: ``grpc.min_reconnect_backoff_ms``: gRPC also takes it as the least time a connection
+#: attempt gets (default 20 s), and a TLS handshake on a slow host (the SoftRoCE guest:
+#: 0.3-0.5 s) then times out before the server's SETTINGS frame, every first time.
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
     *CLIENT_KEEPALIVE,
 )

@@ -41,6 +41,7 @@ from dualpath.config import Config
 from dualpath.engine.auth import Callers
 from dualpath.engine.decode import DecodePath
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
+from dualpath.engine.fence import Fences
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.leader import Leader
 from dualpath.engine.metrics import CountingLimiter, NodeMetrics
@@ -129,9 +130,11 @@ class NodeDaemon:
         self.metrics.transport.labels(self.transfer.transport).set(1)
         self.snic_bytes_per_s = gbit_to_bytes_per_s(s.snic_gbit_per_s) if s.snic_gbit_per_s else 0
         self.limiter = CountingLimiter(s.snic_gbit_per_s, s.snic_burst_bytes or None)
+        self.fences = Fences(self._ask_writer, self.spawn, self.metrics.fenced_blocks)
         self.resources = NodeResources(
             self.node_id, self.role, self.address, cfg, self.transfer, self.peers,
-            self.limiter, self.metrics, trajectory_token_ids, self.spawn, self._complete)
+            self.limiter, self.metrics, trajectory_token_ids, self.spawn, self._complete,
+            self.fences)
         buf_name = "de_buffer" if self.role == DECODE else "pe_buffer"
         b = cfg.buffers
         self.buffer = self._region(buf_name, b.de_buffer_mib if self.role == DECODE
@@ -211,8 +214,8 @@ class NodeDaemon:
             self.path = PrefillPath(self.resources, self.space, engine)
         else:
             self.path = decode = DecodePath(self.resources, self.space, engine, ranks)
-        return engine_services(self.callers, self.oob, self.transfer, decode, self.cancel,
-                               self.limiter)
+        return engine_services(self.callers, self.oob, self.transfer, decode,
+                               self.stop_request, self.limiter)
 
     def _start_vllm(self, buf_name: str) -> list:
         engine = VllmEngine(node_id=self.node_id, storage=self.cfg.storage,
@@ -220,8 +223,8 @@ class NodeDaemon:
                             limiter=self.limiter, metrics=self.metrics)
         self._stack.push_async_callback(engine.close)
         self.engine = engine
-        return [*engine_services(self.callers, self.oob, self.transfer, None, self.cancel,
-                                 self.limiter),
+        return [*engine_services(self.callers, self.oob, self.transfer, None,
+                                 self.stop_request, self.limiter),
                 (connector_pb2_grpc.add_KvConnectorServicer_to_server,
                  KvConnectorServicer(engine, self.callers))]
 
@@ -232,7 +235,8 @@ class NodeDaemon:
                       metrics=self.metrics, profile_name=self.profile.name,
                       block_bytes=self.space.layout.full_bytes,
                       storage_read_bytes_per_s=int(self.snic_bytes_per_s),
-                      fetch_interval_ms=self.cfg.engine.fetch_interval_ms)
+                      fetch_interval_ms=self.cfg.engine.fetch_interval_ms,
+                      results=self.path if isinstance(self.path, DecodePath) else None)
 
     # ------------------------------------------------------------ running
 
@@ -243,9 +247,25 @@ class NodeDaemon:
             return self.engine.read_q_tokens
         return self.space.read_queue.read_q_tokens
 
-    def _complete(self, rid: str, engine: EngineRank, stage: int) -> None:
+    def _complete(self, rid: str, engine: EngineRank, stage: int, error: str = "",
+                  suspect: str = "") -> None:
         if self.leader is not None:
-            self.leader.complete(rid, engine, stage)
+            self.leader.complete(rid, engine, stage, error, suspect)
+
+    async def _ask_writer(self, peer: str, rid: str, attempt: int) -> None:
+        """A fence's question to the peer that may write into our memory: stop that
+        attempt and answer once your writes ended (bounded by their own timeouts)."""
+        await self.peers.stop(peer, rid, attempt,
+                              timeout_s=2 * self.cfg.transfer.timeout_s + 5)
+
+    async def stop_request(self, rid: str, attempt: int, caller) -> bool:
+        """Engine.CancelRequest: the caller stopped its ``attempt`` of ``rid`` (its
+        writes into our memory ended); stop ours and return once they ended."""
+        if isinstance(self.path, DecodePath):
+            return await self.path.stop(rid, attempt, caller)
+        if isinstance(self.path, PrefillPath):
+            return await self.path.stop(rid, attempt)
+        return False
 
     def spawn(self, coro) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)
@@ -265,12 +285,22 @@ class NodeDaemon:
             e.reserved_blocks.pop(rid, None)
 
     async def run_until_stopped(self) -> None:
-        """Lead (PE/DE) until ``stop`` is set."""
+        """Lead (PE/DE) until ``stop`` is set; then hand the work back (the leader's
+        shutdown: pending completions, the node's tasks stopped, ReleaseGroup)."""
         leader = self.spawn(self.leader.run(self.stop)) if self.leader else None
         await self.stop.wait()
         log.info("%s: shutting down", self.node_id)
         if leader is not None:
             leader.cancel()
+            await asyncio.wait([leader])
+            await self.leader.shutdown(self._quiesce)
+
+    async def _quiesce(self) -> None:
+        """Sink reports on their way go out (bounded); then every task stops (a prefill
+        tells its DE, after its writes ended, that its attempt is over)."""
+        if isinstance(self.path, DecodePath):
+            await self.path.flush(timeout_s=2.0)
+        await self._cancel_tasks()
 
     async def _cancel_tasks(self) -> None:
         for t in list(self._tasks):

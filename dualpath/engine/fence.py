@@ -52,7 +52,7 @@ class _Fence:
     request_id: str
     attempt: int
     memory: Reservation
-    writer: Identity | None             # who may release it by telling us (None: only asking)
+    writer: Identity | None             # who may release it by telling us (plaintext: None)
     asking: asyncio.Task | None = None
     since: float = field(default_factory=time.monotonic)
 
@@ -91,10 +91,13 @@ class Fences:
         n = 0
         for f in list(self.held):
             if f.request_id == request_id and (not attempt or f.attempt <= attempt) and \
-                    f.writer is not None and (caller is None or caller == f.writer):
+                    (caller is None or caller == f.writer):
                 n += self._release(f)
                 if f.asking is not None:
                     f.asking.cancel()
+                log.info("fence of %s (attempt %d) released: %s says its writes ended (%d "
+                         "blocks, %.2f s)", request_id, f.attempt, f.peer, len(f.memory.slots),
+                         time.monotonic() - f.since)
         return n
 
     def _release(self, f: _Fence) -> int:

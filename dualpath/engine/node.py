@@ -41,6 +41,7 @@ from dualpath.config import Config
 from dualpath.engine.auth import Callers
 from dualpath.engine.decode import DecodePath
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
+from dualpath.engine.errors import PeerUnavailable
 from dualpath.engine.fence import Fences
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.leader import Leader
@@ -254,9 +255,17 @@ class NodeDaemon:
 
     async def _ask_writer(self, peer: str, rid: str, attempt: int) -> None:
         """A fence's question to the peer that may write into our memory: stop that
-        attempt and answer once your writes ended (bounded by their own timeouts)."""
-        await self.peers.stop(peer, rid, attempt,
-                              timeout_s=2 * self.cfg.transfer.timeout_s + 5)
+        attempt and answer once your writes ended (bounded by their own timeouts). A
+        peer whose control port refuses connections is gone: a node stops serving only
+        after its tasks ended (close()), and a restarted one listens elsewhere."""
+        try:
+            await self.peers.stop(peer, rid, attempt,
+                                  timeout_s=2 * self.cfg.transfer.timeout_s + 5)
+        except PeerUnavailable:
+            if not await _refuses_connections(peer):
+                raise
+            log.info("%s: %s is gone (its control port refuses connections); its writes "
+                     "for %s ended with it", self.node_id, peer, rid)
 
     async def stop_request(self, rid: str, attempt: int, caller) -> bool:
         """Engine.CancelRequest: the caller stopped its ``attempt`` of ``rid`` (its
@@ -314,6 +323,23 @@ class NodeDaemon:
         after a start() that failed half way). Idempotent."""
         await self._cancel_tasks()
         await self._stack.aclose()
+
+
+async def _refuses_connections(address: str) -> bool:
+    """True when nothing listens at ``address`` (host:port) any more: a TCP connect is
+    refused. A host that does not answer (stalled, cut off) is not gone."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"),
+                                                                   int(port)), 2.0)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError, ValueError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
 
 
 def _dump_tasks(node: NodeDaemon) -> None:

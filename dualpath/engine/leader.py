@@ -148,6 +148,13 @@ class Leader:
                         await self._reconnect()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
+            except (ConfigError, asyncio.CancelledError):
+                raise
+            except Exception:  # a bug must not silently stop the group from serving
+                log.exception("%s: leader step failed; retrying in %.2f s", self.node_id,
+                              backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
 
     def _claims(self) -> list[scheduler_pb2.RunningRequest]:
         """What this node still runs, and what it finished but has not reported."""
@@ -182,13 +189,14 @@ class Leader:
         self.registrations += 1
         refused = set(r.cancelled_request_ids)
         kept = {c.request_id for c in claims} - refused
-        for rid in refused:
-            self._drop(rid)
         # Completions of what was not kept name an attempt the scheduler gave up; a
         # DECODE_DONE among them may still be recorded (a lost answer): ask.
         moot = [c for c in self.completions if c.request_id not in kept]
         self.completions = [c for c in self.completions if c.request_id in kept]
         self._settle(moot, {c.request_id for c in moot})
+        for rid in refused:
+            self.attempts.pop(rid, None)
+            self.cancel(rid)
         ms = self.fetch_interval_ms or r.fetch_interval_ms or 20
         self.fetch_interval_s = ms / 1000.0
         log.info("%s: group registered (lease %d, fetch every %d ms); %d running requests "

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from dualpath import tls
+from dualpath.cluster.faults import kill_and_restart, recovery_s, stall
 from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.replay import ReplayOptions, ReplayRun, replay
 from dualpath.cluster.run import make_trace
@@ -67,73 +67,16 @@ class Fault:
 
 
 def kill_and_restart_scheduler(cluster: LocalCluster) -> None:
-    cluster.kill_scheduler()
-    cluster.start_scheduler()
-
-
-def terminate_and_restart(name: str) -> Callable[[LocalCluster], None]:
-    """SIGTERM the scheduler or a node, wait for its exit, start it again."""
-    def act(cluster: LocalCluster) -> None:
-        proc = cluster.scheduler if name == "scheduler" else cluster.node(name).proc
-        cluster.signal(name, signal.SIGTERM)
-        proc.wait(60)
-        if name == "scheduler":
-            cluster.start_scheduler()
-        else:
-            cluster.restart_node(name)
-    return act
+    kill_and_restart("scheduler")(cluster)
 
 
 def kill_and_restart_node(node_id: str) -> Callable[[LocalCluster], None]:
-    def act(cluster: LocalCluster) -> None:
-        cluster.kill(node_id)
-        cluster.restart_node(node_id)
-    return act
+    return kill_and_restart(node_id)
 
 
 def stall_node(node_id: str, leases: float) -> Callable[[LocalCluster], None]:
     """SIGSTOP a node past its lease, then SIGCONT it (it must register again)."""
-    def act(cluster: LocalCluster) -> None:
-        cluster.signal(node_id, signal.SIGSTOP)
-        time.sleep(leases * LEASE_S)
-        cluster.signal(node_id, signal.SIGCONT)
-    return act
-
-
-def block_files(cluster: LocalCluster) -> list[Path]:
-    """The stored blocks (not temp files, not quarantined ones)."""
-    root = cluster.dir / "kv"
-    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
-                  and not p.name.endswith(".corrupt"))
-
-
-def damage_blocks(kind: str) -> Callable[[LocalCluster], None]:
-    """Corrupt (one payload byte flipped), truncate (to half) or delete every block
-    stored so far: the rounds that follow find their hits damaged."""
-    def act(cluster: LocalCluster) -> None:
-        files = block_files(cluster)
-        for p in files:
-            if kind == "corrupt":
-                with open(p, "r+b") as fh:
-                    fh.seek(4096 + 1000)
-                    b = fh.read(1)
-                    fh.seek(4096 + 1000)
-                    fh.write(bytes([b[0] ^ 0xFF]))
-            elif kind == "truncate":
-                os.truncate(p, p.stat().st_size // 2)
-            else:
-                p.unlink()
-        act.damaged = files
-    act.damaged = []
-    return act
-
-
-def recached(kind: str, paths: list[Path]) -> int:
-    """Damaged blocks that were found bad on a read and written again: a deleted one is
-    back; a corrupt or short one was set aside on read (``.corrupt``) and the recomputed
-    block took its name."""
-    return sum(1 for p in paths if p.exists() and (
-        kind == "delete" or p.with_name(p.name + ".corrupt").exists()))
+    return stall(node_id, leases * LEASE_S)
 
 
 def run_replay(cluster: LocalCluster, fault: Fault, *, agents: int = 6, rounds: int = 4,
@@ -207,12 +150,6 @@ def wait_unfenced(cluster: LocalCluster, bound_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def recovery_s(run: ReplayRun, fault: Fault) -> float:
-    """From the fault to the end of every round that was in flight when it struck."""
-    hit = [r.finish_s for r in run.records if r.submit_s < fault.fired_unix < r.finish_s]
-    return max(hit, default=fault.fired_unix) - fault.fired_unix
-
-
 def check(name: str, cluster: LocalCluster, run: ReplayRun, fault: Fault, *,
           max_failed: int = 2) -> dict:
     """The suite's promises for one case (see the module docstring); prints the FAULT
@@ -228,7 +165,7 @@ def check(name: str, cluster: LocalCluster, run: ReplayRun, fault: Fault, *,
     failed = max_failed_attempts(cluster, run)
     assert failed <= max_failed < MAX_FAILED_ATTEMPTS
     wait_unfenced(cluster)
-    rec = recovery_s(run, fault)
+    rec = recovery_s(run.records, fault.fired_unix)
     figures = {"case": name, "requests": len(run.records),
                "lost": run.extra["rounds"] - len(run.records) + run.requests_lost,
                "duplicated": run.requests_duplicated, "wrong_bytes": run.bytes_mismatched,
@@ -311,16 +248,3 @@ def small_disk(kv_dir: Path, mib: int):
         holder.kill()
         holder.wait()
         holder.stdout.close()
-
-
-def fill_disk(seen: Path) -> int:
-    """Write a ballast file into ``seen`` until the filesystem is full; its bytes."""
-    n = 0
-    chunk = b"\0" * (1 << 20)
-    with open(seen / "ballast", "wb", buffering=0) as fh:
-        try:
-            while True:
-                n += fh.write(chunk)
-        except OSError:
-            pass
-    return n

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 
+from dualpath.cluster.faults import terminate_and_restart
 from tests.faults.conftest import (
     Fault,
     check,
@@ -28,7 +29,6 @@ from tests.faults.conftest import (
     run_replay,
     scheduler_log,
     stall_node,
-    terminate_and_restart,
 )
 
 pytestmark = pytest.mark.slow

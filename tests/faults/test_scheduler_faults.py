@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from dualpath.cluster.faults import terminate_and_restart
 from tests.faults.conftest import (
     Fault,
     check,
@@ -21,7 +22,6 @@ from tests.faults.conftest import (
     registrations,
     run_replay,
     scheduler_log,
-    terminate_and_restart,
 )
 
 pytestmark = pytest.mark.slow

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import pytest
 
+from dualpath.cluster.faults import damage_blocks, fill_disk, recached
 from tests.faults.conftest import (
     Fault,
     check,
-    damage_blocks,
-    fill_disk,
     lapses,
     make_cluster,
     node_logs,
-    recached,
     run_replay,
     scheduler_log,
     small_disk,

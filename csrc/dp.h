@@ -364,8 +364,9 @@ int dp_tcp_conn_set_credential(dp_tcp_conn *conn, uint32_t id, const uint8_t *se
  * in RESET). The credential is cleared: each connect needs a fresh one. */
 int dp_tcp_conn_connect(dp_tcp_conn *conn, const char *host, uint16_t port,
                         int64_t timeout_ns);
-/* [int] Any state -> RESET (recovery): the socket is closed, outstanding items and their
- * credits are dropped without completions. Connect again afterwards. */
+/* [int] Any state -> RESET (recovery): the socket is closed abortively (RST: bytes still
+ * queued for the peer are discarded, not delivered), outstanding items and their credits
+ * are dropped without completions. Connect again afterwards. */
 int dp_tcp_conn_reset(dp_tcp_conn *conn);
 /* [count] State: 0 RESET, 3 RTS, 6 ERR. */
 int dp_tcp_conn_state(dp_tcp_conn *conn);

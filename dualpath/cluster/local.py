@@ -15,7 +15,9 @@ one however it ends, and a work directory this cluster made goes with them
 
 Faults (the kill test, tests/faults/): ``kill(node)``, ``signal(name, sig)``,
 ``kill_scheduler()`` / ``start_scheduler()`` (same ports, same journal, same
-certificates) and ``restart_node(node)``.
+certificates) and ``restart_node(node)``. ``launcher`` prefixes every process's command
+line (tests/faults/ runs the cluster in a mount namespace whose store is a small tmpfs,
+``nsenter -t PID -m --``; the prefix must exec the command, not fork it).
 
 Threads: one owner thread; nothing here is asynchronous.
 """
@@ -91,6 +93,7 @@ class LocalCluster:
     work_dir: str = ""
     settings: dict = field(default_factory=dict)
     start_timeout_s: float = 60.0
+    launcher: list[str] = field(default_factory=list)
     scheduler_address: str = ""
     nodes: list[NodeProc] = field(default_factory=list)
 
@@ -171,7 +174,8 @@ class LocalCluster:
         env.setdefault("DUALPATH_LOG", "INFO")
         try:
             # Its own session, hence its own process group: what it starts dies with it.
-            proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", *argv],
+            proc = subprocess.Popen([*self.launcher, sys.executable, "-m", "dualpath.cli",
+                                     *argv],
                                     stdout=fh, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         finally:

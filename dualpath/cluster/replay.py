@@ -10,7 +10,7 @@ replay client's identity (``tls_config``); the sink serves with ``node_tls``.
 Exactly once, as this client sees it (docs/reliability.md): a round is finished when the
 *scheduler* says so (GetResults, long-polled), which it does only after it recorded the
 DECODE_DONE; its timings are the sink report of the attempt the scheduler recorded (the
-latest one while the engines send no attempt numbers). A request the scheduler ended
+nodes send a result only once the scheduler recorded it, naming its attempt). A request the scheduler ended
 twice, or two reports of one attempt, count as ``requests_duplicated`` and fail the run
 (:class:`ReplayAborted`); sink reports of other attempts (a re-execution after a fault)
 count as ``reexecutions``. A request that ended FAILED (its budget spent) counts in
@@ -20,9 +20,11 @@ more (one that ran without its journal) gets it again, counted in ``requests_los
 Submission is idempotent by request id (a resubmitted identical request is accepted, not
 queued twice), so UNAVAILABLE (a scheduler restarting) is retried with jittered
 exponential backoff; after ``give_up_s`` of it the replay stops with the partial run
-(:class:`ReplayAborted`), as on its timeout. A request the scheduler rejects (per-request
-admission: invalid, too large, another request under its id, queue full) ends the
-replay (:class:`DualPathError` naming it and why).
+(:class:`ReplayAborted`), as on its timeout. So is QUEUE_FULL (backpressure: the queue
+holds other clients' work), for the rejected requests only, counted in
+``submit_retries``. A request the scheduler rejects otherwise (per-request admission:
+invalid, too large, another request under its id) ends the replay
+(:class:`DualPathError` naming it and why).
 
 Trajectory names get a per-run tag, so two runs (modes) never read each other's blocks.
 
@@ -115,6 +117,7 @@ class ReplayRun:
     requests_duplicated: int = 0        # ended twice as this client saw it (must be 0)
     requests_lost: int = 0              # submitted, then unknown to the scheduler
     reexecutions: int = 0               # sink reports of attempts that did not count
+    submit_retries: int = 0             # requests submitted again after QUEUE_FULL
     results_without_timings: int = 0
     partial: str = ""                   # why the run stopped early ("" = it did not)
     extra: dict = field(default_factory=dict)
@@ -130,6 +133,7 @@ class ReplayRun:
                  "requests_failed": self.requests_failed,
                  "requests_duplicated": self.requests_duplicated,
                  "requests_lost": self.requests_lost, "reexecutions": self.reexecutions,
+                 "submit_retries": self.submit_retries,
                  "results_without_timings": self.results_without_timings, **self.extra}
         if self.partial:
             extra["partial"] = self.partial
@@ -270,7 +274,7 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
                     if o.mode != "oracle":
                         st.hit_bytes += hit * kv_bytes_per_token
                 st.submitted += len(specs)
-                await _submit(stub, scheduler, specs, o)
+                await _submit(stub, scheduler, specs, o, st)
             nxt = sched.next_due_s()
             wait = 1.0 if nxt is None else max(0.0, nxt - sched.elapsed())
             wait = min(wait, deadline - time.monotonic())
@@ -299,7 +303,8 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
                                 res.request_id in st.inflight:
                             # Known no more (a scheduler without its journal restarted).
                             st.lost += 1
-                            await _submit(stub, scheduler, [st.inflight[res.request_id][3]], o)
+                            await _submit(stub, scheduler, [st.inflight[res.request_id][3]], o,
+                                          st)
                 for req in done:
                     sched.finish(req)
                     if bar is not None:
@@ -340,16 +345,45 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
     return run
 
 
-async def _submit(stub, address: str, specs: list, o: ReplayOptions) -> None:
-    reply = await _retrying(lambda: stub.SubmitRequest(
-        scheduler_pb2.SubmitRequestRequest(requests=specs), timeout=10),
-        address, "SubmitRequest", o.give_up_s)
-    if reply.rejected:
-        x = reply.rejected[0]
-        raise DualPathError(
-            f"the scheduler rejected {len(reply.rejected)} of {len(specs)} "
-            f"requests, first {x.request_id}: "
-            f"{scheduler_pb2.RejectReason.Name(x.reason)}: {x.detail}")
+async def _submit(stub, address: str, specs: list, o: ReplayOptions,
+                  st: _ReplayState | None = None) -> None:
+    """Submit ``specs`` until each is accepted. While a request is being submitted the
+    poller does not ask about it: a scheduler that restarted mid-call rightly knows it
+    not (yet), which is no loss."""
+    delay, since = 0.05, time.monotonic()
+    if st is not None:
+        st.submitting.update(x.request_id for x in specs)
+    try:
+        await _submit_until_accepted(stub, address, specs, o, st, delay, since)
+    finally:
+        if st is not None:
+            st.submitting.difference_update(x.request_id for x in specs)
+
+
+async def _submit_until_accepted(stub, address, specs, o, st, delay, since) -> None:
+    while True:
+        reply = await _retrying(lambda specs=specs: stub.SubmitRequest(
+            scheduler_pb2.SubmitRequestRequest(requests=specs), timeout=10),
+            address, "SubmitRequest", o.give_up_s)
+        full = [x for x in reply.rejected if x.reason == scheduler_pb2.REJECT_REASON_QUEUE_FULL]
+        if len(full) < len(reply.rejected):
+            x = next(x for x in reply.rejected if x not in full)
+            raise DualPathError(
+                f"the scheduler rejected {len(reply.rejected)} of {len(specs)} "
+                f"requests, first {x.request_id}: "
+                f"{scheduler_pb2.RejectReason.Name(x.reason)}: {x.detail}")
+        if not full:
+            return
+        if time.monotonic() - since >= o.give_up_s:
+            raise SchedulerGone(f"scheduler {address}: the queue stayed full for "
+                                f"{o.give_up_s:g} s ({len(full)} requests not accepted)")
+        if st is not None:
+            st.submit_retries += len(full)
+        log.info("SubmitRequest: queue full for %d of %d requests; retrying", len(full),
+                 len(specs))
+        specs = [specs[x.index] for x in full]
+        await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+        delay = min(2 * delay, 2.0)
 
 
 async def _poll_results(stub, address: str, st: _ReplayState, queue: asyncio.Queue,
@@ -358,7 +392,8 @@ async def _poll_results(stub, address: str, st: _ReplayState, queue: asyncio.Que
     to ``queue``, and so does the error that ends the polling."""
     try:
         while True:
-            ids = [rid for rid in st.inflight if rid not in st.told]
+            ids = [rid for rid in st.inflight
+                   if rid not in st.told and rid not in st.submitting]
             ack, st.acked = st.acked, []
             if not ids and not ack:
                 await asyncio.sleep(0.05)
@@ -389,6 +424,7 @@ class _ReplayState:
         self.inflight: dict[str, tuple] = {}   # rid -> (round, submit time, hit, spec)
         self.ended: set[str] = set()           # told by the scheduler (waiting timings)
         self.told: set[str] = set()            # the poller has an end for it: ask no more
+        self.submitting: set[str] = set()      # not acknowledged yet: do not ask
         self.outcome: dict[str, tuple[bool, int]] = {}   # rid -> (finished well, attempt)
         self.waiting: dict[str, tuple[scheduler_pb2.RequestResult, float]] = {}
         self.finished: set[str] = set()
@@ -398,7 +434,7 @@ class _ReplayState:
         self.used: list[node_pb2.RequestTimings] = []
         self.hit_bytes = self.verified = self.mismatched = self.failures = 0
         self.submitted = self.failed = self.duplicated = self.lost = 0
-        self.reexecutions = self.without_timings = 0
+        self.reexecutions = self.without_timings = self.submit_retries = 0
 
     def on_timings(self, t) -> list:
         """A DE's report: the rounds it completes (one whose end the scheduler told)."""
@@ -499,5 +535,5 @@ class _ReplayState:
                          self.hit_bytes, self.verified, self.mismatched, self.failures,
                          requests_submitted=self.submitted, requests_failed=self.failed,
                          requests_duplicated=self.duplicated, requests_lost=self.lost,
-                         reexecutions=self.reexecutions,
+                         reexecutions=self.reexecutions, submit_retries=self.submit_retries,
                          results_without_timings=self.without_timings, extra={"tag": tag})

@@ -25,6 +25,7 @@ class Assignment:
     decode_address: str             # the DE node's control address
     payload: Payload
     payload_bytes: bytes            # the wire form, forwarded to the DE untouched
+    attempt: int = 0                # which execution (scheduler.proto Assignment.attempt)
 
     @classmethod
     def from_pb(cls, a: scheduler_pb2.Assignment) -> Assignment:
@@ -32,4 +33,5 @@ class Assignment:
         return cls(a.request_id, a.prefill_engine_id, a.decode_engine_id, a.read_side,
                    int(a.prompt_tokens), int(a.hit_tokens), int(a.max_new_tokens),
                    int(a.prefill_read_tokens), int(a.decode_read_tokens),
-                   a.decode_control_address, Payload.decode(a.payload), a.payload)
+                   a.decode_control_address, Payload.decode(a.payload), a.payload,
+                   int(a.attempt))

@@ -7,8 +7,19 @@ writes them, layer by layer, into the PE's engine memory (:meth:`DecodePath.load
 the order's target placement); PrefillDone starts decode: every byte of the assembled
 prompt KV is verified against the generator (a mismatch fails the request loudly and is
 counted) -> DE buffer -> DE HBM, DRAM released -> tokens at the cost model's decode rate
--> every new full block persisted -> DECODE_DONE reported and timings sent to the replay
-client's sink.
+-> every new full block persisted (a block that cannot be written is skipped and counted,
+never failing the request) -> DECODE_DONE reported; the timings go to the replay
+client's sink only once the scheduler recorded that DECODE_DONE (:meth:`DecodePath.
+send_result`, called by the leader), so a result is never reported twice.
+
+Attempts (docs/reliability.md): a request's state here is one attempt's. Anything of an
+older attempt than the one held (the DE-only assignment's, or the PrepareRequest's) is
+refused (:class:`~dualpath.engine.errors.StaleAttempt`, ABORTED on the wire); a newer
+PrepareRequest replaces the old state. Dropping a state while its PE may still push
+into its DE-buffer slots (prepared, PrefillDone not come, and not the PE's own cancel)
+fences those slots until that PE says its writes ended (engine/fence.py). A hit block
+missing or corrupt in storage on the DE read path is not a failure: the order writes the
+leading intact blocks and says how many (``loaded_blocks``); the PE computes the rest.
 
 Threads: the node's event loop owns all state; verification runs in
 ``asyncio.to_thread`` (numpy releases the GIL).
@@ -26,7 +37,7 @@ import numpy as np
 from dualpath import clock
 from dualpath.buffers.pool import Reservation
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
-from dualpath.engine.errors import RequestFailed
+from dualpath.engine.errors import RequestFailed, StaleAttempt
 from dualpath.engine.kvio import write_layers
 from dualpath.engine.kvplan import BlockSpan, block_spans, blocks_for
 from dualpath.engine.kvspace import KvSpace
@@ -45,7 +56,7 @@ log = logging.getLogger("dualpath.engine")
 
 @dataclass
 class DecodeState:
-    """A request on this DE from PrepareRequest to its end."""
+    """One attempt of a request on this DE, from PrepareRequest to its end."""
 
     request_id: str
     engine: EngineRank
@@ -53,7 +64,10 @@ class DecodeState:
     spans: list[BlockSpan]
     buffer: Reservation | None                  # DE-buffer slots (None: oracle)
     pe_address: str
+    attempt: int = 0
+    decoding: bool = False                      # PrefillDone came: the PE writes no more
     layers_done: int = 0
+    loaded_blocks: int = 0                      # DE read path: leading hit blocks read intact
     load_error: str = ""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     read_bytes: int = 0
@@ -82,6 +96,16 @@ class PrepareCall:
     read_side: int
     payload: Payload
     owner: Identity | None = None
+    attempt: int = 0
+
+
+@dataclass
+class _Result:
+    """A finished (or failed) attempt's timings, waiting for the scheduler to record it."""
+
+    attempt: int
+    timings: Timings
+    sink: str
 
 
 class DecodePath:
@@ -94,32 +118,82 @@ class DecodePath:
         self.engine = engine
         self.ranks = ranks
         self.requests: dict[str, DecodeState] = {}
+        self.assigned: dict[str, int] = {}      # request -> its DE-only assignment's attempt
+        self.results: dict[str, _Result] = {}   # waiting for the scheduler's record
+        self.reports: set[asyncio.Task] = set()  # sink reports on their way
 
     def assign(self, e: EngineRank, a) -> None:
-        """Count assignment ``a`` on engine ``e`` (tokens, HBM promised) until it ends."""
-        e.tokens[a.request_id] = a.prompt_tokens
-        e.reserved_blocks[a.request_id] = blocks_for(
+        """Count assignment ``a`` on engine ``e`` (tokens, HBM promised) until it ends; a
+        state of an older attempt is dropped."""
+        rid = a.request_id
+        self.assigned[rid] = max(a.attempt, self.assigned.get(rid, 0))
+        old = self.requests.get(rid)
+        if old is not None and old.attempt < a.attempt:
+            del self.requests[rid]
+            self.node.spawn(self._end(old, fence=not old.decoding))
+        e.tokens[rid] = a.prompt_tokens
+        e.reserved_blocks[rid] = blocks_for(
             a.prompt_tokens + a.max_new_tokens, self.space.fmt.block_tokens)
 
     def cancel(self, rid: str) -> None:
+        """The scheduler cancelled ``rid`` here (or this node lost it): drop its state;
+        its PE may still be pushing, so its slots are fenced unless PrefillDone came."""
+        self.assigned.pop(rid, None)
         st = self.requests.pop(rid, None)
         if st is not None:
-            self._drop(st)
+            self.node.spawn(self._end(st, fence=not st.decoding))
 
-    def _drop(self, st: DecodeState) -> None:
-        """Stop ``st``'s tasks; its buffer goes back once they have ended (a load's
-        WRITEs still reading the buffer finish first: see kvio.write_layers)."""
+    async def stop(self, rid: str, attempt: int, caller: Identity | None) -> bool:
+        """Engine.CancelRequest from the PE that prepared ``rid`` (the servicer checked):
+        its writes for ``attempt`` (0 = any) ended, so drop the state without a fence and
+        return once this node's tasks for it (a load into the PE's memory) ended. A fence
+        left by an earlier drop of that PE's attempt is released. True when it was here."""
+        self.node.fences.settled(rid, attempt, caller)
+        st = self.requests.get(rid)
+        if st is None:
+            return False
+        if attempt and attempt < st.attempt:
+            raise StaleAttempt(f"CancelRequest of {rid} for attempt {attempt}; attempt "
+                               f"{st.attempt} is held here")
+        del self.requests[rid]
+        await self._end(st, fence=False)
+        return True
+
+    def state(self, rid: str, attempt: int) -> DecodeState:
+        """The state of ``rid`` for a message of ``attempt`` (0 = unsaid): KeyError when
+        it was not prepared here, StaleAttempt for an older attempt than the one held."""
+        st = self.requests.get(rid)
+        held = max(st.attempt if st is not None else 0, self.assigned.get(rid, 0))
+        if attempt and attempt < held:
+            raise StaleAttempt(f"{rid}: a message of attempt {attempt}; attempt {held} is "
+                               "held here")
+        if st is None or (attempt and attempt != st.attempt):
+            raise KeyError(rid)
+        return st
+
+    def claims(self) -> list[tuple[str, EngineRank, bool]]:
+        """What this node's engines run, for a registration: (request, engine, whether
+        all its prompt KV arrived)."""
+        out = []
+        for e in self.ranks.values():
+            for rid in e.tokens:
+                st = self.requests.get(rid)
+                out.append((rid, e, st is not None and st.decoding))
+        return out
+
+    async def _end(self, st: DecodeState, fence: bool) -> None:
+        """Stop ``st``'s tasks; its buffer goes back (or is fenced) once they ended (a
+        load's WRITEs still reading the buffer finish first: see kvio.write_layers)."""
+        if not st.load_error and not st.decoding:
+            st.load_error = "the request was dropped here"    # a watch stops waiting
+            st.changed.set()
         live = [t for t in st.tasks if not t.done()]
         for t in live:
-            t.cancel()
-        if not live:
-            self._release(st)
-            return
-
-        async def release_after() -> None:
-            await asyncio.gather(*live, return_exceptions=True)
-            self._release(st)
-        self.node.spawn(release_after())
+            if not t.cancelling():
+                t.cancel()
+        if live:
+            await asyncio.wait(live)
+        self._release(st, fence)
 
     async def prepare(self, req: PrepareCall) -> tuple[KvPlacement | None, list[int]]:
         """Reserve DE-buffer slots for ``req``'s prompt: the buffer's placement and the
@@ -134,32 +208,41 @@ class DecodePath:
         if req.prompt_tokens != req.payload.prompt_tokens:
             raise UsageError(f"PrepareRequest: {req.prompt_tokens} prompt tokens but the "
                              f"payload says {req.payload.prompt_tokens}")
-        old = self.requests.get(req.request_id)
+        rid = req.request_id
+        old = self.requests.get(rid)
         if old is not None and old.owner is not None and old.owner != req.owner:
-            raise NotYours(f"request {req.request_id} is prepared here by {old.owner}, "
-                           f"not {req.owner}")
-        if old is not None:            # a retry after a failed prefill: start over
-            del self.requests[req.request_id]
-            self._drop(old)
+            raise NotYours(f"request {rid} is prepared here by {old.owner}, not {req.owner}")
+        held = max(old.attempt if old is not None else 0, self.assigned.get(rid, 0))
+        if req.attempt and req.attempt < held:
+            raise StaleAttempt(f"PrepareRequest of {rid} for attempt {req.attempt}; attempt "
+                               f"{held} is held here")
+        if old is not None:            # a newer attempt (or the same one again): start over
+            del self.requests[rid]
+            n.spawn(self._end(old, fence=not old.decoding))
         p = req.payload
         spans = block_spans(p.token_ids(req.prompt_tokens, n.tokens),
                             self.space.fmt.block_tokens)
         res = None if p.oracle else await self.space.pool.reserve(len(spans))
-        st = DecodeState(req.request_id, e, p, spans, res, req.prefill_address,
+        if self.requests.get(rid) is not None or \
+                (req.attempt and req.attempt < self.assigned.get(rid, 0)):
+            # Overtaken while waiting for slots (a newer attempt, or a cancel of it).
+            if res is not None:
+                res.release()
+            raise StaleAttempt(f"PrepareRequest of {rid} (attempt {req.attempt}) was "
+                               "overtaken while it waited for buffer slots")
+        st = DecodeState(rid, e, p, spans, res, req.prefill_address, attempt=req.attempt,
                          owner=req.owner)
-        self.requests[req.request_id] = st
+        self.requests[rid] = st
         if req.read_side == RS_DECODE:
-            self.space.read_queue.expect(req.request_id, req.hit_tokens)
-        e.tokens.setdefault(req.request_id, req.prompt_tokens)
+            self.space.read_queue.expect(rid, req.hit_tokens)
+        e.tokens.setdefault(rid, req.prompt_tokens)
         if res is None:
             return None, []
         return self.space.buffer, list(res.slots)
 
     async def accept_order(self, order: LoadOrder) -> None:
         """Start a LOAD_HIT_KV order (the DE read path)."""
-        st = self.requests.get(order.request_id)
-        if st is None:
-            raise KeyError(order.request_id)
+        st = self.state(order.request_id, order.attempt)
         k = self.space.fmt.units
         if any(len(key) != KEY_BYTES for key in order.keys):
             raise UsageError(f"order for {order.request_id}: block keys are {KEY_BYTES} bytes")
@@ -175,12 +258,21 @@ class DecodePath:
         st.tasks.append(self.node.spawn(self.load_hit_kv(st, order)))
 
     def start_decode(self, st: DecodeState, done: PrefillReport) -> None:
-        """The PE finished: decode ``st``."""
+        """The PE finished: decode ``st`` (once)."""
+        if st.decoding:
+            return
+        st.decoding = True
         st.tasks.append(self.node.spawn(self.decode(st, done)))
 
-    def _release(self, st: DecodeState) -> None:
-        self.space.read_queue.forget(st.request_id)
-        if st.buffer is not None and not st.buffer.released:
+    def _release(self, st: DecodeState, fence: bool = False) -> None:
+        if self.requests.get(st.request_id) in (None, st):
+            self.space.read_queue.forget(st.request_id)
+        if st.buffer is None or st.buffer.released:
+            return
+        if fence:
+            self.node.fences.hold(st.pe_address, st.request_id, st.attempt, st.buffer,
+                                  writer=st.owner)
+        else:
             st.buffer.release()
 
     def _progress(self, st: DecodeState, layers: int) -> None:
@@ -189,20 +281,24 @@ class DecodePath:
 
     async def load_hit_kv(self, st: DecodeState, order: LoadOrder) -> None:
         """DE read path: hit Full Blocks storage -> DE buffer; per layer DE buffer -> the
-        order's target (the PE's engine memory), announcing each layer."""
+        order's target (the PE's engine memory), announcing each layer. Only the leading
+        blocks read intact are written (``st.loaded_blocks``); the PE computes the rest."""
         n, space = self.node, self.space
-        nblocks = len(order.keys)
         try:
             got = await space.read(st.request_id, list(order.keys), st.buffer)
             n.metrics.read_bytes.inc(got.nbytes)
-            if not got.complete:
-                raise RequestFailed(f"{st.request_id}: {got.blocks - got.usable} of "
-                                    f"{got.blocks} hit blocks missing from storage")
+            usable = min(got.usable, len(order.keys))
+            if usable < len(order.keys):
+                log.warning("%s: %d of %d hit blocks missing or corrupt in storage; the PE "
+                            "computes them", st.request_id, len(order.keys) - usable,
+                            len(order.keys))
+            st.loaded_blocks = usable
             st.read_bytes, st.read_span = got.nbytes, got.span
             k = space.fmt.units
             await write_layers(n.transfer, order.target_peer, space.buffer,
-                               space.buffer_units(st.buffer)[:nblocks * k], order.target,
-                               order.target_units, 0, nblocks * space.fmt.block_tokens,
+                               space.buffer_units(st.buffer)[:usable * k], order.target,
+                               order.target_units[:usable * k], 0,
+                               usable * space.fmt.block_tokens,
                                on_layer=lambda layers: self._progress(st, layers))
         except BaseException as err:  # reported to the PE through the watch, then re-raised
             st.load_error = f"{type(err).__name__}: {err}"
@@ -222,7 +318,7 @@ class DecodePath:
         timings = Timings(rid, e.engine_id, done.prefill_node_id, n.node_id,
                           prefill_read_bytes=done.read_bytes, decode_read_bytes=st.read_bytes,
                           read_span=(min(s[0] for s in spans), max(s[1] for s in spans))
-                          if spans else (0.0, 0.0))
+                          if spans else (0.0, 0.0), attempt=st.attempt)
         T = self.space.fmt.block_tokens
         hbm = None
         try:
@@ -249,31 +345,61 @@ class DecodePath:
             if gen > 2:
                 await asyncio.sleep(eng.decode_s(gen - 2))
             if not p.oracle:
-                await self._persist(st, hbm, prompt, gen)
+                await self._persist(st, hbm, min(done.computed_from_tokens, p.hit_tokens),
+                                    prompt, gen)
             timings.finish_unix_s = clock.unix_now()
             n.metrics.requests.labels("done").inc()
             n.metrics.phase_s.labels("decode").observe(time.monotonic() - t0)
-            n.complete(rid, e, scheduler_pb2.COMPLETION_STAGE_DECODE_DONE)
+            stage, error = scheduler_pb2.COMPLETION_STAGE_DECODE_DONE, ""
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - reported, then requeued by the scheduler
-            log.error("decode of %s on %s failed: %s", rid, e.engine_id, err)
+            log.error("decode of %s (attempt %d) on %s failed: %s", rid, st.attempt,
+                      e.engine_id, err)
             n.metrics.requests.labels("decode_failed").inc()
             timings.failed, timings.error = True, str(err)
             timings.finish_unix_s = clock.unix_now()
-            n.complete(rid, e, scheduler_pb2.COMPLETION_STAGE_FAILED)
+            stage, error = scheduler_pb2.COMPLETION_STAGE_FAILED, str(err)
         finally:
             if hbm is not None:
                 hbm.release()
             self._release(st)
-            self.requests.pop(rid, None)
-            e.tokens.pop(rid, None)
-            e.reserved_blocks.pop(rid, None)
+            if self.requests.get(rid) is st:
+                del self.requests[rid]
+            if self.assigned.get(rid, 0) <= st.attempt:
+                self.assigned.pop(rid, None)
+                e.tokens.pop(rid, None)
+                e.reserved_blocks.pop(rid, None)
         if p.sink:
-            try:
-                await n.peers.report(p.sink, timings)
-            except DualPathError as err:
-                log.warning("replay sink %s unreachable for %s: %s", p.sink, rid, err)
+            self.results[rid] = _Result(st.attempt, timings, p.sink)
+        # A mismatch may be the PE's bytes or our read: no side is blamed alone.
+        n.complete(rid, e, stage, error=error,
+                   suspect="" if timings.bytes_mismatched else e.engine_id)
+
+    def send_result(self, rid: str, attempt: int) -> None:
+        """The scheduler recorded ``attempt`` of ``rid`` (its completion was accepted):
+        send its timings to the replay client's sink."""
+        r = self.results.pop(rid, None)
+        if r is None or (attempt and r.attempt != attempt):
+            return
+        t = self.node.spawn(self._report(rid, r))
+        self.reports.add(t)
+        t.add_done_callback(self.reports.discard)
+
+    def drop_result(self, rid: str) -> None:
+        """The scheduler did not record that completion (a stale attempt): no report."""
+        self.results.pop(rid, None)
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait (bounded) for the sink reports on their way (a graceful stop)."""
+        if self.reports:
+            await asyncio.wait(list(self.reports), timeout=timeout_s)
+
+    async def _report(self, rid: str, r: _Result) -> None:
+        try:
+            await self.node.peers.report(r.sink, r.timings)
+        except DualPathError as err:
+            log.warning("replay sink %s unreachable for %s: %s", r.sink, rid, err)
 
     def _verify(self, st: DecodeState) -> str | None:
         """Every byte of the assembled prompt KV against the generator; the first bad
@@ -294,14 +420,29 @@ class DecodePath:
                     return f"block {i} (partial, {span.tokens} tokens): {m}"
         return None
 
-    async def _persist(self, st: DecodeState, hbm: Reservation, prompt: int, gen: int) -> None:
-        """Every full block past the hit prefix: prompt blocks as verified, blocks that
-        generated tokens complete as the emulated model's KV."""
+    async def _persist(self, st: DecodeState, hbm: Reservation, first_token: int,
+                       prompt: int, gen: int) -> None:
+        """Every full block from the first token the PE computed (past the hit, or from
+        its first missing or corrupt block: cached again): prompt blocks as verified,
+        blocks that generated tokens complete as the emulated model's KV. A block that
+        cannot be written (disk full, I/O error) is skipped and counted: the request's
+        tokens are produced, only that block is not cached."""
         T = self.space.fmt.block_tokens
         p = st.payload
+        m = self.node.metrics
         keys = block_keys(p.token_ids(prompt + gen, self.node.tokens), T)
-        for b in range(p.hit_tokens // T, len(keys)):
+        failed = 0
+        for b in range(first_token // T, len(keys)):
             if (b + 1) * T > prompt:
                 self.engine.fill_block(hbm.flat(b), keys[b])
-            await self.space.store.awrite(keys[b], hbm.flat(b))
-            self.node.metrics.persisted.inc()
+            try:
+                await self.space.store.awrite(keys[b], hbm.flat(b))
+            except OSError as err:        # StorageError is one; the next block may fit
+                failed += 1
+                m.persist_failed.inc()
+                if failed == 1:
+                    log.warning("%s: not caching block %d: %s", st.request_id, b, err)
+                continue
+            m.persisted.inc()
+        if failed > 1:
+            log.warning("%s: %d blocks not cached (persist failures)", st.request_id, failed)

@@ -11,3 +11,8 @@ class RequestFailed(DualPathError):
 
 class PeerUnavailable(RequestFailed):
     """A peer node did not answer or refused a call (the message names it and why)."""
+
+
+class StaleAttempt(DualPathError):
+    """A message of an older attempt than the one held for the request (ABORTED): the
+    scheduler gave that execution up, so it may neither write, finish nor cancel."""

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 
 import grpc
 
-from dualpath.engine.errors import RequestFailed
+from dualpath.engine.errors import PeerUnavailable, RequestFailed
 
 
 class LayerSource(ABC):
@@ -42,6 +42,8 @@ class AllReady(LayerSource):
 
 
 class _Counted(LayerSource):
+    failure = RequestFailed          # what ready() raises once the layer never comes
+
     def __init__(self) -> None:
         self.layers = 0
         self.error: str | None = None
@@ -59,7 +61,7 @@ class _Counted(LayerSource):
     async def ready(self, layer: int) -> None:
         while self.layers <= layer:
             if self.error is not None:
-                raise RequestFailed(f"hit KV of layer {layer}: {self.error}")
+                raise self.failure(f"hit KV of layer {layer}: {self.error}")
             self._changed.clear()
             await self._changed.wait()
 
@@ -75,17 +77,26 @@ class LocalArrivals(_Counted):
 
 
 class RemoteWatch(_Counted):
-    """Follows a WatchTransfers stream (``call``) of a DE writing our hit KV."""
+    """Follows a WatchTransfers stream (``call``) of a DE writing our hit KV.
+    ``loaded_blocks``: the leading hit blocks the DE read intact (known once a layer is
+    in place); the prefill computes the rest. A broken stream is the peer's failure."""
+
+    failure = PeerUnavailable
 
     def __init__(self, call, peer: str):
         super().__init__()
         self.call = call
         self.peer = peer
+        self.loaded_blocks = 0
+        self.complete = False            # the DE said every layer landed: it writes no more
         self.task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
         try:
             async for prog in self.call:
+                if prog.layers_done > 0:
+                    self.loaded_blocks = prog.loaded_blocks
+                self.complete = self.complete or prog.complete
                 self._set(prog.layers_done)
         except grpc.aio.AioRpcError as e:
             self._fail(f"{self.peer}: {e.code().name} {e.details()}")

@@ -4,11 +4,26 @@ then fetch assignments and report completions every few milliseconds.
 Each fetch carries every engine's status (unfinished requests and tokens, the node's
 read queue, free HBM on DEs) and the completions since the last fetch; its answer's
 assignments are converted to :class:`~dualpath.engine.assignment.Assignment` once, here,
-and handed to the node's path. A lost lease drops all in-flight work and registers again.
+and handed to the node's path.
 
-Each completion carries the attempt of the assignment it answers (docs/reliability.md), so
-the scheduler ignores one from an execution it has since given up; the channel to the
-scheduler keeps itself alive (:data:`dualpath.rpc.CHANNEL_OPTIONS`).
+The reliability protocol (docs/reliability.md), the leader's side of it:
+
+- Register again on FAILED_PRECONDITION (and only on it), claiming in ``running`` what
+  the engines still run (request, engine, attempt, and on a DE whether all prompt KV
+  arrived), and the finished requests whose DECODE_DONE has not been delivered yet. The
+  work keeps running meanwhile; exactly the requests the answer lists in
+  ``cancelled_request_ids`` are dropped, as are pending completions of what was not kept.
+- Every completion carries the attempt of its assignment; a FAILED one its error and,
+  when known, the engine to blame. Completions ride on fetches, so a node holding no
+  lease reports nothing.
+- A DE's result goes to the replay client's sink only once the fetch that carried its
+  DECODE_DONE was answered without that request in ``ignored_request_ids``; one that was
+  ignored, or whose claim was refused, may still have been recorded by a delivery whose
+  answer was lost: GetResults says whether the scheduler holds it done at this attempt.
+- On a graceful stop (:meth:`shutdown`): deliver what is pending, stop the node's work,
+  then ReleaseGroup, so the scheduler requeues the rest at once instead of after a lease.
+- The channel to the scheduler keeps itself alive (:data:`dualpath.rpc.CHANNEL_OPTIONS`)
+  and is made anew after :data:`RECONNECT_AFTER` failed calls in a row.
 
 Threads: the node's event loop.
 """
@@ -16,9 +31,10 @@ Threads: the node's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -37,22 +53,36 @@ log = logging.getLogger("dualpath.engine")
 #: Attempts remembered for requests not yet reported; past this many, those no engine
 #: of the node holds any more are forgotten (a completion without one says attempt 0).
 MAX_ATTEMPTS_KEPT = 65536
+#: UNAVAILABLE / DEADLINE_EXCEEDED answers in a row after which the channel is made anew.
+RECONNECT_AFTER = 5
+#: Bytes of a FAILED completion's error (the scheduler keeps at most this much too).
+MAX_ERROR_BYTES = 512
+#: Request ids per GetResults call (below the scheduler's max_submit_requests).
+RESULTS_PER_CALL = 256
+
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_RECORDED = (scheduler_pb2.REQUEST_STATE_DECODE_DONE, scheduler_pb2.REQUEST_STATE_REPORTED)
 
 
 class Leader:
-    """``path`` is the node's PrefillPath or DecodePath (``assign``, ``cancel`` and the
-    ids it holds); ``cancel`` drops a request everywhere on the node."""
+    """``path`` is the node's PrefillPath or DecodePath (``assign``, ``cancel`` and
+    ``claims``); ``cancel`` drops a request everywhere on the node; ``results`` (a DE's
+    DecodePath) sends or drops the sink report of a completion the scheduler recorded
+    or ignored."""
 
     def __init__(self, *, node_id: str, role: str, address: str, scheduler: str,
                  tls_config: TlsConfig, ranks: list[EngineRank], path, cancel: Callable[[str], None],
                  read_q_tokens: Callable[[], int], metrics: NodeMetrics, profile_name: str,
-                 block_bytes: int, storage_read_bytes_per_s: int, fetch_interval_ms: int = 0):
+                 block_bytes: int, storage_read_bytes_per_s: int, fetch_interval_ms: int = 0,
+                 results=None):
         self.node_id, self.role, self.address = node_id, role, address
         self.scheduler_address = scheduler
+        self.tls_config = tls_config
         self.ranks = ranks
         self.by_id = {e.engine_id: e for e in ranks}
         self.path = path
         self.cancel = cancel
+        self.results = results
         self.read_q_tokens = read_q_tokens
         self.metrics = metrics
         self.profile_name = profile_name
@@ -63,17 +93,36 @@ class Leader:
         self.completions: list[scheduler_pb2.Completion] = []
         # Request id -> the attempt of its assignment here, until this node reports it.
         self.attempts: dict[str, int] = {}
+        # DECODE_DONEs the scheduler did not acknowledge: asked about with GetResults.
+        self.unconfirmed: list[scheduler_pb2.Completion] = []
         self.lease_id = 0
+        self.registrations = 0
+        self._failed_calls = 0
         self._last_status_log = 0.0
-        self.channel = tls.channel(scheduler, tls_config, options=CHANNEL_OPTIONS)
+        self._connect()
+
+    def _connect(self) -> None:
+        self.channel = tls.channel(self.scheduler_address, self.tls_config,
+                                   options=CHANNEL_OPTIONS)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
 
-    def complete(self, rid: str, engine: EngineRank, stage: int) -> None:
+    async def _reconnect(self) -> None:
+        log.warning("%s: %d failed calls to the scheduler in a row; making its channel anew",
+                    self.node_id, self._failed_calls)
+        old = self.channel
+        self._connect()
+        with contextlib.suppress(Exception):
+            await old.close()
+
+    def complete(self, rid: str, engine: EngineRank, stage: int, error: str = "",
+                 suspect: str = "") -> None:
         """Queue a completion; it rides on the next fetch. Any completion ends this
         node's part of the request (PREFILL_DONE on a PE; DECODE_DONE or FAILED)."""
         self.completions.append(scheduler_pb2.Completion(
             request_id=rid, engine_id=engine.engine_id, stage=stage,
-            attempt=self.attempts.pop(rid, 0)))
+            attempt=self.attempts.pop(rid, 0),
+            error=error.encode()[:MAX_ERROR_BYTES].decode(errors="ignore"),
+            suspect_engine_id=suspect))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Register, then fetch/report every interval until ``stop`` is set."""
@@ -83,19 +132,44 @@ class Leader:
                 if not self.lease_id:
                     await self._register()
                 await self._fetch_once()
-                backoff = 0.05
+                backoff, self._failed_calls = 0.05, 0
                 await asyncio.sleep(self.fetch_interval_s)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    log.warning("%s: lease lost (%s); dropping in-flight work, registering "
-                                "again", self.node_id, e.details())
-                    self._drop_all()
+                    log.warning("%s: lease lost (%s); registering again with what runs here",
+                                self.node_id, e.details())
                     self.lease_id = 0
-                else:
-                    log.warning("%s: scheduler %s: %s %s; retrying in %.2f s", self.node_id,
-                                self.scheduler_address, e.code().name, e.details(), backoff)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 1.0)
+                    continue
+                log.warning("%s: scheduler %s: %s %s; retrying in %.2f s", self.node_id,
+                            self.scheduler_address, e.code().name, e.details(), backoff)
+                if e.code() in _RETRIED:
+                    self._failed_calls += 1
+                    if self._failed_calls % RECONNECT_AFTER == 0:
+                        await self._reconnect()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            except (ConfigError, asyncio.CancelledError):
+                raise
+            except Exception:  # a bug must not silently stop the group from serving
+                log.exception("%s: leader step failed; retrying in %.2f s", self.node_id,
+                              backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    def _claims(self) -> list[scheduler_pb2.RunningRequest]:
+        """What this node still runs, and what it finished but has not reported."""
+        out = [scheduler_pb2.RunningRequest(request_id=c.request_id, engine_id=c.engine_id,
+                                            attempt=c.attempt, prefill_done=True)
+               for c in self.completions
+               if c.stage == scheduler_pb2.COMPLETION_STAGE_DECODE_DONE]
+        seen = {c.request_id for c in out}
+        for rid, e, prefill_done in self.path.claims():
+            if rid not in seen:
+                seen.add(rid)
+                out.append(scheduler_pb2.RunningRequest(
+                    request_id=rid, engine_id=e.engine_id, attempt=self.attempts.get(rid, 0),
+                    prefill_done=prefill_done))
+        return out
 
     async def _register(self) -> None:
         infos = [scheduler_pb2.EngineInfo(
@@ -103,17 +177,30 @@ class Leader:
             control_address=self.address,
             hbm_bytes=e.hbm.capacity * self.block_bytes if self.role == DECODE else 0)
             for e in self.ranks]
+        claims = self._claims()
         r = await self.scheduler.RegisterGroup(scheduler_pb2.RegisterGroupRequest(
             group_id=self.node_id, role=ROLE_PB[self.role], engines=infos,
-            storage_read_bytes_per_s=self.storage_read_bytes_per_s), timeout=5)
+            storage_read_bytes_per_s=self.storage_read_bytes_per_s, running=claims),
+            timeout=5)
         if r.model_profile and r.model_profile != self.profile_name:
             raise ConfigError(f"the scheduler plans with model profile {r.model_profile!r}, "
                               f"this node runs {self.profile_name!r}")
         self.lease_id = r.lease_id
+        self.registrations += 1
+        refused = set(r.cancelled_request_ids)
+        kept = {c.request_id for c in claims} - refused
+        # Completions of what was not kept name an attempt the scheduler gave up; a
+        # DECODE_DONE among them may still be recorded (a lost answer): ask.
+        moot = [c for c in self.completions if c.request_id not in kept]
+        self.completions = [c for c in self.completions if c.request_id in kept]
+        self._settle(moot, {c.request_id for c in moot})
+        for rid in refused:
+            self.attempts.pop(rid, None)
+            self.cancel(rid)
         ms = self.fetch_interval_ms or r.fetch_interval_ms or 20
         self.fetch_interval_s = ms / 1000.0
-        log.info("%s: group registered (lease %d, fetch every %d ms)", self.node_id,
-                 r.lease_id, ms)
+        log.info("%s: group registered (lease %d, fetch every %d ms); %d running requests "
+                 "claimed, %d refused", self.node_id, r.lease_id, ms, len(claims), len(refused))
 
     def _status(self, e: EngineRank) -> scheduler_pb2.EngineStatus:
         free = 0
@@ -143,9 +230,9 @@ class Leader:
         except grpc.aio.AioRpcError:
             self.completions[:0] = done     # reports are idempotent: resend next time
             raise
+        self._settle(done, set(r.ignored_request_ids))
         for rid in r.cancelled_request_ids:
-            self.attempts.pop(rid, None)
-            self.cancel(rid)
+            self._drop(rid)
         if len(self.attempts) > MAX_ATTEMPTS_KEPT:   # ended without a report: forget them
             live = set(busy)
             self.attempts = {k: v for k, v in self.attempts.items() if k in live}
@@ -159,15 +246,81 @@ class Leader:
                 a = Assignment.from_pb(pb)
             except UsageError as err:
                 log.warning("%s: assignment %s refused: %s", self.node_id, pb.request_id, err)
-                self.complete(pb.request_id, e, scheduler_pb2.COMPLETION_STAGE_FAILED)
+                self.complete(pb.request_id, e, scheduler_pb2.COMPLETION_STAGE_FAILED,
+                              error=f"assignment refused: {err}", suspect=e.engine_id)
                 continue
             self.path.assign(e, a)
+        if self.unconfirmed:
+            await self._confirm()
 
-    def _drop_all(self) -> None:
-        for rid in self._in_flight():
-            self.cancel(rid)
-        self.completions.clear()
-        self.attempts.clear()
+    def _settle(self, done: list[scheduler_pb2.Completion], ignored: set[str]) -> None:
+        """Delivered completions: the recorded ones' results go to the sink; an ignored
+        DECODE_DONE is asked about (:meth:`_confirm`), other ignored ones are dropped."""
+        if self.results is None:
+            return
+        for c in done:
+            if c.stage == scheduler_pb2.COMPLETION_STAGE_PREFILL_DONE:
+                continue
+            if c.request_id not in ignored:
+                self.results.send_result(c.request_id, c.attempt)
+            elif c.stage == scheduler_pb2.COMPLETION_STAGE_DECODE_DONE:
+                self.unconfirmed.append(c)
+            else:
+                self.results.drop_result(c.request_id)
+
+    async def _confirm(self) -> None:
+        """GetResults for DECODE_DONEs the scheduler did not acknowledge: a result is sent
+        only when the scheduler holds that request done at that attempt."""
+        while self.unconfirmed:
+            batch = self.unconfirmed[:RESULTS_PER_CALL]
+            r = await self.scheduler.GetResults(scheduler_pb2.GetResultsRequest(
+                request_ids=[c.request_id for c in batch]), timeout=5)
+            del self.unconfirmed[:len(batch)]
+            for c, res in zip(batch, r.results):
+                if res.state in _RECORDED and res.attempt == c.attempt:
+                    self.results.send_result(c.request_id, c.attempt)
+                else:
+                    self.results.drop_result(c.request_id)
+
+    def _drop(self, rid: str) -> None:
+        """The scheduler gave this node's attempt of ``rid`` up: drop it and anything
+        pending of it (its completion, its result)."""
+        self.attempts.pop(rid, None)
+        self.cancel(rid)
+        self.completions = [c for c in self.completions if c.request_id != rid]
+        if self.results is not None:
+            self.results.drop_result(rid)
+
+    async def shutdown(self, quiesce: Callable[[], Awaitable[None]]) -> None:
+        """A graceful stop (the leader loop has ended): deliver pending completions (their
+        results go to the sink), ``quiesce()`` the node's work, then give the lease back
+        (ReleaseGroup) so the scheduler requeues what the group held at once. Bounded;
+        without a lease (or a scheduler) it only quiesces."""
+        try:
+            if self.lease_id and self.completions:
+                done, self.completions = self.completions, []
+                r = await self.scheduler.ReportCompletion(
+                    scheduler_pb2.ReportCompletionRequest(
+                        group_id=self.node_id, lease_id=self.lease_id, completions=done),
+                    timeout=2)
+                self._settle(done, set(r.ignored_request_ids))
+                if self.unconfirmed:
+                    await self._confirm()
+        except grpc.aio.AioRpcError as e:
+            log.warning("%s: pending completions not delivered at shutdown: %s %s",
+                        self.node_id, e.code().name, e.details())
+        await quiesce()
+        if not self.lease_id:
+            return
+        try:
+            r = await self.scheduler.ReleaseGroup(scheduler_pb2.ReleaseGroupRequest(
+                group_id=self.node_id, lease_id=self.lease_id), timeout=2)
+            log.info("%s: lease %d released; %d requests handed back", self.node_id,
+                     self.lease_id, r.requeued_requests)
+        except grpc.aio.AioRpcError as e:
+            log.warning("%s: lease %d not released (%s %s); its work waits out the lease",
+                        self.node_id, self.lease_id, e.code().name, e.details())
+        self.lease_id = 0
 
     async def close(self) -> None:
         await self.channel.close()

@@ -24,6 +24,13 @@ class NodeMetrics:
         self.persist_failed = m.counter(registry, "dualpath_node_persist_failures_total",
                                         "Full Blocks not cached because the write failed "
                                         "(disk full, I/O error); the request is unaffected.")
+        self.recomputed_blocks = m.counter(
+            registry, "dualpath_node_hit_blocks_recomputed_total",
+            "Hit blocks missing or corrupt in storage that the PE computed instead.")
+        self.fenced_blocks = m.gauge(
+            registry, "dualpath_node_fenced_blocks",
+            "Buffer or HBM blocks held back until the peer that may still write into them "
+            "says its writes ended (engine/fence.py).")
         self.transport = m.gauge(registry, "dualpath_node_transport_info",
                                  "1 for the transport KV bytes travel on (verbs or tcp), "
                                  "so a silent fallback to TCP shows on dashboards.",

@@ -41,6 +41,8 @@ from dualpath.config import Config
 from dualpath.engine.auth import Callers
 from dualpath.engine.decode import DecodePath
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
+from dualpath.engine.errors import PeerUnavailable
+from dualpath.engine.fence import Fences
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.leader import Leader
 from dualpath.engine.metrics import CountingLimiter, NodeMetrics
@@ -130,9 +132,11 @@ class NodeDaemon:
         self.metrics.transport.labels(self.transfer.transport).set(1)
         self.snic_bytes_per_s = gbit_to_bytes_per_s(s.snic_gbit_per_s) if s.snic_gbit_per_s else 0
         self.limiter = CountingLimiter(s.snic_gbit_per_s, s.snic_burst_bytes or None)
+        self.fences = Fences(self._ask_writer, self.spawn, self.metrics.fenced_blocks)
         self.resources = NodeResources(
             self.node_id, self.role, self.address, cfg, self.transfer, self.peers,
-            self.limiter, self.metrics, trajectory_token_ids, self.spawn, self._complete)
+            self.limiter, self.metrics, trajectory_token_ids, self.spawn, self._complete,
+            self.fences)
         buf_name = "de_buffer" if self.role == DECODE else "pe_buffer"
         b = cfg.buffers
         # A vLLM node shares its buffer with its own workers (engine/shm.py).
@@ -213,8 +217,8 @@ class NodeDaemon:
             self.path = PrefillPath(self.resources, self.space, engine)
         else:
             self.path = decode = DecodePath(self.resources, self.space, engine, ranks)
-        return engine_services(self.callers, self.oob, self.transfer, decode, self.cancel,
-                               self.limiter)
+        return engine_services(self.callers, self.oob, self.transfer, decode,
+                               self.stop_request, self.limiter)
 
     def _start_vllm(self, buf_name: str) -> list:
         offer = BufferOffer(self.buffer.fd, self.buffer.nbytes, f"node {self.node_id}")
@@ -223,8 +227,8 @@ class NodeDaemon:
                             limiter=self.limiter, metrics=self.metrics, offer=offer)
         self._stack.push_async_callback(engine.close)
         self.engine = engine
-        return [*engine_services(self.callers, self.oob, self.transfer, None, self.cancel,
-                                 self.limiter),
+        return [*engine_services(self.callers, self.oob, self.transfer, None,
+                                 self.stop_request, self.limiter),
                 (connector_pb2_grpc.add_KvConnectorServicer_to_server,
                  KvConnectorServicer(engine, self.callers))]
 
@@ -235,7 +239,8 @@ class NodeDaemon:
                       metrics=self.metrics, profile_name=self.profile.name,
                       block_bytes=self.space.layout.full_bytes,
                       storage_read_bytes_per_s=int(self.snic_bytes_per_s),
-                      fetch_interval_ms=self.cfg.engine.fetch_interval_ms)
+                      fetch_interval_ms=self.cfg.engine.fetch_interval_ms,
+                      results=self.path if isinstance(self.path, DecodePath) else None)
 
     # ------------------------------------------------------------ running
 
@@ -246,9 +251,33 @@ class NodeDaemon:
             return self.engine.read_q_tokens
         return self.space.read_queue.read_q_tokens
 
-    def _complete(self, rid: str, engine: EngineRank, stage: int) -> None:
+    def _complete(self, rid: str, engine: EngineRank, stage: int, error: str = "",
+                  suspect: str = "") -> None:
         if self.leader is not None:
-            self.leader.complete(rid, engine, stage)
+            self.leader.complete(rid, engine, stage, error, suspect)
+
+    async def _ask_writer(self, peer: str, rid: str, attempt: int) -> None:
+        """A fence's question to the peer that may write into our memory: stop that
+        attempt and answer once your writes ended (bounded by their own timeouts). A
+        peer whose control port refuses connections is gone: a node stops serving only
+        after its tasks ended (close()), and a restarted one listens elsewhere."""
+        try:
+            await self.peers.stop(peer, rid, attempt,
+                                  timeout_s=2 * self.cfg.transfer.timeout_s + 5)
+        except PeerUnavailable:
+            if not await _refuses_connections(peer):
+                raise
+            log.info("%s: %s is gone (its control port refuses connections); its writes "
+                     "for %s ended with it", self.node_id, peer, rid)
+
+    async def stop_request(self, rid: str, attempt: int, caller) -> bool:
+        """Engine.CancelRequest: the caller stopped its ``attempt`` of ``rid`` (its
+        writes into our memory ended); stop ours and return once they ended."""
+        if isinstance(self.path, DecodePath):
+            return await self.path.stop(rid, attempt, caller)
+        if isinstance(self.path, PrefillPath):
+            return await self.path.stop(rid, attempt)
+        return False
 
     def spawn(self, coro) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)
@@ -268,12 +297,22 @@ class NodeDaemon:
             e.reserved_blocks.pop(rid, None)
 
     async def run_until_stopped(self) -> None:
-        """Lead (PE/DE) until ``stop`` is set."""
+        """Lead (PE/DE) until ``stop`` is set; then hand the work back (the leader's
+        shutdown: pending completions, the node's tasks stopped, ReleaseGroup)."""
         leader = self.spawn(self.leader.run(self.stop)) if self.leader else None
         await self.stop.wait()
         log.info("%s: shutting down", self.node_id)
         if leader is not None:
             leader.cancel()
+            await asyncio.wait([leader])
+            await self.leader.shutdown(self._quiesce)
+
+    async def _quiesce(self) -> None:
+        """Sink reports on their way go out (bounded); then every task stops (a prefill
+        tells its DE, after its writes ended, that its attempt is over)."""
+        if isinstance(self.path, DecodePath):
+            await self.path.flush(timeout_s=2.0)
+        await self._cancel_tasks()
 
     async def _cancel_tasks(self) -> None:
         for t in list(self._tasks):
@@ -287,6 +326,23 @@ class NodeDaemon:
         after a start() that failed half way). Idempotent."""
         await self._cancel_tasks()
         await self._stack.aclose()
+
+
+async def _refuses_connections(address: str) -> bool:
+    """True when nothing listens at ``address`` (host:port) any more: a TCP connect is
+    refused. A host that does not answer (stalled, cut off) is not gone."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"),
+                                                                   int(port)), 2.0)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError, ValueError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
 
 
 def _dump_tasks(node: NodeDaemon) -> None:

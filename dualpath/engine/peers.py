@@ -9,8 +9,13 @@ reason instead of an AioRpcError escaping into domain code).
     order_load   PE -> DE  Engine.SubmitTransferOrder(LOAD_HIT_KV): the DE read path
     watch        PE -> DE  Engine.WatchTransfers: a RemoteWatch layer source
     prefill_done PE -> DE  Node.PrefillDone: every prompt byte is in the DE buffer
-    cancel       any       Engine.CancelRequest (best effort, bounded)
+    stop         any       Engine.CancelRequest: the peer stops an attempt and answers
+                           once its writes for it ended (fences wait for it); ``cancel``
+                           is the same, best effort and bounded
     report       DE -> replay client  ReplaySink.Report
+
+Every request message names its attempt (the assignment's); the peer refuses an older
+one than it holds (ABORTED: :class:`~dualpath.engine.errors.PeerUnavailable` here).
 
 Threads: the node's event loop.
 """
@@ -40,6 +45,7 @@ class PrepareJob:
     hit_tokens: int
     read_side: int
     payload: bytes
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class LoadOrder:
     target_peer: str
     target: KvPlacement
     target_units: Sequence[int]
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,8 @@ class PrefillReport:
     done_unix_s: float
     read_bytes: int
     read_span: tuple[float, float]
+    attempt: int
+    computed_from_tokens: int       # hit_tokens unless hit blocks had to be recomputed
 
 
 @dataclass
@@ -90,6 +99,7 @@ class Timings:
     bytes_mismatched: int = 0
     failed: bool = False
     error: str = ""
+    attempt: int = 0
 
 
 class PeerClient:
@@ -116,7 +126,8 @@ class PeerClient:
             node_pb2.PrepareRequestRequest(
                 request_id=job.request_id, decode_engine_id=job.decode_engine_id,
                 prefill_control_address=job.prefill_address, prompt_tokens=job.prompt_tokens,
-                hit_tokens=job.hit_tokens, read_side=job.read_side, payload=job.payload),
+                hit_tokens=job.hit_tokens, read_side=job.read_side, payload=job.payload,
+                attempt=job.attempt),
             timeout=30))
         if not r.slots:
             return Prepared(None, ())
@@ -128,12 +139,13 @@ class PeerClient:
                 request_id=o.request_id, kind=engine_pb2.TRANSFER_KIND_LOAD_HIT_KV,
                 source_engine_id=o.source_engine_id, target_engine_id=o.target_engine_id,
                 block_keys=list(o.keys), target_peer=o.target_peer,
-                target=placement_wire.to_pb(o.target), target_units=list(o.target_units)),
+                target=placement_wire.to_pb(o.target), target_units=list(o.target_units),
+                attempt=o.attempt),
             timeout=self.timeout_s))
 
-    def watch(self, de: str, request_id: str) -> RemoteWatch:
+    def watch(self, de: str, request_id: str, attempt: int) -> RemoteWatch:
         call = self._engine(de).WatchTransfers(
-            engine_pb2.WatchTransfersRequest(request_id=request_id))
+            engine_pb2.WatchTransfersRequest(request_id=request_id, attempt=attempt))
         return RemoteWatch(call, de)
 
     async def prefill_done(self, de: str, r: PrefillReport) -> None:
@@ -142,13 +154,24 @@ class PeerClient:
                 request_id=r.request_id, prefill_engine_id=r.prefill_engine_id,
                 prefill_done_unix_s=r.done_unix_s, prefill_node_id=r.prefill_node_id,
                 prefill_read_bytes=r.read_bytes, read_start_unix_s=r.read_span[0],
-                read_end_unix_s=r.read_span[1]), timeout=self.timeout_s))
+                read_end_unix_s=r.read_span[1], attempt=r.attempt,
+                computed_from_tokens=r.computed_from_tokens), timeout=self.timeout_s))
 
-    async def cancel(self, peer: str, request_id: str) -> None:
-        """Best effort: the peer may be gone (its lease then ends the request there)."""
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            await self._engine(peer).CancelRequest(
-                engine_pb2.CancelRequestRequest(request_id=request_id), timeout=1)
+    async def stop(self, peer: str, request_id: str, attempt: int,
+                   timeout_s: float | None = None) -> None:
+        """``peer`` stops ``attempt`` of ``request_id`` and answers once its writes for it
+        ended (PeerUnavailable when it does not answer in time)."""
+        await self._call(peer, "CancelRequest", self._engine(peer).CancelRequest(
+            engine_pb2.CancelRequestRequest(request_id=request_id, attempt=attempt),
+            timeout=timeout_s or self.timeout_s))
+
+    async def cancel(self, peer: str, request_id: str, attempt: int) -> bool:
+        """Best effort and bounded: the peer may be gone (its lease then ends the request
+        there). True when it answered."""
+        with contextlib.suppress(PeerUnavailable):
+            await self.stop(peer, request_id, attempt, timeout_s=2.0)
+            return True
+        return False
 
     async def report(self, sink: str, t: Timings) -> None:
         await self._call(sink, "ReplaySink.Report",
@@ -165,4 +188,5 @@ class PeerClient:
                                  prefill_read_bytes=t.prefill_read_bytes,
                                  decode_read_bytes=t.decode_read_bytes,
                                  read_start_unix_s=t.read_span[0],
-                                 read_end_unix_s=t.read_span[1]), timeout=self.timeout_s))
+                                 read_end_unix_s=t.read_span[1], attempt=t.attempt),
+                             timeout=self.timeout_s))

@@ -10,7 +10,19 @@
         into the engine's memory) -> WRITE that layer's KV (PE read: hit and miss; DE
         read: miss only) into the DE buffer; with layerwise prefill the next layer's
         transfers run while this layer computes
-    -> PrefillDone -> PREFILL_DONE reported (FAILED on any error: requeued)
+    -> PrefillDone -> PREFILL_DONE reported (FAILED on any error: requeued, with the
+       error and the engine to blame: the DE for what it or the way to it did, this
+       engine for the rest)
+
+Degrade, don't fail: hit blocks missing or corrupt in storage (either read side) are
+computed here like miss tokens, from the first bad block on; PrefillDone tells the DE
+where computing began (``computed_from_tokens``) so it caches those blocks again.
+
+Attempts (docs/reliability.md): every message to the DE names the assignment's attempt;
+a newer attempt of a request running here starts once the old one's task ended. A
+prefill that ends without PrefillDone tells the DE (Engine.CancelRequest), after its own
+writes ended; its engine memory, if a LOAD_HIT_KV order may still be writing into it,
+goes back only when the DE answered that (engine/fence.py).
 
 Every WRITE comes from a :class:`~dualpath.engine.kvplan.Route` between two placements.
 Threads: the node's event loop only.
@@ -22,47 +34,79 @@ import asyncio
 import itertools
 import logging
 import time
+from dataclasses import replace
 
 from dualpath import clock
 from dualpath.engine.assignment import Assignment
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
-from dualpath.engine.errors import RequestFailed
+from dualpath.engine.errors import PeerUnavailable
 from dualpath.engine.kvio import write_layers, write_runs
 from dualpath.engine.kvplan import Route, block_spans
 from dualpath.engine.kvspace import KvSpace
-from dualpath.engine.layers import AllReady, LayerSource, LocalArrivals
+from dualpath.engine.layers import AllReady, LayerSource, LocalArrivals, RemoteWatch
 from dualpath.engine.payload import Payload
 from dualpath.engine.peers import LoadOrder, PrefillReport, PrepareJob
 from dualpath.engine.resources import NodeResources
 from dualpath.engine.roles import RS_DECODE, RS_NONE, RS_PREFILL, RS_SPLIT
+from dualpath.errors import TransferError
 from dualpath.v1 import scheduler_pb2
 
 log = logging.getLogger("dualpath.engine")
 
 
 class PrefillPath:
-    """The prefills running on a PE node."""
+    """The prefills running on a PE node: one task per (request, attempt); the newest
+    attempt of each request is ``tasks[rid]``."""
 
     def __init__(self, node: NodeResources, space: KvSpace, engine: EmulatedEngine):
         self.node = node
         self.space = space
         self.engine = engine
-        self.tasks: dict[str, asyncio.Task] = {}    # request -> its prefill
+        self.tasks: dict[str, asyncio.Task] = {}    # request -> its newest prefill
+        self.current: dict[str, tuple[int, EngineRank]] = {}   # request -> attempt, engine
+        self.runs: dict[tuple[str, int], asyncio.Task] = {}    # every live prefill
         self._rr = itertools.count()
 
     def assign(self, e: EngineRank, a: Assignment) -> None:
-        """Start the prefill of ``a`` on engine ``e`` (once per request)."""
-        if a.request_id in self.tasks:
-            return
-        e.tokens[a.request_id] = a.prompt_tokens
+        """Start the prefill of ``a`` on engine ``e``: once per attempt; a newer attempt
+        of a request running here starts once the old task ended."""
+        rid = a.request_id
+        old = self.tasks.get(rid)
+        if old is not None:
+            attempt, old_e = self.current[rid]
+            if a.attempt <= attempt:
+                return
+            _cancel_once(old)
+            old_e.tokens.pop(rid, None)
+        e.tokens[rid] = a.prompt_tokens
         if a.read_side == RS_PREFILL:
-            self.space.read_queue.expect(a.request_id, a.hit_tokens)
-        self.tasks[a.request_id] = self.node.spawn(self._prefill(e, a))
+            self.space.read_queue.expect(rid, a.hit_tokens)
+        t = self.node.spawn(self._prefill(e, a, old))
+        self.tasks[rid] = self.runs[(rid, a.attempt)] = t
+        self.current[rid] = (a.attempt, e)
 
     def cancel(self, rid: str) -> None:
-        t = self.tasks.pop(rid, None)
-        if t is not None:
-            t.cancel()
+        """Stop every attempt of ``rid`` here (the scheduler cancelled it)."""
+        for (r, _), t in list(self.runs.items()):
+            if r == rid:
+                _cancel_once(t)
+
+    async def stop(self, rid: str, attempt: int) -> bool:
+        """Engine.CancelRequest from the DE: stop the attempts of ``rid`` up to
+        ``attempt`` (0 = all) and return once their tasks ended, so none of their writes
+        is on its way any more. A newer attempt running here is left alone. True when
+        there was one to stop."""
+        ts = [t for (r, att), t in self.runs.items()
+              if r == rid and (not attempt or att <= attempt)]
+        for t in ts:
+            _cancel_once(t)
+        if ts:
+            await asyncio.wait(ts)
+        return bool(ts)
+
+    def claims(self) -> list[tuple[str, EngineRank, bool]]:
+        """What this node's engines run, for a registration: (request, engine, False)."""
+        return [(rid, e, False) for rid, (_, e) in self.current.items()]
 
     def _read_side(self, p: Payload, a: Assignment) -> int:
         if a.hit_tokens == 0 or p.oracle or p.read_policy == "none":
@@ -75,11 +119,14 @@ class PrefillPath:
             return RS_DECODE if a.decode_read_tokens >= a.prefill_read_tokens else RS_PREFILL
         return a.read_side if a.read_side in (RS_PREFILL, RS_DECODE) else RS_PREFILL
 
-    async def _prefill(self, e: EngineRank, a: Assignment) -> None:
+    async def _prefill(self, e: EngineRank, a: Assignment, after: asyncio.Task | None) -> None:
         n = self.node
         rid = a.request_id
+        me = asyncio.current_task()
         t0 = time.monotonic()
         try:
+            if after is not None:         # the older attempt's writes end first
+                await asyncio.wait([after])
             async with e.slots:
                 await self.prefill(e, a)
             n.complete(rid, e, scheduler_pb2.COMPLETION_STAGE_PREFILL_DONE)
@@ -87,20 +134,23 @@ class PrefillPath:
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - any failure requeues the request
-            log.warning("prefill of %s on %s failed: %s", rid, e.engine_id, err)
+            log.warning("prefill of %s (attempt %d) on %s failed: %s", rid, a.attempt,
+                        e.engine_id, err)
             n.metrics.requests.labels("prefill_failed").inc()
-            # Free what the DE holds for it, and only then report: the retry's
-            # PrepareRequest must not overtake this cancel.
-            await n.peers.cancel(a.decode_address, rid)
-            n.complete(rid, e, scheduler_pb2.COMPLETION_STAGE_FAILED)
+            n.complete(rid, e, scheduler_pb2.COMPLETION_STAGE_FAILED, error=str(err),
+                       suspect=a.decode_engine_id if isinstance(err, PeerUnavailable)
+                       else e.engine_id)
         finally:
-            e.tokens.pop(rid, None)
-            self.tasks.pop(rid, None)
-            self.space.read_queue.forget(rid)
+            self.runs.pop((rid, a.attempt), None)
+            if self.tasks.get(rid) is me:
+                del self.tasks[rid], self.current[rid]
+                e.tokens.pop(rid, None)
+                self.space.read_queue.forget(rid)
 
     async def prefill(self, e: EngineRank, a: Assignment) -> None:
         """Prefill ``a`` on ``e`` (see the module docstring); raises on failure, after
-        every WRITE it started has finished (none still reads or writes its memory)."""
+        every WRITE it started has finished (none still reads or writes its memory, or
+        the memory is fenced until the DE says its writes ended)."""
         n, space, eng = self.node, self.space, self.engine
         fmt = space.fmt
         p = a.payload
@@ -114,78 +164,129 @@ class PrefillPath:
         de = a.decode_address
         spans = block_spans(p.token_ids(prompt, n.tokens), T)
         nb, hit_blocks = len(spans), hit // T
-        prep = await n.peers.prepare(de, PrepareJob(rid, a.decode_engine_id, n.address,
-                                                    prompt, hit, side, a.payload_bytes))
-        layer_s = eng.prefill_layer_s(hit, prompt - hit)
-        layerwise = p.layerwise and n.cfg.engine.layerwise
-        done = PrefillReport(rid, e.engine_id, n.node_id, 0.0, 0, (0.0, 0.0))
-        if p.oracle:
-            for layer in range(L):
-                await eng.forward_layer(e, layer_s, None, spans, layer, 0, 0)
-            await self._done(de, done)
-            return
-        if prep.buffer is None or len(prep.slots) != nb:
-            raise RequestFailed(f"{rid}: the DE prepared {len(prep.slots)} blocks, {nb} needed")
-        hbm = await e.hbm.reserve(nb)
-        units = e.units(fmt, hbm)
-        to_de = Route(e.placement(fmt), units, prep.buffer,
-                      prep.buffer.units_of_slots(prep.slots))
-        pebuf = None
+        prep = None
+        hbm = pebuf = None
         source: LayerSource = AllReady()
         loading: asyncio.Future | None = None
         pushes: list[asyncio.Future] = []      # engine memory -> DE buffer, per layer
+        finished = False                       # PrefillDone answered
         try:
+            prep = await n.peers.prepare(de, PrepareJob(rid, a.decode_engine_id, n.address,
+                                                        prompt, hit, side, a.payload_bytes,
+                                                        a.attempt))
+            layer_s = eng.prefill_layer_s(hit, prompt - hit)
+            layerwise = p.layerwise and n.cfg.engine.layerwise
+            report = PrefillReport(rid, e.engine_id, n.node_id, 0.0, 0, (0.0, 0.0),
+                                   a.attempt, hit)
+            if p.oracle:
+                for layer in range(L):
+                    await eng.forward_layer(e, layer_s, None, spans, layer, 0, 0)
+                await self._done(de, report)
+                finished = True
+                return
+            if prep.buffer is None or len(prep.slots) != nb:
+                raise PeerUnavailable(f"{rid}: the DE prepared {len(prep.slots)} blocks, "
+                                      f"{nb} needed")
+            hbm = await e.hbm.reserve(nb)
+            units = e.units(fmt, hbm)
+            to_de = Route(e.placement(fmt), units, prep.buffer,
+                          prep.buffer.units_of_slots(prep.slots))
+            computed_from = hit                # tokens before it come from storage
             if side == RS_PREFILL and hit_blocks:
                 pebuf = await space.pool.reserve(hit_blocks)
                 got = await space.read(rid, [s.key for s in spans[:hit_blocks]], pebuf)
                 n.metrics.read_bytes.inc(got.nbytes)
-                if not got.complete:
-                    raise RequestFailed(f"{rid}: {got.blocks - got.usable} of {got.blocks} "
-                                        "hit blocks missing from storage")
-                done = PrefillReport(rid, e.engine_id, n.node_id, 0.0, got.nbytes, got.span)
+                computed_from = self._usable(rid, got.usable, hit_blocks, T)
+                report = PrefillReport(rid, e.engine_id, n.node_id, 0.0, got.nbytes,
+                                       got.span, a.attempt, computed_from)
                 arrivals = LocalArrivals()
                 loading = asyncio.ensure_future(write_layers(
                     n.transfer, n.address, space.buffer, space.buffer_units(pebuf),
-                    e.placement(fmt), units, 0, hit_blocks * T, on_layer=arrivals.landed))
+                    e.placement(fmt), units, 0, computed_from, on_layer=arrivals.landed))
                 loading.add_done_callback(
                     lambda f: f.cancelled() or f.exception() is None
                     or arrivals.failed(str(f.exception())))
                 source = arrivals
                 if not layerwise:
-                    await loading
+                    await source.ready(L - 1)
             elif side == RS_DECODE and hit_blocks:
                 await n.transfer.connect(de)
+                source = n.peers.watch(de, rid, a.attempt)
                 await n.peers.order_load(de, LoadOrder(
                     rid, a.decode_engine_id, e.engine_id, [s.key for s in spans[:hit_blocks]],
-                    n.address, e.placement(fmt), units[:hit_blocks * fmt.units]))
-                source = n.peers.watch(de, rid)
-                if not layerwise:
-                    await source.ready(L - 1)
-            push_from = hit if side == RS_DECODE else 0
+                    n.address, e.placement(fmt), units[:hit_blocks * fmt.units], a.attempt))
+                await source.ready(0 if layerwise else L - 1)
+                computed_from = self._usable(rid, source.loaded_blocks, hit_blocks, T)
+                report = PrefillReport(rid, e.engine_id, n.node_id, 0.0, 0, (0.0, 0.0),
+                                       a.attempt, computed_from)
+            if computed_from != hit:
+                layer_s = eng.prefill_layer_s(computed_from, prompt - computed_from)
+            # The DE holds what it loaded in its own buffer; the PE read side pushes all.
+            push_from = computed_from if side == RS_DECODE else 0
             for layer in range(L):
                 await source.ready(layer)
-                await eng.forward_layer(e, layer_s, hbm, spans, layer, hit, prompt)
-                push = write_runs(n.transfer, de, to_de.runs(layer, push_from, prompt))
+                await eng.forward_layer(e, layer_s, hbm, spans, layer, computed_from, prompt)
+                _raise_failed(pushes, de)      # an earlier layer's push failed: stop here
+                push = self._push(de, to_de.runs(layer, push_from, prompt), layer)
                 if layerwise:
                     pushes.append(asyncio.ensure_future(push))
                 else:
                     await push
             if pushes:
                 await asyncio.gather(*pushes)
+            await self._done(de, report)
+            finished = True
         finally:
             source.close()
             # On a failure part way, writes of earlier layers may still read from the
-            # engine's memory (pushes) or land in it (the load): let each finish or fail
-            # (bounded by transfer.timeout_s) before those slots go to another request.
+            # engine's memory (pushes) or land in it (the local load): let each finish or
+            # fail (bounded by transfer.timeout_s) before those slots go to another request.
             pending = [f for f in (loading, *pushes) if f is not None and not f.done()]
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
-            hbm.release()
+            for f in pushes:
+                if f.done() and not f.cancelled():
+                    f.exception()              # retrieved (raised above, or moot)
+            told = True
+            if prep is not None and not finished:
+                # The DE drops its state (its slots: our writes ended) and its load into
+                # our memory, answering once that load ended.
+                told = await n.peers.cancel(de, rid, a.attempt)
+            if hbm is not None:
+                if isinstance(source, RemoteWatch) and not source.complete and not told:
+                    n.fences.hold(de, rid, a.attempt, hbm)
+                else:
+                    hbm.release()
             if pebuf is not None:
                 pebuf.release()
-        await self._done(de, done)
+
+    def _usable(self, rid: str, usable: int, hit_blocks: int, T: int) -> int:
+        """The first token to compute: the hit, or where its first bad block begins."""
+        usable = min(usable, hit_blocks)
+        if usable < hit_blocks:
+            log.warning("%s: %d of %d hit blocks missing or corrupt in storage; computing "
+                        "them", rid, hit_blocks - usable, hit_blocks)
+            self.node.metrics.recomputed_blocks.inc(hit_blocks - usable)
+        return usable * T
+
+    async def _push(self, de: str, rs, layer: int) -> int:
+        try:
+            return await write_runs(self.node.transfer, de, rs)
+        except TransferError as e:
+            raise PeerUnavailable(f"push of layer {layer} to {de}: {e}") from e
 
     async def _done(self, de: str, r: PrefillReport) -> None:
-        await self.node.peers.prefill_done(de, PrefillReport(
-            r.request_id, r.prefill_engine_id, r.prefill_node_id, clock.unix_now(),
-            r.read_bytes, r.read_span))
+        await self.node.peers.prefill_done(de, replace(r, done_unix_s=clock.unix_now()))
+
+
+def _cancel_once(t: asyncio.Task) -> None:
+    """Cancel ``t`` unless it is being cancelled already: a second cancel would cut its
+    clean-up short (the wait for its writes in flight)."""
+    if not t.cancelling():
+        t.cancel()
+
+
+def _raise_failed(pushes: list[asyncio.Future], de: str) -> None:
+    for f in pushes:
+        if f.done() and not f.cancelled() and f.exception() is not None:
+            raise f.exception()

@@ -10,16 +10,25 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Protocol
 
 from dualpath.config import Config
 from dualpath.engine.emulated import EngineRank
+from dualpath.engine.fence import Fences
 from dualpath.engine.metrics import CountingLimiter, NodeMetrics
 from dualpath.engine.payload import TokenSource
 from dualpath.engine.peers import PeerClient
 from dualpath.transfer import TransferEngine
 
-#: Queue a completion (request, engine, COMPLETION_STAGE_*) for the leader's next fetch.
-Complete = Callable[[str, EngineRank, int], None]
+
+class Complete(Protocol):
+    """Queue a completion (COMPLETION_STAGE_*) for the leader's next fetch; a FAILED one
+    says why and, when known, which engine is to blame ("" = unknown: both sides)."""
+
+    def __call__(self, rid: str, engine: EngineRank, stage: int, error: str = "",
+                 suspect: str = "") -> None: ...
+
+
 Spawn = Callable[[Coroutine], asyncio.Task]
 
 
@@ -36,3 +45,4 @@ class NodeResources:
     tokens: TokenSource             # token ids of payloads that carry none
     spawn: Spawn                    # a task the node cancels at close
     complete: Complete
+    fences: Fences                  # memory a peer may still write into (engine/fence.py)

@@ -1,10 +1,14 @@
 """The node's gRPC edge: the Engine and Node services (protobuf in, a dataclass call on
 the node's DE path, protobuf or a status code out), the KvConnector service of a vLLM
-node, and the server that carries them with the standard health service."""
+node, and the server that carries them with the standard health service.
+
+A message of an older attempt than the one a DE holds for the request is refused with
+ABORTED (the scheduler gave that execution up; docs/reliability.md); one for a request
+(or a newer attempt) not prepared here is NOT_FOUND."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -12,7 +16,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from dualpath import rpc
 from dualpath.engine.auth import Callers
 from dualpath.engine.decode import DecodePath, NotYours, PrepareCall
-from dualpath.engine.errors import RequestFailed
+from dualpath.engine.errors import RequestFailed, StaleAttempt
 from dualpath.engine.payload import Payload
 from dualpath.engine.peers import LoadOrder, PrefillReport
 from dualpath.engine.vllm_engine import BufferBusy, FormatConflict, NotAttached, VllmEngine, Worker
@@ -49,11 +53,16 @@ def add_services(server: grpc.aio.Server, services) -> None:
         add(servicer, server)
 
 
+#: ``stop(request_id, attempt, caller)``: the node stops the caller's attempt of a request
+#: and returns once its tasks for it ended (True when it held it).
+Stop = Callable[[str, int, object], Awaitable[bool]]
+
+
 def engine_services(callers: Callers, oob, transfer, decode: DecodePath | None,
-                    cancel: Callable[[str], None], limiter) -> list:
+                    stop: Stop, limiter) -> list:
     """The Engine and Node services of a node."""
     return [(engine_pb2_grpc.add_EngineServicer_to_server,
-             EngineServicer(callers, oob, transfer, decode, cancel)),
+             EngineServicer(callers, oob, transfer, decode, stop)),
             (node_pb2_grpc.add_NodeServicer_to_server,
              NodeServicer(callers, limiter, decode))]
 
@@ -63,15 +72,26 @@ async def _no_decode(context, decode):
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode node")
 
 
+async def _state(context, decode: DecodePath, request_id: str, attempt: int):
+    """The DE state a message of ``attempt`` is for, or the call aborted."""
+    try:
+        return decode.state(request_id, attempt)
+    except StaleAttempt as e:
+        await context.abort(grpc.StatusCode.ABORTED, str(e))
+    except KeyError:
+        await context.abort(grpc.StatusCode.NOT_FOUND,
+                            f"request {request_id} (attempt {attempt}) is not here")
+
+
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     """Node-to-node calls: cluster nodes only (dualpath/engine/auth.py); a request's
     order, watch and cancel only from the node that prepared it."""
 
     def __init__(self, callers: Callers, oob, transfer, decode: DecodePath | None,
-                 cancel: Callable[[str], None]):
+                 stop: Stop):
         self.callers, self.node_id = callers, callers.node_id
         self.oob, self.transfer = oob, transfer
-        self.decode, self.cancel = decode, cancel
+        self.decode, self.stop = decode, stop
 
     async def ExchangeEndpoint(self, request, context):
         ident = await self.callers.require(context)
@@ -97,8 +117,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                               request.target_engine_id, list(request.block_keys),
                               request.target_peer,
                               placement_wire.from_pb(request.target, "order target"),
-                              list(request.target_units))
+                              list(request.target_units), request.attempt)
             await self.decode.accept_order(order)
+        except StaleAttempt as e:
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"request {request.request_id} was not prepared here")
@@ -109,10 +131,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def WatchTransfers(self, request, context):
         await self.callers.require(context)
         await _no_decode(context, self.decode)
-        st = self.decode.requests.get(request.request_id)
-        if st is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"request {request.request_id} is not here")
+        st = await _state(context, self.decode, request.request_id, request.attempt)
         await self.callers.require_owner(context, st.owner, request.request_id)
         sent = -1
         L = self.decode.space.fmt.layers
@@ -125,19 +144,22 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if st.layers_done != sent:
                 sent = st.layers_done
                 yield engine_pb2.TransferProgress(request_id=st.request_id, layers_done=sent,
-                                                  complete=sent == L)
+                                                  complete=sent == L,
+                                                  loaded_blocks=st.loaded_blocks)
                 if sent == L:
                     return
                 continue
             await st.changed.wait()
 
     async def CancelRequest(self, request, context):
-        await self.callers.require(context)
+        ident = await self.callers.require(context)
         st = self.decode.requests.get(request.request_id) if self.decode else None
         if st is not None:
             await self.callers.require_owner(context, st.owner, request.request_id)
-        known = st is not None
-        self.cancel(request.request_id)
+        try:
+            known = await self.stop(request.request_id, request.attempt, ident)
+        except StaleAttempt as e:
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
         return engine_pb2.CancelRequestResponse(was_known=known)
 
 
@@ -156,10 +178,12 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             call = PrepareCall(request.request_id, request.decode_engine_id,
                                request.prefill_control_address, int(request.prompt_tokens),
                                int(request.hit_tokens), request.read_side,
-                               Payload.decode(request.payload), ident)
+                               Payload.decode(request.payload), ident, request.attempt)
             buffer, slots = await self.decode.prepare(call)
         except NotYours as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        except StaleAttempt as e:
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
         except DualPathError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if buffer is None:
@@ -179,15 +203,13 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
     async def PrefillDone(self, request, context):
         await self.callers.require(context)
         await _no_decode(context, self.decode)
-        st = self.decode.requests.get(request.request_id)
-        if st is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"request {request.request_id} is not here")
+        st = await _state(context, self.decode, request.request_id, request.attempt)
         await self.callers.require_owner(context, st.owner, request.request_id)
         self.decode.start_decode(st, PrefillReport(
             request.request_id, request.prefill_engine_id, request.prefill_node_id,
             request.prefill_done_unix_s, int(request.prefill_read_bytes),
-            (request.read_start_unix_s, request.read_end_unix_s)))
+            (request.read_start_unix_s, request.read_end_unix_s), request.attempt,
+            int(request.computed_from_tokens)))
         return node_pb2.PrefillDoneResponse()
 
 

@@ -48,6 +48,7 @@ def test_sigkill_one_decode_node_mid_replay(tmp_path):
         sched_log = (tmp_path / "logs" / "scheduler.log").read_text()
     assert killed, "the victim never finished two rounds"
     assert len(run.records) == rounds                      # the replay completed
+    assert run.requests_duplicated == 0                    # no result reported twice
     assert run.bytes_mismatched == 0
     prompt = sum(r.prompt_tokens for r in run.records)
     assert run.bytes_verified == prompt * PROFILE.kv_bytes_per_token

@@ -75,9 +75,14 @@ def test_failed_prefill_waits_for_in_flight_pushes_before_releasing_hbm():
             async def prefill_done(self, de, r):
                 events.append("prefill done")
 
+            async def cancel(self, de, rid, attempt):
+                events.append("DE told")
+                return True
+
         node = NodeResources("p0", "prefill", "pe:1", types.SimpleNamespace(
             engine=types.SimpleNamespace(layerwise=True)), SlowTransfer(events), Peers(),
-            None, None, trajectory_token_ids, asyncio.ensure_future, lambda *a: None)
+            None, None, trajectory_token_ids, asyncio.ensure_future, lambda *a, **kw: None,
+            None)
         engine = FailingEngine(get_profile("demo"), 1.0)
         path = PrefillPath(node, pe_space, engine)
         e = EngineRank("p0/e0", 0, "hbm0", hbm)
@@ -88,6 +93,6 @@ def test_failed_prefill_waits_for_in_flight_pushes_before_releasing_hbm():
             await path.prefill(e, a)
 
     asyncio.run(main())
-    # Layer 0's push was in flight when layer 1 failed; it must end before the release,
-    # and a failed prefill never reports done.
-    assert events == ["push 0 done", "hbm released"], events
+    # Layer 0's push was in flight when layer 1 failed; it must end before the DE is told
+    # the attempt is over and before the release, and a failed prefill never reports done.
+    assert events == ["push 0 done", "DE told", "hbm released"], events

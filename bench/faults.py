@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""Faults at random times, repeatedly, during replays on a local 1P2D cluster: totals.
+
+Method. One LocalCluster (journaled scheduler, 1 prefill node, 2 decode nodes, TCP
+provider on loopback, lease --lease-ms) replays a small generated trace (Table 2 '32k'
+row, context scaled; storage NICs at 0.5 Gbit/s, so a replay lasts long enough for
+several faults) again and again, fresh trajectory names each time. While a replay
+runs, the main thread strikes faults one after another with random gaps (uniform in
+[--gap-min-s, --gap-max-s]), at most --faults-per-replay of them, each of a kind drawn at random (weights in KINDS): SIGKILL
++ restart or SIGTERM + restart of the scheduler, p0, d0 or d1 (these are the *kills*),
+SIGSTOP of a node for 1.5-3 leases then SIGCONT, and a random quarter of the stored
+blocks corrupted, truncated or deleted. A restart is part of its fault; the next gap
+starts after it. Replays continue until --kills kills have struck.
+
+After each replay: requests lost (rounds that never finished plus submissions the
+scheduler forgot), reported twice, wrong bytes (what the DEs' verification found) and
+ended FAILED, all from the replay client; the most failed attempts of any request (the
+scheduler's GetResults); and per fault its recovery: seconds from the fault until every
+round in flight when it struck had finished, also in leases (several faults may fall
+in one round's life, so this bounds each from above). Model execution is emulated (the
+cost model); every KV byte moves for real and is verified.
+
+Prints a table per fault kind and the totals; --json PATH writes the same record, its
+"summary" holding kills, requests_lost, requests_duplicated, bytes_mismatched and
+max_recovery_leases. --quick: 6 kills on a smaller trace (a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+
+from dualpath import tls
+from dualpath.cluster.faults import (
+    DAMAGE_KINDS,
+    damage_blocks,
+    kill_and_restart,
+    recovery_s,
+    stall,
+    terminate_and_restart,
+)
+from dualpath.cluster.local import LocalCluster
+from dualpath.cluster.replay import ReplayAborted, ReplayOptions, replay
+from dualpath.cluster.run import make_trace
+from dualpath.kv.profiles import get_profile
+from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+PROFILE = get_profile("demo")
+DAEMONS = ("scheduler", "p0", "d0", "d1")
+NODES = ("p0", "d0", "d1")
+#: Fault kinds and their weights (kills dominate: the target counts them).
+KINDS = {"sigkill": 4, "sigterm": 2, "sigstop": 1, "blocks": 1}
+
+
+def settings(lease_ms: int) -> dict:
+    return {"transport": {"kind": "tcp"},
+            "scheduler": {"lease_ms": lease_ms, "retry_backoff_ms": 50,
+                          "peer_avoid_ms": lease_ms},
+            "transfer": {"timeout_s": 5.0, "recover_attempts": 1},
+            "buffers": {"pe_buffer_mib": 128, "de_buffer_mib": 128},
+            "storage": {"snic_gbit_per_s": 0.5}}
+
+
+def draw(rng: random.Random, lease_s: float):
+    """A random fault: (kind, target, action)."""
+    kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+    if kind == "sigkill":
+        who = rng.choice(DAEMONS)
+        return kind, who, kill_and_restart(who)
+    if kind == "sigterm":
+        who = rng.choice(DAEMONS)
+        return kind, who, terminate_and_restart(who)
+    if kind == "sigstop":
+        who = rng.choice(NODES)
+        return kind, who, stall(who, rng.uniform(1.5, 3.0) * lease_s)
+    how = rng.choice(DAMAGE_KINDS)
+    return kind, how, damage_blocks(how, 0.25, rng)
+
+
+def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
+               kills_left: int) -> dict:
+    """A replay with faults striking while it runs (kills at most ``kills_left``, other
+    kinds then)."""
+    trace = make_trace(args.agents, context_scale=args.context_scale, max_rounds=args.rounds,
+                       seed=args.seed + index)
+    rounds = sum(len(t.rounds) for t in trace.trajectories)
+    out: dict = {}
+
+    def drive():
+        try:
+            out["run"] = asyncio.run(replay(
+                cluster.scheduler_address, trace, cluster.node_ids(),
+                block_tokens=PROFILE.block_tokens,
+                kv_bytes_per_token=PROFILE.kv_bytes_per_token,
+                tls_config=cluster.client_tls, node_tls=cluster.node_tls,
+                opts=ReplayOptions(progress=False, timeout_s=args.replay_timeout_s,
+                                   give_up_s=60, seed=args.seed + index)))
+        except ReplayAborted as e:
+            out["run"], out["aborted"] = e.run, str(e)
+
+    worker = threading.Thread(target=drive, daemon=True)
+    worker.start()
+    faults = []
+    lease_s = args.lease_ms / 1000
+    while worker.is_alive() and len(faults) < args.faults_per_replay:
+        worker.join(rng.uniform(args.gap_min_s, args.gap_max_s))
+        if worker.is_alive():
+            kind, who, act = draw(rng, lease_s)
+            while kind in ("sigkill", "sigterm") and kills_left <= 0:
+                kind, who, act = draw(rng, lease_s)
+            t0, struck = time.monotonic(), time.time()
+            act(cluster)
+            kills_left -= kind in ("sigkill", "sigterm")
+            faults.append({"kind": kind, "target": who, "struck_unix_s": struck,
+                           "fault_s": time.monotonic() - t0,
+                           "damaged": len(getattr(act, "damaged", ()))})
+    worker.join()
+    run = out["run"]
+    if "aborted" in out:
+        out["aborted"] += "\n" + scheduler_view(cluster)
+    for f in faults:
+        f["recovery_s"] = recovery_s(run.records, f["struck_unix_s"])
+        f["recovery_leases"] = f["recovery_s"] / lease_s
+    return {"rounds": rounds, "finished": len(run.records),
+            "lost": rounds - len(run.records) + run.requests_lost,
+            "duplicated": run.requests_duplicated, "bytes_mismatched": run.bytes_mismatched,
+            "failed": run.requests_failed, "reexecutions": run.reexecutions,
+            "bytes_verified": run.bytes_verified,
+            "max_failed_attempts": max_failed_attempts(cluster, run),
+            "aborted": out.get("aborted", ""), "faults": faults}
+
+
+def scheduler_view(cluster: LocalCluster) -> str:
+    """`dualpath ctl requests --all`: where the scheduler holds each live request."""
+    r = subprocess.run([sys.executable, "-m", "dualpath.cli", "ctl", "requests", "--all",
+                        "--config", str(cluster.config_path)],
+                       check=False, capture_output=True, text=True, timeout=60)
+    return r.stdout + r.stderr
+
+
+def max_failed_attempts(cluster: LocalCluster, run) -> int:
+    ids = sorted({t.request_id for t in run.timings})
+    if not ids:
+        return 0
+    with tls.sync_channel(cluster.scheduler_address, cluster.client_tls) as ch:
+        r = scheduler_pb2_grpc.SchedulerStub(ch).GetResults(
+            scheduler_pb2.GetResultsRequest(request_ids=ids), timeout=10)
+    return max((x.failed_attempts for x in r.results), default=0)
+
+
+def summarize(replays: list[dict], wall_s: float, args) -> dict:
+    faults = [f for r in replays for f in r["faults"]]
+    kills = [f for f in faults if f["kind"] in ("sigkill", "sigterm")]
+    rec = [f["recovery_leases"] for f in faults]
+    return {
+        "kills": len(kills),
+        "kills_by_daemon": dict(Counter(f"{f['kind']} {f['target']}" for f in kills)),
+        "faults": len(faults),
+        "faults_by_kind": dict(Counter(f["kind"] for f in faults)),
+        "replays": len(replays),
+        "replays_aborted": sum(1 for r in replays if r["aborted"]),
+        "requests": sum(r["rounds"] for r in replays),
+        "requests_lost": sum(r["lost"] for r in replays),
+        "requests_duplicated": sum(r["duplicated"] for r in replays),
+        "bytes_mismatched": sum(r["bytes_mismatched"] for r in replays),
+        "requests_failed": sum(r["failed"] for r in replays),
+        "reexecutions": sum(r["reexecutions"] for r in replays),
+        "max_failed_attempts": max((r["max_failed_attempts"] for r in replays), default=0),
+        "max_recovery_leases": round(max(rec, default=0.0), 2),
+        "median_recovery_leases": round(statistics.median(rec), 2) if rec else 0.0,
+        "lease_ms": args.lease_ms,
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def table(replays: list[dict], summary: dict) -> str:
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in replays:
+        for f in r["faults"]:
+            by[f"{f['kind']} {f['target']}"].append(f)
+    lines = [(f"{'fault':<20} {'count':>5} {'fault_s':>8} {'recovery_s max':>14} "
+             f"{'leases max':>10} {'leases median':>13}")]
+    for name in sorted(by):
+        fs = by[name]
+        leases = [f["recovery_leases"] for f in fs]
+        lines.append(f"{name:<20} {len(fs):>5} "
+                     f"{statistics.mean(f['fault_s'] for f in fs):>8.2f} "
+                     f"{max(f['recovery_s'] for f in fs):>14.2f} {max(leases):>10.2f} "
+                     f"{statistics.median(leases):>13.2f}")
+    s = summary
+    lines += ["",
+              (f"kills {s['kills']}  faults {s['faults']}  replays {s['replays']} "
+              f"(aborted {s['replays_aborted']})  requests {s['requests']}"),
+              (f"requests_lost {s['requests_lost']}  requests_duplicated "
+              f"{s['requests_duplicated']}  bytes_mismatched {s['bytes_mismatched']}  "
+              f"requests_failed {s['requests_failed']}  max_failed_attempts "
+              f"{s['max_failed_attempts']}"),
+              (f"max_recovery_leases {s['max_recovery_leases']}  (median "
+              f"{s['median_recovery_leases']}; lease {s['lease_ms']} ms)  wall {s['wall_s']} s")]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=50, help="kills to strike (SIGKILL/SIGTERM)")
+    ap.add_argument("--quick", action="store_true", help="6 kills on a smaller trace")
+    ap.add_argument("--agents", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--context-scale", type=float, default=0.1)
+    ap.add_argument("--lease-ms", type=int, default=1000)
+    ap.add_argument("--gap-min-s", type=float, default=0.2)
+    ap.add_argument("--gap-max-s", type=float, default=1.5)
+    ap.add_argument("--replay-timeout-s", type=float, default=300.0)
+    ap.add_argument("--faults-per-replay", type=int, default=5,
+                    help="at most this many faults strike one replay; then it finishes")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work-dir", default="", help="keep the cluster's logs here")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.kills, args.agents, args.rounds = min(args.kills, 6), 6, 4
+    rng = random.Random(args.seed)
+    replays: list[dict] = []
+    t0 = time.monotonic()
+    with LocalCluster(1, 2, settings=settings(args.lease_ms), work_dir=args.work_dir) as cluster:
+        kills = 0
+        while kills < args.kills:
+            r = one_replay(cluster, args, rng, len(replays), args.kills - kills)
+            replays.append(r)
+            kills += sum(f["kind"] in ("sigkill", "sigterm") for f in r["faults"])
+            print(f"replay {len(replays)}: {r['finished']}/{r['rounds']} rounds, "
+                  f"{len(r['faults'])} faults ({kills}/{args.kills} kills), lost "
+                  f"{r['lost']}, duplicated {r['duplicated']}, wrong bytes "
+                  f"{r['bytes_mismatched']}{', ABORTED: ' + r['aborted'] if r['aborted'] else ''}",
+                  file=sys.stderr, flush=True)
+    summary = summarize(replays, time.monotonic() - t0, args)
+    print(table(replays, summary))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"summary": summary, "replays": replays}, fh, indent=1)
+    bad = (summary["requests_lost"] or summary["requests_duplicated"]
+           or summary["bytes_mismatched"])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Faults a LocalCluster can be put through, as an operator would meet them: the shared
+vocabulary of the fault suite (tests/faults/) and bench/faults.py.
+
+Each maker returns an *action* ``act(cluster)`` that breaks something real and, where
+the fault is a process stopping, starts it again before returning: SIGKILL or SIGTERM
+(and a restart) of the scheduler or a node, SIGSTOP for a while then SIGCONT, stored
+blocks corrupted, truncated or deleted, the disk under the store filled. Actions run on
+the thread that owns the cluster (a restarted process dies with the thread that forked
+it: PR_SET_PDEATHSIG).
+
+:func:`recovery_s` measures what a fault cost: from the moment it struck until every
+round that was in flight then had finished.
+
+Threads: the cluster's owner thread; nothing here is asynchronous.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from dualpath.cluster.local import LocalCluster
+from dualpath.storage.format import HEADER_BYTES
+from dualpath.trace.report import RequestRecord
+
+Action = Callable[[LocalCluster], None]
+
+DAMAGE_KINDS = ("corrupt", "truncate", "delete")
+
+
+def kill_and_restart(name: str) -> Action:
+    """SIGKILL the scheduler (``name`` "scheduler") or a node, then start it again."""
+    def act(cluster: LocalCluster) -> None:
+        if name == "scheduler":
+            cluster.kill_scheduler()
+            cluster.start_scheduler()
+        else:
+            cluster.kill(name)
+            cluster.restart_node(name)
+    return act
+
+
+def terminate_and_restart(name: str, grace_s: float = 60.0) -> Action:
+    """SIGTERM the scheduler or a node, wait for its exit, start it again."""
+    def act(cluster: LocalCluster) -> None:
+        proc = cluster.scheduler if name == "scheduler" else cluster.node(name).proc
+        cluster.signal(name, signal.SIGTERM)
+        proc.wait(grace_s)
+        if name == "scheduler":
+            cluster.start_scheduler()
+        else:
+            cluster.restart_node(name)
+    return act
+
+
+def stall(name: str, seconds: float) -> Action:
+    """SIGSTOP a node (or the scheduler) for ``seconds``, then SIGCONT it."""
+    def act(cluster: LocalCluster) -> None:
+        cluster.signal(name, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            cluster.signal(name, signal.SIGCONT)
+    return act
+
+
+def block_files(cluster: LocalCluster) -> list[Path]:
+    """The stored blocks (not temp files, not ones set aside as corrupt)."""
+    root = cluster.dir / "kv"
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")
+                  and not p.name.endswith(".corrupt"))
+
+
+def damage_blocks(kind: str, fraction: float = 1.0, rng: random.Random | None = None
+                  ) -> Action:
+    """Corrupt (one payload byte flipped), truncate (to half) or delete ``fraction`` of
+    the blocks stored so far; ``act.damaged`` lists them afterwards."""
+    if kind not in DAMAGE_KINDS:
+        raise ValueError(f"damage kind {kind!r}; allowed: {', '.join(DAMAGE_KINDS)}")
+
+    def act(cluster: LocalCluster) -> None:
+        files = block_files(cluster)
+        if fraction < 1.0:
+            files = (rng or random).sample(files, int(len(files) * fraction))
+        done = []
+        for p in files:
+            try:
+                if kind == "corrupt":
+                    with open(p, "r+b") as fh:
+                        fh.seek(HEADER_BYTES + 1000)
+                        b = fh.read(1)
+                        fh.seek(HEADER_BYTES + 1000)
+                        fh.write(bytes([b[0] ^ 0xFF]))
+                elif kind == "truncate":
+                    os.truncate(p, p.stat().st_size // 2)
+                else:
+                    p.unlink()
+            except (FileNotFoundError, IndexError):   # read and set aside meanwhile
+                continue
+            done.append(p)
+        act.damaged = done
+    act.damaged = []
+    return act
+
+
+def recached(kind: str, paths: Sequence[Path]) -> int:
+    """Damaged blocks that were found bad on a read and written again: a deleted one is
+    back; a corrupt or short one was set aside on read (``.corrupt``) and the recomputed
+    block took its name."""
+    return sum(1 for p in paths if p.exists() and (
+        kind == "delete" or p.with_name(p.name + ".corrupt").exists()))
+
+
+def fill_disk(directory: Path) -> int:
+    """Write a ballast file into ``directory`` until its filesystem is full; its bytes."""
+    n = 0
+    chunk = b"\0" * (1 << 20)
+    with open(directory / "ballast", "wb", buffering=0) as fh:
+        try:
+            while True:
+                n += fh.write(chunk)
+        except OSError:
+            pass
+    return n
+
+
+def recovery_s(records: Sequence[RequestRecord], struck_unix_s: float) -> float:
+    """From ``struck_unix_s`` until every round in flight then had finished (0 when none
+    was)."""
+    hit = [r.finish_s for r in records if r.submit_s < struck_unix_s < r.finish_s]
+    return max(hit, default=struck_unix_s) - struck_unix_s

@@ -7,6 +7,7 @@ modulo 65536), so every listen address is checked here first and a bad one is a
 
 from __future__ import annotations
 
+import ipaddress
 from typing import TYPE_CHECKING
 
 from dualpath.errors import ConfigError, UsageError
@@ -24,6 +25,17 @@ def parse_listen(listen: str, what: str = "metrics_listen") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def is_loopback(host: str) -> bool:
+    """``host`` (a listen address's host part) is loopback: 127.0.0.0/8, ::1 or
+    localhost; a wildcard (0.0.0.0, ::) is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_listen(section: str, optional: tuple[str, ...] = (), **listens: str) -> None:
     """For a config section's validate(): each ``key=value`` is host:port; a key named
     in ``optional`` may also be empty (off)."""
@@ -35,8 +47,16 @@ def check_listen(section: str, optional: tuple[str, ...] = (), **listens: str) -
 def bind(server: grpc.aio.Server, address: str, what: str,
          credentials: grpc.ServerCredentials | None = None) -> int:
     """Add ``address`` to ``server`` (TLS when ``credentials``); the bound port.
-    ``what`` names the setting in errors (e.g. ``scheduler.listen``)."""
-    parse_listen(address, what)
+    ``what`` names the setting in errors (e.g. ``scheduler.listen``). Plaintext
+    (``credentials`` None: ``tls.plaintext = true``) serves loopback only: anyone who
+    reaches a plaintext port may call everything on it, keys and region addresses
+    included, so a non-loopback or wildcard address is refused (ConfigError)."""
+    host, _ = parse_listen(address, what)
+    if credentials is None and not is_loopback(host):
+        raise ConfigError(f"{what} = {address!r}: plaintext gRPC (tls.plaintext = true) "
+                          "listens on loopback only (127.0.0.0/8, ::1, localhost); use "
+                          "mutual TLS ([tls] ca_file, cert_file, key_file) for any other "
+                          "address")
     try:
         return (server.add_secure_port(address, credentials) if credentials is not None
                 else server.add_insecure_port(address))

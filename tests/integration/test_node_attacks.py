@@ -65,7 +65,8 @@ out["exchange"] = call("exchange", lambda: eng.ExchangeEndpoint(
 rid = spec.get("request", "r-attack")
 out["prepare"] = call("prepare", lambda: node.PrepareRequest(node_pb2.PrepareRequestRequest(
     request_id=rid, decode_engine_id="d0/e0", prefill_control_address="10.0.0.1:1",
-    prompt_tokens=100, hit_tokens=0, read_side=1, payload=payload), timeout=10))
+    prompt_tokens=spec.get("prompt_tokens", 100), hit_tokens=0, read_side=1,
+    payload=payload), timeout=10))
 out["done"] = call("done", lambda: node.PrefillDone(node_pb2.PrefillDoneRequest(
     request_id=rid), timeout=10))
 out["watch"] = call("watch", lambda: list(eng.WatchTransfers(
@@ -130,9 +131,9 @@ def victim(ns, tmp_path_factory):
 
 
 def _attack(ns, victim, who: str | None, request: str = "r-attack",
-            calls: tuple[str, ...] | None = None) -> dict:
+            calls: tuple[str, ...] | None = None, **extra) -> dict:
     pki = victim["pki"]
-    spec = {"addr": victim["addr"], "request": request}
+    spec = {"addr": victim["addr"], "request": request, **extra}
     if calls is not None:
         spec["calls"] = list(calls)
     if who is not None:           # "other:..." certificates are signed by an untrusted CA
@@ -168,6 +169,24 @@ def test_a_request_belongs_to_the_node_that_prepared_it(ns, victim):
     # ...and its owner still may (a watch of a request not loading: it is there).
     again = _attack(ns, victim, "node/p0", request=rid, calls=("cancel",))
     assert again["cancel"]["ok"] is True and "was_known: true" in again["cancel"]["reply"]
+
+
+def test_a_prompt_past_the_bound_is_refused_before_anything_is_allocated(ns, victim):
+    # 676dc5a sized the DE's buffers from PrepareRequest.prompt_tokens as given: 2^40
+    # tokens made the daemon try to allocate 8 TiB (the caller got UNKNOWN).
+    rss = _rss_kib(victim["proc"].pid)
+    out = _attack(ns, victim, "node/p0", request="r-huge", calls=("prepare",),
+                  prompt_tokens=1 << 40)
+    assert out["prepare"]["code"] == "INVALID_ARGUMENT", out
+    assert "16777216" in out["prepare"]["details"], out
+    assert _rss_kib(victim["proc"].pid) < rss + 64 * 1024
+    ok = _attack(ns, victim, "node/p0", request="r-after-huge", calls=("prepare", "cancel"))
+    assert ok["prepare"]["ok"] is True, ok                  # and it still serves
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
 
 
 def test_two_thousand_idle_connections_keep_the_node_bounded_and_serving(ns, victim):

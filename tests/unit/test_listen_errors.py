@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from dualpath import metrics, rpc
-from dualpath.errors import UsageError
+from dualpath.errors import ConfigError, UsageError
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1:65536", "nohost",
@@ -42,3 +42,30 @@ def test_metrics_port_in_use_is_a_usage_error_naming_the_key():
         with pytest.raises(UsageError, match=r"scheduler\.metrics_listen = .*cannot listen"):
             metrics.start_metrics_server(listen, metrics.new_registry(process=False),
                                          "scheduler.metrics_listen")
+
+
+@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("127.1.2.3", True),
+                                           ("::1", True), ("localhost", True),
+                                           ("0.0.0.0", False), ("::", False),
+                                           ("10.0.0.1", False), ("node7.example", False)])
+def test_is_loopback(host, loopback):
+    assert rpc.is_loopback(host) is loopback
+
+
+def test_plaintext_grpc_listens_on_loopback_only():
+    # Anyone who reaches a plaintext port may call everything on it (ExchangeEndpoint
+    # hands out region addresses and data-plane credentials): loopback only.
+    async def go():
+        server = grpc.aio.server()
+        for address in ("0.0.0.0:0", "[::]:0", "10.1.2.3:0"):
+            with pytest.raises(ConfigError, match=r"engine\.control_listen = .*plaintext "
+                                                  r"gRPC \(tls\.plaintext = true\) listens "
+                                                  r"on loopback only"):
+                rpc.bind(server, address, "engine.control_listen")
+        assert rpc.bind(server, "127.0.0.1:0", "engine.control_listen") > 0
+        # With TLS credentials any address is allowed (the check is plaintext's alone).
+        assert rpc.bind(server, "0.0.0.0:0", "engine.control_listen",
+                        grpc.local_server_credentials()) > 0
+        await server.stop(None)
+
+    asyncio.run(go())

@@ -28,7 +28,6 @@ max_recovery_leases. --quick: 6 kills on a smaller trace (a smoke run).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
@@ -48,7 +47,7 @@ from dualpath.cluster.faults import (
     terminate_and_restart,
 )
 from dualpath.cluster.local import LocalCluster
-from dualpath.cluster.replay import ReplayAborted, ReplayOptions, replay
+from dualpath.cluster.replay import ReplayAborted, replay_local
 from dualpath.cluster.run import make_trace
 from dualpath.kv.profiles import get_profile
 from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -96,13 +95,9 @@ def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
 
     def drive():
         try:
-            out["run"] = asyncio.run(replay(
-                cluster.scheduler_address, trace, cluster.node_ids(),
-                block_tokens=PROFILE.block_tokens,
-                kv_bytes_per_token=PROFILE.kv_bytes_per_token,
-                tls_config=cluster.client_tls, node_tls=cluster.node_tls,
-                opts=ReplayOptions(progress=False, timeout_s=args.replay_timeout_s,
-                                   give_up_s=60, seed=args.seed + index)))
+            out["run"] = replay_local(cluster, trace, PROFILE,
+                                      timeout_s=args.replay_timeout_s, give_up_s=60,
+                                      seed=args.seed + index)
         except ReplayAborted as e:
             out["run"], out["aborted"] = e.run, str(e)
 

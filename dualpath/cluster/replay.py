@@ -216,6 +216,17 @@ async def node_windows(addresses: dict[str, str], t0: float, t1: float, width: f
     return [out[w] for w in sorted(out)]
 
 
+def replay_local(cluster, trace: Trace, profile, **opts) -> ReplayRun:
+    """:func:`replay` of ``trace`` on a LocalCluster (its scheduler, nodes and TLS),
+    blocking; ``profile`` gives the block size and KV bytes per token, ``opts`` are
+    :class:`ReplayOptions` fields (progress off unless given)."""
+    return asyncio.run(replay(
+        cluster.scheduler_address, trace, cluster.node_ids(),
+        block_tokens=profile.block_tokens, kv_bytes_per_token=profile.kv_bytes_per_token,
+        tls_config=cluster.client_tls, node_tls=cluster.node_tls,
+        opts=ReplayOptions(**{"progress": False, **opts})))
+
+
 async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
                  block_tokens: int, kv_bytes_per_token: int, tls_config: tls.TlsConfig,
                  node_tls: tls.TlsConfig, opts: ReplayOptions | None = None,

@@ -309,18 +309,10 @@ class BlockStore:
         self._count(reads=1)
         try:
             problem = self._read_file(key, dst)
-        except FileNotFoundError:
-            self._count(misses=1)
-            return False
         except StorageError:
             raise
-        except _Unsafe as e:
-            self._count(unsafe_paths=1)
-            log.warning("block %s: %s; treated as a miss", path, e)
-            return False
-        except OSError as e:
-            self._count(read_errors=1)
-            log.warning("reading block %s: %s; treating it as a miss", path, e)
+        except (_Unsafe, OSError) as e:
+            self._missed(path, e)
             return False
         if problem is not None:
             self._count(corrupt_blocks=1)
@@ -329,6 +321,17 @@ class BlockStore:
             return False
         self._count(hits=1, bytes_read=dst.size)
         return True
+
+    def _missed(self, path, e: BaseException) -> None:
+        """Count (and, but for a plain miss, log) a read that found no usable block file."""
+        if isinstance(e, FileNotFoundError):
+            self._count(misses=1)
+        elif isinstance(e, _Unsafe):
+            self._count(unsafe_paths=1)
+            log.warning("block %s: %s; treated as a miss", path, e)
+        else:
+            self._count(read_errors=1)
+            log.warning("reading block %s: %s; treating it as a miss", path, e)
 
     async def aread(self, key: bytes, out) -> bool:
         """:meth:`read_into` on the read pool."""
@@ -356,16 +359,8 @@ class BlockStore:
         direct = self.direct
         try:
             fd = self._open_for_read(key, direct)
-        except FileNotFoundError:
-            self._count(misses=1)
-            return None
-        except _Unsafe as e:
-            self._count(unsafe_paths=1)
-            log.warning("block %s: %s; treated as a miss", path, e)
-            return None
-        except OSError as e:
-            self._count(read_errors=1)
-            log.warning("reading block %s: %s; treating it as a miss", path, e)
+        except (_Unsafe, OSError) as e:
+            self._missed(path, e)
             return None
         try:
             size = os.fstat(fd).st_size

@@ -18,7 +18,6 @@ the same in leases are printed on one FAULT line per case.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -37,7 +36,7 @@ import pytest
 from dualpath import tls
 from dualpath.cluster.faults import kill_and_restart, recovery_s, stall
 from dualpath.cluster.local import LocalCluster
-from dualpath.cluster.replay import ReplayOptions, ReplayRun, replay
+from dualpath.cluster.replay import ReplayRun, replay_local
 from dualpath.cluster.run import make_trace
 from dualpath.kv.profiles import get_profile
 from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -94,13 +93,8 @@ def run_replay(cluster: LocalCluster, fault: Fault, *, agents: int = 6, rounds: 
 
     def drive():
         try:
-            out["run"] = asyncio.run(replay(
-                cluster.scheduler_address, trace, cluster.node_ids(),
-                block_tokens=PROFILE.block_tokens,
-                kv_bytes_per_token=PROFILE.kv_bytes_per_token,
-                tls_config=cluster.client_tls, node_tls=cluster.node_tls,
-                opts=ReplayOptions(progress=False, timeout_s=timeout_s, observer=observer,
-                                   give_up_s=60)))
+            out["run"] = replay_local(cluster, trace, PROFILE, timeout_s=timeout_s,
+                                      observer=observer, give_up_s=60)
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
             out["error"] = e
 

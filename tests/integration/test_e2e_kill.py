@@ -6,13 +6,12 @@ every completed request's prompt KV still verified at its DE.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 
 from dualpath.cluster.local import LocalCluster
-from dualpath.cluster.replay import ReplayOptions, replay
+from dualpath.cluster.replay import replay_local
 from dualpath.cluster.run import make_trace
 from dualpath.kv.profiles import get_profile
 
@@ -39,12 +38,7 @@ def test_sigkill_one_decode_node_mid_replay(tmp_path):
                 killed.append(time.time())
 
         seen: list[tuple[str, float]] = []
-        run = asyncio.run(replay(cluster.scheduler_address, trace, cluster.node_ids(),
-                                 block_tokens=PROFILE.block_tokens,
-                                 kv_bytes_per_token=PROFILE.kv_bytes_per_token,
-                                 tls_config=cluster.client_tls, node_tls=cluster.node_tls,
-                                 opts=ReplayOptions(progress=False, timeout_s=180,
-                                                    observer=observer)))
+        run = replay_local(cluster, trace, PROFILE, timeout_s=180, observer=observer)
         sched_log = (tmp_path / "logs" / "scheduler.log").read_text()
     assert killed, "the victim never finished two rounds"
     assert len(run.records) == rounds                      # the replay completed

@@ -7,12 +7,10 @@ is verified at the DE.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from dualpath.cluster.local import LocalCluster
-from dualpath.cluster.replay import ReplayOptions, replay
+from dualpath.cluster.replay import replay_local
 from dualpath.cluster.run import make_trace
 from dualpath.kv.profiles import get_profile
 
@@ -32,12 +30,7 @@ def test_dual_path_replay_over_verbs(dev_names, tmp_path):
     with LocalCluster(1, 2, work_dir=str(tmp_path), settings=settings,
                       start_timeout_s=240) as cluster:
         # round_robin alternates the read side, so both read paths carry hits.
-        run = asyncio.run(replay(cluster.scheduler_address, trace, cluster.node_ids(),
-                                 block_tokens=PROFILE.block_tokens,
-                                 kv_bytes_per_token=PROFILE.kv_bytes_per_token,
-                                 tls_config=cluster.client_tls, node_tls=cluster.node_tls,
-                                 opts=ReplayOptions(progress=False, timeout_s=300,
-                                                    read_policy="round_robin")))
+        run = replay_local(cluster, trace, PROFILE, timeout_s=300, read_policy="round_robin")
         logs = {n: (tmp_path / "logs" / f"{n}.log").read_text() for n in ("p0", "d0", "d1")}
     for name, text in logs.items():
         assert "transport verbs" in text, f"{name} did not run over verbs"

@@ -16,10 +16,11 @@ reconciles), and a request nobody claims runs again under a new attempt number.
 
 When: the core appends events to ``Scheduler.journal`` while it handles a call; the
 service turns them into a :class:`Batch` of plain rows at once (nothing in it refers to
-the core's objects any more) and :meth:`Journal.write_batches` writes one or several
-calls' batches in ONE transaction (group commit: :mod:`dualpath.scheduler.groupcommit`
-runs it on a writer thread, and each call's answer waits until its batch, and every
-batch before it, is committed). So an acknowledged submission, and a DECODE_DONE before
+the core's objects any more, so the core may go on changing them) and
+:meth:`Journal.write_batches` writes one or several calls' batches in ONE transaction
+(group commit, :mod:`dualpath.scheduler.groupcommit`: the calls of one event-loop turn
+together, each call's answer waiting until its batch, and every batch before it, is
+committed). So an acknowledged submission, and a DECODE_DONE before
 its submitter can see it, are on disk. ``sync = "normal"`` survives the process being
 killed at any instant (the commit is in the WAL file; fsync at checkpoints); ``"full"``
 fsyncs every commit and so also survives power loss, at the price of one fsync per
@@ -40,8 +41,7 @@ text id) is converted on open, in one transaction.
 The journal file is locked while open (``locking_mode = EXCLUSIVE``): a second scheduler
 on the same file fails at start-up instead of interleaving its writes.
 
-Threads: one at a time. The opener loads; then the writer thread alone writes;
-:meth:`Journal.close` after that thread has ended.
+Threads: the thread that opened it (the daemon's event loop) only.
 """
 
 from __future__ import annotations
@@ -202,9 +202,7 @@ class Journal:
             # It holds payloads: private from the start (SQLite gives its -wal and -shm
             # files the database file's mode).
             os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
-            # Used by one thread at a time (the opener, then the writer thread).
-            self._db = sqlite3.connect(self.path, isolation_level=None,
-                                       check_same_thread=False)
+            self._db = sqlite3.connect(self.path, isolation_level=None)
             db = self._db
             db.execute("PRAGMA locking_mode = EXCLUSIVE")
             mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]

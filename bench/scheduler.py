@@ -47,16 +47,22 @@ and the PE fetch. Completions flow back too (PREFILL_DONE, DECODE_DONE).
   More leader processes do not help on 2 cores: they take CPU shares from the daemon
   (measured: 2 workers, p99 82-102 ms against 5-20 ms for 1 at the same load).
 
-* saturated (the cost of durability, issue 12): the gRPC set-up twice in the same run,
-  the daemon first without and then with its journal (``journal_file``, SQLite WAL,
-  ``journal_sync = "normal"``: every submission and every completion on disk before the
-  answer), the submitter closed-loop (the next SubmitRequest of 500 as soon as the last
-  is answered, while fewer than ``--backlog`` wait) and the engines fast enough
-  (``--sat-speedup``, each group fetching every ``--sat-fetch-interval-ms``) that the
-  daemon, not the simulated cluster, limits the rate. Requests/s = requests scheduled
-  (reached a PE) / window; CPU per request = the daemon's CPU over the window / those
-  requests. ``saturated_requests_per_s_journal_over_plain`` is the ratio of the two
-  rates (target >= 0.8: durable submission costs at most 20 %).
+* saturated (the cost of durability, issue 12): the gRPC set-up ``--sat-reps`` times
+  (default 3) without and as many times with the daemon's journal (``journal_file``,
+  SQLite WAL, ``journal_sync = "normal"``, group commit on the journal's writer thread:
+  every submission and every completion on disk before the answer) in ONE run,
+  alternated as the TLS comparison below (plain first in even repetitions, journal
+  first in odd ones; a fresh daemon each), because what the rest of a shared host runs
+  drifts by tenths of a core between two back-to-back windows, and on 2 cores that alone
+  moves a single pair's ratio by ~20 %. The submitter is closed-loop (the next
+  SubmitRequest of 500 as soon as the last is answered, while fewer than ``--backlog``
+  wait) and the engines fast enough (``--sat-speedup``, each group fetching every
+  ``--sat-fetch-interval-ms``) that the daemon, not the simulated cluster, limits the
+  rate. Requests/s = requests scheduled (reached a PE) / window; CPU per request = the
+  daemon's CPU over the window (all its threads) / those requests; beside them the
+  journal's transactions per second and RPCs per transaction (from the daemon's
+  /metrics). ``saturated_requests_per_s_journal_over_plain`` is the ratio of the two
+  sides' median rates (target >= 0.8: durable submission costs at most 20 %).
 
 * tls (the cost of mutual TLS, issue 11): the gRPC set-up above (same engines, grids,
   fetch period, offered rate and seeds) ``--tls-reps`` times with mutual TLS and as many
@@ -260,14 +266,19 @@ def start_daemon(args, profile, tmp: Path) -> tuple[subprocess.Popen, str, str]:
 
 def daemon_histograms(url: str) -> dict[str, dict[float, float]]:
     """Cumulative bucket counts of the daemon's fetch-duration (both roles summed) and
-    event-loop-lag histograms."""
+    event-loop-lag histograms, and its journal's counts ("journal": commits, calls
+    committed)."""
     text = urllib.request.urlopen(url, timeout=30).read().decode()
-    out: dict[str, dict[float, float]] = {"fetch": {}, "lag": {}}
+    out: dict[str, dict] = {"fetch": {}, "lag": {}, "journal": {}}
     for key, name in (("fetch", "fetch_duration"), ("lag", "event_loop_lag")):
         for m in re.finditer(rf'dualpath_scheduler_{name}_seconds_bucket\{{le="([^"]+)"'
                              r'[^}]*\} (\S+)', text):
             le = float(m.group(1))
             out[key][le] = out[key].get(le, 0.0) + float(m.group(2))
+    for key, name in (("commits", "journal_commit_seconds_count"),
+                      ("calls", "journal_calls_total")):
+        m = re.search(rf"^dualpath_scheduler_{name} (\S+)$", text, re.MULTILINE)
+        out["journal"][key] = float(m.group(1)) if m else 0.0
     return out
 
 
@@ -542,6 +553,13 @@ async def coordinate(args, profile, addr: str, pid: int, metrics_url: str,
         "server_fetch_p50_ms_le": 1e3 * histogram_quantile(h0["fetch"], h1["fetch"], 50),
         "server_fetch_p99_ms_le": 1e3 * histogram_quantile(h0["fetch"], h1["fetch"], 99),
         "server_loop_lag_p99_ms_le": 1e3 * histogram_quantile(h0["lag"], h1["lag"], 99),
+        # Group commit (journal on): transactions in the window, RPCs per transaction
+        # (the scrapes fall just outside the window: an estimate).
+        "journal_commits_per_s":
+            (h1["journal"]["commits"] - h0["journal"]["commits"]) / window,
+        "journal_calls_per_commit":
+            (h1["journal"]["calls"] - h0["journal"]["calls"])
+            / max(1.0, h1["journal"]["commits"] - h0["journal"]["commits"]),
         "client_loop_lag_p99_ms": 1e3 * percentile(lag, 99),
         "client_loop_lag_max_ms": 1e3 * max(lag, default=float("nan")),
         "health_rtt_p50_ms": health["p50_ms"], "health_rtt_p99_ms": health["p99_ms"],
@@ -591,9 +609,13 @@ async def probe(addr: str, at: float, seconds: float, tls_section: dict) -> dict
 
 
 def run_saturated(args) -> dict:
-    """The gRPC set-up, closed loop, without and then with the journal (same run)."""
-    out = {}
-    for journal in (False, True):
+    """The gRPC set-up, closed loop, ``--sat-reps`` times without and as many with the
+    journal in this run, alternated (:func:`tls_order`: plain first in even repetitions,
+    journal first in odd ones); the medians of each side and their ratio."""
+    from statistics import median
+
+    runs = []
+    for rep, journal in enumerate(tls_order(args.sat_reps)):
         a = argparse.Namespace(**vars(args))
         a.saturate, a.journal = True, journal
         a.grpc_speedup, a.fetch_interval_ms = args.sat_speedup, args.sat_fetch_interval_ms
@@ -601,7 +623,15 @@ def run_saturated(args) -> dict:
         r = run_grpc(a)
         r["server_us_per_request"] = 1e6 * r["server_cpu_cores"] / r["requests_per_s"] \
             if r["requests_per_s"] else float("nan")
-        out["journal" if journal else "plain"] = r
+        r["repetition"], r["journal"] = rep // 2, journal
+        runs.append(r)
+    keys = ("requests_per_s", "server_cpu_cores", "server_us_per_request", "fetch_p99_ms",
+            "host_other_cpu_cores", "journal_calls_per_commit", "journal_commits_per_s")
+    out: dict = {"repetitions": args.sat_reps, "runs": runs}
+    for journal in (False, True):
+        mine = [r for r in runs if r["journal"] is journal]
+        out["journal" if journal else "plain"] = {k: median(r[k] for r in mine)
+                                                  for k in keys}
     out["journal_over_plain"] = out["journal"]["requests_per_s"] / \
         out["plain"]["requests_per_s"] if out["plain"]["requests_per_s"] else float("nan")
     return out
@@ -732,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="saturated: engine speed factor (the daemon must be the limit)")
     p.add_argument("--sat-fetch-interval-ms", type=float, default=20.0)
     p.add_argument("--sat-seconds", type=float, default=10.0)
+    p.add_argument("--sat-reps", type=int, default=3,
+                   help="saturated: repetitions of each side, alternated (medians)")
     p.add_argument("--skip-tls", action="store_true",
                    help="skip the mutual-TLS vs plaintext comparison")
     p.add_argument("--tls-reps", type=int, default=5,
@@ -747,6 +779,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tls and args.channels:
         p.error("the TLS comparison needs one connection per leader (--channels 0): a "
                 "shared connection would present one identity for several groups")
+    if not args.skip_saturated and args.sat_reps < 1:
+        p.error("--sat-reps must be at least 1")
     if not args.skip_tls and args.tls_reps < 1:
         p.error("--tls-reps must be at least 1 (the issue's target needs >= 5)")
     if args.probe:
@@ -835,16 +869,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{load_before:.1f} -> {load_after:.1f}")
     if sat:
         print(f"saturated (closed loop, engines x{args.sat_speedup:g}, fetch every "
-              f"{args.sat_fetch_interval_ms:g} ms): {'journal':<8} {'req/s':>9} "
-              f"{'daemon cores':>13} {'us CPU/req':>11} {'fetch p99 ms':>13}")
-        for name in ("plain", "journal"):
-            r = sat[name]
-            print(f"{'':<62}{name:<8} {r['requests_per_s']:>9.0f} "
+              f"{args.sat_fetch_interval_ms:g} ms; {sat['repetitions']} repetitions of each "
+              f"side, alternated, fresh daemon each; {args.sat_seconds:g} s windows):")
+        print(f"  {'rep':>5} {'journal':<8} {'req/s':>9} {'daemon cores':>13} "
+              f"{'us CPU/req':>11} {'fetch p99 ms':>13} {'calls/commit':>13} "
+              f"{'rest of host':>13}")
+        rows = [(str(r["repetition"]), "journal" if r["journal"] else "plain", r)
+                for r in sat["runs"]]
+        rows += [("median", name, sat[name]) for name in ("plain", "journal")]
+        for rep_, name, r in rows:
+            calls = f"{r['journal_calls_per_commit']:.1f}" if name == "journal" else "-"
+            print(f"  {rep_:>5} {name:<8} {r['requests_per_s']:>9.0f} "
                   f"{r['server_cpu_cores']:>13.2f} {r['server_us_per_request']:>11.1f} "
-                  f"{r['fetch_p99_ms']:>13.2f}")
-        print(f"journal over plain: {sat['journal_over_plain']:.3f} (target >= 0.8); rest "
-              f"of the host {sat['plain']['host_other_cpu_cores']:.2f} / "
-              f"{sat['journal']['host_other_cpu_cores']:.2f} cores")
+                  f"{r['fetch_p99_ms']:>13.2f} {calls:>13} "
+                  f"{r['host_other_cpu_cores']:>13.2f}")
+        print(f"journal over plain (medians): {sat['journal_over_plain']:.3f} (target >= 0.8)")
     if tls_res:
         t = tls_res
         print(f"mutual TLS vs plaintext ({t['repetitions']} repetitions of each, alternated, "

@@ -4,15 +4,19 @@ Servicers are thin: protobuf -> core dataclasses -> :class:`Scheduler` -> protob
 domain errors -> gRPC status codes (never error strings inside a response). HBM bytes
 become tokens here, with the model profile, and nowhere else.
 
-Durability: a handler that changed the core writes the core's journal events
-(:mod:`dualpath.scheduler.journal`) before it answers, with no await in between, so no
-answer (and no other handler) ever shows state that is not on disk. A journal that
-cannot be written stops the scheduler (fail-stop: every later call is UNAVAILABLE and the
-daemon exits 1); its restart recovers the last committed state, and callers retry.
+Durability: a handler that changed the core hands the core's journal events over
+(:meth:`SchedulerService.commit`, with no await between the change, the hand-over and
+building the answer), then awaits :meth:`SchedulerService.durable` before it answers:
+everything journaled until then, by any handler, is on disk (group commit: the calls of
+one loop turn share one transaction, :mod:`dualpath.scheduler.groupcommit`). So no
+answer ever shows state that is not on disk. A journal that cannot be written stops the scheduler (fail-stop: every later call
+is UNAVAILABLE and the daemon exits 1); its restart recovers the last committed state,
+and callers retry.
 
 Threads: everything runs on the asyncio loop that runs the server; the core is not
-thread-safe and needs no lock because handlers never await while they touch it. The
-Prometheus endpoint runs on its own thread and reads only prometheus-client objects.
+thread-safe and needs no lock because handlers never await while they touch it (an
+answer is built before its durability wait). The Prometheus endpoint runs on its own
+thread and reads only prometheus-client objects.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ from dualpath.scheduler.core.model import (
     Stage,
 )
 from dualpath.scheduler.core.scheduler import Scheduler
-from dualpath.scheduler.journal import Journal, JournalError, open_scheduler
+from dualpath.scheduler.groupcommit import GroupCommit
+from dualpath.scheduler.journal import Batch, Journal, JournalError, open_scheduler
 from dualpath.v1 import admin_pb2, admin_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("dualpath.scheduler")
@@ -154,7 +159,11 @@ class SchedulerMetrics:
         self.cancelled = m.counter(registry, "dualpath_scheduler_requests_cancelled_total",
                                    "Requests cancelled by an operator.")
         self.journal_s = m.histogram(registry, "dualpath_scheduler_journal_commit_seconds",
-                                     "Time to write one call's journal transaction.")
+                                     "Time to write one journal transaction (a group "
+                                     "commit: the calls handed over meanwhile).")
+        self.journal_calls = m.counter(registry, "dualpath_scheduler_journal_calls_total",
+                                       "Calls whose journal rows were committed (divide "
+                                       "by the commit count: calls per group commit).")
         self.tokens = m.gauge(registry, "dualpath_scheduler_tokens_in_flight",
                               "Sum of tok_e over the engines of up groups, by role.", ("role",))
         self.read_q = m.gauge(registry, "dualpath_scheduler_read_queue_tokens",
@@ -237,6 +246,7 @@ class SchedulerService:
         cfg = self.config
         self.journal = Journal(cfg.journal_file, cfg.journal_sync) if cfg.journal_file \
             else None
+        self.writer: GroupCommit | None = None    # made by the first commit
         try:
             self.core: Scheduler = open_scheduler(params_from_config(cfg, self.profile),
                                                   self.journal, clock())
@@ -253,27 +263,33 @@ class SchedulerService:
         self._ended_event: asyncio.Event | None = None
 
     def close(self) -> None:
+        """Write what was handed to the journal and close it (idempotent)."""
+        if self.writer is not None:
+            self.writer.close()
         if self.journal is not None:
             self.journal.close()
 
     # -------------------------------------------------------- durability
 
     def commit(self) -> None:
-        """Write what the last core calls journaled (one transaction), wake long polls
-        when requests ended, and log the ones that ended FAILED. Raises JournalError
-        after stopping the service (fail-stop)."""
+        """Hand what the last core calls journaled over to the group commit (written at
+        the start of the next loop turn; answers await :meth:`durable`), wake long polls
+        when requests ended, and log the ones that ended FAILED. Raises JournalError once
+        the journal has failed."""
         core = self.core
         events = core.journal
         if events:
-            t0 = _clock.now()
             try:
-                self.journal.write(events)  # type: ignore[union-attr]
-            except JournalError as e:
-                self._fatal(e)
-                raise
+                batch = Batch(events)
             finally:
                 events.clear()
-            self.metrics.journal_s.observe(_clock.now() - t0)
+            if self.failed is not None:
+                raise self.failed
+            if self.writer is None:
+                self.writer = GroupCommit(self.journal, asyncio.get_running_loop(),  # type: ignore[arg-type]
+                                          on_error=self._fatal,
+                                          on_commit=self._committed)
+            self.writer.submit(batch)
         for f in core.newly_failed:
             log.warning("request %s failed after %d failed attempts: %s", f.request_id,
                         f.failures, f.error)
@@ -284,6 +300,22 @@ class SchedulerService:
             if self._ended_event is not None:
                 self._ended_event.set()
                 self._ended_event = None
+
+    async def durable(self, context: grpc.aio.ServicerContext | None = None) -> None:
+        """Until everything journaled so far is on disk (every answer waits for it);
+        with ``context``, a failed journal aborts the call UNAVAILABLE."""
+        if self.writer is None:
+            return
+        try:
+            await self.writer.durable()
+        except JournalError as e:
+            if context is None:
+                raise
+            await _abort(context, e)
+
+    def _committed(self, seconds: float, calls: int) -> None:
+        self.metrics.journal_s.observe(seconds)
+        self.metrics.journal_calls.inc(calls)
 
     def _ended_total(self) -> int:
         c = self.core.counters
@@ -482,10 +514,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  caller or "an unauthenticated caller", _ROLE_LABEL[role], len(g.engines),
                  g.lease_id, len(claims), refused)
         cfg = svc.config
-        return scheduler_pb2.RegisterGroupResponse(
+        reply = scheduler_pb2.RegisterGroupResponse(
             lease_id=g.lease_id, lease_ms=cfg.lease_ms, fetch_interval_ms=cfg.fetch_interval_ms,
             compute_quota_ms=svc.core.params.compute_quota_ms,
             model_profile=svc.profile.name, cancelled_request_ids=cancelled)
+        await svc.durable(context)
+        return reply
 
     async def Fetch(self, request, context):
         svc = self.svc
@@ -516,6 +550,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             cancelled_request_ids=res.cancelled,
             compute_quota_ms=svc.core.params.compute_quota_ms,
             completions_accepted=accepted, ignored_request_ids=ignored)
+        await svc.durable(context)
         svc.metrics.observe_fetch(res.role, _clock.now() - t0)
         return reply
 
@@ -532,6 +567,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             with contextlib.suppress(JournalError):
                 svc.commit()
             await _abort(context, e)
+        await svc.durable(context)
         return scheduler_pb2.ReportCompletionResponse(accepted=accepted,
                                                       ignored_request_ids=ignored)
 
@@ -548,6 +584,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if n or request.group_id in svc.core.groups:
             log.info("group %s released lease %d; %d requests handed back", request.group_id,
                      request.lease_id, n)
+        await svc.durable(context)
         return scheduler_pb2.ReleaseGroupResponse(requeued_requests=n)
 
     async def SubmitRequest(self, request, context):
@@ -562,13 +599,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             svc.commit()
         except _ERRORS as e:
             await _abort(context, e)
-        return scheduler_pb2.SubmitRequestResponse(
+        reply = scheduler_pb2.SubmitRequestResponse(
             request_ids=out.ids, queued_requests=core.queued_requests(),
             rejected=[scheduler_pb2.RejectedRequest(index=x.index, request_id=x.request_id,
                                                     reason=int(x.reason), detail=x.detail)
                       for x in out.rejected],
             resubmitted_request_ids=out.resubmitted,
             waiting_for_engines=core.waiting_for_engines())
+        await svc.durable(context)
+        return reply
 
     async def GetResults(self, request, context):
         svc = self.svc
@@ -592,6 +631,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await svc.wait_ended(min(request.wait_ms, MAX_WAIT_MS) / 1000.0)
             await _refuse_if_failed(svc, context)
             results = [svc.result(rid) for rid in ids]
+        await svc.durable(context)    # an end it shows is on disk first
         return scheduler_pb2.GetResultsResponse(results=results)
 
 
@@ -702,7 +742,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await _abort(context, e)
         if live:
             log.info("cancelled %d requests: %s", len(live), ", ".join(live[:20]))
-        return admin_pb2.CancelResponse(results=[svc.result(rid) for rid in ids])
+        reply = admin_pb2.CancelResponse(results=[svc.result(rid) for rid in ids])
+        await svc.durable(context)
+        return reply
 
 
 def create_server(address: str, service: SchedulerService | None = None, *,

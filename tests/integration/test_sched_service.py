@@ -305,3 +305,54 @@ def test_config_defaults_are_valid_and_documented():
     docs = config.docs()
     for f in dataclasses.fields(SchedulerConfig):
         assert f"`scheduler.{f.name}`" in docs and f.metadata["doc"]
+
+
+def test_answers_wait_for_the_journal_and_a_failed_write_stops_the_scheduler(tmp_path):
+    """Group commit over gRPC: SubmitRequest answers only once its batch is committed;
+    a write that fails answers UNAVAILABLE, stops the service (fail-stop) and refuses
+    every later call; a restart holds what was acknowledged."""
+    from dualpath.scheduler.journal import Journal, JournalError, open_scheduler
+    from dualpath.scheduler.service import params_from_config
+
+    cfg = SchedulerConfig(journal_file=str(tmp_path / "j.sqlite"))
+
+    def spec(rid):
+        return pb.RequestSpec(prompt_tokens=1000, hit_tokens=0, max_new_tokens=10,
+                              request_id=rid)
+
+    async def body():
+        async with scheduler(cfg) as (svc, c):
+            stops = []
+            svc.on_fatal = lambda: stops.append(1)
+            j = svc.journal
+            real = j.write_batches
+            seen = []
+
+            def watched(batches):
+                written = {r[1] for b in batches for kind, rows in b.runs if kind == "new"
+                           for r in rows}
+                answered = {f"ok{i}" for i, x in enumerate(calls) if x.done()}
+                seen.append(written & answered)   # answered before written: none
+                real(batches)
+
+            j.write_batches = watched
+            calls = [asyncio.ensure_future(c.submit([spec(f"ok{i}")])) for i in range(3)]
+            assert [list((await x).request_ids) for x in calls] == [["ok0"], ["ok1"],
+                                                                   ["ok2"]]
+            assert seen and not any(seen)
+
+            def broken(batches):
+                raise JournalError(f"journal {j.path}: write failed: disk I/O error")
+
+            j.write_batches = broken
+            assert await code_of(c.submit([spec("lost")])) == grpc.StatusCode.UNAVAILABLE
+            assert svc.failed is not None and stops == [1]
+            assert await code_of(c.submit([spec("later")])) == grpc.StatusCode.UNAVAILABLE
+            assert await code_of(c.get_results(["ok0"])) == grpc.StatusCode.UNAVAILABLE
+        svc.close()
+        j = Journal(cfg.journal_file)
+        assert sorted(open_scheduler(params_from_config(cfg), j, 0.0).requests) == [
+            "ok0", "ok1", "ok2"]
+        j.close()
+
+    run(body())

@@ -6,6 +6,7 @@ exactly the live requests (with their attempt numbers and failure counts) and th
 ones (with their outcomes) that the first one had after its last write."""
 
 import contextlib
+import dataclasses
 import os
 import random
 import shutil
@@ -29,7 +30,7 @@ from dualpath.scheduler.core import (
     Stage,
 )
 from dualpath.scheduler.core.model import REQUEST_FIXED_BYTES
-from dualpath.scheduler.journal import Journal, JournalError, open_scheduler
+from dualpath.scheduler.journal import Batch, Journal, JournalError, open_scheduler
 from tests.unit.test_sched_properties import audit
 
 P = Params(alpha_tokens=10**9, beta_tokens=10**9, lease_s=5.0, max_failed_attempts=3,
@@ -52,12 +53,19 @@ class JournalMachine(RuleBasedStateMachine):
 
         self.dir = tempfile.mkdtemp(prefix="dp-journal-")
         self.path = f"{self.dir}/sched.sqlite"
-        self.journal = Journal(self.path)
+        # Trimming is lazy (TRIM_CHUNK ended rows at a time): run both ways.
+        self.trim_chunk = random.choice((1, 3, 1024))
+        self.journal = self._open(self.path)
         self.now = 0.0
         self.s = open_scheduler(P, self.journal, self.now, rng=random.Random(1))
         self._register()
         self.n = 0
         self.restarts = 0
+
+    def _open(self, path):
+        j = Journal(path)
+        j.trim_chunk = self.trim_chunk
+        return j
 
     def _register(self):
         for gid, role in (("p0", Role.PREFILL), ("d0", Role.DECODE)):
@@ -147,7 +155,7 @@ class JournalMachine(RuleBasedStateMachine):
                 shutil.copyfile(self.path + suffix, path + suffix)
         self.journal.close()
         self.path = path
-        self.journal = Journal(self.path)
+        self.journal = self._open(self.path)
         self.now += 100.0
         self.s = open_scheduler(P, self.journal, self.now, rng=random.Random(2))
         assert snapshot(self.s) == self.durable
@@ -229,3 +237,83 @@ def test_the_file_is_sqlite_in_wal_mode(tmp_path):
     Journal(tmp_path / "j.sqlite").close()
     with sqlite3.connect(tmp_path / "j.sqlite") as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_an_id_submitted_again_after_it_was_forgotten_is_the_new_request(tmp_path):
+    # The core forgets ended requests beyond finished_requests_kept; the journal trims
+    # lazily, so the old row of the id may still be there beside the new one.
+    p = dataclasses.replace(P, finished_requests_kept=1)
+    for chunk in (1, 1024):
+        path = tmp_path / f"j{chunk}.sqlite"
+        j = Journal(path)
+        j.trim_chunk = chunk
+        s = open_scheduler(p, j, 0.0)
+        s.submit([RequestSpec(10, 0, 1, "a", b"one")])
+        s.cancel(["a"], 1.0)
+        s.submit([RequestSpec(10, 0, 1, "b")])
+        s.cancel(["b"], 2.0)                         # "a" is forgotten
+        s.submit([RequestSpec(20, 0, 1, "a", b"two")])
+        j.write(s.journal)
+        j.close()
+        j = Journal(path)
+        s = open_scheduler(p, j, 10.0)
+        assert sorted(s.requests) == ["a"] and s.requests["a"].payload == b"two"
+        assert sorted(s.finished) == ["b"]
+        j.close()
+
+
+SCHEMA_1 = """
+CREATE TABLE requests (id TEXT PRIMARY KEY, seq INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL, hit_tokens INTEGER NOT NULL,
+    max_new_tokens INTEGER NOT NULL, payload BLOB, payload_crc INTEGER NOT NULL,
+    attempt INTEGER NOT NULL, failures INTEGER NOT NULL, error TEXT NOT NULL,
+    outcome INTEGER NOT NULL, finish_seq INTEGER NOT NULL, reported INTEGER NOT NULL);
+CREATE INDEX requests_finish ON requests (finish_seq) WHERE outcome != 0;
+CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT INTO requests VALUES ('live', 7, 100, 50, 10, x'7061', 0, 2, 1, 'lost', 0, 0, 0);
+INSERT INTO requests VALUES ('done', 3, 100, 0, 10, NULL, 42, 1, 0, '', 5, 9, 1);
+INSERT INTO meta VALUES ('next_seq', 8);
+INSERT INTO meta VALUES ('next_lease', 4);
+PRAGMA user_version = 1;
+"""
+
+
+def test_a_schema_1_journal_is_converted_on_open(tmp_path):
+    with contextlib.closing(sqlite3.connect(tmp_path / "j.sqlite")) as db:
+        db.executescript(SCHEMA_1)
+    j = Journal(tmp_path / "j.sqlite")
+    live, ended, seq, lease = j.load()
+    assert [(r.request_id, r.seq, r.payload, r.attempt, r.failures, r.error)
+            for r in live] == [("live", 7, b"pa", 2, 1, "lost")]
+    assert [(f.request_id, f.outcome, f.finish_seq, f.reported, f.spec_key, f.seq)
+            for f in ended] == [("done", Outcome.DECODE_DONE, 9, True, (100, 0, 10, 42), 3)]
+    assert (seq, lease) == (8, 4)
+    j.close()
+    with contextlib.closing(sqlite3.connect(tmp_path / "j.sqlite")) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+
+
+def test_a_newer_schema_is_refused(tmp_path):
+    with contextlib.closing(sqlite3.connect(tmp_path / "j.sqlite")) as db:
+        db.execute("PRAGMA user_version = 9")
+    with pytest.raises(JournalError, match="schema version 9"):
+        Journal(tmp_path / "j.sqlite")
+    with contextlib.closing(sqlite3.connect(tmp_path / "j.sqlite")) as db:   # not locked
+        db.execute("PRAGMA user_version = 0")
+    Journal(tmp_path / "j.sqlite").close()
+
+
+def test_a_batch_keeps_the_values_it_was_made_with(tmp_path):
+    # Rows are copied when the batch is made (the writer thread writes it later while
+    # the core goes on changing the same objects).
+    j = Journal(tmp_path / "j.sqlite")
+    s = open_scheduler(P, j, 0.0)
+    s.submit([RequestSpec(10, 0, 1, "a")])
+    batch = Batch(s.journal)
+    s.journal.clear()
+    s.requests["a"].attempt = 99
+    j.write_batches([batch])
+    j.close()
+    j = Journal(tmp_path / "j.sqlite")
+    assert [r.attempt for r in j.load()[0]] == [1]
+    j.close()

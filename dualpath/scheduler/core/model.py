@@ -262,6 +262,7 @@ class Finished:
     finished_at: float
     finish_seq: int = 0               # order of ending (the journal trims by it)
     reported: bool = False            # the submitter acknowledged the result
+    seq: int = 0                      # the request's arrival number (its journal key)
 
 
 @dataclass(frozen=True, slots=True)

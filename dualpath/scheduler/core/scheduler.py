@@ -669,7 +669,7 @@ class Scheduler:
         r.stage = Stage.DONE
         self._finish_seq += 1
         f = Finished(r.request_id, outcome, r.attempt, r.failures, error or r.error,
-                     self._spec_key(r), now, self._finish_seq)
+                     self._spec_key(r), now, self._finish_seq, seq=r.seq)
         self._remember(f)
         self._log("end", f)
         if outcome is Outcome.FAILED:
@@ -706,7 +706,7 @@ class Scheduler:
             f = self.finished.get(rid)
             if f is not None and not f.reported:
                 f.reported = True
-                self._log("reported", rid)
+                self._log("reported", f)
 
     # ------------------------------------------------------------ admin
 

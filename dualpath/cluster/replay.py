@@ -255,6 +255,12 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     st = _ReplayState(o)
     bar = Progress(sched.total_rounds, f"replay {o.mode}") if o.progress else None
+
+    def finish(reqs) -> None:
+        for req in reqs:
+            sched.finish(req)
+            if bar is not None:
+                bar.advance()
     sched.start()
     t_start = time.time()
     deadline = time.monotonic() + o.timeout_s
@@ -297,6 +303,9 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
             try:
                 ev = await asyncio.wait_for(sink.queue.get(), wait if wait > 0 else 0.001)
             except TimeoutError:
+                # Nothing came: the ends whose timings are overdue are done all the same
+                # (once only checked after an event, so a last lost report hung the run).
+                finish(st.without_timings_due())
                 continue
             while True:
                 kind, x = ev
@@ -316,17 +325,11 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
                             st.lost += 1
                             await _submit(stub, scheduler, [st.inflight[res.request_id][3]], o,
                                           st)
-                for req in done:
-                    sched.finish(req)
-                    if bar is not None:
-                        bar.advance()
+                finish(done)
                 if sink.queue.empty():
                     break
                 ev = sink.queue.get_nowait()
-            for req in st.without_timings_due():
-                sched.finish(req)
-                if bar is not None:
-                    bar.advance()
+            finish(st.without_timings_due())
         if st.duplicated:
             raise ReplayAborted(f"replay ({o.mode}): {st.duplicated} requests were reported "
                                 "finished twice", st.run(tag, t_start, nodes))

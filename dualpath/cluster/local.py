@@ -212,8 +212,10 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
-        log.info("local cluster up: scheduler %s, %s; logs in %s", self.scheduler_address,
-                 ", ".join(f"{n.node_id}={n.address}" for n in self.nodes), self.dir / "logs")
+        log.info("local cluster up: scheduler %s, %s; %s; logs in %s", self.scheduler_address,
+                 ", ".join(f"{n.node_id}={n.address}" for n in self.nodes),
+                 f"TLS {tls.mode(self.node_tls)} (CA {self.node_tls.ca_file})"
+                 if self.node_tls.enabled else "TLS plaintext", self.dir / "logs")
         return self
 
     def start_scheduler(self) -> None:

@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -81,32 +82,62 @@ class Attached:
     buffer: KvPlacement               # the daemon's DRAM buffer (saves land there)
 
 
+def leave_engine_cores() -> str:
+    """Move the calling thread, and so every thread it starts (gRPC's, the copier), off
+    the cores the engine computes on; returns where it runs, for the log.
+
+    vLLM's CPU worker binds its OpenMP threads, and with them every thread the worker
+    starts later, to the cores it computes on, and keeps the host's others for its
+    scheduler and a KV connector (vllm/utils/ompmultiprocessing.py reserves one more core
+    when a connector is configured). The agent's I/O and copies belong on those: on the
+    model's cores they preempt its threads and every layer waits. An unbound worker (a
+    GPU host) is left as it is."""
+    mine = os.sched_getaffinity(0)
+    rest = set(range(os.cpu_count() or 1)) - mine
+    if not rest:
+        return f"cores {_cores(mine)} (the engine's own: none is left to others)"
+    try:
+        os.sched_setaffinity(0, rest)
+    except OSError as e:              # the host's cpuset allows none of them
+        return f"cores {_cores(mine)} ({e.strerror} moving to {_cores(rest)})"
+    return f"cores {_cores(os.sched_getaffinity(0))} (the engine computes on {_cores(mine)})"
+
+
+def _cores(cpus: set[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
+
+
 class LoadHandle:
-    """One request's load in one step. ``layers_done`` layers are in place for every
-    block not in ``failed``; ``ended`` once the stream is over (``error`` says why when
-    it ended early: then every block counts as failed). Thread-safe."""
+    """One request's load in one step. ``layers_done`` layers are where the daemon puts
+    them (vLLM's KV memory, or its shared buffer) and ``ready`` layers in vLLM's KV
+    memory (a shared-buffer load: once the agent's copier has copied them), for every
+    block not in ``failed``; ``ended`` once the stream is over and nothing more will be
+    copied (``error`` says why when it ended early: then every block counts as failed).
+    Thread-safe."""
 
     def __init__(self, request_id: str, nblocks: int):
         self.request_id = request_id
         self.nblocks = nblocks
         self.layers_done = 0
+        self.ready = 0
         self.failed: set[int] = set()
         self.ended = False
         self.error = ""
         self.nbytes = 0
         self.wait_s = 0.0             # time vLLM's forward waited on this load
         # Shared-buffer loads: the blocks' slots in the daemon's buffer, the load's id
-        # (EndLoad), until when the daemon holds them, the layers copied so far.
+        # (EndLoad), until when the daemon holds them.
         self.slots: tuple[int, ...] = ()
         self.load_id = 0
         self.hold_deadline = 0.0
-        self.copied: set[int] = set()
         self._cond = threading.Condition()
+        # Held across each layer's copy: an end (or a give-up) waits for the copy under
+        # way, so no copy lands in KV memory after the load was given up.
+        self._copy_lock = threading.RLock()
         self._future: concurrent.futures.Future | None = None
 
-    def _update(self, layers_done: int, failed: Sequence[int], complete: bool,
-                nbytes: int, slots: Sequence[int] = (), load_id: int = 0,
-                hold_ms: int = 0) -> None:
+    def _update(self, layers_done: int, failed: Sequence[int], nbytes: int,
+                slots: Sequence[int] = (), load_id: int = 0, hold_ms: int = 0) -> None:
         with self._cond:
             if slots and not self.slots:
                 self.slots, self.load_id = tuple(slots), load_id
@@ -114,27 +145,28 @@ class LoadHandle:
                 # another request.
                 self.hold_deadline = time.monotonic() + hold_ms / 2000.0
             self.layers_done = max(self.layers_done, layers_done)
+            if not self.slots:
+                self.ready = self.layers_done
             self.failed.update(failed)
             self.nbytes += nbytes
-            if complete:
-                self.ended = True
             self._cond.notify_all()
 
     def _end(self, error: str = "") -> None:
-        with self._cond:
+        with self._copy_lock, self._cond:
             if not self.ended or error:
-                if error or self.layers_done == 0 and self.nblocks:
+                if error or self.ready == 0 and self.nblocks:
                     self.error = error or "load stream ended before any layer"
                     self.failed.update(range(self.nblocks))
                 self.ended = True
             self._cond.notify_all()
 
     def wait_layer(self, layer: int, timeout: float) -> bool:
-        """Wait until layer ``layer`` (0-based) is in place or the load ended; False when
-        ``timeout`` passed without either (the caller must fence and give up)."""
+        """Wait until layer ``layer`` (0-based) is in vLLM's KV memory or the load ended;
+        False when ``timeout`` passed without either (the caller must fence and give
+        up)."""
         t0 = time.monotonic()
         with self._cond:
-            ok = self._cond.wait_for(lambda: self.layers_done > layer or self.ended, timeout)
+            ok = self._cond.wait_for(lambda: self.ready > layer or self.ended, timeout)
         self.wait_s += time.monotonic() - t0
         return ok
 
@@ -205,9 +237,12 @@ class WorkerAgent:
         self.shared = None            # the daemon's buffer, mapped (same host, host KV)
         self.shared_addr = 0
         self._range_addr = {r.name: r.addr for r in self.ranges}
+        self._copier = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="dualpath-copier")
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
+        self._thread = threading.Thread(target=self._run_loop,
                                         name="dualpath-worker-agent", daemon=True)
+        self.cores = ""               # where the agent's threads run (for the log)
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -215,6 +250,10 @@ class WorkerAgent:
     def start(self, timeout: float = 60.0) -> Attached:
         self._thread.start()
         return self._run(self._start(), timeout)
+
+    def _run_loop(self) -> None:
+        self.cores = leave_engine_cores()
+        self._loop.run_forever()
 
     def _run(self, coro, timeout: float):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -265,11 +304,12 @@ class WorkerAgent:
             arr = np.frombuffer(m, np.uint8)
             self.shared, self.shared_addr = (m, arr), arr.ctypes.data
         log.info("DualPath worker agent %s: transport %s (%s), %d KV range(s); attached to "
-                 "node %s at %s (store namespace %s, %d-token blocks); %s", self.name,
+                 "node %s at %s (store namespace %s, %d-token blocks); %s; its threads on %s",
+                 self.name,
                  self.transfer.transport, self.transfer.provider.description,
                  len(self.ranges), reply.node_id, s.node_address, reply.namespace,
                  reply.block_tokens, "the node's buffer shared: this worker copies"
-                 if self.shared else "the node WRITEs into the KV memory")
+                 if self.shared else "the node WRITEs into the KV memory", self.cores)
         return self.attached
 
     def close(self) -> None:
@@ -283,6 +323,7 @@ class WorkerAgent:
                 log.warning("DualPath worker agent: close: %s", e)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+        self._copier.shutdown(wait=True, cancel_futures=True)
 
     async def _close(self) -> None:
         if hasattr(self, "transfer"):
@@ -313,14 +354,20 @@ class WorkerAgent:
         return True
 
     async def _load(self, h: LoadHandle, keys: list[bytes], units: list[int]) -> None:
+        copying: asyncio.Future | None = None
         for attempt in (1, 2):
             req = connector_pb2.LoadRequest(request_id=h.request_id, worker_name=self.name,
                                             block_keys=keys, units=units,
                                             worker_copies=self.shared is not None)
             try:
                 async for p in self.stub.Load(req, timeout=self.settings.load_timeout_s):
-                    h._update(p.layers_done, p.failed_blocks, p.complete, p.bytes_written,
-                              p.slots, p.load_id, p.hold_ms)
+                    h._update(p.layers_done, p.failed_blocks, p.bytes_written, p.slots,
+                              p.load_id, p.hold_ms)
+                    if h.slots:   # one thread, in order: the last one sees every layer
+                        copying = self._loop.run_in_executor(self._copier,
+                                                             self._copy_arrived, h, units)
+                if copying is not None:
+                    await copying
                 h._end()
                 return
             except grpc.aio.AioRpcError as e:
@@ -332,23 +379,29 @@ class WorkerAgent:
                 h._end("load given up")
                 raise
 
-    def copy_layer(self, h: LoadHandle, layer: int, units: list[int]) -> bool:
-        """A shared-buffer load: copy layer ``layer`` of its usable blocks from the
-        daemon's buffer into vLLM's KV memory (once). False when the load has no slots
-        or the daemon's hold ran out (the caller then counts its blocks failed)."""
-        if layer in h.copied or not h.slots:
-            return bool(h.slots)
-        if time.monotonic() > h.hold_deadline:
-            return False
+    def _copy_arrived(self, h: LoadHandle, units: list[int]) -> None:
+        """The copier thread: copy every layer of a shared-buffer load that is in the
+        daemon's buffer but not yet in vLLM's KV memory, in order, as it arrives (so the
+        forward's wait for a layer is a wait, not a copy). Ends the load (every block
+        failed) when the daemon's hold on its slots ran out first."""
         fmt = self.placement.fmt
-        ok = min([*h.failed, h.nblocks])
         buf = self.attached.buffer
-        for r in runs(buf, buf.units_of_slots(h.slots[:ok]), self.placement,
-                      units[:ok * fmt.units], layer, 0, ok * fmt.block_tokens):
-            ctypes.memmove(self._range_addr[r.dst_region] + r.dst_offset,
-                           self.shared_addr + r.src_offset, r.length)
-        h.copied.add(layer)
-        return True
+        while True:
+            with h._copy_lock:
+                with h._cond:
+                    layer, ok = h.ready, min([*h.failed, h.nblocks])
+                    if h.ended or layer >= h.layers_done:
+                        return
+                if time.monotonic() > h.hold_deadline:
+                    h._end("the node's hold on its buffer ran out before the copy")
+                    return
+                for r in runs(buf, buf.units_of_slots(h.slots[:ok]), self.placement,
+                              units[:ok * fmt.units], layer, 0, ok * fmt.block_tokens):
+                    ctypes.memmove(self._range_addr[r.dst_region] + r.dst_offset,
+                                   self.shared_addr + r.src_offset, r.length)
+                with h._cond:
+                    h.ready = layer + 1
+                    h._cond.notify_all()
 
     def end_load(self, h: LoadHandle) -> None:
         """Give a shared-buffer load's slots back to the daemon (returns at once)."""

@@ -5,9 +5,11 @@
     bind metadata        ask for every save's slots (before the forward: vLLM calls
                          start_load_kv after the forward when a step has no sync load)
     start_load_kv        start every load of the step (the daemon writes layer by layer)
-    wait_for_layer_load  wait for exactly that layer of this step's loads; a load that
-                         stops making progress is given up (memory fenced first) and its
-                         blocks reported for recompute
+    wait_for_layer_load  wait for exactly that layer of this step's loads to be in the KV
+                         memory (written by the daemon, or copied out of its shared
+                         buffer by the agent's copier as it arrived); a load that stops
+                         making progress is given up (memory fenced first) and its blocks
+                         reported for recompute
     save_kv_layer        WRITE that layer of the newly full blocks to the daemon's buffer
     wait_for_save        wait for the saves; commit them, except for a request whose load
                          failed this step (its new KV was computed from wrong inputs)
@@ -88,16 +90,13 @@ class WorkerSide:
         if not self._loads:
             return
         layer = self.layer_index[layer_name]
-        for h, units in self._loads:
-            if not (h.ended and (h.error or layer < h.layers_done)) and \
-                    not h.wait_layer(layer, self.settings.load_timeout_s):
+        for h, _ in self._loads:
+            if not h.wait_layer(layer, self.settings.load_timeout_s):
                 log.warning("DualPath: load of %s made no progress for %.0f s at layer %d; "
                             "fencing the KV memory and recomputing", h.request_id,
                             self.settings.load_timeout_s, layer)
                 self.agent.fence()
                 h.give_up("timed out")
-            if h.slots and not h.error and not self.agent.copy_layer(h, layer, units):
-                h.give_up("the node's hold on the buffer ran out before the copy")
 
     def save_layer(self, layer_name: str) -> None:
         if not self._saves:

@@ -90,13 +90,12 @@ def _engine_block(mem, layer, unit):
 
 
 def _load(agent, keys, units, rid="r-load"):
-    """Load ``keys`` into ``units`` as vLLM's forward would: wait for each layer (and, on
-    a shared buffer, copy it), then give the load back."""
+    """Load ``keys`` into ``units`` as vLLM's forward would: wait for each layer (on a
+    shared buffer, the agent copies it as it arrives), then give the load back."""
     h = agent.load(rid, keys, units)
     for layer in range(L):
         assert h.wait_layer(layer, 30)
-        if h.slots and not h.error:
-            assert agent.copy_layer(h, layer, units)
+        assert h.ready > layer or h.error
     agent.end_load(h)
     return h
 
@@ -184,6 +183,34 @@ def test_corrupt_and_deleted_blocks_are_reported_and_never_written(rig):
     assert h.failed == {0}
     for layer in range(L):
         assert (_engine_block(mem, layer, 7) == 0xAA).all()    # never written
+
+
+@pytest.mark.parametrize("rig", ["copy"], indirect=True)   # a WRITE load has no hold
+def test_a_shared_buffer_load_past_the_nodes_hold_is_failed_and_never_copied(rig,
+                                                                             monkeypatch):
+    """Past the daemon's hold its slots may serve another request: the copier must not
+    copy out of them, and the load must end failed (vLLM recomputes)."""
+    d, agent, mem, stub = rig
+    rng = np.random.default_rng(3)
+    keys = block_keys(np.arange(2 * B) + 9000, B)
+    for layer in range(L):
+        for u in (1, 2):
+            _engine_block(mem, layer, u)[:] = rng.integers(0, 256, UNIT, dtype=np.uint8)
+    assert _save(agent, keys, [1, 2])
+    _wait_stored(d, keys, stub)
+    for layer in range(L):
+        for u in (5, 6):
+            _engine_block(mem, layer, u)[:] = 0xAA
+    monkeypatch.setattr(d.node.engine, "HOLD_S", 0.0)
+    h = _load(agent, keys, [5, 6], "r-late")
+    assert h.error and "hold" in h.error and h.failed == {0, 1}
+    for layer in range(L):
+        for u in (5, 6):
+            assert (_engine_block(mem, layer, u) == 0xAA).all()
+    monkeypatch.undo()
+    h = _load(agent, keys, [5, 6], "r-in-time")
+    assert not h.error and not h.failed
+    assert np.array_equal(_engine_block(mem, L - 1, 1), _engine_block(mem, L - 1, 5))
 
 
 @pytest.mark.parametrize("who", ["client/x", "node/n1", None])

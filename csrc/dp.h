@@ -186,6 +186,9 @@ int dp_qp_connect(dp_qp *qp, const struct dp_qp_endpoint *remote);
 int dp_qp_reset(dp_qp *qp);
 /* [count] Current ibv_qp_state (0 RESET, 1 INIT, 2 RTR, 3 RTS, 4 SQD, 5 SQE, 6 ERR). */
 int dp_qp_state(dp_qp *qp);
+/* [int] The lane the QP's address vector carries once connected (ibv_query_qp): its SL
+ * and, with a GRH, its traffic class (0 without one). */
+int dp_qp_lane(dp_qp *qp, uint8_t *sl, uint8_t *traffic_class);
 /* [count] WRs posted and not yet retired. */
 int dp_qp_outstanding(dp_qp *qp);
 /* [count] The QP number. */

@@ -555,6 +555,21 @@ int dp_qp_num(dp_qp *qp)
     return qp == NULL ? -EINVAL : (int)qp->qp_num;
 }
 
+int dp_qp_lane(dp_qp *qp, uint8_t *sl, uint8_t *traffic_class)
+{
+    struct ibv_qp_attr a;
+    struct ibv_qp_init_attr ia;
+
+    if (qp == NULL || sl == NULL || traffic_class == NULL)
+        return -EINVAL;
+    int rc = ibv_query_qp(qp->ibv, &a, IBV_QP_AV, &ia);
+    if (rc)
+        return -abs(rc);
+    *sl = a.ah_attr.sl;
+    *traffic_class = a.ah_attr.is_global ? a.ah_attr.grh.traffic_class : 0;
+    return 0;
+}
+
 int dp_qp_state(dp_qp *qp)
 {
     struct ibv_qp_attr a;

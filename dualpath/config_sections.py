@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dualpath import lane
 from dualpath.config import key
 
 
@@ -25,7 +26,10 @@ class TransportConfig:
 class KvLaneConfig:
     """The low-priority lane KV transfers travel on (paper A.1)."""
 
-    service_level: int = key(0, "InfiniBand service level (SL) of KV QPs; map it to a "
-                             "low-priority VL in the subnet manager.", min=0, max=15)
-    traffic_class: int = key(0, "RoCE GRH traffic class of KV QPs; DSCP on the wire = "
-                             "traffic_class >> 2.", min=0, max=255)
+    service_level: int = key(lane.KV_SERVICE_LEVEL, "InfiniBand service level (SL) of KV "
+                             "QPs; the default is the SL deploy/qos/opensm-qos.conf maps to "
+                             "its low-priority VL.", min=0, max=15)
+    traffic_class: int = key(lane.KV_TRAFFIC_CLASS, "RoCE GRH traffic class of KV QPs; DSCP "
+                             "on the wire = traffic_class >> 2; the default's DSCP (24) is "
+                             "the one deploy/qos/roce-dscp.sh queues at low priority.",
+                             min=0, max=255)

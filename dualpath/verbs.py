@@ -512,6 +512,15 @@ class QueuePair(Owner):
         return QpState(check(lib.dp_qp_state(self._handle), "query QP state"))
 
     @property
+    def lane(self) -> tuple[int, int]:
+        """(service level, GRH traffic class) of the connected QP, as the device holds
+        them (ibv_query_qp)."""
+        self._check_open()
+        sl, tc = ffi.new("uint8_t *"), ffi.new("uint8_t *")
+        check(lib.dp_qp_lane(self._handle, sl, tc), "query QP lane")
+        return sl[0], tc[0]
+
+    @property
     def outstanding(self) -> int:
         """WRs posted and not yet retired by a completion."""
         self._check_open()

@@ -63,6 +63,7 @@ from dualpath.errors import ConfigError, UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import get_profile
 from dualpath.kv.synth import SyntheticKV
+from dualpath.lane import describe as describe_lane
 from dualpath.storage.ratelimit import gbit_to_bytes_per_s
 from dualpath.storage.read_queue import ReadQueue
 from dualpath.storage.store import BlockStore
@@ -160,11 +161,11 @@ class NodeDaemon:
         lane = cfg.kv_lane
         # The provider's description names the device, port and GID in use (verbs) or
         # the listen address (tcp); the config's device "" / gid_index -1 only mean "auto".
-        log.info("%s node %s up: control %s; transport %s (%s), lane SL %d / TC %d; TLS "
+        log.info("%s node %s up: control %s; transport %s (%s), lane %s; TLS "
                  "%s; engine %s; %s %d MiB; storage %s, storage NIC %s; scheduler %s; "
                  "config %s", self.role, self.node_id, self.address,
                  self.transfer.transport, self.transfer.provider.description,
-                 lane.service_level, lane.traffic_class, tls.mode(cfg.tls),
+                 describe_lane(lane.service_level, lane.traffic_class), tls.mode(cfg.tls),
                  self.engine.describe(), buf_name,
                  self.buffer.nbytes >> 20, s.resolved_dir(),
                  f"{s.snic_gbit_per_s:g} Gbit/s" if s.snic_gbit_per_s else "unlimited",

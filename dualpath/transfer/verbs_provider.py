@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 import threading
 
-from dualpath import verbs
+from dualpath import lane, verbs
 from dualpath.errors import UsageError
 from dualpath.transfer.provider import Admissions, Connection, Provider
 from dualpath.verbs import Completion
@@ -49,7 +49,8 @@ class VerbsProvider(Provider):
     poll_slice_s = 0.0002   # dp_cq_wait busy-polls: keep slices short, wake() is a no-op
 
     def __init__(self, device: str = "", port: int = 1, gid_index: int = -1, *,
-                 cq_depth: int = 4096, service_level: int = 0, traffic_class: int = 0,
+                 cq_depth: int = 4096, service_level: int = lane.KV_SERVICE_LEVEL,
+                 traffic_class: int = lane.KV_TRAFFIC_CLASS,
                  retry_cnt: int = 6, ack_timeout: int = 14):
         self.device = verbs.Device(device or None, port)
         try:

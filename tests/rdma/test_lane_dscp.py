@@ -1,4 +1,5 @@
-"""The KV lane on the wire: a QP's GRH traffic class becomes the IPv4 DSCP of its RoCE v2
+"""The KV lane: the QPs a transfer engine makes carry the lane of dualpath/lane.py (as
+the device holds them), and a QP's GRH traffic class becomes the IPv4 DSCP of its RoCE v2
 packets (UDP 4791), captured with tcpdump on the veth between rxe0 and rxe1."""
 
 from __future__ import annotations
@@ -14,11 +15,37 @@ from pathlib import Path
 
 import pytest
 
-from dualpath import clock, verbs
+from dualpath import clock, lane, verbs
+from dualpath.config import load
+from dualpath.transfer.transport import TransportChoice, open_provider
 from tests.rdma.conftest import connect, make_side, wait_retired
 
 ROCE_V2_PORT = 4791
-TRAFFIC_CLASS = 96          # DSCP 24 (= 96 >> 2), ECN 0; softroce.md saw tos 0x60 for it
+TRAFFIC_CLASS = lane.KV_TRAFFIC_CLASS   # DSCP 24 (= 96 >> 2), ECN 0: tos 0x60 on the wire
+
+
+def test_a_transfer_engines_qps_carry_the_default_kv_lane(dev_names):
+    """The provider a node opens from a default config: both its active QPs and the
+    passive ones it accepts hold the lane's traffic class, and on InfiniBand its SL, as
+    the device reports them (ibv_query_qp). A RoCE packet carries no SL (its priority is
+    the DSCP, next test, or the VLAN PCP) and rxe keeps none: rxe_av_from_attr copies the
+    GRH and port only."""
+    cfg = load(None, {"transport.kind": "verbs", "transport.device": dev_names[0]})
+    p = open_provider(TransportChoice("verbs", "test"), cfg.transport, cfg.transfer,
+                      cfg.kv_lane)
+    try:
+        c = p.connection(16)
+        theirs = p.accept("peer", 0, c.endpoint())
+        c.connect(theirs, 5.0)
+        assert p.description.endswith(f"sl {lane.KV_SERVICE_LEVEL} tc {TRAFFIC_CLASS}")
+        ib = not p.device.port_attrs().is_ethernet
+        for qp in (c.qp, p._passive[("peer", 0)]):
+            sl, tc = qp.lane
+            assert tc == TRAFFIC_CLASS
+            # mlx5 keeps a RoCE QP's SL (it becomes the VLAN PCP); rxe reports 0
+            assert sl == lane.KV_SERVICE_LEVEL or (not ib and sl == 0), (sl, ib)
+    finally:
+        p.close()
 
 
 def read_pcap_roce(path: str) -> list[tuple[int, str, str]]:

@@ -1,10 +1,12 @@
 """One large pinned, registered DRAM region per process: the PE and DE buffers' backing.
 
 Life cycle: ``PinnedRegion(...)`` maps anonymous memory (2 MiB huge pages when the
-system has them reserved, plain pages otherwise, with transparent huge pages advised),
-locks it with ``mlock`` so it can never be paged out under an RDMA NIC, then registers
-it through the caller's ``register(addr, length)`` callback (an RDMA memory region in
-the engines, nothing in unit tests). ``close()`` undoes this in reverse: deregister,
+system has them reserved, plain pages otherwise, with transparent huge pages advised;
+a fallback from huge pages is logged as a warning naming the shortfall), locks it with
+``mlock`` so it can never be paged out under an RDMA NIC (which also faults every page
+in; an unlocked region is pre-faulted instead, so no request pays first touch), then
+registers it through the caller's ``register(addr, length)`` callback (an RDMA memory
+region in the engines, nothing in unit tests). ``close()`` undoes this in reverse: deregister,
 munlock, unmap. It is idempotent; the registration is a child and closes first.
 
 Pinning counts against RLIMIT_MEMLOCK (so does ``ibv_reg_mr``); when the limit is too
@@ -55,6 +57,30 @@ class MemlockError(DualPathError, OSError):
 
 class RegionError(DualPathError):
     """The region could not be created as configured (e.g. huge pages demanded, none free)."""
+
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux >= 5.14
+
+
+def free_huge_pages() -> int:
+    """2 MiB huge pages free on this host (HugePages_Free), 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("HugePages_Free:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def prefault(m: mmap.mmap, array: np.ndarray) -> None:
+    """Fault every page of a fresh mapping in now (writable), not on a request's first
+    touch: MADV_POPULATE_WRITE, or one write per page where the kernel lacks it."""
+    try:
+        m.madvise(MADV_POPULATE_WRITE)
+    except (OSError, AttributeError, ValueError):
+        array[::mmap.PAGESIZE] = 0        # a fresh mapping is zero: the write keeps it so
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -113,6 +139,8 @@ class PinnedRegion:
                 if err:
                     raise MemlockError(err, memlock_fix_message(self.nbytes, err, what))
                 self.locked = True
+            else:
+                prefault(self._map, self.array)
             if register is not None:
                 self.registration = register(self.addr, self.nbytes)
         except BaseException:
@@ -120,9 +148,16 @@ class PinnedRegion:
             raise
         log.info("%s: %d MiB, %s pages, %s, %s", what, self.nbytes >> 20,
                  "2 MiB huge" if self.huge else "normal",
-                 "mlocked" if self.locked else "not locked",
+                 "mlocked" if self.locked else "not locked, pre-faulted",
                  "registered" if self.registration is not None else "not registered")
         log.debug("%s at %#x", what, self.addr)   # addresses aim WRITEs: never at INFO
+
+    def _short_of_huge_pages(self, size: int, e: OSError) -> None:
+        need = size // HUGE_PAGE
+        log.warning("%s: %d free 2 MiB huge pages of the %d it needs (%s); using normal "
+                    "pages (more TLB misses). Reserve them: sysctl vm.nr_hugepages=%d (plus "
+                    "what else uses them), or set buffers.huge_pages = 'off' to silence this",
+                    self.what, free_huge_pages(), need, e.strerror, need)
 
     def _map_shared(self, nbytes: int, huge_pages: str) -> mmap.mmap:
         """A memfd of ``nbytes`` (2 MiB huge pages when asked and available), mapped
@@ -144,6 +179,7 @@ class PinnedRegion:
                 if huge_pages == "on":
                     raise RegionError(f"{self.what}: no 2 MiB huge pages for a shared "
                                       f"{size}-byte buffer ({e.strerror})") from None
+                self._short_of_huge_pages(size, e)
         size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
@@ -175,7 +211,7 @@ class PinnedRegion:
                         f"{self.what}: no 2 MiB huge pages for {size} bytes ({e.strerror}); "
                         f"reserve them (sysctl vm.nr_hugepages={size // HUGE_PAGE}) or set "
                         f"buffers.huge_pages = 'auto'") from None
-                log.debug("%s: huge pages unavailable (%s); using normal pages", self.what, e)
+                self._short_of_huge_pages(size, e)
         size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         try:
             m = mmap.mmap(-1, size, flags=flags)

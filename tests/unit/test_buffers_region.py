@@ -125,3 +125,38 @@ def test_memlock_message_reads_once_and_mmap_failure_is_a_region_error(monkeypat
     with pytest.raises(RegionError, match=r"pe_buffer: cannot map 4096 bytes \(Cannot "
                        r"allocate memory\); make buffers\.pe_buffer_mib"):
         PinnedRegion(4096, huge_pages="off", what="pe_buffer")
+
+
+def _resident_bytes(addr: int) -> int:
+    """Rss of the mapping that starts at ``addr`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{addr:x}":
+            for rest in lines[i + 1:]:
+                if rest.startswith("Rss:"):
+                    return int(rest.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {addr:#x}")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_unlocked_region_is_prefaulted_so_no_request_pays_first_touch(shared):
+    with PinnedRegion(8 << 20, huge_pages="off", lock=False, shared=shared) as r:
+        assert _resident_bytes(r.addr) >= 8 << 20
+        assert not r.array.any()                  # and still all zero
+
+
+def test_a_huge_page_shortfall_is_a_warning_naming_the_fix(monkeypatch, caplog):
+    def no_huge(*a, **k):
+        if k.get("flags", 0) & region_mod.MAP_HUGETLB:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(*a, **k)
+
+    real = mmap.mmap
+    monkeypatch.setattr(region_mod.mmap, "mmap", no_huge)
+    with caplog.at_level("WARNING", "dualpath.buffers"), \
+            PinnedRegion(4 << 20, huge_pages="auto", lock=False) as r:
+        assert not r.huge
+    (rec,) = [x for x in caplog.records if "huge pages" in x.getMessage()]
+    assert "of the 2 it needs" in rec.getMessage()
+    assert "vm.nr_hugepages=2" in rec.getMessage()

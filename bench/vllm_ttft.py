@@ -17,7 +17,9 @@ Method
     dualpath       DualPath's connector: the node daemon reads the hit Full Blocks from
                    its block store (O_DIRECT) and writes them layer by layer into vLLM's
                    KV cache
-    example        vLLM's ExampleConnector (safetensors files per layer and request);
+    example        vLLM's ExampleConnector (safetensors files per layer and request;
+                   max_num_batched_tokens = 8192: it stores only the last chunk of a
+                   chunked prefill, so longer prompts would store half their KV);
                    it keys a whole prompt, so it never hits an agentic turn (it stores
                    W, not W + new tokens): its row is also measured on a repeat turn
                    (Q sent twice), where it does hit, and the speedup uses that row
@@ -139,8 +141,14 @@ def main(argv: list[str] | None = None) -> int:
                                                         max_model_len=MAX_LEN),
                                             work / "dualpath.log", env=ENGINE_ENV)
         (work / "example").mkdir(exist_ok=True)
+        # The whole prompt in one step: the ExampleConnector saves only a request's
+        # last chunk of a chunked prefill (so a prompt above vLLM's 4096-token default
+        # stores half its KV and its load fails: "value tensor of shape [4096, 3, 128]
+        # cannot be broadcast to [8064, 3, 128]"). Measured turns compute < 130 tokens
+        # in one step whatever the setting.
         engines["example"] = EngineProcess(engine_args(
             model, prefix_caching=False, max_model_len=MAX_LEN,
+            max_num_batched_tokens=MAX_LEN,
             kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                 "kv_connector_extra_config": {
                                       "shared_storage_path": str(work / "example")}}),

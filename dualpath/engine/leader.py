@@ -74,7 +74,7 @@ class Leader:
                  tls_config: TlsConfig, ranks: list[EngineRank], path, cancel: Callable[[str], None],
                  read_q_tokens: Callable[[], int], metrics: NodeMetrics, profile_name: str,
                  block_bytes: int, storage_read_bytes_per_s: int, fetch_interval_ms: int = 0,
-                 results=None):
+                 results=None, status: Callable[[str], None] = lambda text: None):
         self.node_id, self.role, self.address = node_id, role, address
         self.scheduler_address = scheduler
         self.tls_config = tls_config
@@ -89,6 +89,7 @@ class Leader:
         self.block_bytes = block_bytes
         self.storage_read_bytes_per_s = storage_read_bytes_per_s
         self.fetch_interval_ms = fetch_interval_ms
+        self.status = status          # one line for the supervisor (systemd STATUS=)
         self.fetch_interval_s = (fetch_interval_ms or 20) / 1000.0
         self.completions: list[scheduler_pb2.Completion] = []
         # Request id -> the attempt of its assignment here, until this node reports it.
@@ -138,10 +139,13 @@ class Leader:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     log.warning("%s: lease lost (%s); registering again with what runs here",
                                 self.node_id, e.details())
+                    self.status(f"lease lost ({e.details()}); registering again")
                     self.lease_id = 0
                     continue
                 log.warning("%s: scheduler %s: %s %s; retrying in %.2f s", self.node_id,
                             self.scheduler_address, e.code().name, e.details(), backoff)
+                self.status(f"scheduler {self.scheduler_address}: {e.code().name}; "
+                            f"{'retrying' if self.lease_id else 'not registered yet'}")
                 if e.code() in _RETRIED:
                     self._failed_calls += 1
                     if self._failed_calls % RECONNECT_AFTER == 0:
@@ -201,6 +205,8 @@ class Leader:
         self.fetch_interval_s = ms / 1000.0
         log.info("%s: group registered (lease %d, fetch every %d ms); %d running requests "
                  "claimed, %d refused", self.node_id, r.lease_id, ms, len(claims), len(refused))
+        self.status(f"registered with scheduler {self.scheduler_address}: lease {r.lease_id}, "
+                    f"{len(self.ranks)} engine(s), {len(claims)} running requests claimed")
 
     def _status(self, e: EngineRank) -> scheduler_pb2.EngineStatus:
         free = 0

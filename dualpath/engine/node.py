@@ -64,6 +64,7 @@ from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import get_profile
 from dualpath.kv.synth import SyntheticKV
 from dualpath.lane import describe as describe_lane
+from dualpath.sdnotify import Notifier
 from dualpath.storage.ratelimit import gbit_to_bytes_per_s
 from dualpath.storage.read_queue import ReadQueue
 from dualpath.storage.store import BlockStore
@@ -79,8 +80,9 @@ class NodeDaemon:
     (or use :func:`run`), ``await close()``. Event-loop thread only."""
 
     def __init__(self, config: Config, role: str, node_id: str, scheduler: str, *,
-                 config_path: str | None = None):
+                 config_path: str | None = None, notifier: Notifier | None = None):
         ecfg = config.engine
+        self.notifier = notifier or Notifier({})   # systemd's, from run(); silent here
         if role not in ROLES:
             raise UsageError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
         if ecfg.kind == "vllm" and role != BOTH:
@@ -241,7 +243,8 @@ class NodeDaemon:
                       block_bytes=self.space.layout.full_bytes,
                       storage_read_bytes_per_s=int(self.snic_bytes_per_s),
                       fetch_interval_ms=self.cfg.engine.fetch_interval_ms,
-                      results=self.path if isinstance(self.path, DecodePath) else None)
+                      results=self.path if isinstance(self.path, DecodePath) else None,
+                      status=self.notifier.status)
 
     # ------------------------------------------------------------ running
 
@@ -363,18 +366,30 @@ def _dump_tasks(node: NodeDaemon) -> None:
 async def run(config: Config, role: str, node_id: str, scheduler: str, *,
               config_path: str | None = None,
               on_ready: Callable[[NodeDaemon], None] | None = None) -> None:
-    """Run a node until SIGTERM/SIGINT."""
-    node = NodeDaemon(config, role, node_id, scheduler, config_path=config_path)
+    """Run a node until SIGTERM/SIGINT; tells systemd (sd_notify) when it serves, how its
+    registration goes, and when it stops."""
+    notifier = Notifier()
+    node = NodeDaemon(config, role, node_id, scheduler, config_path=config_path,
+                      notifier=notifier)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, node.stop.set)
     with contextlib.suppress(NotImplementedError, RuntimeError):
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks, node)
+    watchdog = None
     try:
         await node.start()
         if on_ready is not None:
             on_ready(node)
+        notifier.ready(f"serving on {node.address}; " + (
+            f"registering with scheduler {scheduler}" if node.leader else
+            "serving its vLLM instance's connector"))
+        watchdog = asyncio.create_task(notifier.watchdog(), name="sd-watchdog")
         await node.run_until_stopped()
     finally:
+        notifier.stopping(f"{node_id}: stopping (work handed back to the scheduler)")
+        if watchdog is not None:
+            watchdog.cancel()
         await node.close()
+        notifier.close()

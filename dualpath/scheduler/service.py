@@ -60,6 +60,7 @@ from dualpath.scheduler.core.model import (
 from dualpath.scheduler.core.scheduler import Scheduler
 from dualpath.scheduler.groupcommit import GroupCommit
 from dualpath.scheduler.journal import Batch, Journal, JournalError, open_scheduler
+from dualpath.sdnotify import Notifier
 from dualpath.v1 import admin_pb2, admin_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("dualpath.scheduler")
@@ -804,6 +805,7 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
                                                  "scheduler.metrics_listen")
     stop = stop or asyncio.Event()
     svc.on_fatal = stop.set
+    notifier, watchdog = Notifier(), None     # systemd's Type=notify (deploy/*.service)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -834,11 +836,19 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
                  metrics_srv.url if metrics_srv else "off")
         if on_ready is not None:
             on_ready(port, metrics_srv.port if metrics_srv else None)
+        notifier.ready(f"serving on {host}:{port}, {tls.mode(tls_config)}; " + (
+            f"journal {svc.journal.path}: {svc.recovered[0]} unfinished requests recovered"
+            if svc.journal is not None else "journal off"))
+        watchdog = asyncio.create_task(notifier.watchdog(), name="sd-watchdog")
         await stop.wait()
+        notifier.stopping("stopping: draining calls (grace 5 s)")
         log.info("scheduler shutting down (grace 5 s)")
         await set_serving(server, False)
         await server.stop(5.0)
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        notifier.close()
         await svc.stop_sweeper()
         svc.close()
         if metrics_srv is not None:

@@ -9,6 +9,7 @@ PKGS=(
   qemu-system-x86 busybox-static kmod              # the SoftRoCE guest (tools/vm)
   perftest ucx-utils fio tcpdump iproute2          # peers for the benches, packet capture
   openssl libcap2-bin                              # test PKI (TLS tests), capsh (memlock test)
+  systemd                                          # systemd-analyze verify (the units' test)
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -26,9 +26,28 @@ COMMAND_MODULES = [
 ]
 
 
+def version_text() -> str:
+    """The package version and what its native extension was built as (or why it does
+    not load: a stale or missing build)."""
+    try:
+        from dualpath._native import NATIVE_VERSION, lib
+    except ImportError as e:
+        return f"dualpath {__version__}; native extension: {e}"
+    return (f"dualpath {__version__}; native extension {NATIVE_VERSION} (verbs and TCP "
+            f"providers; dma-buf memory registration "
+            f"{'built in' if lib.dp_has_dmabuf() else 'not built: rdma-core < 34'})")
+
+
+class _Version(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dualpath", description=__doc__.splitlines()[0])
-    p.add_argument("--version", action="version", version=f"dualpath {__version__}")
+    p.add_argument("--version", action=_Version, nargs=0,
+                   help="the package's and the native extension's versions, then exit")
     p.add_argument("--log-level", default=None, type=str.upper, choices=log.LEVELS,
                    help="DEBUG, INFO, WARNING, ERROR (default: $DUALPATH_LOG, else INFO)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")

@@ -146,3 +146,20 @@ def test_replay_bad_numbers_exit_2_before_connecting(capsys, flag, value):
     # With --scheduler these reached the run (exit 3 here, as DOWN is closed).
     rc, err = run(capsys, "replay", "--scheduler", DOWN, "--nodes", "p0", flag, value)
     assert rc == cli.EXIT_USAGE and f"{flag} {value}: must be" in err
+
+
+def test_version_names_the_package_and_its_native_build(capsys, monkeypatch):
+    from dualpath import _native, _version
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"dualpath {_version.__version__}; native extension "
+                          f"{_native.NATIVE_VERSION} ")
+    assert "dma-buf memory registration" in out
+    # A native build that does not load says why, instead of a traceback.
+    monkeypatch.setitem(__import__("sys").modules, "dualpath._native", None)
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert "native extension: import of dualpath._native halted" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""Logging set-up shared by every daemon and CLI command."""
+"""Logging set-up shared by every daemon and CLI command: plain lines on stderr, or
+structured records in systemd's journal when stderr is the journal (dualpath/journald.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 import os
 import sys
 
+from dualpath import journald
 from dualpath.errors import UsageError
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -32,10 +34,12 @@ def setup(level: str | None = None, name: str = "dualpath") -> logging.Logger:
         raise UsageError(f"DUALPATH_LOG = {level!r}: allowed values are " + ", ".join(LEVELS))
     root = logging.getLogger()
     if not getattr(root, "_dualpath_configured", False):
-        handler = _StderrHandler()
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
-        )
+        if journald.stderr_is_journal():      # a systemd service: structured records
+            handler: logging.Handler = journald.JournalHandler()
+        else:
+            handler = _StderrHandler()
+            handler.setFormatter(logging.Formatter(
+                "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
         root.addHandler(handler)
         root._dualpath_configured = True  # type: ignore[attr-defined]
     root.setLevel(level)

@@ -33,8 +33,8 @@ from collections.abc import Callable
 
 from grpc_health.v1 import health_pb2
 
+from dualpath import journald, tls
 from dualpath import metrics as _metrics
-from dualpath import tls
 from dualpath.buffers.pool import BlockPool
 from dualpath.buffers.region import PinnedRegion
 from dualpath.config import Config
@@ -368,6 +368,7 @@ async def run(config: Config, role: str, node_id: str, scheduler: str, *,
               on_ready: Callable[[NodeDaemon], None] | None = None) -> None:
     """Run a node until SIGTERM/SIGINT; tells systemd (sd_notify) when it serves, how its
     registration goes, and when it stops."""
+    journald.set_fields(DUALPATH_NODE_ID=node_id, DUALPATH_ROLE=role)
     notifier = Notifier()
     node = NodeDaemon(config, role, node_id, scheduler, config_path=config_path,
                       notifier=notifier)

@@ -33,8 +33,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dualpath import clock as _clock
+from dualpath import journald, rpc, tls
 from dualpath import metrics as _metrics
-from dualpath import rpc, tls
 from dualpath.errors import UsageError
 from dualpath.kv.profiles import ModelProfile, get_profile
 from dualpath.scheduler.config import SchedulerConfig
@@ -806,6 +806,7 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
     stop = stop or asyncio.Event()
     svc.on_fatal = stop.set
     notifier, watchdog = Notifier(), None     # systemd's Type=notify (deploy/*.service)
+    journald.set_fields(DUALPATH_ROLE="scheduler")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):

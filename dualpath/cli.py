@@ -19,6 +19,7 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 COMMAND_MODULES = [
     "dualpath.cli_config",
     "dualpath.cli_demo",
+    "dualpath.doctor.cli",
     "dualpath.engine.cli",
     "dualpath.cluster.cli",
     "dualpath.scheduler.cli",

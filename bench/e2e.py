@@ -56,7 +56,7 @@ def run_config(name: str, c: dict, transport: str, seed: int) -> dict:
                                      snic_gbit_per_s=c["snic_gbit_per_s"],
                                      tls_config=cluster.client_tls,
                                      node_tls=cluster.node_tls,
-                                     node_addresses=cluster.addresses())
+                                     node_addresses=cluster.addresses(), warmup_agents=2)
         finally:
             cluster.stop()
             cluster.cleanup()

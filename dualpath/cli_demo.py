@@ -59,7 +59,7 @@ def _demo(args) -> int:
                                      snic_gbit_per_s=args.snic_gbit,
                                      tls_config=cluster.client_tls,
                                      node_tls=cluster.node_tls,
-                                     node_addresses=cluster.addresses())
+                                     node_addresses=cluster.addresses(), warmup_agents=2)
         finally:
             cluster.stop()
             cluster.cleanup()

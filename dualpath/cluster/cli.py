@@ -49,6 +49,10 @@ def register(sub) -> None:
     mo = r.add_argument_group("run")
     mo.add_argument("--modes", default="basic,dualpath,oracle",
                     help="comma-separated: basic, dualpath, oracle")
+    mo.add_argument("--warmup", type=int, default=2, metavar="AGENTS",
+                    help="before measuring, every mode replays this many trajectories' "
+                    "first 2 rounds, unreported, so no mode pays start-up costs for "
+                    "another (0 = none)")
     mo.add_argument("--online", action="store_true", help="Poisson arrivals (needs --aps)")
     mo.add_argument("--aps", type=float, help="agents per second (online)")
     mo.add_argument("--no-layerwise", action="store_true", help="ablation: no layerwise "
@@ -177,6 +181,8 @@ def _replay(args) -> int:
         raise UsageError("--online needs --aps (agents per second)")
     if args.timeout <= 0:
         raise UsageError(f"--timeout {args.timeout:g}: must be > 0 seconds")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup {args.warmup}: must be >= 0 trajectories")
     if args.give_up_after <= 0:
         raise UsageError(f"--give-up-after {args.give_up_after:g}: must be > 0 seconds")
     from dualpath.rpc import parse_listen
@@ -213,7 +219,8 @@ def _replay(args) -> int:
         try:
             report, _ = run_modes(args.scheduler, nodes, args.prefill_nodes, trace, modes,
                                   opts, snic_gbit_per_s=args.snic_gbit or 0.0,
-                                  tls_config=cfg.tls, node_tls=cfg.tls)
+                                  tls_config=cfg.tls, node_tls=cfg.tls,
+                                  warmup_agents=args.warmup)
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, args.scheduler) from None
         except ReplayAborted as e:
@@ -229,7 +236,8 @@ def _replay(args) -> int:
                                       snic_gbit_per_s=cfg.storage.snic_gbit_per_s,
                                       tls_config=cluster.client_tls,
                                       node_tls=cluster.node_tls,
-                                      node_addresses=cluster.addresses())
+                                      node_addresses=cluster.addresses(),
+                                      warmup_agents=args.warmup)
             except ReplayAborted as e:
                 return _partial(e, args)
             finally:

@@ -18,6 +18,9 @@ from dualpath.trace.report import build_report
 UNLIMITED_BYTES_PER_S = 100e9
 
 
+WARMUP_ROUNDS = 2
+
+
 def make_trace(agents: int, *, table: str = "32k", context_scale: float = 0.1,
                max_rounds: int = 0, seed: int = 0, path: str | None = None) -> Trace:
     """A generated trace (Table 2 row scaled by ``context_scale``) or a JSONL file;
@@ -31,35 +34,55 @@ def make_trace(agents: int, *, table: str = "32k", context_scale: float = 0.1,
     else:
         trace = generate(agents, table, seed=seed, context_scale=context_scale)
     if max_rounds > 0:
-        trajs = tuple(Trajectory(t.id, t.rounds[:max_rounds],
-                                 None if t.token_ids is None else t.token_ids[
-                                     :sum(r.append_tokens + r.gen_tokens
-                                          for r in t.rounds[:max_rounds])])
-                      for t in trace.trajectories)
-        trace = Trace(trajs, {**trace.meta, "max_rounds": max_rounds})
+        trace = Trace(tuple(first_rounds(t, max_rounds) for t in trace.trajectories),
+                      {**trace.meta, "max_rounds": max_rounds})
     return trace
+
+
+def first_rounds(t: Trajectory, n: int) -> Trajectory:
+    """A trajectory's first ``n`` rounds (and the token ids they use)."""
+    return Trajectory(t.id, t.rounds[:n], None if t.token_ids is None else t.token_ids[
+        :sum(r.append_tokens + r.gen_tokens for r in t.rounds[:n])])
 
 
 def run_modes(scheduler: str, nodes: Sequence[str], prefill_nodes: int, trace: Trace,
               modes: Sequence[str], opts: ReplayOptions, *, snic_gbit_per_s: float,
               tls_config: TlsConfig, node_tls: TlsConfig, model_profile: str = "demo",
-              node_addresses: dict[str, str] | None = None
+              node_addresses: dict[str, str] | None = None, warmup_agents: int = 0
               ) -> tuple[dict, dict[str, ReplayRun]]:
     """Replay ``trace`` once per mode (in order) and build the report dict; the scheduler
     is reached with ``tls_config``, the nodes with ``node_tls``. When a mode cannot
     finish, the report of what ran (that mode's partial run included, the report marked
-    ``partial``) rides on the :class:`ReplayAborted` raised (``.report``)."""
+    ``partial``) rides on the :class:`ReplayAborted` raised (``.report``).
+
+    ``warmup_agents`` > 0: first, every mode replays that many trajectories' first
+    :data:`WARMUP_ROUNDS` rounds, unreported (fresh names: no block of it is a hit
+    later), so that no measured mode pays the cluster's start-up costs (first
+    connections and handshakes, first reads, code paths run for the first time) for the
+    modes after it."""
     if not modes:
         raise UsageError("no modes to run")
+    if warmup_agents < 0:
+        raise UsageError(f"warm-up agents must be >= 0, got {warmup_agents}")
     prof = get_profile(model_profile)
+
+    def one(mode: str, tr: Trace, **over) -> ReplayRun:
+        return asyncio.run(replay(
+            scheduler, tr, nodes, block_tokens=prof.block_tokens,
+            kv_bytes_per_token=prof.kv_bytes_per_token,
+            opts=dataclasses.replace(opts, mode=mode, **over), tls_config=tls_config,
+            node_tls=node_tls, node_addresses=node_addresses))
+
+    if warmup_agents:
+        warm = Trace(tuple(first_rounds(t, WARMUP_ROUNDS)
+                           for t in trace.trajectories[:warmup_agents]),
+                     {**trace.meta, "warmup": True})
+        for mode in modes:
+            one(mode, warm, progress=False, replay_mode="offline", aps=None)
     runs: dict[str, ReplayRun] = {}
     for mode in modes:
-        o = dataclasses.replace(opts, mode=mode)
         try:
-            runs[mode] = asyncio.run(replay(
-                scheduler, trace, nodes, block_tokens=prof.block_tokens,
-                kv_bytes_per_token=prof.kv_bytes_per_token, opts=o, tls_config=tls_config,
-                node_tls=node_tls, node_addresses=node_addresses))
+            runs[mode] = one(mode, trace)
         except ReplayAborted as e:
             runs[mode] = e.run
             e.report = None
@@ -68,7 +91,11 @@ def run_modes(scheduler: str, nodes: Sequence[str], prefill_nodes: int, trace: T
                                    prefill_nodes, trace, opts, snic_gbit_per_s)
                 e.report["partial"] = str(e)
             raise
-    return _report(runs, nodes, prefill_nodes, trace, opts, snic_gbit_per_s), runs
+    report = _report(runs, nodes, prefill_nodes, trace, opts, snic_gbit_per_s)
+    report["settings"]["warmup"] = ({"agents": min(warmup_agents, len(trace.trajectories)),
+                                     "rounds": WARMUP_ROUNDS, "modes": list(modes)}
+                                    if warmup_agents else None)
+    return report, runs
 
 
 def _report(runs: dict[str, ReplayRun], nodes: Sequence[str], prefill_nodes: int,

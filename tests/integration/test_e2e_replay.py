@@ -70,3 +70,30 @@ def test_a_replay_whose_reports_never_come_still_ends(cluster):
     assert len(run.records) == ROUNDS
     assert run.results_without_timings == ROUNDS
     assert run.requests_duplicated == 0
+
+
+def test_a_warm_up_replays_every_mode_first_and_stays_out_of_the_report(cluster,
+                                                                        monkeypatch):
+    from dualpath.cluster import run as run_mod
+
+    seen = []
+    real = run_mod.replay
+
+    async def spy(scheduler, trace, nodes, **kw):
+        seen.append((kw["opts"].mode, sum(len(t.rounds) for t in trace.trajectories)))
+        return await real(scheduler, trace, nodes, **kw)
+
+    monkeypatch.setattr(run_mod, "replay", spy)
+    report, runs = run_mod.run_modes(
+        cluster.scheduler_address, cluster.node_ids(), 1, TRACE, ("basic", "dualpath"),
+        run_mod.ReplayOptions(progress=False, timeout_s=120), snic_gbit_per_s=2.0,
+        tls_config=cluster.client_tls, node_tls=cluster.node_tls,
+        node_addresses=cluster.addresses(), warmup_agents=1)
+    warm = run_mod.WARMUP_ROUNDS
+    assert seen == [("basic", warm), ("dualpath", warm), ("basic", ROUNDS),
+                    ("dualpath", ROUNDS)]
+    assert report["settings"]["warmup"] == {"agents": 1, "rounds": warm,
+                                            "modes": ["basic", "dualpath"]}
+    assert all(len(r.records) == ROUNDS for r in runs.values())
+    assert {m: r["requests_submitted"] for m, r in report["reliability"].items()} == {
+        "basic": ROUNDS, "dualpath": ROUNDS}

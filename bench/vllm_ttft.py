@@ -26,8 +26,12 @@ Method
   Also tried in the same run: vLLM's OffloadingConnector with its file-system tier
   (fails on a CPU platform) and LMCache (importable or not); their reasons are recorded.
   Before each measured turn the node's write-back is on disk (DualPath reads its hit
-  from the store, not from its DRAM buffer) and the ExampleConnector's files are synced
-  and dropped from the page cache (its hit is read from storage too).
+  from the store, not from its DRAM buffer), the ExampleConnector's files are synced
+  and dropped from the page cache (its hit is read from storage too), and every engine
+  is idle: after a long prefill vLLM's CPU worker keeps its core busy for about a
+  second, and all engines share the cores here, so without the wait a turn measured
+  right after another engine's prefill ran ~500 ms slower (4K context: 1.2-1.35 s
+  against 0.6-0.8 s).
   The store's read bandwidth is fio's (libaio, O_DIRECT, depth 8, bs = the block file)
   over the very block files the dualpath rows read, in the same run.
   Correctness: the dualpath turn's token and logprob against the prefix-cache turn's.
@@ -168,10 +172,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def settle(node: NodeProcess, example_dir: Path) -> None:
+def quiesce(engines, limit_s: float = 20.0) -> None:
+    """Wait until no engine process burns CPU (under 2% of a core over 200 ms): after a
+    long prefill vLLM's CPU worker keeps its core busy for about a second (measured: 100%
+    of a core for ~1 s after a 4K-token recompute), and every engine is bound to the same
+    cores here, so the next engine's measured turn would pay for the last one's."""
+    groups = {e.proc.pid for e in engines.values() if e.proc.poll() is None}
+
+    def ticks() -> int:
+        total = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()  # noqa: SIM115
+            except OSError:
+                continue
+            if int(f[2]) in groups:                  # its process group: the engine's
+                total += int(f[11]) + int(f[12])
+        return total
+
+    hz = os.sysconf("SC_CLK_TCK")
+    deadline = time.monotonic() + limit_s
+    before = ticks()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = ticks()
+        if (now - before) / hz < 0.2 * 0.02:
+            return
+        before = now
+
+
+def settle(node: NodeProcess, example_dir: Path, engines: dict | None = None) -> None:
     """Before a measured turn: the node's write-back is on disk (so DualPath's hit is read
-    from the store, not from its DRAM buffer) and the ExampleConnector's files are out of
-    the page cache (so its hit is read from storage too)."""
+    from the store, not from its DRAM buffer), the ExampleConnector's files are out of
+    the page cache (so its hit is read from storage too), and no engine still works."""
     deadline = time.monotonic() + 120
     while node.metric("dualpath_node_connector_pending_blocks") > 0:
         if time.monotonic() > deadline:
@@ -185,6 +220,8 @@ def settle(node: NodeProcess, example_dir: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+    if engines:
+        quiesce(engines)
 
 
 def measure(engines: dict[str, EngineProcess], contexts: list[int], reps: int,
@@ -200,14 +237,16 @@ def measure(engines: dict[str, EngineProcess], contexts: list[int], reps: int,
             # vLLM: warm-up, the hit turn; then the same turn from nothing.
             oracle.reset_prefix_cache()
             oracle.generate(warm, 1)
+            settle(node, example_dir, engines)
             hit = oracle.generate(turn, 1)
             r["prefix_cache"] = hit["wall_s"]
             if rep == 0:         # 10-45 s each: once per context
                 oracle.reset_prefix_cache()
+                settle(node, example_dir, engines)
                 r["recompute"] = oracle.generate(turn, 1)["wall_s"]
             # DualPath: warm-up (persists W), the turn (loads W from the store).
             dp.generate(warm, 1)
-            settle(node, example_dir)
+            settle(node, example_dir, engines)
             got = dp.generate(turn, 1)
             r["dualpath"] = got["wall_s"]
             r["tokens_mismatched"] = int(got["token_ids"] != hit["token_ids"])
@@ -218,16 +257,17 @@ def measure(engines: dict[str, EngineProcess], contexts: list[int], reps: int,
             if ex is not None:
                 try:
                     ex.generate(warm, 1)
-                    settle(node, example_dir)
+                    settle(node, example_dir, engines)
                     r["example_agentic"] = ex.generate(turn, 1)["wall_s"]
-                    settle(node, example_dir)
+                    settle(node, example_dir, engines)
                     r["example_repeat"] = ex.generate(turn, 1)["wall_s"]
                 except EngineDied as e:
                     not_run[f"example (from context {q} on)"] = str(e)[-300:]
                     engines.pop("example").close()
-            settle(node, example_dir)
+            settle(node, example_dir, engines)
             r["dualpath_repeat"] = dp.generate(turn, 1)["wall_s"]
             oracle.generate(turn, 1)
+            settle(node, example_dir, engines)
             r["prefix_cache_repeat"] = oracle.generate(turn, 1)["wall_s"]
             out.append(r)
             print(f"rep {rep} context {q}: " + ", ".join(

@@ -5,6 +5,7 @@ WATCHDOG=1 pings, STOPPING=1 on SIGTERM (exit 0)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -65,18 +66,29 @@ def _stop(proc, notify):
     return stopping
 
 
+@contextlib.contextmanager
+def daemon(args, notify):
+    """``dualpath ARGS`` as systemd would run a Type=notify unit (a 0.2 s watchdog);
+    killed if the test leaves it running."""
+    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", *args],
+                            env=notify.env(watchdog_usec=200_000), stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    try:
+        yield proc, DaemonLog(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_node_says_ready_then_how_registration_goes_and_pings_the_watchdog(tmp_path,
                                                                               notify):
     cfg = tmp_path / "node.toml"
     cfg.write_text(f'[storage]\ndir = "{tmp_path / "kv"}"\n[transport]\nkind = "tcp"\n'
                    "[buffers]\npe_buffer_mib = 8\n[engine]\nprefill_hbm_mib = 16\n"
                    'metrics_listen = ""\n[tls]\nplaintext = true\n')
-    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "node", "--role",
-                             "prefill", "--node-id", "p0", "--scheduler", "127.0.0.1:1",
-                             "--config", str(cfg)], env=notify.env(watchdog_usec=200_000),
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        log = DaemonLog(proc)
+    with daemon(["node", "--role", "prefill", "--node-id", "p0", "--scheduler",
+                 "127.0.0.1:1", "--config", str(cfg)], notify) as (proc, log):
         ready = notify.wait_for("READY", "1")
         address = log.wait_for(r"prefill node p0 up: control (\S+);").group(1)
         assert ready["STATUS"].startswith(f"serving on {address}; ")
@@ -89,32 +101,20 @@ def test_a_node_says_ready_then_how_registration_goes_and_pings_the_watchdog(tmp
         notify.wait_for("WATCHDOG", "1")
         notify.wait_for("WATCHDOG", "1")
         assert "p0: stopping" in _stop(proc, notify)["STATUS"]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_the_scheduler_says_ready_with_its_address_and_stops(tmp_path, notify):
     pki = tls.make_cluster_pki(tmp_path / "pki", ("scheduler/s",))
     cfg = tmp_path / "scheduler.toml"
     cfg.write_text('[scheduler]\nmetrics_listen = ""\n' + tls_toml(pki, "scheduler/s"))
-    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "scheduler", "--config",
-                             str(cfg), "--listen", "127.0.0.1:0"],
-                            env=notify.env(watchdog_usec=200_000), stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
-    try:
-        log = DaemonLog(proc)
+    with daemon(["scheduler", "--config", str(cfg), "--listen", "127.0.0.1:0"],
+                notify) as (proc, log):
         port = log.wait_for(r"scheduler listening on 127\.0\.0\.1:(\d+)").group(1)
         ready = notify.wait_for("READY", "1")
         assert ready["STATUS"].startswith(f"serving on 127.0.0.1:{port}, mutual-tls; ")
         assert "journal" in ready["STATUS"]
         notify.wait_for("WATCHDOG", "1")
         assert "stopping" in _stop(proc, notify)["STATUS"]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_without_systemd_nothing_is_sent_and_a_dead_socket_is_not_fatal(tmp_path):

@@ -119,6 +119,9 @@ class ReplayRun:
     reexecutions: int = 0               # sink reports of attempts that did not count
     submit_retries: int = 0             # requests submitted again after QUEUE_FULL
     results_without_timings: int = 0
+    # Prompt tokens of those rounds: their DE verified the KV before it reported the
+    # result, but its count came with the timings that never did.
+    unverified_prompt_tokens: int = 0
     partial: str = ""                   # why the run stopped early ("" = it did not)
     extra: dict = field(default_factory=dict)
 
@@ -449,6 +452,7 @@ class _ReplayState:
         self.hit_bytes = self.verified = self.mismatched = self.failures = 0
         self.submitted = self.failed = self.duplicated = self.lost = 0
         self.reexecutions = self.without_timings = self.submit_retries = 0
+        self.unverified_tokens = 0
 
     def on_timings(self, t) -> list:
         """A DE's report: the rounds it completes (one whose end the scheduler told)."""
@@ -513,6 +517,7 @@ class _ReplayState:
         for rid in late:
             res, _ = self.waiting.pop(rid)
             self.without_timings += 1
+            self.unverified_tokens += self.inflight[rid][0].plan.prompt_tokens
             at = time.time()
             out.append(self._finish(res, node_pb2.RequestTimings(
                 request_id=rid, first_token_unix_s=at, second_token_unix_s=at,
@@ -550,4 +555,5 @@ class _ReplayState:
                          requests_submitted=self.submitted, requests_failed=self.failed,
                          requests_duplicated=self.duplicated, requests_lost=self.lost,
                          reexecutions=self.reexecutions, submit_retries=self.submit_retries,
-                         results_without_timings=self.without_timings, extra={"tag": tag})
+                         results_without_timings=self.without_timings,
+                         unverified_prompt_tokens=self.unverified_tokens, extra={"tag": tag})

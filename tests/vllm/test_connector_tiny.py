@@ -153,17 +153,19 @@ def test_a_killed_node_daemon_means_recompute_never_a_wrong_token(rig):
     assert _close(a, b), max_diff(a, b)
     conv.advance(a["token_ids"])
     # Back on the same port and store: the channels reconnect and the worker attaches
-    # again on its first load; every turn until then is correct, and it takes at most
-    # two (the first may find the channels still backing off).
+    # again on its first load; every turn until then is correct. How many turns that
+    # takes depends on where gRPC's reconnect backoff (grown while the node was down)
+    # stands against the turns' length: 1-2 on a quiet host, 3 seen under a loaded
+    # clean-clone run; a generous liveness bound, not a timing.
     rig.node.start()
-    for recovery_turns in range(1, 4):
+    for recovery_turns in range(1, 7):
         _, a, b = _turn(rig, conv)
         assert _close(a, b), max_diff(a, b)
         conv.advance(a["token_ids"])
         if _loaded(rig) > 0:
             break
     print(f"\nloads through the restarted node from turn {recovery_turns} on")
-    assert _loaded(rig) > 0 and recovery_turns <= 2
+    assert _loaded(rig) > 0, f"no load through the restarted node in {recovery_turns} turns"
     # In the middle of a load (~24 blocks behind a 25 MB/s storage NIC): the load's
     # stream breaks and its blocks are recomputed.
     box = {}

@@ -75,7 +75,11 @@ class SchedulerGone(RemoteUnavailable):
     """UNAVAILABLE for longer than the replay's give_up_s."""
 
 
-_RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# CANCELLED: a scheduler stopping on SIGTERM cancels the calls still in flight when its
+# grace ends (every call retried here is idempotent: a request submitted again with the
+# same content is accepted, not a duplicate).
+_RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                      grpc.StatusCode.CANCELLED})
 _DONE = (scheduler_pb2.REQUEST_STATE_DECODE_DONE, scheduler_pb2.REQUEST_STATE_REPORTED)
 _ENDED_BADLY = (scheduler_pb2.REQUEST_STATE_FAILED, scheduler_pb2.REQUEST_STATE_CANCELLED)
 

@@ -122,6 +122,7 @@ class LoadHandle:
         self.ready = 0
         self.failed: set[int] = set()
         self.ended = False
+        self.complete = False         # the daemon sent its last layer's message
         self.error = ""
         self.nbytes = 0
         self.wait_s = 0.0             # time vLLM's forward waited on this load
@@ -136,7 +137,7 @@ class LoadHandle:
         self._copy_lock = threading.RLock()
         self._future: concurrent.futures.Future | None = None
 
-    def _update(self, layers_done: int, failed: Sequence[int], nbytes: int,
+    def _update(self, layers_done: int, failed: Sequence[int], complete: bool, nbytes: int,
                 slots: Sequence[int] = (), load_id: int = 0, hold_ms: int = 0) -> None:
         with self._cond:
             if slots and not self.slots:
@@ -149,13 +150,15 @@ class LoadHandle:
                 self.ready = self.layers_done
             self.failed.update(failed)
             self.nbytes += nbytes
+            self.complete = self.complete or complete
             self._cond.notify_all()
 
     def _end(self, error: str = "") -> None:
         with self._copy_lock, self._cond:
             if not self.ended or error:
-                if error or self.ready == 0 and self.nblocks:
-                    self.error = error or "load stream ended before any layer"
+                if error or not self.complete and self.nblocks:
+                    self.error = error or (f"load stream ended after {self.layers_done} "
+                                           "layers, before its last")
                     self.failed.update(range(self.nblocks))
                 self.ended = True
             self._cond.notify_all()
@@ -361,8 +364,8 @@ class WorkerAgent:
                                             worker_copies=self.shared is not None)
             try:
                 async for p in self.stub.Load(req, timeout=self.settings.load_timeout_s):
-                    h._update(p.layers_done, p.failed_blocks, p.bytes_written, p.slots,
-                              p.load_id, p.hold_ms)
+                    h._update(p.layers_done, p.failed_blocks, p.complete, p.bytes_written,
+                              p.slots, p.load_id, p.hold_ms)
                     if h.slots:   # one thread, in order: the last one sees every layer
                         copying = self._loop.run_in_executor(self._copier,
                                                              self._copy_arrived, h, units)

@@ -113,3 +113,17 @@ def test_cuda_kv_tensors_register_by_dmabuf():
         region.close()
     finally:
         p.close()
+
+
+def test_a_load_stream_that_ends_before_its_last_layer_fails_every_block():
+    from dualpath.vllm.agent import LoadHandle
+
+    cut = LoadHandle("r-cut", 3)
+    cut._update(2, (), False, 0)
+    cut._end()
+    assert cut.error == "load stream ended after 2 layers, before its last"
+    assert cut.failed == {0, 1, 2}
+    whole = LoadHandle("r-whole", 3)
+    whole._update(4, (2,), True, 100)
+    whole._end()
+    assert not whole.error and whole.failed == {2} and whole.ready == 4

@@ -185,7 +185,8 @@ def quiesce(engines, limit_s: float = 20.0) -> None:
             if not pid.isdigit():
                 continue
             try:
-                f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()  # noqa: SIM115
+                with open(f"/proc/{pid}/stat") as fh:
+                    f = fh.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
             if int(f[2]) in groups:                  # its process group: the engine's

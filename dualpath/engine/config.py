@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dualpath.config import key
+from dualpath.errors import ConfigError
 from dualpath.kv.profiles import PROFILES
 from dualpath.rpc import check_listen
 
@@ -15,8 +16,9 @@ class EngineConfig:
 
     kind: str = key("emulated", "The model engine this node serves: 'emulated' (the cost "
                     "model; PE or DE role, for benchmarks at scale) or 'vllm' (a vLLM "
-                    "instance beside the node, running dualpath.vllm.connector; role "
-                    "'both').", choices=("emulated", "vllm"))
+                    "instance beside the node, running dualpath.vllm.connector: role "
+                    "'both' without a scheduler, or a prefill / decode node whose "
+                    "instance it drives at vllm_url).", choices=("emulated", "vllm"))
     engines_per_node: int = key(1, "Engines (one per real or emulated GPU) in this node's "
                                 "group; rank 0 is the leader that fetches from the scheduler.",
                                 min=1, max=64)
@@ -45,9 +47,18 @@ class EngineConfig:
     layerwise: bool = key(True, "Default for layerwise prefill (transfers of layer l+1 "
                           "overlap compute of layer l); a request's payload may override.")
 
+    vllm_url: str = key("", "engine.kind = 'vllm', role prefill or decode: the OpenAI "
+                        "HTTP address of the vLLM instance this node drives (its "
+                        "/v1/completions), e.g. http://127.0.0.1:8100.")
+    vllm_request_timeout_s: float = key(600.0, "Bound on one request to that vLLM "
+                                        "instance (a prefill, or a whole decode).", min=1.0)
+
     def validate(self) -> None:
         check_listen("engine", ("metrics_listen",), control_listen=self.control_listen,
                      metrics_listen=self.metrics_listen)
+        if self.vllm_url and not self.vllm_url.startswith(("http://", "https://")):
+            raise ConfigError(f"engine.vllm_url = {self.vllm_url!r}: an http:// or https:// "
+                              "URL")
 
 
 @dataclass(frozen=True)

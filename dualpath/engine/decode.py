@@ -111,12 +111,16 @@ class _Result:
 class DecodePath:
     """The requests a DE node serves."""
 
-    def __init__(self, node: NodeResources, space: KvSpace, engine: EmulatedEngine,
-                 ranks: dict[str, EngineRank]):
+    def __init__(self, node: NodeResources, space: KvSpace | None, engine: EmulatedEngine,
+                 ranks: dict[str, EngineRank], decoder=None):
         self.node = node
-        self.space = space
+        self.space = space             # a vLLM node's: set once its worker attached
         self.engine = engine
         self.ranks = ranks
+        # How a prepared request is decoded once its prompt KV is in: the emulated
+        # engine's (here), or a real one's (dualpath/engine/vllm_decode.py: ``run(st,
+        # done, timings)``, raising on failure).
+        self.decoder = decoder
         self.requests: dict[str, DecodeState] = {}
         self.assigned: dict[str, int] = {}      # request -> its DE-only assignment's attempt
         self.results: dict[str, _Result] = {}   # waiting for the scheduler's record
@@ -249,7 +253,7 @@ class DecodePath:
         if len(order.target_units) != len(order.keys) * k:
             raise UsageError(f"order for {len(order.keys)} blocks names "
                              f"{len(order.target_units)} target units, not {len(order.keys) * k}")
-        if st.buffer is None or len(order.keys) > len(st.spans):
+        if st.buffer is None or order.first_block + len(order.keys) > len(st.spans):
             raise UsageError(f"{st.request_id}: order for {len(order.keys)} blocks does not fit")
         if order.target.fmt != self.space.fmt:
             raise UsageError(f"{st.request_id}: target KV format {order.target.fmt.signature()}"
@@ -285,7 +289,9 @@ class DecodePath:
         blocks read intact are written (``st.loaded_blocks``); the PE computes the rest."""
         n, space = self.node, self.space
         try:
-            got = await space.read(st.request_id, list(order.keys), st.buffer)
+            first = order.first_block
+            got = await space.read(st.request_id, list(order.keys), st.buffer,
+                                   list(range(first, first + len(order.keys))))
             n.metrics.read_bytes.inc(got.nbytes)
             usable = min(got.usable, len(order.keys))
             if usable < len(order.keys):
@@ -296,7 +302,8 @@ class DecodePath:
             st.read_bytes, st.read_span = got.nbytes, got.span
             k = space.fmt.units
             await write_layers(n.transfer, order.target_peer, space.buffer,
-                               space.buffer_units(st.buffer)[:usable * k], order.target,
+                               space.buffer_units(st.buffer)[first * k:(first + usable) * k],
+                               order.target,
                                order.target_units[:usable * k], 0,
                                usable * space.fmt.block_tokens,
                                on_layer=lambda layers: self._progress(st, layers))
@@ -309,16 +316,55 @@ class DecodePath:
                 raise
 
     async def decode(self, st: DecodeState, done: PrefillReport) -> None:
-        n, eng = self.node, self.engine
+        n = self.node
         e, p = st.engine, st.payload
         rid = st.request_id
         t0 = time.monotonic()
-        prompt, gen = p.prompt_tokens, p.gen_tokens
         spans = [s for s in (done.read_span, st.read_span) if s[0] > 0]
         timings = Timings(rid, e.engine_id, done.prefill_node_id, n.node_id,
                           prefill_read_bytes=done.read_bytes, decode_read_bytes=st.read_bytes,
                           read_span=(min(s[0] for s in spans), max(s[1] for s in spans))
                           if spans else (0.0, 0.0), attempt=st.attempt)
+        try:
+            if self.decoder is not None:
+                await self.decoder.run(st, done, timings)
+            else:
+                await self._decode_emulated(st, done, timings)
+            timings.finish_unix_s = clock.unix_now()
+            n.metrics.requests.labels("done").inc()
+            n.metrics.phase_s.labels("decode").observe(time.monotonic() - t0)
+            stage, error = scheduler_pb2.COMPLETION_STAGE_DECODE_DONE, ""
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - reported, then requeued by the scheduler
+            log.error("decode of %s (attempt %d) on %s failed: %s", rid, st.attempt,
+                      e.engine_id, err)
+            n.metrics.requests.labels("decode_failed").inc()
+            timings.failed, timings.error = True, str(err)
+            timings.finish_unix_s = clock.unix_now()
+            stage, error = scheduler_pb2.COMPLETION_STAGE_FAILED, str(err)
+        finally:
+            self._release(st)
+            if self.requests.get(rid) is st:
+                del self.requests[rid]
+            if self.assigned.get(rid, 0) <= st.attempt:
+                self.assigned.pop(rid, None)
+                e.tokens.pop(rid, None)
+                e.reserved_blocks.pop(rid, None)
+        if p.sink:
+            self.results[rid] = _Result(st.attempt, timings, p.sink)
+        # A mismatch may be the PE's bytes or our read: no side is blamed alone.
+        n.complete(rid, e, stage, error=error,
+                   suspect="" if timings.bytes_mismatched else e.engine_id)
+
+    async def _decode_emulated(self, st: DecodeState, done: PrefillReport,
+                               timings: Timings) -> None:
+        """Verify every prompt byte, DE buffer -> DE HBM, tokens at the cost model's
+        rate, every new full block persisted."""
+        n, eng = self.node, self.engine
+        e, p = st.engine, st.payload
+        rid = st.request_id
+        prompt, gen = p.prompt_tokens, p.gen_tokens
         T = self.space.fmt.block_tokens
         hbm = None
         try:
@@ -347,34 +393,9 @@ class DecodePath:
             if not p.oracle:
                 await self._persist(st, hbm, min(done.computed_from_tokens, p.hit_tokens),
                                     prompt, gen)
-            timings.finish_unix_s = clock.unix_now()
-            n.metrics.requests.labels("done").inc()
-            n.metrics.phase_s.labels("decode").observe(time.monotonic() - t0)
-            stage, error = scheduler_pb2.COMPLETION_STAGE_DECODE_DONE, ""
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # noqa: BLE001 - reported, then requeued by the scheduler
-            log.error("decode of %s (attempt %d) on %s failed: %s", rid, st.attempt,
-                      e.engine_id, err)
-            n.metrics.requests.labels("decode_failed").inc()
-            timings.failed, timings.error = True, str(err)
-            timings.finish_unix_s = clock.unix_now()
-            stage, error = scheduler_pb2.COMPLETION_STAGE_FAILED, str(err)
         finally:
             if hbm is not None:
                 hbm.release()
-            self._release(st)
-            if self.requests.get(rid) is st:
-                del self.requests[rid]
-            if self.assigned.get(rid, 0) <= st.attempt:
-                self.assigned.pop(rid, None)
-                e.tokens.pop(rid, None)
-                e.reserved_blocks.pop(rid, None)
-        if p.sink:
-            self.results[rid] = _Result(st.attempt, timings, p.sink)
-        # A mismatch may be the PE's bytes or our read: no side is blamed alone.
-        n.complete(rid, e, stage, error=error,
-                   suspect="" if timings.bytes_mismatched else e.engine_id)
 
     def send_result(self, rid: str, attempt: int) -> None:
         """The scheduler recorded ``attempt`` of ``rid`` (its completion was accepted):

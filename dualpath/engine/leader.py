@@ -72,7 +72,8 @@ class Leader:
 
     def __init__(self, *, node_id: str, role: str, address: str, scheduler: str,
                  tls_config: TlsConfig, ranks: list[EngineRank], path, cancel: Callable[[str], None],
-                 read_q_tokens: Callable[[], int], metrics: NodeMetrics, profile_name: str,
+                 read_q_tokens: Callable[[], int], metrics: NodeMetrics,
+                 profile_name: str | None,
                  block_bytes: int, storage_read_bytes_per_s: int, fetch_interval_ms: int = 0,
                  results=None, status: Callable[[str], None] = lambda text: None):
         self.node_id, self.role, self.address = node_id, role, address
@@ -186,7 +187,8 @@ class Leader:
             group_id=self.node_id, role=ROLE_PB[self.role], engines=infos,
             storage_read_bytes_per_s=self.storage_read_bytes_per_s, running=claims),
             timeout=5)
-        if r.model_profile and r.model_profile != self.profile_name:
+        if self.profile_name is not None and r.model_profile and \
+                r.model_profile != self.profile_name:
             raise ConfigError(f"the scheduler plans with model profile {r.model_profile!r}, "
                               f"this node runs {self.profile_name!r}")
         self.lease_id = r.lease_id

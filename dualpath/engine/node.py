@@ -15,9 +15,12 @@ Engines (``engine.kind``, the boundary between the node and the model it serves)
   own, PE or DE role, for benchmarks at scale. Its KV format, store namespace and DRAM
   pool (:class:`~dualpath.engine.kvspace.KvSpace`) come from the model profile.
 - ``vllm`` (dualpath/engine/vllm_engine.py): a vLLM instance beside the node, whose
-  workers register their own KV tensors and attach through the KvConnector service;
-  role ``both`` (one ``kv_both`` instance: the node loads and persists its KV, there is
-  no scheduler). Its KvSpace is made when the first worker attaches.
+  workers register their own KV tensors and attach through the KvConnector service.
+  Role ``both``: one ``kv_both`` instance, no scheduler; the node loads and persists
+  its KV. Role ``prefill`` / ``decode``: the node drives its instance at
+  ``engine.vllm_url`` (vllm_prefill.py / vllm_decode.py) and registers with the
+  scheduler once the instance's worker attached. Its KvSpace is made when the first
+  worker attaches.
 
 Threads: one asyncio loop owns all state; storage I/O runs on the block store's pools,
 the data path on the transfer engine's thread, verification in ``asyncio.to_thread``.
@@ -30,6 +33,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
 
@@ -58,7 +62,10 @@ from dualpath.engine.servicers import (
     new_server,
 )
 from dualpath.engine.shm import BufferOffer
+from dualpath.engine.vllm_decode import VllmDecoder
 from dualpath.engine.vllm_engine import VllmEngine
+from dualpath.engine.vllm_instance import VllmInstance
+from dualpath.engine.vllm_prefill import VllmPrefillPath
 from dualpath.errors import ConfigError, UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import get_profile
@@ -75,6 +82,13 @@ from dualpath.v1 import connector_pb2_grpc
 log = logging.getLogger("dualpath.engine")
 
 
+@dataclass
+class _KvBlocks:
+    """A vLLM engine's KV cache as the scheduler sees it: its blocks (DualPath's)."""
+
+    capacity: int
+
+
 class NodeDaemon:
     """See the module docstring. Create, ``await start()``, ``await run_until(stop)``
     (or use :func:`run`), ``await close()``. Event-loop thread only."""
@@ -85,10 +99,13 @@ class NodeDaemon:
         self.notifier = notifier or Notifier({})   # systemd's, from run(); silent here
         if role not in ROLES:
             raise UsageError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
-        if ecfg.kind == "vllm" and role != BOTH:
-            raise UsageError(f"engine.kind = 'vllm' serves one kv_both vLLM instance: run "
-                             f"the node with --role both (not {role}); prefill/decode "
-                             "disaggregation with vLLM instances is not built yet")
+        if ecfg.kind == "vllm" and role != BOTH and not ecfg.vllm_url:
+            raise ConfigError(f"a {role} node of engine.kind = 'vllm' drives its vLLM "
+                              "instance: set engine.vllm_url (its OpenAI HTTP address)")
+        if ecfg.vllm_url and (ecfg.kind != "vllm" or role == BOTH):
+            raise ConfigError("engine.vllm_url is for prefill and decode nodes of "
+                              "engine.kind = 'vllm' (a role-both node's instance drives "
+                              "itself)")
         if ecfg.kind == "emulated" and role == BOTH:
             raise UsageError("--role both is for a vLLM instance (engine.kind = 'vllm'); "
                              "emulated engines are prefill or decode nodes")
@@ -157,7 +174,7 @@ class NodeDaemon:
         await self.server.start()
         st.push_async_callback(self.server.stop, 1.0)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        if self.role in (PREFILL, DECODE):
+        if self.role in (PREFILL, DECODE) and ecfg.kind != "vllm":
             self.leader = self._leader()
             st.push_async_callback(self.leader.close)
         lane = cfg.kv_lane
@@ -168,10 +185,11 @@ class NodeDaemon:
                  "config %s", self.role, self.node_id, self.address,
                  self.transfer.transport, self.transfer.provider.description,
                  describe_lane(lane.service_level, lane.traffic_class), tls.mode(cfg.tls),
-                 self.engine.describe(), buf_name,
+                 self.engine.describe() + (f", driving the instance at {ecfg.vllm_url}"
+                                           if ecfg.vllm_url else ""), buf_name,
                  self.buffer.nbytes >> 20, s.resolved_dir(),
                  f"{s.snic_gbit_per_s:g} Gbit/s" if s.snic_gbit_per_s else "unlimited",
-                 self.scheduler_address if self.leader else "none (role both)",
+                 "none (role both)" if self.role == BOTH else self.scheduler_address,
                  self.config_path or "(defaults)")
 
     def _region(self, name: str, mib: int, shared: bool = False) -> PinnedRegion:
@@ -230,17 +248,38 @@ class NodeDaemon:
                             limiter=self.limiter, metrics=self.metrics, offer=offer)
         self._stack.push_async_callback(engine.close)
         self.engine = engine
-        return [*engine_services(self.callers, self.oob, self.transfer, None,
+        decode = None
+        if self.role in (PREFILL, DECODE):
+            ecfg = self.cfg.engine
+            self.instance = VllmInstance(ecfg.vllm_url, ecfg.vllm_request_timeout_s)
+            self._stack.push_async_callback(self.instance.close)
+            # One instance = one group of one engine (its tensor-parallel ranks would be
+            # the group's engines; TP 1 today); its KV blocks are known at attach.
+            e = EngineRank(f"{self.node_id}/e0", 0, "vllm", _KvBlocks(0))
+            self.ranks.append(e)
+            if self.role == PREFILL:
+                e.slots = asyncio.Semaphore(ecfg.max_prefills_per_engine)
+                self.path = VllmPrefillPath(self.resources, engine, self.instance)
+            else:
+                self.path = decode = DecodePath(
+                    self.resources, None, engine, {e.engine_id: e},
+                    decoder=VllmDecoder(self.resources, engine, self.instance))
+        return [*engine_services(self.callers, self.oob, self.transfer, decode,
                                  self.stop_request, self.limiter),
                 (connector_pb2_grpc.add_KvConnectorServicer_to_server,
                  KvConnectorServicer(engine, self.callers))]
 
     def _leader(self) -> Leader:
+        vllm = isinstance(self.engine, VllmEngine)
+        space = self.engine.space if vllm else self.space
         return Leader(node_id=self.node_id, role=self.role, address=self.address,
-                      scheduler=self.scheduler_address, tls_config=self.cfg.tls, ranks=self.ranks, path=self.path,
+                      scheduler=self.scheduler_address, tls_config=self.cfg.tls,
+                      ranks=self.ranks, path=self.path,
                       cancel=self.cancel, read_q_tokens=self.read_q_tokens,
-                      metrics=self.metrics, profile_name=self.profile.name,
-                      block_bytes=self.space.layout.full_bytes,
+                      metrics=self.metrics,
+                      # vLLM batches by its own scheduler: no cost-model profile to match
+                      profile_name=None if vllm else self.profile.name,
+                      block_bytes=space.layout.full_bytes,
                       storage_read_bytes_per_s=int(self.snic_bytes_per_s),
                       fetch_interval_ms=self.cfg.engine.fetch_interval_ms,
                       results=self.path if isinstance(self.path, DecodePath) else None,
@@ -300,9 +339,37 @@ class NodeDaemon:
             e.tokens.pop(rid, None)
             e.reserved_blocks.pop(rid, None)
 
+    async def _await_vllm_worker(self) -> bool:
+        """A vLLM prefill / decode node: wait for its instance's worker to attach (the
+        KV space and the engine's KV blocks are known then), then make the leader.
+        False when the node was stopped first."""
+        eng = self.engine
+        log.info("%s: waiting for the vLLM instance's worker to attach (instance %s)",
+                 self.node_id, self.cfg.engine.vllm_url)
+        self.notifier.status(f"waiting for the vLLM worker of {self.cfg.engine.vllm_url}")
+        waiter = asyncio.ensure_future(eng.attached.wait())
+        stopper = asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for f in (waiter, stopper):
+            f.cancel()
+        if self.stop.is_set():
+            return False
+        w = next(iter(eng.workers.values()))
+        self.ranks[0].hbm.capacity = w.placement.num_units // eng.space.fmt.units
+        if isinstance(self.path, VllmPrefillPath):
+            self.path.bind()
+        else:
+            self.path.space = eng.space
+        self.leader = self._leader()
+        self._stack.push_async_callback(self.leader.close)
+        return True
+
     async def run_until_stopped(self) -> None:
         """Lead (PE/DE) until ``stop`` is set; then hand the work back (the leader's
         shutdown: pending completions, the node's tasks stopped, ReleaseGroup)."""
+        if (isinstance(self.engine, VllmEngine) and self.role != BOTH
+                and not await self._await_vllm_worker()):
+            return
         leader = self.spawn(self.leader.run(self.stop)) if self.leader else None
         await self.stop.wait()
         log.info("%s: shutting down", self.node_id)
@@ -384,8 +451,8 @@ async def run(config: Config, role: str, node_id: str, scheduler: str, *,
         if on_ready is not None:
             on_ready(node)
         notifier.ready(f"serving on {node.address}; " + (
-            f"registering with scheduler {scheduler}" if node.leader else
-            "serving its vLLM instance's connector"))
+            "serving its vLLM instance's connector" if role == BOTH else
+            f"registering with scheduler {scheduler}"))
         watchdog = asyncio.create_task(notifier.watchdog(), name="sd-watchdog")
         await node.run_until_stopped()
     finally:

@@ -23,7 +23,8 @@ TokenSource = Callable[[str, int], np.ndarray]
 
 MODES = ("basic", "dualpath", "oracle")
 # How the PE turns the scheduler's read side into the one it acts on.
-READ_POLICIES = ("scheduler", "prefill", "round_robin", "none")
+# "decode" and "split" force the DE read and (vLLM prefills) a real split read, for tests.
+READ_POLICIES = ("scheduler", "prefill", "decode", "split", "round_robin", "none")
 MODE_READ_POLICY = {"basic": "prefill", "dualpath": "scheduler", "oracle": "none"}
 
 

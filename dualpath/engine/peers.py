@@ -67,6 +67,7 @@ class LoadOrder:
     target: KvPlacement
     target_units: Sequence[int]
     attempt: int
+    first_block: int = 0            # the keys are prompt blocks [first_block, ...) (split)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class PrefillReport:
     read_span: tuple[float, float]
     attempt: int
     computed_from_tokens: int       # hit_tokens unless hit blocks had to be recomputed
+    kv_blocks: int = 0              # vLLM: leading prompt blocks complete in the DE buffer
 
 
 @dataclass
@@ -100,6 +102,8 @@ class Timings:
     failed: bool = False
     error: str = ""
     attempt: int = 0
+    output_token_ids: tuple[int, ...] = ()     # a real engine's generated tokens
+    output_logprobs: tuple[float, ...] = ()
 
 
 class PeerClient:
@@ -140,7 +144,7 @@ class PeerClient:
                 source_engine_id=o.source_engine_id, target_engine_id=o.target_engine_id,
                 block_keys=list(o.keys), target_peer=o.target_peer,
                 target=placement_wire.to_pb(o.target), target_units=list(o.target_units),
-                attempt=o.attempt),
+                attempt=o.attempt, first_block=o.first_block),
             timeout=self.timeout_s))
 
     def watch(self, de: str, request_id: str, attempt: int) -> RemoteWatch:
@@ -155,7 +159,8 @@ class PeerClient:
                 prefill_done_unix_s=r.done_unix_s, prefill_node_id=r.prefill_node_id,
                 prefill_read_bytes=r.read_bytes, read_start_unix_s=r.read_span[0],
                 read_end_unix_s=r.read_span[1], attempt=r.attempt,
-                computed_from_tokens=r.computed_from_tokens), timeout=self.timeout_s))
+                computed_from_tokens=r.computed_from_tokens, kv_blocks=r.kv_blocks),
+            timeout=self.timeout_s))
 
     async def stop(self, peer: str, request_id: str, attempt: int,
                    timeout_s: float | None = None) -> None:
@@ -188,5 +193,7 @@ class PeerClient:
                                  prefill_read_bytes=t.prefill_read_bytes,
                                  decode_read_bytes=t.decode_read_bytes,
                                  read_start_unix_s=t.read_span[0],
-                                 read_end_unix_s=t.read_span[1], attempt=t.attempt),
+                                 read_end_unix_s=t.read_span[1], attempt=t.attempt,
+                                 output_token_ids=list(t.output_token_ids),
+                                 output_logprobs=list(t.output_logprobs)),
                              timeout=self.timeout_s))

@@ -113,6 +113,8 @@ class PrefillPath:
             return RS_NONE
         if p.read_policy == "prefill":
             return RS_PREFILL
+        if p.read_policy in ("decode", "split"):   # the emulated engine splits no read
+            return RS_DECODE
         if p.read_policy == "round_robin":
             return RS_PREFILL if next(self._rr) % 2 == 0 else RS_DECODE
         if a.read_side == RS_SPLIT:

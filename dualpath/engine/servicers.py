@@ -117,7 +117,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                               request.target_engine_id, list(request.block_keys),
                               request.target_peer,
                               placement_wire.from_pb(request.target, "order target"),
-                              list(request.target_units), request.attempt)
+                              list(request.target_units), request.attempt,
+                              int(request.first_block))
             await self.decode.accept_order(order)
         except StaleAttempt as e:
             await context.abort(grpc.StatusCode.ABORTED, str(e))
@@ -209,7 +210,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             request.request_id, request.prefill_engine_id, request.prefill_node_id,
             request.prefill_done_unix_s, int(request.prefill_read_bytes),
             (request.read_start_unix_s, request.read_end_unix_s), request.attempt,
-            int(request.computed_from_tokens)))
+            int(request.computed_from_tokens), int(request.kv_blocks)))
         return node_pb2.PrefillDoneResponse()
 
 
@@ -252,7 +253,8 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
     async def Lookup(self, request, context):
         await self.callers.require(context, own=True)
         try:
-            hit = self.engine.lookup(request.model_id, list(request.block_keys))
+            hit = self.engine.lookup(request.model_id, list(request.block_keys),
+                                     request.request_id, request.ticket)
         except DualPathError as e:
             await self._abort(context, e)
         return connector_pb2.LookupResponse(hit_blocks=hit)
@@ -262,7 +264,7 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
         try:
             async for step in self.engine.load(request.request_id, request.worker_name,
                                                list(request.block_keys), list(request.units),
-                                               request.worker_copies):
+                                               request.worker_copies, request.ticket):
                 yield connector_pb2.LoadProgress(
                     layers_done=step.layers_done, failed_blocks=list(step.failed_blocks),
                     complete=step.complete, bytes_written=step.bytes_written,
@@ -281,7 +283,8 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
         await self.callers.require(context, own=True)
         try:
             sid, slots = await self.engine.begin_save(request.request_id, request.worker_name,
-                                                      list(request.block_keys))
+                                                      list(request.block_keys),
+                                                      ticket=request.ticket)
         except DualPathError as e:
             await self._abort(context, e)
         return connector_pb2.BeginSaveResponse(save_id=sid, slots=slots)

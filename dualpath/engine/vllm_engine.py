@@ -44,6 +44,7 @@ from dualpath.engine.kvio import write_layers
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.layers import LocalArrivals
 from dualpath.engine.shm import BufferOffer
+from dualpath.engine.vllm_stage import Stage
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.prefix import KEY_BYTES
@@ -110,6 +111,8 @@ class _Save:
     deadline: float
     readers: int = 0                 # loads copying from its slots (they stay until 0)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    stage: Stage | None = None       # a P/D prefill's save: its blocks go to the DE
+    held: bool = False               # adopted DE-buffer blocks: kept until released
 
 
 class VllmEngine:
@@ -149,6 +152,11 @@ class VllmEngine:
         self.offer = offer                     # the buffer, shared with same-host workers
         self._held: dict[int, tuple[Reservation, float]] = {}   # worker_copies loads
         self._load_ids = itertools.count(1)
+        # P/D prefills this node drives: request -> its staged hit (dualpath/engine/
+        # vllm_stage.py), found only with the request's ticket.
+        self.stages: dict[str, Stage] = {}
+        self.attached = asyncio.Event()        # a worker attached (the KV space exists)
+        self._bad_tickets = 0
 
     def describe(self) -> str:
         if self.space is None:
@@ -209,6 +217,7 @@ class VllmEngine:
                 f"{fmt.signature()}; this node serves {self.model_id} in "
                 f"{self.space.fmt.signature()} (one model per node daemon)")
         self.workers[worker.name] = worker
+        self.attached.set()
         log.info("%s: vLLM worker %s attached (rank %d of %d, %d KV blocks of %d tokens)",
                  self.node_id, worker.name, worker.tp_rank, worker.tp_size,
                  worker.placement.num_units, fmt.unit_tokens)
@@ -230,13 +239,36 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, model_id: str, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the store holds (0 before a worker attached)."""
+    def stage_for(self, request_id: str, ticket: str) -> Stage | None:
+        """The staged hit of ``request_id`` when ``ticket`` is its ticket."""
+        if not request_id or not ticket:
+            return None
+        st = self.stages.get(request_id)
+        if st is None or not st.admits(request_id, ticket):
+            if st is not None:
+                self._bad_tickets += 1
+                log.warning("%s: a connector call for %s presented another ticket; "
+                            "served from the store, not its staged KV", self.node_id,
+                            request_id)
+            return None
+        return st
+
+    def lookup(self, model_id: str, keys: Sequence[bytes], request_id: str = "",
+               ticket: str = "") -> int:
+        """How many leading ``keys`` the store holds (0 before a worker attached); for
+        a staged P/D prefill (its ticket), the leading keys of its staged hit."""
         self._check_keys(keys, "Lookup")
         if self.space is None:
             self._restore(model_id)
         if self.space is None or model_id != self.model_id:
             return 0
+        stage = self.stage_for(request_id, ticket)
+        if stage is not None:
+            first, n = stage.match(keys)
+            hit = n if first == 0 else 0
+            self.metrics.connector_lookups.inc()
+            self.metrics.connector_lookup_hit_blocks.inc(hit)
+            return hit
         hit = 0
         cap = self.space.pool.capacity
         for k in keys[:cap]:
@@ -261,11 +293,13 @@ class VllmEngine:
         return self.offer.name, self.offer.grant()
 
     async def load(self, request_id: str, worker_name: str, keys: list[bytes],
-                   units: list[int], worker_copies: bool = False) -> AsyncIterator[LoadStep]:
+                   units: list[int], worker_copies: bool = False,
+                   ticket: str = "") -> AsyncIterator[LoadStep]:
         """Load ``keys`` into the worker's engine blocks ``units`` (units_per_block per
         key), layer by layer; yields progress (see :class:`LoadStep`). ``worker_copies``:
         only into the buffer; the last step names the slots, held until
-        :meth:`end_load`."""
+        :meth:`end_load`. A staged P/D prefill's blocks (its ``ticket``) come from its
+        stage, as they are staged."""
         w = self._worker(worker_name)
         space = self.space
         assert space is not None
@@ -284,16 +318,27 @@ class VllmEngine:
         if worker_copies and self.offer is None:
             raise UsageError("Load: worker_copies, but this node shares no buffer")
         self._expire()
-        res = await space.pool.reserve(len(keys))
+        stage = self.stage_for(request_id, ticket)
+        first = 0
+        if stage is not None:
+            first, n = stage.match(keys)
+            if n < len(keys):
+                stage = None                     # not the staged blocks: read them
+        res = (stage.view(first, len(keys)) if stage is not None
+               else await space.pool.reserve(len(keys)))
         L, T = space.fmt.layers, space.fmt.block_tokens
         arrivals = LocalArrivals()               # layers in the buffer
         reader: asyncio.Task | None = None
         writer: asyncio.Task | None = None
         try:
             t0 = time.monotonic()
-            ok, reader = await self._start_read(
-                request_id, keys, res, arrivals,
-                zero_layer0=worker_copies and faults.active("load_skip_layer"))
+            if stage is not None:
+                arrivals = stage.source
+                ok, reader = await _staged(stage, first, len(keys))
+            else:
+                ok, reader = await self._start_read(
+                    request_id, keys, res, arrivals,
+                    zero_layer0=worker_copies and faults.active("load_skip_layer"))
             failed = tuple(range(ok, len(keys)))
             yield LoadStep(0, failed)
             if worker_copies:
@@ -361,6 +406,12 @@ class VllmEngine:
                     await asyncio.gather(t, return_exceptions=True)
             if res is not None:
                 res.release()
+
+    async def read_layered(self, request_id: str, keys: list[bytes], res: Reservation,
+                           arrivals: LocalArrivals) -> tuple[int, asyncio.Task]:
+        """Read ``keys`` into blocks ``[0, len(keys))`` of ``res`` layer by layer (a P/D
+        prefill's own part of its hit): see :meth:`_start_read`."""
+        return await self._start_read(request_id, keys, res, arrivals)
 
     async def _start_read(self, request_id: str, keys: list[bytes], res: Reservation,
                           arrivals: LocalArrivals, zero_layer0: bool = False
@@ -501,8 +552,9 @@ class VllmEngine:
     # ------------------------------------------------------------------ save
 
     async def begin_save(self, request_id: str, worker_name: str, keys: list[bytes],
-                         wait_s: float = 5.0) -> tuple[int, list[int]]:
-        """Lend buffer slots for ``keys``; (save id, slot per key)."""
+                         wait_s: float = 5.0, ticket: str = "") -> tuple[int, list[int]]:
+        """Lend buffer slots for ``keys``; (save id, slot per key). A staged P/D
+        prefill's save (its ``ticket``) goes to its DE, not to the store."""
         self._worker(worker_name)
         self._check_keys(keys, "BeginSave")
         if not keys:
@@ -517,7 +569,8 @@ class VllmEngine:
                              f"{wait_s:g} s") from None
         sid = next(self._save_ids)
         self._saves[sid] = _Save(sid, worker_name, request_id, list(keys), res,
-                                 time.monotonic() + self.save_timeout_s)
+                                 time.monotonic() + self.save_timeout_s,
+                                 stage=self.stage_for(request_id, ticket))
         return sid, list(res.slots)
 
     def end_save(self, save_id: int, commit: bool) -> int:
@@ -528,6 +581,9 @@ class VllmEngine:
         if not commit:
             s.res.release()
             return 0
+        if s.stage is not None:
+            s.stage.on_saved(s.keys, s.res)      # it owns the slots now
+            return len(s.keys)
         for i, key in enumerate(s.keys):
             self._pending.setdefault(key, (s, i))
         self.metrics.connector_pending_blocks.set(len(self._pending))
@@ -553,10 +609,13 @@ class VllmEngine:
                     log.warning("%s: persisting a block of %s failed: %s", self.node_id,
                                 s.request_id, e)
                 finally:
-                    if self._pending.get(key, (None,))[0] is s:
+                    if not s.held and self._pending.get(key, (None,))[0] is s:
                         del self._pending[key]
                     self.metrics.connector_pending_blocks.set(len(self._pending))
         finally:
+            while s.held:                 # adopted: the decode instance loads them first
+                s.idle.clear()
+                await s.idle.wait()
             for key in s.keys:
                 if self._pending.get(key, (None,))[0] is s:
                     del self._pending[key]
@@ -565,6 +624,27 @@ class VllmEngine:
                 s.idle.clear()
                 await s.idle.wait()
             s.res.release()
+
+    def adopt(self, request_id: str, keys: list[bytes], res) -> _Save:
+        """A P/D request's prompt blocks, in DE-buffer slots ``res`` (block i in slot
+        i): counted as committed saves (lookups hit them, loads copy them from DRAM) and
+        persisted through the storage-NIC limiter like any save, but kept in DRAM until
+        :meth:`release_adopted` (the decode instance loaded them). ``res`` is theirs."""
+        self._check_keys(keys, "adopt")
+        s = _Save(0, "", request_id, list(keys), res, float("inf"), held=True)
+        for i, key in enumerate(s.keys):
+            self._pending.setdefault(key, (s, i))
+        self.metrics.connector_pending_blocks.set(len(self._pending))
+        t = asyncio.ensure_future(self._persist(s))
+        self._persists.add(t)
+        t.add_done_callback(self._persists.discard)
+        return s
+
+    @staticmethod
+    def release_adopted(s: _Save) -> None:
+        """The adopted blocks may leave DRAM once persisted (idempotent)."""
+        s.held = False
+        s.idle.set()
 
     def _expire_saves(self) -> None:
         """Take back slots of saves never ended (their worker died). The deadline is far
@@ -577,6 +657,8 @@ class VllmEngine:
             s.res.release()
 
     async def close(self) -> None:
+        for s in {s for s, _ in self._pending.values()}:
+            self.release_adopted(s)
         for t in list(self._persists):
             await asyncio.gather(t, return_exceptions=True)
         for s in self._saves.values():
@@ -588,3 +670,15 @@ class VllmEngine:
             self.offer.close()
         if self.space is not None:
             await self.space.close()
+
+
+async def _staged(stage: Stage, first: int, n: int) -> tuple[int, asyncio.Task]:
+    """A load of blocks ``[first, first + n)`` of ``stage``: the usable ones known now,
+    and a task ending with the usable ones once every staged read ended and verified."""
+    def clamp(usable: int) -> int:
+        return max(0, min(n, usable - first))
+
+    async def usable() -> int:
+        return clamp(await asyncio.shield(stage.usable))
+
+    return clamp(await asyncio.shield(stage.first)), asyncio.ensure_future(usable())

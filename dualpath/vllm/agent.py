@@ -186,10 +186,12 @@ class LoadHandle:
 class SaveHandle:
     """One request's save of newly full blocks in one step (see WorkerAgent.begin_save)."""
 
-    def __init__(self, request_id: str, keys: list[bytes], units: list[int]):
+    def __init__(self, request_id: str, keys: list[bytes], units: list[int],
+                 ticket: str = ""):
         self.request_id = request_id
         self.keys = keys
         self.units = units
+        self.ticket = ticket
         self.begun: concurrent.futures.Future | None = None   # -> (save_id, slots) | None
         self.layers: list[concurrent.futures.Future] = []
         self.copied = 0               # layers copied into the shared buffer
@@ -338,10 +340,12 @@ class WorkerAgent:
 
     # ------------------------------------------------------------------ loads
 
-    def load(self, request_id: str, keys: list[bytes], units: list[int]) -> LoadHandle:
-        """Start loading ``keys`` into engine blocks ``units``; returns at once."""
+    def load(self, request_id: str, keys: list[bytes], units: list[int],
+             ticket: str = "") -> LoadHandle:
+        """Start loading ``keys`` into engine blocks ``units``; returns at once.
+        ``ticket``: the node's, for a request it drives (P/D)."""
         h = LoadHandle(request_id, len(keys))
-        h._future = self._submit(self._load(h, keys, units))
+        h._future = self._submit(self._load(h, keys, units, ticket))
         return h
 
     async def _reattached(self, e: grpc.aio.AioRpcError) -> bool:
@@ -356,12 +360,14 @@ class WorkerAgent:
             return False
         return True
 
-    async def _load(self, h: LoadHandle, keys: list[bytes], units: list[int]) -> None:
+    async def _load(self, h: LoadHandle, keys: list[bytes], units: list[int],
+                    ticket: str = "") -> None:
         copying: asyncio.Future | None = None
         for attempt in (1, 2):
             req = connector_pb2.LoadRequest(request_id=h.request_id, worker_name=self.name,
                                             block_keys=keys, units=units,
-                                            worker_copies=self.shared is not None)
+                                            worker_copies=self.shared is not None,
+                                            ticket=ticket)
             try:
                 async for p in self.stub.Load(req, timeout=self.settings.load_timeout_s):
                     h._update(p.layers_done, p.failed_blocks, p.complete, p.bytes_written,
@@ -428,10 +434,11 @@ class WorkerAgent:
 
     # ------------------------------------------------------------------ saves
 
-    def begin_save(self, request_id: str, keys: list[bytes], units: list[int]) -> SaveHandle:
+    def begin_save(self, request_id: str, keys: list[bytes], units: list[int],
+                   ticket: str = "") -> SaveHandle:
         """Borrow daemon buffer slots for ``keys`` (newly full blocks in engine blocks
         ``units``); returns at once, the answer is awaited by the layer writes."""
-        h = SaveHandle(request_id, keys, units)
+        h = SaveHandle(request_id, keys, units, ticket)
         h.begun = self._submit(self._begin_save(h))
         return h
 
@@ -441,7 +448,7 @@ class WorkerAgent:
 
     async def _begin_save(self, h: SaveHandle):
         req = connector_pb2.BeginSaveRequest(request_id=h.request_id, worker_name=self.name,
-                                             block_keys=h.keys)
+                                             block_keys=h.keys, ticket=h.ticket)
         for attempt in (1, 2):
             try:
                 r = await self.stub.BeginSave(req, timeout=self.settings.save_timeout_s)

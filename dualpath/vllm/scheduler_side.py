@@ -38,9 +38,10 @@ log = logging.getLogger("dualpath.vllm")
 
 @dataclass(frozen=True)
 class LoadSpec:
-    request_id: str
+    request_id: str                  # DualPath's id when the request names one, else vLLM's
     keys: list[bytes]
     units: list[int]                 # engine block ids, block_units per key
+    ticket: str = ""                 # the node's ticket for that request (P/D)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,21 @@ class SaveSpec:
     request_id: str
     keys: list[bytes]
     units: list[int]
+    ticket: str = ""
+
+
+def dualpath_params(request) -> tuple[str, str]:
+    """(DualPath request id, ticket) a node daemon gave this request in its
+    ``kv_transfer_params`` (P/D: the node drives the instance), or ("", "")."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    dp = params.get("dualpath") if isinstance(params, dict) else None
+    if not isinstance(dp, dict):
+        return "", ""
+    rid, ticket = dp.get("request_id"), dp.get("ticket")
+    if not isinstance(rid, str) or not isinstance(ticket, str) or len(rid) > 256 \
+            or len(ticket) > 64:
+        return "", ""
+    return rid, ticket
 
 
 @dataclass
@@ -71,12 +87,13 @@ class Lookup:
         self.node_address = node_address
         self._warned = 0.0
 
-    def __call__(self, keys: list[bytes]) -> int:
+    def __call__(self, keys: list[bytes], request_id: str = "", ticket: str = "") -> int:
         if not keys:
             return 0
         try:
             return self.stub.Lookup(connector_pb2.LookupRequest(
-                model_id=self.model_id, block_keys=keys), timeout=self.timeout_s).hit_blocks
+                model_id=self.model_id, block_keys=keys, request_id=request_id,
+                ticket=ticket), timeout=self.timeout_s).hit_blocks
         except grpc.RpcError as e:
             now = time.monotonic()
             if now - self._warned > 10:
@@ -97,6 +114,12 @@ class _Req:
     stored: int = -1                 # leading blocks known stored (-1: not scheduled yet)
     load: tuple[int, int] | None = None   # blocks [a, b) to load at its next schedule
     local: int = 0                   # vLLM's local hit tokens at the last lookup
+    tag: str = ""                    # DualPath's request id (kv_transfer_params) or vLLM's
+    ticket: str = ""
+
+    def __post_init__(self):
+        rid, self.ticket = dualpath_params(self.request)
+        self.tag = rid or self.request.request_id
 
 
 class SchedulerSide:
@@ -139,7 +162,7 @@ class SchedulerSide:
         first = num_computed_tokens // T
         if first >= cap:
             return 0
-        hit = self.lookup(keys)
+        hit = self.lookup(keys, st.tag, st.ticket) if st.ticket else self.lookup(keys)
         return max(0, (hit - first) * T)
 
     def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -185,13 +208,14 @@ class SchedulerSide:
             a, b = st.load
             st.load = None
             keys = self._keys(st, b * T)[a:b]
-            plan.loads.append(LoadSpec(rid, keys, st.units[a * k:b * k]))
+            plan.loads.append(LoadSpec(st.tag, keys, st.units[a * k:b * k], st.ticket))
         if st.stored < 0 or base < st.stored:
             st.stored = base     # first schedule, or computed tokens went back: recompute
         full = (computed + scheduled) // T
         if full > st.stored:
             keys = self._keys(st, full * T)[st.stored:full]
-            plan.saves.append(SaveSpec(rid, keys, st.units[st.stored * k:full * k]))
+            plan.saves.append(SaveSpec(st.tag, keys, st.units[st.stored * k:full * k],
+                                       st.ticket))
             st.stored = full
 
     def finished(self, request_id: str) -> None:

@@ -79,12 +79,13 @@ class WorkerSide:
     def begin_step(self, plan: StepPlan) -> None:
         """The step's metadata is bound (before its forward): ask for the save slots."""
         for spec in plan.saves:
-            self._saves.append(self.agent.begin_save(spec.request_id, spec.keys, spec.units))
+            self._saves.append(self.agent.begin_save(spec.request_id, spec.keys, spec.units,
+                                                       spec.ticket))
 
     def start_loads(self, plan: StepPlan) -> None:
         for spec in plan.loads:
-            self._loads.append((self.agent.load(spec.request_id, spec.keys, spec.units),
-                                spec.units))
+            self._loads.append((self.agent.load(spec.request_id, spec.keys, spec.units,
+                                                spec.ticket), spec.units))
 
     def wait_layer(self, layer_name: str) -> None:
         if not self._loads:

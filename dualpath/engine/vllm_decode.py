@@ -1,0 +1,74 @@
+"""The decode step of a DE node whose engine is a vLLM decode instance (``kv_consumer``).
+
+DecodePath (engine/decode.py) prepares the request (DE-buffer slots for its prompt),
+runs the DE read path's LOAD_HIT_KV orders, and takes PrefillDone; this is what follows
+(docs/vllm.md, "Prefill and decode"):
+
+    the leading ``kv_blocks`` prompt blocks in the DE buffer (hit blocks this node read
+    or the PE sent, and the blocks the prefill computed) are adopted by the node's
+    VllmEngine as committed saves: lookups hit them, loads copy them from DRAM, and they
+    are persisted through the storage-NIC limiter (hits already stored are skipped) ->
+    one streamed /v1/completions request to the decode instance: its connector finds
+    the prompt's blocks, loads them asynchronously (layer by layer from the shared
+    buffer), computes the rest of the prompt (under one block) and generates exactly
+    ``gen_tokens`` tokens, persisting every block that fills -> the DRAM copies are let go
+    (once persisted) -> the tokens and their logprobs go with the timings.
+
+Threads: the node's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+from dualpath import clock
+from dualpath.engine.errors import RequestFailed
+from dualpath.engine.peers import PrefillReport, Timings
+from dualpath.engine.vllm_engine import VllmEngine
+from dualpath.engine.vllm_instance import InstanceError, VllmInstance
+
+log = logging.getLogger("dualpath.engine")
+
+
+class VllmDecoder:
+    """``run(st, done, timings)`` for DecodePath (see the module docstring)."""
+
+    def __init__(self, node, engine: VllmEngine, instance: VllmInstance):
+        self.node = node
+        self.engine = engine
+        self.instance = instance
+
+    async def run(self, st, done: PrefillReport, timings: Timings) -> None:
+        p = st.payload
+        prompt = p.prompt_tokens
+        ids = p.token_ids(prompt, self.node.tokens)
+        T = self.engine.space.fmt.block_tokens
+        adopted = None
+        if st.buffer is not None:
+            n = min(done.kv_blocks, prompt // T, len(st.spans))
+            if n:
+                adopted = self.engine.adopt(st.request_id, [s.key for s in st.spans[:n]],
+                                            st.buffer)
+            else:
+                st.buffer.release()
+            st.buffer = None            # the engine's now (released once persisted)
+
+        def on_tokens(count: int) -> None:
+            now = clock.unix_now()
+            if not timings.first_token_unix_s:
+                timings.first_token_unix_s = now
+            if count >= 2 and not timings.second_token_unix_s:
+                timings.second_token_unix_s = now
+
+        try:
+            out = await self.instance.complete(
+                [int(t) for t in ids], p.gen_tokens, request_id=st.request_id,
+                ticket=secrets.token_hex(16), on_tokens=on_tokens)
+        except InstanceError as e:
+            raise RequestFailed(f"decode instance: {e}") from None
+        finally:
+            if adopted is not None:
+                self.engine.release_adopted(adopted)
+        timings.output_token_ids = tuple(out.token_ids)
+        timings.output_logprobs = tuple(out.logprobs)

@@ -1,0 +1,142 @@
+"""The vLLM instance a prefill or decode node drives, over vLLM's own OpenAI HTTP API.
+
+A node that fetched an assignment turns it into one ``/v1/completions`` request to the
+instance beside it (docs/vllm.md, "Prefill and decode"): the prompt as token ids,
+greedy, ``ignore_eos``, and ``kv_transfer_params = {"dualpath": {"request_id",
+"ticket"}}``, which vLLM hands to DualPathConnector with the request; the ticket is a
+one-time secret of the node's, so only the request the node sent finds the KV the node
+staged for it. The answer's token ids and each one's logprob come back as they are:
+vLLM writes floats with Python's repr, so they round-trip exactly.
+
+Threads: the node's event loop (aiohttp).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dualpath.errors import DualPathError
+
+log = logging.getLogger("dualpath.engine")
+
+
+class InstanceError(DualPathError):
+    """The vLLM instance refused a request, failed it, or could not be reached."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class VllmInstance:
+    """An HTTP client of one vLLM instance. ``await close()`` (idempotent)."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._session = None
+        self._model = ""
+
+    def _http(self):
+        if self._session is None:
+            import aiohttp  # vLLM's own dependency: only a vLLM node imports it
+
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self._session
+
+    async def model(self) -> str:
+        """The served model's name (``/v1/models``), asked once."""
+        if not self._model:
+            data = await self._call("GET", "/v1/models")
+            try:
+                self._model = str(data["data"][0]["id"])
+            except (KeyError, IndexError, TypeError):
+                raise InstanceError(f"{self.url}/v1/models: no model in {data!r:.200}") from None
+        return self._model
+
+    async def ready(self, timeout_s: float) -> None:
+        """Wait until the instance answers ``/health`` (bounded)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                await self._call("GET", "/health", json_reply=False)
+                return
+            except InstanceError as e:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise InstanceError(f"vLLM at {self.url} not ready in {timeout_s:g} s: "
+                                        f"{e}") from None
+            await asyncio.sleep(0.5)
+
+    async def complete(self, prompt: list[int], max_tokens: int, *, request_id: str,
+                       ticket: str, logprobs: bool = True,
+                       on_tokens: Callable[[int], None] | None = None) -> Completion:
+        """Greedy completion of ``prompt`` (token ids), exactly ``max_tokens`` tokens,
+        streamed: ``on_tokens(n)`` each time the tokens so far grew to ``n``."""
+        import aiohttp
+
+        body = {"model": await self.model(), "prompt": [int(t) for t in prompt],
+                "max_tokens": int(max_tokens), "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True, "stream": True,
+                "kv_transfer_params": {"dualpath": {"request_id": request_id,
+                                                    "ticket": ticket}}}
+        if logprobs:
+            body["logprobs"] = 1
+        ids: list[int] = []
+        lps: list[float] = []
+        finish = ""
+        where = f"POST {self.url}/v1/completions"
+        try:
+            async with self._http().post(self.url + "/v1/completions", json=body) as r:
+                if r.status != 200:
+                    raise InstanceError(f"{where}: HTTP {r.status}: {(await r.text())[:300]}")
+                async for raw in r.content:
+                    line = raw.decode(errors="replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise InstanceError(f"{where}: {str(chunk['error'])[:300]}")
+                    for c in chunk.get("choices", ()):
+                        ids.extend(int(t) for t in c.get("token_ids") or ())
+                        if logprobs and c.get("logprobs"):
+                            lps.extend(float(x) for x in c["logprobs"]["token_logprobs"])
+                        finish = c.get("finish_reason") or finish
+                    if on_tokens is not None and ids:
+                        on_tokens(len(ids))
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+            raise InstanceError(f"{where}: {type(e).__name__}: {e}") from None
+        if len(ids) != max_tokens or (logprobs and len(lps) != len(ids)):
+            raise InstanceError(f"{where}: {len(ids)} tokens and {len(lps)} logprobs for "
+                                f"max_tokens {max_tokens} (finish reason {finish!r})")
+        return Completion(ids, lps, finish)
+
+    async def _call(self, method: str, path: str, body=None, json_reply: bool = True):
+        import aiohttp
+
+        try:
+            async with self._http().request(method, self.url + path, json=body) as r:
+                text = await r.text()
+                if r.status != 200:
+                    raise InstanceError(f"{method} {self.url}{path}: HTTP {r.status}: "
+                                        f"{text[:300]}")
+                if not json_reply:
+                    return text
+                return await r.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise InstanceError(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            s, self._session = self._session, None
+            await s.close()

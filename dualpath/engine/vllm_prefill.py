@@ -1,0 +1,252 @@
+"""The PE side of a node whose engine is a vLLM prefill instance (``kv_producer``).
+
+The node fetched an assignment (PE, DE, read side); its prefill (docs/vllm.md, "Prefill
+and decode", has the message sequence):
+
+    PrepareRequest -> the DE reserves DE-buffer slots for every prompt block
+    stage the hit (dualpath/engine/vllm_stage.py) in a PE-buffer reservation, at once:
+      blocks [0, local)    this node reads them from storage, layer by layer (PE read),
+                           and sends each layer on to the DE buffer as it lands
+      blocks [local, hit)  a LOAD_HIT_KV order: the DE reads them into its buffer and
+                           WRITEs each layer here (DE read; both parts: a split read)
+    one /v1/completions request to the prefill instance (the prompt's token ids,
+    max_tokens 1, kv_transfer_params naming the request and a one-time ticket):
+      its connector's lookup and load find the stage by the ticket; vLLM's forward
+      waits for layer l only until layer l is staged (``wait_for_layer_load``)
+      its saves (every prompt block it computes, layer by layer into PE-buffer slots)
+      are sent on to the same blocks of the DE buffer, never persisted here
+    -> PrefillDone(kv_blocks: the leading prompt blocks now whole in the DE buffer) ->
+       PREFILL_DONE
+
+Task management (attempts, cancel, stop, claims, completions) is PrefillPath's. A hit
+block missing or corrupt on either side ends the hit there: vLLM computes from it (its
+load reports it failed) and the DE gets the recomputed block from the saves. Memory a DE
+may still write into is fenced when it did not confirm its writes ended.
+
+Threads: the node's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+from dualpath.buffers.pool import Reservation
+from dualpath.engine.assignment import Assignment
+from dualpath.engine.emulated import EngineRank
+from dualpath.engine.errors import PeerUnavailable
+from dualpath.engine.kvio import write_layers
+from dualpath.engine.kvplan import block_spans
+from dualpath.engine.layers import LayerSource, LocalArrivals, RemoteWatch
+from dualpath.engine.peers import LoadOrder, PrefillReport, PrepareJob
+from dualpath.engine.prefill import PrefillPath
+from dualpath.engine.roles import RS_DECODE, RS_NONE, RS_PREFILL, RS_SPLIT
+from dualpath.engine.vllm_engine import VllmEngine
+from dualpath.engine.vllm_instance import InstanceError, VllmInstance
+from dualpath.engine.vllm_stage import BothReady, Stage
+from dualpath.errors import DualPathError, TransferError
+
+log = logging.getLogger("dualpath.engine")
+
+
+def split_blocks(read_policy: str, read_side: int, hit: int, prefill_read_tokens: int,
+                 decode_read_tokens: int, block_tokens: int) -> tuple[int, int]:
+    """(blocks this PE reads, blocks the DE reads) of a ``hit``-block hit (pure)."""
+    if hit <= 0 or read_policy == "none":
+        return 0, 0
+    if read_policy == "prefill":
+        return hit, 0
+    if read_policy == "decode":
+        return 0, hit
+    if read_policy == "split":
+        return hit // 2, hit - hit // 2
+    if read_side == RS_DECODE:
+        return 0, hit
+    if read_side == RS_SPLIT:
+        total = prefill_read_tokens + decode_read_tokens
+        local = round(hit * prefill_read_tokens / total) if total else hit
+        return local, hit - local
+    return hit, 0
+
+
+def _side(local: int, remote: int) -> int:
+    if local and remote:
+        return RS_SPLIT
+    return RS_PREFILL if local else RS_DECODE if remote else RS_NONE
+
+
+class VllmPrefillPath(PrefillPath):
+    """PrefillPath whose :meth:`prefill` drives the vLLM instance at ``instance``."""
+
+    def __init__(self, node, engine: VllmEngine, instance: VllmInstance):
+        super().__init__(node, None, engine)   # its KV space: once the worker attached
+        self.vllm = engine
+        self.instance = instance
+
+    def bind(self) -> None:
+        self.space = self.vllm.space
+
+    async def prefill(self, e: EngineRank, a: Assignment) -> None:
+        n, eng, space = self.node, self.vllm, self.vllm.space
+        fmt = space.fmt
+        T, k = fmt.block_tokens, fmt.units
+        p = a.payload
+        rid, prompt, de = a.request_id, a.prompt_tokens, a.decode_address
+        ids = p.token_ids(prompt, n.tokens)
+        spans = block_spans(ids, T)
+        keys = [s.key for s in spans[:prompt // T]]         # the full blocks
+        hit = 0 if p.oracle else min(a.hit_tokens // T, (prompt - 1) // T)
+        local, remote = split_blocks(p.read_policy, a.read_side, hit, a.prefill_read_tokens,
+                                     a.decode_read_tokens, T)
+        prep = stage = res = reader = None
+        watch: RemoteWatch | None = None
+        pushes: list[asyncio.Future] = []
+        sent: set[int] = set()          # prompt blocks whole in the DE buffer
+        finished = False
+        told = True
+        read_span = (0.0, 0.0)
+        try:
+            prep = await n.peers.prepare(de, PrepareJob(
+                rid, a.decode_engine_id, n.address, prompt, a.hit_tokens,
+                _side(local, remote), a.payload_bytes, a.attempt))
+            if prep.buffer is None or len(prep.slots) != len(spans):
+                raise PeerUnavailable(f"{rid}: the DE prepared {len(prep.slots)} blocks, "
+                                      f"{len(spans)} needed")
+            de_units = prep.buffer.units_of_slots(prep.slots)
+
+            def push(src: Reservation, first: int, nblocks: int, source=None,
+                     done=None) -> asyncio.Future:
+                """Blocks [first, first + nblocks) of the prompt, in ``src``'s slots, to
+                the same blocks of the DE buffer (each layer once ``source`` has it)."""
+                async def go() -> None:
+                    try:
+                        await write_layers(n.transfer, de, space.buffer,
+                                           space.buffer_units(src)[:nblocks * k],
+                                           prep.buffer,
+                                           de_units[first * k:(first + nblocks) * k], 0,
+                                           nblocks * T, source=source)
+                    except TransferError as err:
+                        raise PeerUnavailable(f"sending KV of {rid} to {de}: {err}") from err
+                    good = nblocks if done is None else min(nblocks, await done)
+                    sent.update(range(first, first + good))
+                f = asyncio.ensure_future(go())
+                pushes.append(f)
+                return f
+
+            prompt_index = {key: i for i, key in enumerate(keys)}
+
+            def on_saved(saved: list[bytes], slots: Reservation) -> None:
+                first = prompt_index.get(saved[0], -1) if saved else -1
+                if first < 0 or keys[first:first + len(saved)] != saved:
+                    log.warning("%s: vLLM saved blocks that are not this prompt's; "
+                                "dropped", rid)
+                    slots.release()
+                    return
+                f = push(slots, first, len(saved))
+                f.add_done_callback(lambda _: slots.release())
+
+            ticket = secrets.token_hex(16)
+            res = await space.pool.reserve(hit) if hit else None
+            t_read = time.time()
+            sources: list[LayerSource] = []
+            first_parts: list = []
+            usable_parts: list = []
+            if local:
+                space.read_queue.expect(rid, local * T)
+                arrivals = LocalArrivals()
+                ok0, reader = await eng.read_layered(rid, keys[:local], res, arrivals)
+                reader.add_done_callback(lambda _: space.read_queue.forget(rid))
+                sources.append(arrivals)
+                first_parts.append(_const(ok0))
+                usable_parts.append(reader)
+                push(res, 0, ok0, source=arrivals, done=asyncio.shield(reader))
+            if remote:
+                await n.transfer.connect(de)
+                watch = n.peers.watch(de, rid, a.attempt)
+                await n.peers.order_load(de, LoadOrder(
+                    rid, a.decode_engine_id, e.engine_id, keys[local:hit], n.address,
+                    space.buffer, space.buffer_units(res)[local * k:hit * k], a.attempt,
+                    first_block=local))
+                sources.append(watch)
+                first_parts.append(_remote_usable(watch))
+                usable_parts.append(_remote_usable(watch))
+            stage = Stage(rid, a.attempt, ticket, keys[:hit], res,
+                          BothReady(sources) if len(sources) > 1 else
+                          sources[0] if sources else LocalArrivals(),
+                          _combine(first_parts, local), _combine(usable_parts, local),
+                          release=lambda r: r is None or r.release(), on_saved=on_saved)
+            eng.stages[rid] = stage
+            try:
+                await self.instance.complete([int(t) for t in ids], 1, request_id=rid,
+                                             ticket=ticket, logprobs=False)
+            except InstanceError as err:
+                raise DualPathError(f"prefill instance: {err}") from None
+            usable = await stage.usable if hit else 0
+            await asyncio.gather(*pushes)
+            if remote:                  # what the DE read intact is in its buffer already
+                sent.update(range(local, local + max(0, usable - local)))
+            read_span = (t_read, time.time()) if local else (0.0, 0.0)
+            kv_blocks = 0
+            while kv_blocks in sent:
+                kv_blocks += 1
+            if usable < hit:
+                self._usable(rid, usable, hit, T)
+            report = PrefillReport(rid, e.engine_id, n.node_id, 0.0,
+                                   min(local, usable) * space.layout.full_bytes, read_span,
+                                   a.attempt, usable * T, kv_blocks)
+            await self._done(de, report)
+            finished = True
+        finally:
+            if stage is not None and eng.stages.get(rid) is stage:
+                del eng.stages[rid]
+            pending = [f for f in pushes if not f.done()]
+            if pending:                 # their WRITEs read our slots: let them end
+                await asyncio.gather(*pending, return_exceptions=True)
+            for f in pushes:
+                if f.done() and not f.cancelled():
+                    f.exception()
+            if reader is not None and not reader.done():
+                reader.cancel()         # it waits for its reads in flight
+                await asyncio.gather(reader, return_exceptions=True)
+            if prep is not None and not finished:
+                told = await n.peers.cancel(de, rid, a.attempt)
+            fence = watch is not None and not watch.complete and not told
+            if watch is not None:
+                watch.close()
+            if res is not None:
+                def release(r: Reservation) -> None:
+                    if fence:           # the DE may still be writing into it
+                        n.fences.hold(de, rid, a.attempt, r)
+                    else:
+                        r.release()
+                if stage is not None:
+                    stage._release = release
+                    stage.unref()       # the last load's reference lets the slots go
+                else:
+                    release(res)
+            elif stage is not None:
+                stage.unref()
+
+
+async def _const(v: int) -> int:
+    return v
+
+
+async def _remote_usable(watch: RemoteWatch) -> int:
+    await watch.ready(0)
+    return watch.loaded_blocks
+
+
+async def _combine(parts: list, local: int) -> int:
+    """Usable leading hit blocks of a hit staged in parts: the local part [0, local)
+    first, the DE's part after it (counted only when the local part is whole)."""
+    got = [await p for p in parts]
+    if not got:
+        return 0
+    if local and len(got) == 1:
+        return got[0]
+    if not local:
+        return got[0]
+    return got[0] if got[0] < local else local + got[1]

@@ -92,6 +92,9 @@ class LocalCluster:
     engines_per_node: int = 1
     work_dir: str = ""
     settings: dict = field(default_factory=dict)
+    #: node id -> config sections merged over ``settings`` for that node only (e.g. a
+    #: vLLM node's fixed control_listen and the vllm_url of its instance).
+    node_settings: dict = field(default_factory=dict)
     start_timeout_s: float = 60.0
     launcher: list[str] = field(default_factory=list)
     scheduler_address: str = ""
@@ -198,7 +201,10 @@ class LocalCluster:
                                                 sections["scheduler/scheduler"])
         self._write_config("admin", data, sections["admin/operator"])
         for nid in self.node_ids_planned():
-            self._write_config(f"node-{nid}", data, sections[f"node/{nid}"])
+            mine = {sec: dict(kv) for sec, kv in data.items()}
+            for sec, kv in self.node_settings.get(nid, {}).items():
+                mine.setdefault(sec, {}).update(kv)
+            self._write_config(f"node-{nid}", mine, sections[f"node/{nid}"])
         self.client_tls = config_tls(sections["client/replay"])
         self.node_tls = self.client_tls      # the nodes speak mutual TLS like the rest
         try:

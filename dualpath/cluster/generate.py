@@ -1,0 +1,143 @@
+"""Generation through the scheduler: a token-id prompt in, the tokens a real engine
+(vLLM) generated out.
+
+:class:`Generator` submits a request to the scheduler (its token ids in the payload,
+greedy, exactly ``gen`` tokens) and serves a ReplaySink the decode node reports the
+result to: the tokens and their logprobs, sent only once the scheduler recorded that
+attempt's DECODE_DONE, so a result is never taken twice. A failed attempt's report is
+passed over (the scheduler runs the next attempt); a request the scheduler ended FAILED
+(its retry budget spent) raises :class:`GenerationFailed` with its reason. This is the
+path the front end's requests and ``dualpath replay --engine vllm`` take.
+
+Threads: one asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from dualpath import rpc, tls
+from dualpath.engine.payload import Payload, encode_token_ids
+from dualpath.errors import DualPathError
+from dualpath.v1 import node_pb2, node_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+_ENDED = (scheduler_pb2.REQUEST_STATE_FAILED, scheduler_pb2.REQUEST_STATE_CANCELLED)
+
+
+class GenerationFailed(DualPathError):
+    """The scheduler rejected the request or ended it failed (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Generated:
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    attempt: int
+    prefill_node_id: str
+    decode_node_id: str
+    prefill_read_bytes: int
+    decode_read_bytes: int
+    submit_unix_s: float
+    first_token_unix_s: float
+    second_token_unix_s: float
+    finish_unix_s: float
+
+
+class _Sink(node_pb2_grpc.ReplaySinkServicer):
+    def __init__(self, gen: Generator):
+        self.gen = gen
+
+    async def Report(self, request, context):
+        f = self.gen._waiting.get(request.request_id)
+        if f is not None and not f.done() and not request.failed:
+            f.set_result(request)
+        return node_pb2.ReportAck()
+
+
+class Generator:
+    """See the module docstring. ``await start()``, ``await generate(...)``,
+    ``await close()``. ``tls_config`` towards the scheduler; the sink serves
+    ``node_tls`` (the decode nodes call it)."""
+
+    def __init__(self, scheduler: str, tls_config: tls.TlsConfig, node_tls: tls.TlsConfig,
+                 *, sink_listen: str = "127.0.0.1:0", sink_host: str = ""):
+        self.scheduler = scheduler
+        self.tls_config = tls_config
+        self.node_tls = node_tls
+        self.sink_listen = sink_listen
+        self.sink_host = sink_host
+        self._waiting: dict[str, asyncio.Future] = {}
+        self.server = None
+        self.channel = None
+
+    async def start(self) -> Generator:
+        self.server = grpc.aio.server(options=list(rpc.SERVER_KEEPALIVE))
+        node_pb2_grpc.add_ReplaySinkServicer_to_server(_Sink(self), self.server)
+        port = rpc.bind(self.server, self.sink_listen, "generation sink",
+                        tls.server_credentials(self.node_tls))
+        await self.server.start()
+        self.sink = f"{self.sink_host or self.sink_listen.rpartition(':')[0]}:{port}"
+        self.channel = tls.channel(self.scheduler, self.tls_config, options=rpc.CHANNEL_OPTIONS)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        return self
+
+    async def generate(self, request_id: str, prompt: list[int], gen: int, *,
+                       hit_tokens: int = 0, block_tokens: int = 1, mode: str = "dualpath",
+                       read_policy: str = "scheduler", timeout_s: float = 600.0) -> Generated:
+        """Generate exactly ``gen`` tokens after ``prompt``; ``hit_tokens`` is what the
+        caller knows to be stored (rounded down to ``block_tokens``, below the prompt)."""
+        n = len(prompt)
+        hit = min(hit_tokens, n - 1)
+        hit -= hit % block_tokens
+        p = Payload(request_id, 0, n, max(0, hit), gen, mode=mode, sink=self.sink,
+                    read_policy=read_policy, token_ids_b64=encode_token_ids(prompt))
+        spec = scheduler_pb2.RequestSpec(request_id=request_id, prompt_tokens=n,
+                                         hit_tokens=max(0, hit), max_new_tokens=gen,
+                                         payload=p.encode())
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = fut
+        t0 = time.time()
+        try:
+            r = await self.stub.SubmitRequest(
+                scheduler_pb2.SubmitRequestRequest(requests=[spec]), timeout=10)
+            if r.rejected:
+                rej = r.rejected[0]
+                raise GenerationFailed(f"request {request_id} rejected: "
+                                       f"{scheduler_pb2.RejectReason.Name(rej.reason)}: "
+                                       f"{rej.detail}")
+            deadline = time.monotonic() + timeout_s
+            while not fut.done():
+                if time.monotonic() > deadline:
+                    raise GenerationFailed(f"request {request_id}: no result within "
+                                           f"{timeout_s:g} s")
+                res = await self.stub.GetResults(scheduler_pb2.GetResultsRequest(
+                    request_ids=[request_id], wait_ms=500), timeout=10)
+                if fut.done():
+                    break
+                st = res.results[0] if res.results else None
+                if st is not None and st.state in _ENDED:
+                    raise GenerationFailed(f"request {request_id} failed after "
+                                           f"{st.failed_attempts} attempt(s): {st.error}")
+                await asyncio.wait([fut], timeout=0.5)
+            t = fut.result()
+            await self.stub.GetResults(scheduler_pb2.GetResultsRequest(
+                acknowledged_request_ids=[request_id]), timeout=10)
+        finally:
+            self._waiting.pop(request_id, None)
+        return Generated(request_id, list(t.output_token_ids), list(t.output_logprobs),
+                         t.attempt, t.prefill_node_id, t.decode_node_id,
+                         int(t.prefill_read_bytes), int(t.decode_read_bytes), t0,
+                         t.first_token_unix_s, t.second_token_unix_s, t.finish_unix_s)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+            self.channel = None
+        if self.server is not None:
+            await self.server.stop(0.5)
+            self.server = None

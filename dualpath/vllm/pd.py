@@ -1,0 +1,168 @@
+"""Prefill/decode disaggregation with vLLM instances on this host (`dualpath up --engine
+vllm`, the P/D tests and bench/vllm_pd.py).
+
+:class:`VllmPdCluster` is a :class:`~dualpath.cluster.local.LocalCluster` whose nodes'
+engine is vLLM: a scheduler, P prefill nodes and D decode nodes (mutual TLS, a
+throw-away PKI), and beside each node one ``vllm serve`` (vLLM's OpenAI server) whose
+DualPathConnector attaches to it: ``kv_producer`` instances beside prefill nodes,
+``kv_consumer`` beside decode nodes, vLLM's prefix cache off (every hit comes through
+DualPath). Each node drives its instance (``engine.vllm_url``) and registers with the
+scheduler once the instance's worker attached. Every instance runs in its own process
+group and is killed with it at :meth:`stop`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from dualpath.cluster.lifetime import child_env, kill_group
+from dualpath.cluster.local import ClusterError, LocalCluster, free_port
+from dualpath.errors import UsageError
+from dualpath.vllm.local import CONNECTOR, ENGINE_ENV
+
+log = logging.getLogger("dualpath.cluster")
+
+
+class VllmInstanceProc:
+    """One ``vllm serve`` child (its own process group)."""
+
+    def __init__(self, name: str, proc: subprocess.Popen, url: str, log_path: Path):
+        self.name, self.proc, self.url, self.log_path = name, proc, url, log_path
+
+    def kill(self) -> None:
+        """SIGKILL its whole process group (vLLM's engine core included)."""
+        if self.proc.poll() is None:
+            kill_group(self.proc.pid)
+            self.proc.wait()
+
+
+class VllmPdCluster:
+    """See the module docstring. ``model`` is a local model directory; ``settings``
+    config sections for every process (merged over the P/D defaults)."""
+
+    def __init__(self, model: Path, *, prefill_nodes: int = 1, decode_nodes: int = 1,
+                 work_dir: str = "", settings: dict | None = None, max_model_len: int = 4096,
+                 kv_cache_gib: int = 1, start_timeout_s: float = 600.0):
+        if prefill_nodes < 1 or decode_nodes < 1:
+            raise UsageError("a P/D cluster needs at least one prefill and one decode node")
+        self.model = Path(model)
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        self.start_timeout_s = start_timeout_s
+        ids = [f"p{i}" for i in range(prefill_nodes)] + [f"d{i}" for i in range(decode_nodes)]
+        self.ports = {nid: (free_port(), free_port()) for nid in ids}   # control, HTTP
+        base = {"engine": {"kind": "vllm"},
+                "buffers": {"pe_buffer_mib": 256, "de_buffer_mib": 256},
+                "transport": {"kind": "tcp"}}
+        for sec, kv in (settings or {}).items():
+            base.setdefault(sec, {}).update(kv)
+        per_node = {nid: {"engine": {"control_listen": f"127.0.0.1:{c}",
+                                     "vllm_url": f"http://127.0.0.1:{h}"}}
+                    for nid, (c, h) in self.ports.items()}
+        self.cluster = LocalCluster(prefill_nodes=prefill_nodes, decode_nodes=decode_nodes,
+                                    work_dir=work_dir, settings=base, node_settings=per_node,
+                                    start_timeout_s=min(start_timeout_s, 120.0))
+        self.instances: dict[str, VllmInstanceProc] = {}
+
+    @property
+    def dir(self) -> Path:
+        return self.cluster.dir
+
+    def start(self) -> VllmPdCluster:
+        c = self.cluster
+        c.start()
+        try:
+            for n in c.nodes:
+                self.start_instance(n.node_id)
+            for nid in list(self.instances):
+                self._wait_instance(nid)
+            self._wait_registered()
+        except BaseException:
+            self.stop()
+            raise
+        log.info("vLLM P/D cluster up: %s", ", ".join(
+            f"{nid} (node {c.node(nid).address}, vLLM {i.url})"
+            for nid, i in self.instances.items()))
+        return self
+
+    def start_instance(self, node_id: str) -> VllmInstanceProc:
+        """(Re)start the vLLM instance beside ``node_id`` (not waiting for it)."""
+        control, http = self.ports[node_id]
+        role = "kv_producer" if node_id.startswith("p") else "kv_consumer"
+        kvt = {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": {
+            "node_address": f"127.0.0.1:{control}",
+            "config": str(self.dir / f"node-{node_id}.toml")}}
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model), "--served-model-name", self.model.name,
+                "--host", "127.0.0.1", "--port", str(http), "--dtype", "float32",
+                "--enforce-eager", "--seed", "0", "--no-enable-prefix-caching",
+                "--max-model-len", str(self.max_model_len),
+                "--kv-transfer-config", json.dumps(kvt)]
+        env = child_env({**os.environ, **ENGINE_ENV,
+                         "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+                         "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+                         "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+        path = self.dir / "logs" / f"vllm-{node_id}.log"
+        with open(path, "ab") as fh:
+            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+        inst = VllmInstanceProc(node_id, proc, f"http://127.0.0.1:{http}", path)
+        self.instances[node_id] = inst
+        return inst
+
+    def _wait_instance(self, node_id: str) -> None:
+        inst = self.instances[node_id]
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if inst.proc.poll() is not None:
+                raise ClusterError(f"vLLM beside {node_id} exited ({inst.proc.returncode}); "
+                                   f"see {inst.log_path}")
+            try:
+                with urllib.request.urlopen(inst.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise ClusterError(f"vLLM beside {node_id} not up in "
+                                   f"{self.start_timeout_s:g} s; see {inst.log_path}")
+            time.sleep(0.5)
+
+    def _wait_registered(self, timeout_s: float = 120.0) -> None:
+        """Until every node logged its registration with the scheduler."""
+        deadline = time.monotonic() + timeout_s
+        for n in self.cluster.nodes:
+            while "group registered" not in n.log_path.read_text(errors="replace"):
+                if n.proc.poll() is not None or time.monotonic() > deadline:
+                    raise ClusterError(f"node {n.node_id} did not register; see {n.log_path}")
+                time.sleep(0.2)
+
+    def restart_instance(self, node_id: str) -> None:
+        self.instances[node_id].kill()
+        self.start_instance(node_id)
+        self._wait_instance(node_id)
+
+    def stop(self) -> None:
+        """Every vLLM instance (SIGTERM, then its group killed), then the cluster."""
+        for inst in self.instances.values():
+            if inst.proc.poll() is None:
+                inst.proc.send_signal(signal.SIGTERM)
+        for inst in self.instances.values():
+            try:
+                inst.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+            inst.kill()
+            kill_group(inst.proc.pid)
+        self.cluster.stop()
+
+    def cleanup(self, keep: bool = False) -> None:
+        self.cluster.cleanup(keep)

@@ -170,10 +170,12 @@ class LocalCluster:
         return data
 
     # ------------------------------------------------------------ processes
-    def _spawn(self, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
+    def _spawn(self, name: str, argv: list[str], extra_env: dict | None = None
+               ) -> tuple[subprocess.Popen, Path]:
         path = self.dir / "logs" / f"{name}.log"
         fh = open(path, "ab")  # noqa: SIM115 - the child owns it; closed below
         env = child_env()       # it dies with this process (PR_SET_PDEATHSIG)
+        env.update(extra_env or {})
         env.setdefault("DUALPATH_LOG", "INFO")
         try:
             # Its own session, hence its own process group: what it starts dies with it.
@@ -239,13 +241,14 @@ class LocalCluster:
         """SIGKILL the scheduler (its journal keeps what it acknowledged)."""
         self._kill(self.scheduler, "scheduler")
 
-    def restart_node(self, node_id: str) -> NodeProc:
-        """Start a node again under its id (after a kill) and wait until it is ready."""
+    def restart_node(self, node_id: str, env: dict | None = None) -> NodeProc:
+        """Start a node again under its id (after a kill) and wait until it is ready;
+        ``env`` adds to its environment (e.g. DUALPATH_FAULTS for a negative control)."""
         old = self.node(node_id)
         if old.proc.poll() is None:
             raise UsageError(f"node {node_id} is running")
         self.nodes.remove(old)
-        n = self.start_node(old.role, node_id)
+        n = self.start_node(old.role, node_id, env)
         self._wait_ready(n)
         return n
 
@@ -263,14 +266,14 @@ class LocalCluster:
         kill_group(proc.pid)
         log.info("killed %s (pid %d)", what, proc.pid)
 
-    def start_node(self, role: str, node_id: str) -> NodeProc:
+    def start_node(self, role: str, node_id: str, env: dict | None = None) -> NodeProc:
         ready = self.dir / f"{node_id}.ready"
         with contextlib.suppress(FileNotFoundError):
             ready.unlink()
         cfg = self.dir / f"node-{node_id}.toml"   # written by start(), with its identity
         proc, path = self._spawn(node_id, [
             "node", "--role", role, "--node-id", node_id, "--scheduler",
-            self.scheduler_address, "--config", str(cfg), "--ready-file", str(ready)])
+            self.scheduler_address, "--config", str(cfg), "--ready-file", str(ready)], env)
         n = NodeProc(node_id, role, proc, path)
         self.nodes.append(n)
         return n

@@ -75,7 +75,8 @@ class Leader:
                  read_q_tokens: Callable[[], int], metrics: NodeMetrics,
                  profile_name: str | None,
                  block_bytes: int, storage_read_bytes_per_s: int, fetch_interval_ms: int = 0,
-                 results=None, status: Callable[[str], None] = lambda text: None):
+                 results=None, status: Callable[[str], None] = lambda text: None,
+                 available: Callable[[], bool] = lambda: True):
         self.node_id, self.role, self.address = node_id, role, address
         self.scheduler_address = scheduler
         self.tls_config = tls_config
@@ -91,6 +92,9 @@ class Leader:
         self.storage_read_bytes_per_s = storage_read_bytes_per_s
         self.fetch_interval_ms = fetch_interval_ms
         self.status = status          # one line for the supervisor (systemd STATUS=)
+        # False while the engine cannot take work (a vLLM instance that stopped
+        # answering): the group is handed back and registered again once it can.
+        self.available = available
         self.fetch_interval_s = (fetch_interval_ms or 20) / 1000.0
         self.completions: list[scheduler_pb2.Completion] = []
         # Request id -> the attempt of its assignment here, until this node reports it.
@@ -131,6 +135,11 @@ class Leader:
         backoff = 0.05
         while not stop.is_set():
             try:
+                if not self.available():
+                    if self.lease_id:
+                        await self._pause()
+                    await asyncio.sleep(self.fetch_interval_s)
+                    continue
                 if not self.lease_id:
                     await self._register()
                 await self._fetch_once()
@@ -298,6 +307,19 @@ class Leader:
         self.completions = [c for c in self.completions if c.request_id != rid]
         if self.results is not None:
             self.results.drop_result(rid)
+
+    async def _pause(self) -> None:
+        """The engine stopped answering: hand the group back (what it held is requeued
+        at once, to run when an engine can take it) and drop this node's work; the run
+        loop registers again once the engine is available."""
+        log.warning("%s: the engine cannot take work; handing the group back until it "
+                    "can", self.node_id)
+        self.status("engine unavailable: group handed back")
+
+        async def drop_all() -> None:
+            for rid in self._in_flight():
+                self._drop(rid)
+        await self.shutdown(drop_all)
 
     async def shutdown(self, quiesce: Callable[[], Awaitable[None]]) -> None:
         """A graceful stop (the leader loop has ended): deliver pending completions (their

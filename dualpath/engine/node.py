@@ -283,7 +283,8 @@ class NodeDaemon:
                       storage_read_bytes_per_s=int(self.snic_bytes_per_s),
                       fetch_interval_ms=self.cfg.engine.fetch_interval_ms,
                       results=self.path if isinstance(self.path, DecodePath) else None,
-                      status=self.notifier.status)
+                      status=self.notifier.status,
+                      available=(lambda: self.instance.up) if vllm else (lambda: True))
 
     # ------------------------------------------------------------ running
 

@@ -252,12 +252,15 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
 
     async def Lookup(self, request, context):
         await self.callers.require(context, own=True)
+        attached = bool(request.worker_name) and request.worker_name in self.engine.workers
+        if not request.block_keys:          # a worker's heartbeat
+            return connector_pb2.LookupResponse(hit_blocks=0, worker_attached=attached)
         try:
             hit = self.engine.lookup(request.model_id, list(request.block_keys),
                                      request.request_id, request.ticket)
         except DualPathError as e:
             await self._abort(context, e)
-        return connector_pb2.LookupResponse(hit_blocks=hit)
+        return connector_pb2.LookupResponse(hit_blocks=hit, worker_attached=attached)
 
     async def Load(self, request, context):
         await self.callers.require(context, own=True)

@@ -20,7 +20,6 @@ Threads: the node's event loop.
 from __future__ import annotations
 
 import logging
-import secrets
 
 from dualpath import clock
 from dualpath.engine.errors import RequestFailed
@@ -64,8 +63,10 @@ class VllmDecoder:
         try:
             out = await self.instance.complete(
                 [int(t) for t in ids], p.gen_tokens, request_id=st.request_id,
-                ticket=secrets.token_hex(16), on_tokens=on_tokens)
+                ticket="", on_tokens=on_tokens)
         except InstanceError as e:
+            if e.unreachable:
+                self.instance.mark_down(str(e))
             raise RequestFailed(f"decode instance: {e}") from None
         finally:
             if adopted is not None:

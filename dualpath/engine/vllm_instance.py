@@ -25,7 +25,12 @@ log = logging.getLogger("dualpath.engine")
 
 
 class InstanceError(DualPathError):
-    """The vLLM instance refused a request, failed it, or could not be reached."""
+    """The vLLM instance refused a request, failed it, or could not be reached
+    (``unreachable``: it is down, or died while answering)."""
+
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 @dataclass(frozen=True)
@@ -38,11 +43,36 @@ class Completion:
 class VllmInstance:
     """An HTTP client of one vLLM instance. ``await close()`` (idempotent)."""
 
+    #: Seconds between /health probes while the instance is down.
+    PROBE_S = 0.5
+
     def __init__(self, url: str, timeout_s: float = 600.0):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._session = None
         self._model = ""
+        self.up = True                # False from an unreachable answer until /health
+        self._probe: asyncio.Task | None = None
+
+    def mark_down(self, why: str) -> None:
+        """The instance did not answer: down until /health answers again (probed)."""
+        if self.up:
+            log.warning("vLLM instance at %s is down (%s); its group takes no work until "
+                        "it answers /health again", self.url, why)
+        self.up = False
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._until_up())
+
+    async def _until_up(self) -> None:
+        while True:
+            await asyncio.sleep(self.PROBE_S)
+            try:
+                await self._call("GET", "/health", json_reply=False)
+            except InstanceError:
+                continue
+            log.info("vLLM instance at %s answers again", self.url)
+            self.up = True
+            return
 
     def _http(self):
         if self._session is None:
@@ -115,7 +145,10 @@ class VllmInstance:
                     if on_tokens is not None and ids:
                         on_tokens(len(ids))
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
-            raise InstanceError(f"{where}: {type(e).__name__}: {e}") from None
+            raise InstanceError(f"{where}: {type(e).__name__}: {e}",
+                                unreachable=isinstance(e, (aiohttp.ClientConnectionError,
+                                                           aiohttp.ClientPayloadError,
+                                                           OSError))) from None
         if len(ids) != max_tokens or (logprobs and len(lps) != len(ids)):
             raise InstanceError(f"{where}: {len(ids)} tokens and {len(lps)} logprobs for "
                                 f"max_tokens {max_tokens} (finish reason {finish!r})")
@@ -134,9 +167,12 @@ class VllmInstance:
                     return text
                 return await r.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            raise InstanceError(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from None
+            raise InstanceError(f"{method} {self.url}{path}: {type(e).__name__}: {e}",
+                                unreachable=not isinstance(e, TimeoutError)) from None
 
     async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
         if self._session is not None:
             s, self._session = self._session, None
             await s.close()

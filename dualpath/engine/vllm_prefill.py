@@ -182,6 +182,8 @@ class VllmPrefillPath(PrefillPath):
                 await self.instance.complete([int(t) for t in ids], 1, request_id=rid,
                                              ticket=ticket, logprobs=False)
             except InstanceError as err:
+                if err.unreachable:
+                    self.instance.mark_down(str(err))
                 raise DualPathError(f"prefill instance: {err}") from None
             usable = await stage.usable if hit else 0
             await asyncio.gather(*pushes)

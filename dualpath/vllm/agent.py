@@ -242,6 +242,8 @@ class WorkerAgent:
         self.shared = None            # the daemon's buffer, mapped (same host, host KV)
         self.shared_addr = 0
         self._range_addr = {r.name: r.addr for r in self.ranges}
+        self._old_shared: list = []       # mappings of a daemon that restarted
+        self._heartbeat: asyncio.Future | None = None
         self._copier = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="dualpath-copier")
         self._loop = asyncio.new_event_loop()
@@ -287,7 +289,30 @@ class WorkerAgent:
             self.transfer.register(r.name, addr=r.addr, length=r.length,
                                    gpu_device=r.gpu_device)
         self.stub = connector_pb2_grpc.KvConnectorStub(self.channels.channel(s.node_address))
-        return await self._attach()
+        attached = await self._attach()
+        self._heartbeat = asyncio.ensure_future(self._beat())
+        return attached
+
+    #: Seconds between the worker's heartbeats to its daemon.
+    HEARTBEAT_S = 1.0
+
+    async def _beat(self) -> None:
+        """Ask the daemon every HEARTBEAT_S whether it knows us; attach again when it
+        does not (it restarted). A prefill or decode node registers with the scheduler
+        only once its worker attached, so it must not wait for a load to find out."""
+        req = connector_pb2.LookupRequest(model_id=self.settings.model_id,
+                                          worker_name=self.name)
+        while True:
+            await asyncio.sleep(self.HEARTBEAT_S)
+            try:
+                r = await self.stub.Lookup(req, timeout=5)
+                if not r.worker_attached:
+                    log.warning("DualPath worker agent: node %s does not know this worker "
+                                "(it restarted); attaching again",
+                                self.settings.node_address)
+                    await self._attach()
+            except (grpc.aio.AioRpcError, DualPathError) as e:
+                log.debug("DualPath worker agent: heartbeat: %s", e)
 
     async def _attach(self) -> Attached:
         """Attach (again, after the daemon restarted: it answers NOT_FOUND for us)."""
@@ -303,6 +328,9 @@ class WorkerAgent:
                              "alike on both")
         self.attached = Attached(reply.node_id, reply.namespace, reply.block_tokens,
                                  placement_wire.from_pb(reply.buffer, "daemon buffer"))
+        if self.shared is not None:
+            # A copy on the copier thread may still read the old mapping: keep it mapped.
+            self._old_shared.append(self.shared)
         self.shared, self.shared_addr = None, 0
         if reply.shm_name:
             m = await asyncio.to_thread(take_buffer, reply.shm_name, reply.shm_token)
@@ -331,6 +359,8 @@ class WorkerAgent:
         self._copier.shutdown(wait=True, cancel_futures=True)
 
     async def _close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if hasattr(self, "transfer"):
             await self.transfer.close()
         if hasattr(self, "server"):

@@ -146,9 +146,54 @@ class VllmPdCluster:
                 time.sleep(0.2)
 
     def restart_instance(self, node_id: str) -> None:
+        """SIGKILL the instance beside ``node_id`` (if it runs), start it again and wait
+        until it serves and its worker attached."""
+        attaches = self._count(node_id, "vLLM worker")
         self.instances[node_id].kill()
         self.start_instance(node_id)
         self._wait_instance(node_id)
+        self._wait_log(node_id, "vLLM worker", attaches + 1)
+
+    def _count(self, node_id: str, text: str) -> int:
+        return self.cluster.node(node_id).log_path.read_text(errors="replace").count(text)
+
+    def _wait_log(self, node_id: str, text: str, count: int, timeout_s: float = 120.0
+                  ) -> None:
+        n = self.cluster.node(node_id)
+        deadline = time.monotonic() + timeout_s
+        while self._count(node_id, text) < count:
+            if n.proc.poll() is not None or time.monotonic() > deadline:
+                raise ClusterError(f"node {node_id}: no {text!r} #{count}; see {n.log_path}")
+            time.sleep(0.1)
+
+    def registrations(self, node_id: str) -> int:
+        """How often ``node_id`` registered its group (its log says so each time)."""
+        return self._count(node_id, "group registered")
+
+    def kill_node(self, node_id: str) -> None:
+        """SIGKILL a node daemon (its instance keeps running)."""
+        self.cluster.kill(node_id)
+
+    def restart_node(self, node_id: str, env: dict | None = None) -> None:
+        """Start a stopped or killed node daemon again (``env`` adds to its environment)
+        and wait until its instance's worker attached again and it registered."""
+        n = self.cluster.node(node_id)
+        if n.proc.poll() is None:
+            n.proc.send_signal(signal.SIGTERM)
+            n.proc.wait(30)
+        seen = self.registrations(node_id)
+        self.cluster.restart_node(node_id, env)
+        self._wait_log(node_id, "group registered", seen + 1)
+
+    def admin(self):
+        """An Admin stub (the cluster's admin certificate) and its channel."""
+        from dualpath import tls
+        from dualpath.cluster.local import config_tls
+        from dualpath.v1 import admin_pb2_grpc
+
+        ch = tls.sync_channel(self.cluster.scheduler_address,
+                              config_tls(self.cluster.pki.section("admin/operator")))
+        return admin_pb2_grpc.AdminStub(ch), ch
 
     def stop(self) -> None:
         """Every vLLM instance (SIGTERM, then its group killed), then the cluster."""

@@ -11,10 +11,12 @@ Equal greedy tokens and logprobs mean the KV that crossed both nodes is the KV.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from dualpath.cluster.generate import Generator
+from dualpath.v1 import admin_pb2, scheduler_pb2
 from dualpath.vllm.driver import EngineProcess
 from dualpath.vllm.local import ENGINE_ENV, engine_args
 from dualpath.vllm.pd import VllmPdCluster
@@ -33,33 +35,73 @@ class Rig:
             Generator(c.scheduler_address, c.client_tls, c.node_tls).start())
         self.n = 0
 
-    def turn(self, prompt: list[int], gen: int, hit: int, policy: str) -> dict:
+    def rid(self) -> str:
         self.n += 1
-        g = self.loop.run_until_complete(self.gen.generate(
-            f"pd-{self.n}", prompt, gen, hit_tokens=hit, block_tokens=T,
-            read_policy=policy, timeout_s=300))
+        return f"pd-{self.n}"
+
+    def turn(self, prompt: list[int], gen: int, hit: int, policy: str = "scheduler",
+             during=None) -> dict:
+        """One request through the scheduler; ``during(view)`` runs (in a thread) once
+        the scheduler shows it in the state ``during.state``."""
+        rid = self.rid()
+
+        async def go():
+            task = asyncio.ensure_future(self.gen.generate(
+                rid, prompt, gen, hit_tokens=hit, block_tokens=T, read_policy=policy,
+                timeout_s=300))
+            if during is not None:
+                view = await asyncio.to_thread(_wait_state, self.pd, rid, during.state)
+                if view is not None:
+                    await asyncio.to_thread(during, view)
+            return await task
+        g = self.loop.run_until_complete(go())
         return {"token_ids": g.token_ids, "logprobs": g.logprobs, "g": g}
 
     def close(self) -> None:
         self.loop.run_until_complete(self.gen.close())
         self.loop.close()
-        self.oracle.close()
         self.pd.stop()
         self.pd.cleanup()
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory, model_dirs):
-    tmp = tmp_path_factory.mktemp("pd")
-    pd = VllmPdCluster(model_dirs["tiny"], work_dir=str(tmp / "cluster")).start()
+def _wait_state(pd: VllmPdCluster, rid: str, state: int, bound_s: float = 120.0):
+    """The scheduler's view of ``rid`` once it is in ``state`` (None if it ended first)."""
+    stub, ch = pd.admin()
     try:
-        oracle = EngineProcess(engine_args(model_dirs["tiny"], prefix_caching=True,
-                                           max_model_len=4096), tmp / "oracle.log",
-                               env=ENGINE_ENV)
-    except BaseException:
-        pd.stop()
-        raise
+        deadline = time.monotonic() + bound_s
+        while time.monotonic() < deadline:
+            views = stub.ListRequests(admin_pb2.ListRequestsRequest(all=True),
+                                      timeout=5).requests
+            v = next((v for v in views if v.request_id == rid), None)
+            if v is not None and v.state == state:
+                return v
+            if v is None and time.monotonic() > deadline - bound_s + 5:
+                return None
+            time.sleep(0.02)
+        raise AssertionError(f"{rid} never reached state {state}")
+    finally:
+        ch.close()
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory, model_dirs):
+    e = EngineProcess(engine_args(model_dirs["tiny"], prefix_caching=True,
+                                  max_model_len=4096),
+                      tmp_path_factory.mktemp("oracle") / "oracle.log", env=ENGINE_ENV)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module", params=["1p1d", "1p2d"])
+def rig(request, tmp_path_factory, model_dirs, oracle):
+    tmp = tmp_path_factory.mktemp(request.param)
+    # A slow storage NIC (6 MB/s) keeps a 2K-token hit's read in flight for a while, so a
+    # kill lands in the middle of a request; the outputs do not depend on it.
+    pd = VllmPdCluster(model_dirs["tiny"], decode_nodes=int(request.param[2]),
+                       work_dir=str(tmp / "cluster"),
+                       settings={"storage": {"snic_gbit_per_s": 0.05}}).start()
     r = Rig(pd, oracle)
+    r.topology = request.param
     yield r
     r.close()
 
@@ -92,3 +134,100 @@ def test_a_pd_conversation_is_bitwise_the_oracle_on_every_read_path(rig):
         _reads(a["g"], stored, len(prompt), policy)
         stored = len(prompt) + conv.gen - 1
         conv.advance(a["token_ids"])
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["token_ids"] == b["token_ids"] and a["logprobs"] == b["logprobs"]
+
+
+class _At:
+    """``during`` for :meth:`Rig.turn`: ``action(view)`` once the request is in
+    ``state`` (after ``delay_s``)."""
+
+    def __init__(self, state: int, action, delay_s: float = 0.0):
+        self.state, self.action, self.delay_s = state, action, delay_s
+        self.fired = False
+
+    def __call__(self, view) -> None:
+        time.sleep(self.delay_s)
+        self.action(view)
+        self.fired = True
+
+
+def _node_of(engine_id: str) -> str:
+    return engine_id.split("/")[0]
+
+
+@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
+def test_negative_control_a_flipped_byte_on_the_pe_read_is_seen(rig):
+    """The comparison above would catch a wrong byte: the prefill node restarted with a
+    bit flipped in every hit block it reads (after its checksum passed) gives other
+    logprobs than the oracle on a PE-read turn."""
+    conv = Conversation(seed=303, first=300, append=200, gen=8)
+    prompt = list(conv.context)
+    a = rig.turn(prompt, conv.gen, 0)
+    stored = len(prompt) + conv.gen - 1
+    conv.advance(a["token_ids"])
+    rig.pd.restart_node("p0", env={"DUALPATH_FAULTS": "load_flip_byte"})
+    try:
+        prompt = list(conv.context)
+        bad = rig.turn(prompt, conv.gen, stored, "prefill")
+        ref = rig.oracle.generate(prompt, conv.gen)
+        assert bad["g"].prefill_read_bytes > 0
+        assert not _same(bad, ref)
+    finally:
+        rig.pd.restart_node("p0")
+
+
+def test_sigkill_of_a_decode_daemon_mid_decode_ends_in_a_recompute(rig):
+    """The decode node of a request is SIGKILLed while it decodes: the scheduler runs
+    the request again (another decode node, or the restarted one) and its tokens and
+    logprobs are still the oracle's."""
+    conv = Conversation(seed=404, first=600, append=300, gen=16)
+    prompt = list(conv.context)
+    a = rig.turn(prompt, conv.gen, 0)
+    stored = len(prompt) + conv.gen - 1
+    conv.advance(a["token_ids"])
+    prompt = list(conv.context)
+    victim: list[str] = []
+
+    def kill(view) -> None:
+        victim.append(_node_of(view.decode_engine_id))
+        rig.pd.kill_node(victim[0])
+        if rig.topology == "1p1d":          # no other decode node: bring it back
+            rig.pd.restart_node(victim[0])
+    at = _At(scheduler_pb2.REQUEST_STATE_PREFILL_DONE, kill)
+    gen = 1200                               # seconds of decode: the kill lands in it
+    b = rig.turn(prompt, gen, stored, during=at)
+    ref = rig.oracle.generate(prompt, gen)
+    assert at.fired and b["g"].attempt >= 2, "the kill did not hit a running decode"
+    assert _same(b, ref)
+    if rig.topology == "1p2d":
+        assert b["g"].decode_node_id != victim[0]
+        rig.pd.restart_node(victim[0])
+
+
+@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_sigkill_of_a_vllm_instance_mid_request_ends_in_a_recompute(rig, side):
+    """The decode instance (while it decodes) or the prefill instance (while its
+    prefill waits for the staged hit) is SIGKILLed and started again: its node hands
+    its group back while the instance does not answer (the request waits in the
+    scheduler's queue instead of spending its retries), registers again once it does,
+    and the request's next attempt gives the oracle's tokens and logprobs."""
+    conv = Conversation(seed=505 if side == "decode" else 606, first=2000, append=300,
+                        gen=16)
+    prompt = list(conv.context)
+    a = rig.turn(prompt, conv.gen, 0)
+    stored = len(prompt) + conv.gen - 1
+    conv.advance(a["token_ids"])
+    prompt = list(conv.context)
+    node = "d0" if side == "decode" else "p0"
+    state = (scheduler_pb2.REQUEST_STATE_PREFILL_DONE if side == "decode"
+             else scheduler_pb2.REQUEST_STATE_ASSIGNED)
+    at = _At(state, lambda view: rig.pd.restart_instance(node),
+             delay_s=0.3 if side == "decode" else 0.0)
+    gen = 1200 if side == "decode" else 16
+    b = rig.turn(prompt, gen, stored, "prefill", during=at)
+    assert at.fired and b["g"].attempt >= 2, "the kill did not hit a running request"
+    assert _same(b, rig.oracle.generate(prompt, gen))

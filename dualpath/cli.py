@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "dualpath.cluster.cli",
     "dualpath.scheduler.cli",
     "dualpath.vllm.cli",
+    "dualpath.frontend.cli",
 ]
 
 

@@ -40,6 +40,7 @@ SECTIONS: dict[str, str] = {
     "buffers": "dualpath.buffers.config:BuffersConfig",
     "engine": "dualpath.engine.config:EngineConfig",
     "cluster": "dualpath.engine.config:ClusterConfig",
+    "frontend": "dualpath.frontend.config:FrontendConfig",
 }
 
 

@@ -21,6 +21,13 @@ def register(sub) -> None:
     p.add_argument("--engines-per-node", type=int, help="overrides engine.engines_per_node")
     p.add_argument("--snic-gbit", type=float, help="per-node storage-NIC limit in Gbit/s "
                    "(overrides storage.snic_gbit_per_s)")
+    p.add_argument("--engine", choices=("emulated", "vllm"), default="emulated",
+                   help="emulated (the cost model) or vllm: a vLLM instance beside every "
+                   "node (kv_producer / kv_consumer) and the OpenAI front end")
+    p.add_argument("--model", help="--engine vllm: a local model directory (default: "
+                   "SmolLM2-135M-Instruct, prepared from its PyPI package)")
+    p.add_argument("--max-model-len", type=int, default=8192,
+                   help="--engine vllm: the instances' context length")
     p.set_defaults(func=_up)
 
     r = sub.add_parser("replay", help="replay an agentic trace (offline JCT or online "
@@ -143,6 +150,10 @@ def _load(args):
 
 
 def _up(args) -> int:
+    if args.engine == "vllm":
+        return _up_vllm(args)
+    if args.model:
+        raise UsageError("--model is for --engine vllm")
     cfg, raw = _load(args)
     cluster = cluster_from_config(cfg, raw)
     with sigterm_as_interrupt():   # start() stops what it began when interrupted
@@ -166,6 +177,57 @@ def _up(args) -> int:
     finally:
         cluster.stop()
         cluster.cleanup(keep=rc != 0)   # a failed cluster keeps its logs
+    return rc
+
+
+def _up_vllm(args) -> int:
+    """Scheduler, P prefill and D decode nodes each beside a vLLM instance, and the
+    OpenAI front end; prints its URL; SIGTERM / Ctrl-C (or any of them dying) stops
+    every process it started, vLLM's own children included."""
+    from pathlib import Path
+
+    from dualpath.vllm import models
+    from dualpath.vllm.pd import VllmPdCluster
+
+    cfg, raw = _load(args)
+    if args.model:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            raise UsageError(f"--model {args.model}: no config.json there (a Hugging Face "
+                             "model directory)")
+    else:
+        model = models.prepare(models.default_dir())["smollm2"]
+    settings = {sec: dict(kv) for sec, kv in raw.items() if sec not in ("cluster", "frontend")}
+    if cfg.storage.snic_gbit_per_s:
+        settings.setdefault("storage", {})["snic_gbit_per_s"] = cfg.storage.snic_gbit_per_s
+    fe = dict(raw.get("frontend", {}))
+    fe.setdefault("listen", cfg.frontend.listen)
+    pd = VllmPdCluster(model, prefill_nodes=cfg.cluster.prefill_nodes,
+                       decode_nodes=cfg.cluster.decode_nodes, work_dir=cfg.cluster.work_dir,
+                       settings=settings, max_model_len=args.max_model_len, frontend=fe)
+    rc = 0
+    try:
+        with sigterm_as_interrupt():
+            pd.start()
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"dualpath up: OpenAI API at {pd.frontend_url}/v1 (model {model.name}); "
+              f"scheduler {pd.cluster.scheduler_address}; "
+              + ", ".join(f"{nid} beside vLLM {i.url}" for nid, i in pd.instances.items())
+              + f"; logs {pd.dir / 'logs'}. Ctrl-C stops.", flush=True)
+        while not stop.wait(0.5):
+            dead = pd.dead()
+            if dead:
+                print(f"dualpath up: {', '.join(dead)} exited; stopping (logs in "
+                      f"{pd.dir / 'logs'})", file=sys.stderr)
+                rc = 1
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        pd.stop()
+        pd.cleanup(keep=rc != 0)
     return rc
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -29,7 +30,12 @@ _ENDED = (scheduler_pb2.REQUEST_STATE_FAILED, scheduler_pb2.REQUEST_STATE_CANCEL
 
 
 class GenerationFailed(DualPathError):
-    """The scheduler rejected the request or ended it failed (the message says why)."""
+    """The scheduler rejected the request or ended it failed (the message says why);
+    ``reason``: the scheduler's RejectReason name for a rejection, else ""."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,13 @@ class _Sink(node_pb2_grpc.ReplaySinkServicer):
             f.set_result(request)
         return node_pb2.ReportAck()
 
+    async def Partial(self, request, context):
+        cb = self.gen._partials.get(request.request_id)
+        if cb is not None:
+            cb(request.attempt, request.offset, list(request.token_ids),
+               list(request.logprobs))
+        return node_pb2.ReportAck()
+
 
 class Generator:
     """See the module docstring. ``await start()``, ``await generate(...)``,
@@ -72,6 +85,7 @@ class Generator:
         self.sink_listen = sink_listen
         self.sink_host = sink_host
         self._waiting: dict[str, asyncio.Future] = {}
+        self._partials: dict[str, Callable[[int, int, list[int], list[float]], None]] = {}
         self.server = None
         self.channel = None
 
@@ -88,28 +102,39 @@ class Generator:
 
     async def generate(self, request_id: str, prompt: list[int], gen: int, *,
                        hit_tokens: int = 0, block_tokens: int = 1, mode: str = "dualpath",
-                       read_policy: str = "scheduler", timeout_s: float = 600.0) -> Generated:
-        """Generate exactly ``gen`` tokens after ``prompt``; ``hit_tokens`` is what the
-        caller knows to be stored (rounded down to ``block_tokens``, below the prompt)."""
+                       read_policy: str = "scheduler", timeout_s: float = 600.0,
+                       temperature: float = 0.0, top_p: float = 1.0, seed: int = -1,
+                       ignore_eos: bool = True,
+                       on_partial: Callable[[int, int, list[int], list[float]], None]
+                       | None = None) -> Generated:
+        """Generate ``gen`` tokens after ``prompt`` (exactly, with ``ignore_eos``; else
+        up to); ``hit_tokens`` is what the caller knows to be stored (rounded down to
+        ``block_tokens``, below the prompt). ``on_partial(attempt, offset, ids,
+        logprobs)``: the tokens as they are generated (streaming; an attempt that
+        fails may be followed by the next one's from offset 0)."""
         n = len(prompt)
         hit = min(hit_tokens, n - 1)
         hit -= hit % block_tokens
         p = Payload(request_id, 0, n, max(0, hit), gen, mode=mode, sink=self.sink,
-                    read_policy=read_policy, token_ids_b64=encode_token_ids(prompt))
+                    read_policy=read_policy, token_ids_b64=encode_token_ids(prompt),
+                    temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos,
+                    stream=on_partial is not None)
         spec = scheduler_pb2.RequestSpec(request_id=request_id, prompt_tokens=n,
                                          hit_tokens=max(0, hit), max_new_tokens=gen,
                                          payload=p.encode())
         fut = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = fut
+        if on_partial is not None:
+            self._partials[request_id] = on_partial
         t0 = time.time()
         try:
             r = await self.stub.SubmitRequest(
                 scheduler_pb2.SubmitRequestRequest(requests=[spec]), timeout=10)
             if r.rejected:
                 rej = r.rejected[0]
-                raise GenerationFailed(f"request {request_id} rejected: "
-                                       f"{scheduler_pb2.RejectReason.Name(rej.reason)}: "
-                                       f"{rej.detail}")
+                name = scheduler_pb2.RejectReason.Name(rej.reason)
+                raise GenerationFailed(f"request {request_id} rejected: {name}: "
+                                       f"{rej.detail}", reason=name)
             deadline = time.monotonic() + timeout_s
             while not fut.done():
                 if time.monotonic() > deadline:
@@ -129,6 +154,7 @@ class Generator:
                 acknowledged_request_ids=[request_id]), timeout=10)
         finally:
             self._waiting.pop(request_id, None)
+            self._partials.pop(request_id, None)
         return Generated(request_id, list(t.output_token_ids), list(t.output_logprobs),
                          t.attempt, t.prefill_node_id, t.decode_node_id,
                          int(t.prefill_read_bytes), int(t.decode_read_bytes), t0,

@@ -128,7 +128,7 @@ class LocalCluster:
         """Identity -> its [tls] table: the cluster's own throw-away PKI, or the one
         [tls] of the settings for every process (your own PKI, or plaintext)."""
         given = self.settings.get("tls")
-        idents = ["scheduler/scheduler", "admin/operator", "client/replay",
+        idents = ["scheduler/scheduler", "admin/operator", "client/replay", "client/frontend",
                   *(f"node/{n}" for n in self.node_ids_planned())]
         if given:
             return {i: dict(given) for i in idents}
@@ -202,6 +202,7 @@ class LocalCluster:
         self._sched_config = self._write_config("scheduler", data,
                                                 sections["scheduler/scheduler"])
         self._write_config("admin", data, sections["admin/operator"])
+        self._write_config("frontend", data, sections["client/frontend"])
         for nid in self.node_ids_planned():
             mine = {sec: dict(kv) for sec, kv in data.items()}
             for sec, kv in self.node_settings.get(nid, {}).items():

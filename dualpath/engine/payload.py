@@ -40,6 +40,13 @@ class Payload:
     layerwise: bool = True            # overlap layer l+1's transfers with layer l's compute
     read_policy: str = "scheduler"    # READ_POLICIES
     token_ids_b64: str = ""           # explicit stream ids (int32 LE) for real traces
+    # How a real engine (vLLM) samples: greedy by default; a seed makes a retried attempt
+    # sample the same tokens. ignore_eos: exactly gen_tokens tokens (traces); else up to.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = -1                    # -1: none
+    ignore_eos: bool = True
+    stream: bool = False              # the DE streams tokens to the sink as they come
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -47,6 +54,10 @@ class Payload:
         if self.read_policy not in READ_POLICIES:
             raise UsageError(f"payload: read_policy {self.read_policy!r}; allowed: "
                              f"{', '.join(READ_POLICIES)}")
+        if not (0.0 <= self.temperature <= 2.0 and 0.0 < self.top_p <= 1.0
+                and -1 <= self.seed < 2 ** 63):
+            raise UsageError(f"payload: temperature {self.temperature} (0..2), top_p "
+                             f"{self.top_p} (0..1], seed {self.seed} (-1 or >= 0)")
         if not 0 <= self.hit_tokens < self.prompt_tokens or self.gen_tokens < 1:
             raise UsageError(f"payload: need 0 <= hit < prompt and gen >= 1, got "
                              f"{self.hit_tokens}, {self.prompt_tokens}, {self.gen_tokens}")

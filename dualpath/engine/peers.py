@@ -178,6 +178,15 @@ class PeerClient:
             return True
         return False
 
+    async def partial(self, sink: str, request_id: str, attempt: int, offset: int,
+                      ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        await self._call(sink, "ReplaySink.Partial",
+                         node_pb2_grpc.ReplaySinkStub(self.channels.channel(sink)).Partial(
+                             node_pb2.PartialTokens(
+                                 request_id=request_id, attempt=attempt, offset=offset,
+                                 token_ids=list(ids), logprobs=list(logprobs)),
+                             timeout=self.timeout_s))
+
     async def report(self, sink: str, t: Timings) -> None:
         await self._call(sink, "ReplaySink.Report",
                          node_pb2_grpc.ReplaySinkStub(self.channels.channel(sink)).Report(

@@ -19,6 +19,7 @@ Threads: the node's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from dualpath import clock
@@ -26,6 +27,7 @@ from dualpath.engine.errors import RequestFailed
 from dualpath.engine.peers import PrefillReport, Timings
 from dualpath.engine.vllm_engine import VllmEngine
 from dualpath.engine.vllm_instance import InstanceError, VllmInstance
+from dualpath.errors import DualPathError
 
 log = logging.getLogger("dualpath.engine")
 
@@ -53,17 +55,23 @@ class VllmDecoder:
                 st.buffer.release()
             st.buffer = None            # the engine's now (released once persisted)
 
-        def on_tokens(count: int) -> None:
+        stream = _Streamer(self.node, st.request_id, st.attempt, p.sink) \
+            if p.stream and p.sink else None
+
+        def on_tokens(ids: list[int], lps: list[float]) -> None:
             now = clock.unix_now()
             if not timings.first_token_unix_s:
                 timings.first_token_unix_s = now
-            if count >= 2 and not timings.second_token_unix_s:
+            if len(ids) >= 2 and not timings.second_token_unix_s:
                 timings.second_token_unix_s = now
+            if stream is not None:
+                stream.grew(ids, lps)
 
         try:
             out = await self.instance.complete(
                 [int(t) for t in ids], p.gen_tokens, request_id=st.request_id,
-                ticket="", on_tokens=on_tokens)
+                ticket="", temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                ignore_eos=p.ignore_eos, on_tokens=on_tokens)
         except InstanceError as e:
             if e.unreachable:
                 self.instance.mark_down(str(e))
@@ -71,5 +79,55 @@ class VllmDecoder:
         finally:
             if adopted is not None:
                 self.engine.release_adopted(adopted)
+            if stream is not None:
+                await stream.close()
         timings.output_token_ids = tuple(out.token_ids)
         timings.output_logprobs = tuple(out.logprobs)
+
+
+class _Streamer:
+    """Sends a request's tokens to its sink as they grow (ReplaySink.Partial), one call
+    at a time, coalescing what arrived meanwhile; best effort (Report has them all)."""
+
+    def __init__(self, node, request_id: str, attempt: int, sink: str):
+        self.node, self.request_id, self.attempt, self.sink = node, request_id, attempt, sink
+        self.ids: list[int] = []
+        self.lps: list[float] = []
+        self.sent = 0
+        self.more = asyncio.Event()
+        self.done = False
+        self.task = asyncio.ensure_future(self._run())
+
+    def grew(self, ids: list[int], lps: list[float]) -> None:
+        self.ids, self.lps = ids, lps
+        self.more.set()
+
+    async def _run(self) -> None:
+        warned = False
+        while True:
+            await self.more.wait()
+            self.more.clear()
+            n = len(self.ids)
+            if n > self.sent:
+                try:
+                    await self.node.peers.partial(self.sink, self.request_id, self.attempt,
+                                                  self.sent, self.ids[self.sent:n],
+                                                  self.lps[self.sent:n])
+                except DualPathError as e:
+                    if not warned:
+                        warned = True
+                        log.warning("streaming %s to %s: %s", self.request_id, self.sink, e)
+                self.sent = n
+            if self.done and self.sent >= len(self.ids):
+                return
+
+    async def close(self) -> None:
+        self.done = True
+        self.more.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), 10)
+        except TimeoutError:
+            self.task.cancel()
+        except asyncio.CancelledError:
+            self.task.cancel()
+            raise

@@ -106,17 +106,23 @@ class VllmInstance:
             await asyncio.sleep(0.5)
 
     async def complete(self, prompt: list[int], max_tokens: int, *, request_id: str,
-                       ticket: str, logprobs: bool = True,
-                       on_tokens: Callable[[int], None] | None = None) -> Completion:
-        """Greedy completion of ``prompt`` (token ids), exactly ``max_tokens`` tokens,
-        streamed: ``on_tokens(n)`` each time the tokens so far grew to ``n``."""
+                       ticket: str, logprobs: bool = True, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: int = -1, ignore_eos: bool = True,
+                       on_tokens: Callable[[list[int], list[float]], None] | None = None
+                       ) -> Completion:
+        """Completion of ``prompt`` (token ids): greedy unless ``temperature``, exactly
+        ``max_tokens`` tokens with ``ignore_eos`` (else up to), streamed:
+        ``on_tokens(ids, logprobs)`` with the tokens so far each time they grew."""
         import aiohttp
 
         body = {"model": await self.model(), "prompt": [int(t) for t in prompt],
-                "max_tokens": int(max_tokens), "temperature": 0.0, "ignore_eos": True,
+                "max_tokens": int(max_tokens), "temperature": float(temperature),
+                "top_p": float(top_p), "ignore_eos": bool(ignore_eos),
                 "return_token_ids": True, "stream": True,
                 "kv_transfer_params": {"dualpath": {"request_id": request_id,
                                                     "ticket": ticket}}}
+        if seed >= 0:
+            body["seed"] = int(seed)
         if logprobs:
             body["logprobs"] = 1
         ids: list[int] = []
@@ -143,13 +149,14 @@ class VllmInstance:
                             lps.extend(float(x) for x in c["logprobs"]["token_logprobs"])
                         finish = c.get("finish_reason") or finish
                     if on_tokens is not None and ids:
-                        on_tokens(len(ids))
+                        on_tokens(ids, lps)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
             raise InstanceError(f"{where}: {type(e).__name__}: {e}",
                                 unreachable=isinstance(e, (aiohttp.ClientConnectionError,
                                                            aiohttp.ClientPayloadError,
                                                            OSError))) from None
-        if len(ids) != max_tokens or (logprobs and len(lps) != len(ids)):
+        short = len(ids) != max_tokens if ignore_eos else not 0 < len(ids) <= max_tokens
+        if short or (logprobs and len(lps) != len(ids)):
             raise InstanceError(f"{where}: {len(ids)} tokens and {len(lps)} logprobs for "
                                 f"max_tokens {max_tokens} (finish reason {finish!r})")
         return Completion(ids, lps, finish)

@@ -50,7 +50,8 @@ class VllmPdCluster:
 
     def __init__(self, model: Path, *, prefill_nodes: int = 1, decode_nodes: int = 1,
                  work_dir: str = "", settings: dict | None = None, max_model_len: int = 4096,
-                 kv_cache_gib: int = 1, start_timeout_s: float = 600.0):
+                 kv_cache_gib: int = 1, start_timeout_s: float = 600.0,
+                 frontend: dict | None = None):
         if prefill_nodes < 1 or decode_nodes < 1:
             raise UsageError("a P/D cluster needs at least one prefill and one decode node")
         self.model = Path(model)
@@ -71,6 +72,10 @@ class VllmPdCluster:
                                     work_dir=work_dir, settings=base, node_settings=per_node,
                                     start_timeout_s=min(start_timeout_s, 120.0))
         self.instances: dict[str, VllmInstanceProc] = {}
+        #: [frontend] settings: start `dualpath frontend` too (None: no front end).
+        self.frontend_settings = frontend
+        self.frontend: subprocess.Popen | None = None
+        self.frontend_url = ""
 
     @property
     def dir(self) -> Path:
@@ -85,6 +90,8 @@ class VllmPdCluster:
             for nid in list(self.instances):
                 self._wait_instance(nid)
             self._wait_registered()
+            if self.frontend_settings is not None:
+                self._start_frontend()
         except BaseException:
             self.stop()
             raise
@@ -92,6 +99,37 @@ class VllmPdCluster:
             f"{nid} (node {c.node(nid).address}, vLLM {i.url})"
             for nid, i in self.instances.items()))
         return self
+
+    def _start_frontend(self) -> None:
+        """`dualpath frontend` (its own config: [frontend] over the model's tokenizer,
+        the scheduler, the cluster's client/frontend identity)."""
+        import tomllib
+
+        from dualpath.cluster.local import write_toml
+
+        path = self.dir / "frontend.toml"
+        data = tomllib.loads(path.read_text())
+        data["frontend"] = {"tokenizer": str(self.model), "model": self.model.name,
+                            "listen": "127.0.0.1:0", **self.frontend_settings}
+        write_toml(path, data)
+        ready = self.dir / "frontend.ready"
+        ready.unlink(missing_ok=True)
+        self.frontend, log_path = self.cluster._spawn(
+            "frontend", ["frontend", "--config", str(path), "--ready-file", str(ready)])
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            if self.frontend.poll() is not None or time.monotonic() > deadline:
+                raise ClusterError(f"the front end did not start; see {log_path}")
+            time.sleep(0.1)
+        self.frontend_url = ready.read_text().strip()
+
+    def dead(self) -> list[str]:
+        """What died: the cluster's processes, the vLLM instances, the front end."""
+        out = self.cluster.dead()
+        out += [f"vllm-{nid}" for nid, i in self.instances.items() if i.proc.poll() is not None]
+        if self.frontend is not None and self.frontend.poll() is not None:
+            out.append("frontend")
+        return out
 
     def start_instance(self, node_id: str) -> VllmInstanceProc:
         """(Re)start the vLLM instance beside ``node_id`` (not waiting for it)."""
@@ -196,7 +234,16 @@ class VllmPdCluster:
         return admin_pb2_grpc.AdminStub(ch), ch
 
     def stop(self) -> None:
-        """Every vLLM instance (SIGTERM, then its group killed), then the cluster."""
+        """The front end, every vLLM instance (SIGTERM, then its group killed), then the
+        cluster. Idempotent."""
+        if self.frontend is not None:
+            if self.frontend.poll() is None:
+                self.frontend.send_signal(signal.SIGTERM)
+                try:
+                    self.frontend.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+            kill_group(self.frontend.pid)
         for inst in self.instances.values():
             if inst.proc.poll() is None:
                 inst.proc.send_signal(signal.SIGTERM)

@@ -11,7 +11,10 @@ Equal greedy tokens and logprobs mean the KV that crossed both nodes is the KV.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -23,6 +26,7 @@ from dualpath.vllm.pd import VllmPdCluster
 from tests.vllm.conftest import Conversation
 
 T = 128
+API_KEY = "test-key-0123456789abcdef"
 BLOCK_BYTES = 4 * T * 256          # a Full Block of the tiny model
 
 
@@ -97,9 +101,14 @@ def rig(request, tmp_path_factory, model_dirs, oracle):
     tmp = tmp_path_factory.mktemp(request.param)
     # A slow storage NIC (6 MB/s) keeps a 2K-token hit's read in flight for a while, so a
     # kill lands in the middle of a request; the outputs do not depend on it.
+    key = tmp / "api.key"
+    key.write_text(API_KEY)
     pd = VllmPdCluster(model_dirs["tiny"], decode_nodes=int(request.param[2]),
                        work_dir=str(tmp / "cluster"),
-                       settings={"storage": {"snic_gbit_per_s": 0.05}}).start()
+                       settings={"storage": {"snic_gbit_per_s": 0.05}},
+                       frontend={"api_key_file": str(key), "max_body_bytes": 65536,
+                                 "max_prompt_tokens": 3000, "max_tokens": 64}
+                       if request.param == "1p1d" else None).start()
     r = Rig(pd, oracle)
     r.topology = request.param
     yield r
@@ -231,3 +240,114 @@ def test_sigkill_of_a_vllm_instance_mid_request_ends_in_a_recompute(rig, side):
     b = rig.turn(prompt, gen, stored, "prefill", during=at)
     assert at.fired and b["g"].attempt >= 2, "the kill did not hit a running request"
     assert _same(b, rig.oracle.generate(prompt, gen))
+
+
+# ------------------------------------------------------------------ the front end
+
+def _http(rig, path: str, body=None, *, key: str | None = API_KEY, raw: bytes | None = None):
+    """(status, parsed JSON or the list of SSE events) of one call to the front end."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None
+                                        else None)
+    req = urllib.request.Request(rig.pd.frontend_url + path, data=data, headers=headers,
+                                 method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            text = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode())
+    if text.startswith("data:"):
+        events = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+        assert events[-1] == "[DONE]"
+        return status, [json.loads(e) for e in events[:-1]]
+    return status, json.loads(text)
+
+
+@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
+def test_front_end_token_id_completions_are_the_oracle_streamed_or_not(rig):
+    conv = Conversation(seed=707, first=300, append=100, gen=12)
+    for _ in range(2):                      # the second turn hits what the first stored
+        prompt = list(conv.context)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": conv.gen,
+                "temperature": 0, "logprobs": 1, "ignore_eos": True}
+        st, out = _http(rig, "/v1/completions", body)
+        assert st == 200, out
+        ref = rig.oracle.generate(prompt, conv.gen)
+        c = out["choices"][0]
+        assert c["token_ids"] == ref["token_ids"]
+        assert c["logprobs"]["token_logprobs"] == ref["logprobs"]
+        assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": conv.gen,
+                                "total_tokens": len(prompt) + conv.gen}
+        assert c["finish_reason"] == "length"
+        st, events = _http(rig, "/v1/completions", {**body, "stream": True,
+                                                    "stream_options": {"include_usage": True}})
+        assert st == 200
+        ids = [t for e in events for ch in e["choices"] for t in ch["token_ids"]]
+        assert ids == ref["token_ids"]
+        assert "".join(ch["text"] for e in events for ch in e["choices"]) == c["text"]
+        assert events[-1]["usage"]["completion_tokens"] == conv.gen
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        conv.advance(c["token_ids"])
+    def loaded() -> bool:                  # vLLM logs its connector's stats every 10 s
+        log = (rig.pd.dir / "logs" / "vllm-p0.log").read_text()
+        return any("KV Transfer metrics" in line and "loads=0," not in line
+                   for line in log.splitlines())
+    deadline = time.monotonic() + 30
+    while not loaded() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert loaded(), "the front end's hits never came through DualPath"
+
+
+@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
+def test_front_end_chat_and_text_prompts_stream_text(rig):
+    st, out = _http(rig, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8, "temperature": 0})
+    assert st == 200, out
+    msg = out["choices"][0]["message"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+    assert 1 <= out["usage"]["completion_tokens"] <= 8
+    st, events = _http(rig, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8, "temperature": 0, "stream": True})
+    assert st == 200
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert streamed == msg["content"]
+    st, out = _http(rig, "/v1/completions", {"model": "tiny", "prompt": "Once upon a time",
+                                             "max_tokens": 5, "temperature": 0.7,
+                                             "seed": 3})
+    assert st == 200 and out["object"] == "text_completion", out
+    st, models_ = _http(rig, "/v1/models")
+    assert st == 200 and [m["id"] for m in models_["data"]] == ["tiny"]
+
+
+@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
+@pytest.mark.parametrize("case", ["no_key", "wrong_key", "unknown_field", "wrong_model",
+                                  "too_long", "too_many_tokens", "not_json", "too_big",
+                                  "n2", "bad_messages"])
+def test_front_end_bad_input_gets_an_openai_error_naming_it(rig, case):
+    ok = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}
+    call = {
+        "no_key": (401, {"body": ok, "key": None}, "invalid_api_key"),
+        "wrong_key": (401, {"body": ok, "key": "x" * 24}, "invalid_api_key"),
+        "unknown_field": (400, {"body": {**ok, "best_of": 2}}, "best_of"),
+        "wrong_model": (404, {"body": {**ok, "model": "gpt-9"}}, "gpt-9"),
+        "too_long": (400, {"body": {**ok, "prompt": [1] * 3001}}, "3001"),
+        "too_many_tokens": (400, {"body": {**ok, "max_tokens": 65}}, "max_tokens"),
+        "not_json": (400, {"raw": b"{not json"}, "JSON"),
+        "too_big": (413, {"raw": b" " * 70000}, "65536"),
+        "n2": (400, {"body": {**ok, "n": 2}}, "n"),
+        "bad_messages": (400, {"body": {"model": "tiny", "messages": [{"role": "robot",
+                                                                       "content": "hi"}]},
+                                   "path": "/v1/chat/completions"}, "messages[0]"),
+    }[case]
+    status, kw, needle = call
+    path = kw.pop("path", "/v1/completions")
+    st, out = _http(rig, path, **kw)
+    assert st == status, out
+    err = out["error"]
+    assert needle in (err["message"] + str(err.get("param")) + str(err.get("code"))), err

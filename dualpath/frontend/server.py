@@ -1,0 +1,290 @@
+"""The OpenAI HTTP front end: ``/v1/completions``, ``/v1/chat/completions`` (streamed or
+not), ``/v1/models``, ``/health``, in front of the scheduler (docs/vllm.md).
+
+A request is parsed (dualpath/frontend/protocol.py: bounded, every field checked),
+tokenized when it is text or chat (the model's own tokenizer), given the hit the front
+end expects stored (dualpath/frontend/index.py) and submitted to the scheduler through
+:class:`~dualpath.cluster.generate.Generator`, under a fresh unguessable request id.
+The scheduler picks the prefill and decode nodes; the decode node streams the tokens to
+the front end's sink as its vLLM instance generates them and reports them all once the
+scheduler recorded the request. A streamed answer sends each new token as it comes; a
+retried attempt (a node or instance died) streams again from its first token, and the
+tokens already sent are checked against it and not sent twice (greedy, or sampling with
+the request's seed, which the front end always sets, gives the same tokens).
+
+Threads: one asyncio loop (aiohttp).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+
+from dualpath import tls
+from dualpath.cluster.generate import GenerationFailed, Generator
+from dualpath.errors import ConfigError, DualPathError, RemoteUnavailable
+from dualpath.frontend import protocol as api
+from dualpath.frontend.config import FrontendConfig
+from dualpath.frontend.index import HitIndex
+from dualpath.frontend.tokens import Tokens
+
+log = logging.getLogger("dualpath.frontend")
+
+_REJECT_STATUS = {"REJECT_REASON_QUEUE_FULL": 429, "REJECT_REASON_DUPLICATE": 409,
+                  "REJECT_REASON_INVALID": 400, "REJECT_REASON_TOO_LARGE": 400}
+
+
+class FrontEnd:
+    """See the module docstring. ``await start()`` (the URL), ``await close()``."""
+
+    def __init__(self, cfg: FrontendConfig, scheduler: str, tls_config: tls.TlsConfig):
+        self.cfg = cfg
+        self.tokens = Tokens(cfg.tokenizer)
+        self.model = cfg.model or (Path(cfg.tokenizer).name if cfg.tokenizer else "dualpath")
+        self.key = b""
+        if cfg.api_key_file:
+            try:
+                self.key = Path(cfg.api_key_file).read_text().strip().encode()
+            except OSError as e:
+                raise ConfigError(f"frontend.api_key_file: {e}") from None
+            if len(self.key) < 16:
+                raise ConfigError("frontend.api_key_file: the key must be 16 characters "
+                                  "or more")
+        self.limits = api.Limits(cfg.max_prompt_tokens, cfg.max_tokens, self.model)
+        self.index = HitIndex(cfg.block_tokens, cfg.index_blocks)
+        self.gen = Generator(scheduler, tls_config, tls_config)
+        self.in_flight = 0
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> str:
+        await self.gen.start()
+        app = web.Application(client_max_size=self.cfg.max_body_bytes,
+                              middlewares=[self._errors])
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        host, _, port = self.cfg.listen.rpartition(":")
+        site = web.TCPSite(self.runner, host.strip("[]"), int(port))
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://{host}:{bound}"
+        log.info("front end on %s: model %s, %s, API key %s, scheduler %s", self.url,
+                 self.model, f"tokenizer {self.cfg.tokenizer}" if self.tokens.available
+                 else "token-id prompts only (no tokenizer)",
+                 "required" if self.key else "off", self.gen.scheduler)
+        return self.url
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+        await self.gen.close()
+
+    # ------------------------------------------------------------ edge
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            if request.path != "/health" and self.key:
+                got = request.headers.get("Authorization", "")
+                if not (got.startswith("Bearer ") and
+                        hmac.compare_digest(got[7:].strip().encode(), self.key)):
+                    raise api.ApiError(401, "missing or incorrect API key (send "
+                                       "'Authorization: Bearer <key>')",
+                                       code="invalid_api_key")
+            return await handler(request)
+        except api.ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPRequestEntityTooLarge:
+            e = api.ApiError(413, f"the request body is larger than "
+                             f"{self.cfg.max_body_bytes} bytes", code="request_too_large")
+            return web.json_response(e.body(), status=413)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            err = api.ApiError(e.status, e.reason or "error",
+                               code="not_found" if e.status == 404 else None)
+            return web.json_response(err.body(), status=e.status)
+        except Exception:
+            log.exception("front end: %s %s failed", request.method, request.path)
+            err = api.ApiError(500, "internal error (logged by the front end)",
+                               type_="server_error", code="internal_error")
+            return web.json_response(err.body(), status=500)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model": self.model})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "dualpath"}]})
+
+    async def _body(self, request: web.Request):
+        try:
+            raw = await request.read()
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise api.bad(f"the request body is not JSON: {e}") from None
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        call = api.parse_completion(await self._body(request), self.limits)
+        if call.prompt_ids is not None:
+            ids = call.prompt_ids
+        else:
+            ids = self._text_ids(call.prompt_text)
+        return await self._serve(request, call, ids, "cmpl")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        call = api.parse_chat(await self._body(request), self.limits)
+        if not self.tokens.available:
+            raise api.bad("chat needs the model's tokenizer (frontend.tokenizer is not set)",
+                          "messages")
+        ids = self.tokens.chat(call.messages)
+        return await self._serve(request, call, ids, "chatcmpl")
+
+    def _text_ids(self, text: str) -> list[int]:
+        if not self.tokens.available:
+            raise api.bad("text prompts need the model's tokenizer (frontend.tokenizer is "
+                          "not set); send token ids", "prompt")
+        return self.tokens.encode(text)
+
+    # ------------------------------------------------------------ generation
+
+    async def _serve(self, request: web.Request, call: api.Call, ids: list[int],
+                     prefix: str) -> web.StreamResponse:
+        api.check_prompt_length(len(ids), self.limits)
+        if self.in_flight >= self.cfg.max_in_flight:
+            raise api.ApiError(429, f"{self.in_flight} requests in flight (at most "
+                               f"{self.cfg.max_in_flight}); retry later",
+                               type_="rate_limit_error", code="rate_limit_exceeded")
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        # A seed even for sampling requests without one: a retried attempt samples the
+        # same tokens, so a stream never shows two different continuations.
+        seed = call.seed if call.seed >= 0 else secrets.randbits(62)
+        self.in_flight += 1
+        try:
+            if call.stream:
+                return await self._stream(request, call, ids, rid, seed)
+            g = await self._generate(call, ids, rid, seed, None)
+            text = self.tokens.decode(g.token_ids)
+            return web.json_response(api.answer(
+                call, rid, text, g.token_ids, g.logprobs, len(ids),
+                api.finish_reason(call, len(g.token_ids))))
+        finally:
+            self.in_flight -= 1
+
+    async def _generate(self, call: api.Call, ids: list[int], rid: str, seed: int,
+                        on_partial):
+        try:
+            g = await self.gen.generate(
+                rid, ids, call.max_tokens, hit_tokens=self.index.hit_tokens(ids),
+                block_tokens=self.cfg.block_tokens, timeout_s=self.cfg.request_timeout_s,
+                temperature=call.temperature, top_p=call.top_p, seed=seed,
+                ignore_eos=call.ignore_eos, on_partial=on_partial)
+        except GenerationFailed as e:
+            status = _REJECT_STATUS.get(e.reason, 503)
+            raise api.ApiError(status, str(e), type_="invalid_request_error"
+                               if status in (400, 409) else "server_error",
+                               code=e.reason.removeprefix("REJECT_REASON_").lower()
+                               if e.reason else "generation_failed") from None
+        except (RemoteUnavailable, DualPathError, OSError) as e:
+            raise api.ApiError(503, f"the cluster could not serve the request: {e}",
+                               type_="server_error", code="unavailable") from None
+        except Exception as e:  # a gRPC error from the scheduler
+            if type(e).__name__ == "AioRpcError":
+                raise api.ApiError(503, f"scheduler: {e.code().name} {e.details()}",
+                                   type_="server_error", code="unavailable") from None
+            raise
+        self.index.remember(ids, g.token_ids)
+        return g
+
+    async def _stream(self, request: web.Request, call: api.Call, ids: list[int],
+                      rid: str, seed: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        sent: list[int] = []
+        sent_lps: list[float] = []
+        state = {"attempt": 0, "diverged": False, "text": ""}
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_partial(attempt: int, offset: int, new: list[int], lps: list[float]) -> None:
+            if attempt < state["attempt"]:
+                return
+            state["attempt"] = attempt
+            for i, t in enumerate(new):
+                pos = offset + i
+                if pos < len(sent):
+                    if sent[pos] != t:
+                        state["diverged"] = True
+                elif pos == len(sent):
+                    sent.append(t)
+                    sent_lps.append(lps[i] if i < len(lps) else 0.0)
+            queue.put_nowait(None)
+
+        async def write(obj) -> None:
+            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+        shown = [0]
+
+        async def flush(final: bool) -> None:
+            n = len(sent)
+            if n == shown[0]:
+                return
+            text = self.tokens.decode(sent[:n])
+            if not final and text.endswith("\ufffd"):   # a character cut in two
+                return
+            delta = text[len(state["text"]):]
+            state["text"] = text
+            await write(api.chunk(call, rid, delta, sent[shown[0]:n], sent_lps[shown[0]:n],
+                                  None, first=shown[0] == 0))
+            shown[0] = n
+
+        task = asyncio.ensure_future(self._generate(call, ids, rid, seed, on_partial))
+        try:
+            while not task.done():
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                getter.cancel()
+                await flush(False)
+            try:
+                g = task.result()
+            except api.ApiError as e:
+                await write(e.body())
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            if sent != g.token_ids[:len(sent)] or state["diverged"]:
+                err = api.ApiError(500, "a retried attempt generated other tokens than "
+                                   "those already streamed", type_="server_error",
+                                   code="stream_diverged")
+                await write(err.body())
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            sent[len(sent):] = g.token_ids[len(sent):]
+            sent_lps[len(sent_lps):] = g.logprobs[len(sent_lps):]
+            await flush(True)
+            await write(api.chunk(call, rid, "", [], [], api.finish_reason(
+                call, len(g.token_ids))))
+            if call.include_usage:
+                u = api.chunk(call, rid, "", [], [], None)
+                u["choices"] = []
+                u["usage"] = api.usage(len(ids), len(g.token_ids))
+                await write(u)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            if not task.done():          # the client went away
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 from dualpath.errors import UsageError
@@ -77,6 +78,18 @@ def register(sub) -> None:
                     "nodes on other hosts)")
     mo.add_argument("--report-host", default="", help="the host name or address the nodes "
                     "reach --report-listen at (default: its host)")
+    vl = r.add_argument_group("vLLM (--engine vllm: real tokens through the OpenAI front "
+                              "end; the A.3 rule with the model's own generations)")
+    vl.add_argument("--engine", choices=("emulated", "vllm"), default="emulated")
+    vl.add_argument("--url", help="a running front end (e.g. http://127.0.0.1:8000); "
+                    "default: start a local vLLM P/D cluster with one")
+    vl.add_argument("--model", help="the model directory (its vocabulary; the local "
+                    "cluster's model); default SmolLM2-135M-Instruct")
+    vl.add_argument("--served-model", help="the front end's model name (default: the "
+                    "model directory's name)")
+    vl.add_argument("--api-key-file", help="the front end's API key")
+    vl.add_argument("--concurrency", type=int, default=16,
+                    help="requests in flight at most")
     out = r.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the report as JSON")
     out.add_argument("--plot", metavar="PATH", help="write the report's PNG plot")
@@ -231,7 +244,87 @@ def _up_vllm(args) -> int:
     return rc
 
 
+def _replay_vllm(args) -> int:
+    """Table 2 trajectories with real tokens through the OpenAI front end."""
+    import asyncio
+    import json
+    from pathlib import Path
+
+    from dualpath.cluster.agentic import http_generate, records_json, run_agents, summary
+    from dualpath.cluster.run import make_trace
+    from dualpath.vllm import models
+
+    if args.concurrency < 1:
+        raise UsageError(f"--concurrency {args.concurrency}: must be >= 1")
+    check_output_path(args.json, "--json")
+    model = Path(args.model) if args.model else models.prepare(models.default_dir())["smollm2"]
+    try:
+        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--model {model}: no vocab_size in its config.json ({e})") from None
+    key = ""
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"--api-key-file: {e.strerror}") from None
+    try:
+        trace = make_trace(args.agents, table=args.table, context_scale=args.context_scale,
+                           max_rounds=args.max_rounds, seed=args.seed, path=args.trace)
+    except OSError as e:
+        raise UsageError(f"--trace {args.trace}: cannot read ({e.strerror})") from None
+    pd = None
+    url = args.url
+    if not url:
+        from dualpath.vllm.pd import VllmPdCluster
+
+        _, raw = _load(args)
+        settings = {sec: dict(kv) for sec, kv in raw.items()
+                    if sec not in ("cluster", "frontend")}
+        if args.snic_gbit is not None:
+            settings.setdefault("storage", {})["snic_gbit_per_s"] = args.snic_gbit
+        pd = VllmPdCluster(model, prefill_nodes=args.prefill_nodes,
+                           decode_nodes=args.decode_nodes, settings=settings,
+                           max_model_len=8192, frontend={})
+    try:
+        if pd is not None:
+            with sigterm_as_interrupt():
+                pd.start()
+            url = pd.frontend_url
+
+        async def go():
+            gen, close = http_generate(url, args.served_model or model.name, key)
+            try:
+                # The hits the report expects: vLLM CPU's 128-token blocks (the front end
+                # plans the real ones from frontend.block_tokens).
+                return await run_agents(trace, gen, vocab=vocab, block_tokens=128,
+                                        tag=f"replay{int(time.time())}",
+                                        concurrency=args.concurrency)
+            finally:
+                await close()
+        records = asyncio.run(go())
+    finally:
+        if pd is not None:
+            pd.stop()
+            pd.cleanup()
+    s = summary(records)
+    print("| rounds | JCT (s) | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | generated |")
+    print("|---|---|---|---|---|")
+    print(f"| {s['rounds']} | {s['jct_s']:.2f} | {s['ttft_p50_s']:.3f} / "
+          f"{s['ttft_p99_s']:.3f} | {1e3 * s['tpot_p50_s']:.1f} / "
+          f"{1e3 * s['tpot_p99_s']:.1f} | {s['generated_tokens']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": s, "engine": "vllm",
+                                               "model": model.name,
+                                               "rounds": records_json(records)}, indent=1))
+    return 0
+
+
 def _replay(args) -> int:
+    if args.engine == "vllm":
+        return _replay_vllm(args)
+    if args.url or args.model:
+        raise UsageError("--url and --model are for --engine vllm")
     from dualpath.cluster.replay import ReplayAborted, ReplayOptions
     from dualpath.cluster.run import make_trace, run_modes
 

@@ -81,6 +81,8 @@ class PrefillReport:
     attempt: int
     computed_from_tokens: int       # hit_tokens unless hit blocks had to be recomputed
     kv_blocks: int = 0              # vLLM: leading prompt blocks complete in the DE buffer
+    # vLLM: the prefill's token, its logprob, whether it ended the answer
+    first_token: tuple[int, float, bool] | None = None
 
 
 @dataclass
@@ -159,7 +161,11 @@ class PeerClient:
                 prefill_done_unix_s=r.done_unix_s, prefill_node_id=r.prefill_node_id,
                 prefill_read_bytes=r.read_bytes, read_start_unix_s=r.read_span[0],
                 read_end_unix_s=r.read_span[1], attempt=r.attempt,
-                computed_from_tokens=r.computed_from_tokens, kv_blocks=r.kv_blocks),
+                computed_from_tokens=r.computed_from_tokens, kv_blocks=r.kv_blocks,
+                has_first_token=r.first_token is not None,
+                first_token_id=r.first_token[0] if r.first_token else 0,
+                first_token_logprob=r.first_token[1] if r.first_token else 0.0,
+                first_token_stops=bool(r.first_token and r.first_token[2])),
             timeout=self.timeout_s))
 
     async def stop(self, peer: str, request_id: str, attempt: int,

@@ -210,7 +210,9 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             request.request_id, request.prefill_engine_id, request.prefill_node_id,
             request.prefill_done_unix_s, int(request.prefill_read_bytes),
             (request.read_start_unix_s, request.read_end_unix_s), request.attempt,
-            int(request.computed_from_tokens), int(request.kv_blocks)))
+            int(request.computed_from_tokens), int(request.kv_blocks),
+            (int(request.first_token_id), float(request.first_token_logprob),
+             bool(request.first_token_stops)) if request.has_first_token else None))
         return node_pb2.PrefillDoneResponse()
 
 

@@ -43,10 +43,12 @@ class VllmDecoder:
     async def run(self, st, done: PrefillReport, timings: Timings) -> None:
         p = st.payload
         prompt = p.prompt_tokens
-        ids = p.token_ids(prompt, self.node.tokens)
+        ids = [int(t) for t in p.token_ids(prompt, self.node.tokens)]
         T = self.engine.space.fmt.block_tokens
         adopted = None
         if st.buffer is not None:
+            # The leading full blocks the PE completed here; the decode instance
+            # computes the prompt's partial last block with the first token.
             n = min(done.kv_blocks, prompt // T, len(st.spans))
             if n:
                 adopted = self.engine.adopt(st.request_id, [s.key for s in st.spans[:n]],
@@ -54,24 +56,39 @@ class VllmDecoder:
             else:
                 st.buffer.release()
             st.buffer = None            # the engine's now (released once persisted)
-
         stream = _Streamer(self.node, st.request_id, st.attempt, p.sink) \
             if p.stream and p.sink else None
+        # The prefill sampled the first token (as a single instance does at the end of
+        # its prefill); the decode instance continues after it.
+        head: list[int] = []
+        head_lps: list[float] = []
+        stops = False
+        if done.first_token is not None:
+            stops = done.first_token[2]
+            head, head_lps = [done.first_token[0]], [done.first_token[1]]
+            timings.first_token_unix_s = done.done_unix_s or clock.unix_now()
+            if stream is not None:
+                stream.grew(head, head_lps)
 
-        def on_tokens(ids: list[int], lps: list[float]) -> None:
+        def on_tokens(got: list[int], lps: list[float]) -> None:
             now = clock.unix_now()
+            n = len(head) + len(got)
             if not timings.first_token_unix_s:
                 timings.first_token_unix_s = now
-            if len(ids) >= 2 and not timings.second_token_unix_s:
+            if n >= 2 and not timings.second_token_unix_s:
                 timings.second_token_unix_s = now
             if stream is not None:
-                stream.grew(ids, lps)
+                stream.grew(head + got, head_lps + lps)
 
+        rest = p.gen_tokens - len(head)
         try:
-            out = await self.instance.complete(
-                [int(t) for t in ids], p.gen_tokens, request_id=st.request_id,
-                ticket="", temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                ignore_eos=p.ignore_eos, on_tokens=on_tokens)
+            out_ids, out_lps = [], []
+            if rest > 0 and not stops:
+                out = await self.instance.complete(
+                    ids + head, rest, request_id=st.request_id, ticket="",
+                    temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                    ignore_eos=p.ignore_eos, on_tokens=on_tokens)
+                out_ids, out_lps = out.token_ids, out.logprobs
         except InstanceError as e:
             if e.unreachable:
                 self.instance.mark_down(str(e))
@@ -81,8 +98,8 @@ class VllmDecoder:
                 self.engine.release_adopted(adopted)
             if stream is not None:
                 await stream.close()
-        timings.output_token_ids = tuple(out.token_ids)
-        timings.output_logprobs = tuple(out.logprobs)
+        timings.output_token_ids = tuple(head + out_ids)
+        timings.output_logprobs = tuple(head_lps + out_lps)
 
 
 class _Streamer:

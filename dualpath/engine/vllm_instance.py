@@ -106,7 +106,8 @@ class VllmInstance:
             await asyncio.sleep(0.5)
 
     async def complete(self, prompt: list[int], max_tokens: int, *, request_id: str,
-                       ticket: str, logprobs: bool = True, temperature: float = 0.0,
+                       ticket: str, save_all: bool = False, logprobs: bool = True,
+                       temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = -1, ignore_eos: bool = True,
                        on_tokens: Callable[[list[int], list[float]], None] | None = None
                        ) -> Completion:
@@ -120,7 +121,8 @@ class VllmInstance:
                 "top_p": float(top_p), "ignore_eos": bool(ignore_eos),
                 "return_token_ids": True, "stream": True,
                 "kv_transfer_params": {"dualpath": {"request_id": request_id,
-                                                    "ticket": ticket}}}
+                                                    "ticket": ticket,
+                                                    "save_all": save_all}}}
         if seed >= 0:
             body["seed"] = int(seed)
         if logprobs:

@@ -45,7 +45,7 @@ from dualpath.engine.prefill import PrefillPath
 from dualpath.engine.roles import RS_DECODE, RS_NONE, RS_PREFILL, RS_SPLIT
 from dualpath.engine.vllm_engine import VllmEngine
 from dualpath.engine.vllm_instance import InstanceError, VllmInstance
-from dualpath.engine.vllm_stage import BothReady, Stage
+from dualpath.engine.vllm_stage import AllAtOnce, BothReady, Stage
 from dualpath.errors import DualPathError, TransferError
 
 log = logging.getLogger("dualpath.engine")
@@ -172,15 +172,22 @@ class VllmPrefillPath(PrefillPath):
                 sources.append(watch)
                 first_parts.append(_remote_usable(watch))
                 usable_parts.append(_remote_usable(watch))
-            stage = Stage(rid, a.attempt, ticket, keys[:hit], res,
-                          BothReady(sources) if len(sources) > 1 else
-                          sources[0] if sources else LocalArrivals(),
+            source = (BothReady(sources) if len(sources) > 1 else
+                      sources[0] if sources else LocalArrivals())
+            if not (p.layerwise and n.cfg.engine.layerwise):
+                source = AllAtOnce(source, fmt.layers)
+            stage = Stage(rid, a.attempt, ticket, keys[:hit], res, source,
                           _combine(first_parts, local), _combine(usable_parts, local),
                           release=lambda r: r is None or r.release(), on_saved=on_saved)
             eng.stages[rid] = stage
             try:
-                await self.instance.complete([int(t) for t in ids], 1, request_id=rid,
-                                             ticket=ticket, logprobs=False)
+                # Oracle: the instance's own prefix cache holds the hit; every prompt
+                # block still goes to the DE (save_all), as if its HBM had it too.
+                out = await self.instance.complete(
+                    [int(t) for t in ids], 1, request_id=rid, ticket=ticket,
+                    save_all=p.oracle,
+                    temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                    ignore_eos=p.ignore_eos)
             except InstanceError as err:
                 if err.unreachable:
                     self.instance.mark_down(str(err))
@@ -197,7 +204,9 @@ class VllmPrefillPath(PrefillPath):
                 self._usable(rid, usable, hit, T)
             report = PrefillReport(rid, e.engine_id, n.node_id, 0.0,
                                    min(local, usable) * space.layout.full_bytes, read_span,
-                                   a.attempt, usable * T, kv_blocks)
+                                   a.attempt, usable * T, kv_blocks,
+                                   (out.token_ids[0], out.logprobs[0],
+                                    out.finish_reason == "stop"))
             await self._done(de, report)
             finished = True
         finally:

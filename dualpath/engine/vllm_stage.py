@@ -40,6 +40,20 @@ class BothReady(LayerSource):
             s.close()
 
 
+class AllAtOnce(LayerSource):
+    """Layer l is ready once every one of ``layers`` layers is (no layerwise loading:
+    the basic mode's ablation, paper §5)."""
+
+    def __init__(self, source: LayerSource, layers: int):
+        self.source, self.layers = source, layers
+
+    async def ready(self, layer: int) -> None:
+        await self.source.ready(self.layers - 1)
+
+    def close(self) -> None:
+        self.source.close()
+
+
 class SlotView:
     """Slots ``[first, first + n)`` of a stage's reservation, as a load sees them:
     ``slots``, ``flat(i)``, ``release()`` (its reference; idempotent)."""

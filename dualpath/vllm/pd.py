@@ -51,13 +51,16 @@ class VllmPdCluster:
     def __init__(self, model: Path, *, prefill_nodes: int = 1, decode_nodes: int = 1,
                  work_dir: str = "", settings: dict | None = None, max_model_len: int = 4096,
                  kv_cache_gib: int = 1, start_timeout_s: float = 600.0,
-                 frontend: dict | None = None):
+                 frontend: dict | None = None, prefix_caching: bool = False):
         if prefill_nodes < 1 or decode_nodes < 1:
             raise UsageError("a P/D cluster needs at least one prefill and one decode node")
         self.model = Path(model)
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
         self.start_timeout_s = start_timeout_s
+        #: vLLM's own prefix cache in every instance (the oracle mode of bench/vllm_pd.py:
+        #: hits from vLLM's memory); off, every hit comes through DualPath.
+        self.prefix_caching = prefix_caching
         ids = [f"p{i}" for i in range(prefill_nodes)] + [f"d{i}" for i in range(decode_nodes)]
         self.ports = {nid: (free_port(), free_port()) for nid in ids}   # control, HTTP
         base = {"engine": {"kind": "vllm"},
@@ -141,7 +144,9 @@ class VllmPdCluster:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(self.model), "--served-model-name", self.model.name,
                 "--host", "127.0.0.1", "--port", str(http), "--dtype", "float32",
-                "--enforce-eager", "--seed", "0", "--no-enable-prefix-caching",
+                "--enforce-eager", "--seed", "0",
+                "--enable-prefix-caching" if self.prefix_caching
+                else "--no-enable-prefix-caching",
                 "--max-model-len", str(self.max_model_len),
                 "--kv-transfer-config", json.dumps(kvt)]
         env = child_env({**os.environ, **ENGINE_ENV,

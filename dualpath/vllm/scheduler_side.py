@@ -52,18 +52,20 @@ class SaveSpec:
     ticket: str = ""
 
 
-def dualpath_params(request) -> tuple[str, str]:
-    """(DualPath request id, ticket) a node daemon gave this request in its
-    ``kv_transfer_params`` (P/D: the node drives the instance), or ("", "")."""
+def dualpath_params(request) -> tuple[str, str, bool]:
+    """(DualPath request id, ticket, save_all) a node daemon gave this request in its
+    ``kv_transfer_params`` (P/D: the node drives the instance), or ("", "", False).
+    ``save_all``: save every full prompt block, vLLM's local hits too (the oracle mode:
+    the hit is in vLLM's own prefix cache, and the decode side needs it all)."""
     params = getattr(request, "kv_transfer_params", None) or {}
     dp = params.get("dualpath") if isinstance(params, dict) else None
     if not isinstance(dp, dict):
-        return "", ""
+        return "", "", False
     rid, ticket = dp.get("request_id"), dp.get("ticket")
     if not isinstance(rid, str) or not isinstance(ticket, str) or len(rid) > 256 \
             or len(ticket) > 64:
-        return "", ""
-    return rid, ticket
+        return "", "", False
+    return rid, ticket, dp.get("save_all") is True
 
 
 @dataclass
@@ -116,9 +118,10 @@ class _Req:
     local: int = 0                   # vLLM's local hit tokens at the last lookup
     tag: str = ""                    # DualPath's request id (kv_transfer_params) or vLLM's
     ticket: str = ""
+    save_all: bool = False
 
     def __post_init__(self):
-        rid, self.ticket = dualpath_params(self.request)
+        rid, self.ticket, self.save_all = dualpath_params(self.request)
         self.tag = rid or self.request.request_id
 
 
@@ -210,7 +213,9 @@ class SchedulerSide:
             keys = self._keys(st, b * T)[a:b]
             plan.loads.append(LoadSpec(st.tag, keys, st.units[a * k:b * k], st.ticket))
         if st.stored < 0 or base < st.stored:
-            st.stored = base     # first schedule, or computed tokens went back: recompute
+            # First schedule, or computed tokens went back: save from there (or, asked
+            # to save all, from the first block, vLLM's local hits too).
+            st.stored = 0 if st.stored < 0 and st.save_all and st.ticket else base
         full = (computed + scheduled) // T
         if full > st.stored:
             keys = self._keys(st, full * T)[st.stored:full]

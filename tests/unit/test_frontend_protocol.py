@@ -1,0 +1,99 @@
+"""The front end's pure parts: request parsing and bounds, answers, the hit index."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath.frontend import protocol as api
+from dualpath.frontend.index import HitIndex
+
+LIM = api.Limits(max_prompt_tokens=100, max_tokens=50, model="m")
+
+
+def _err(fn, body) -> api.ApiError:
+    with pytest.raises(api.ApiError) as e:
+        fn(body, LIM)
+    return e.value
+
+
+def test_a_token_id_completion_parses_with_openai_defaults():
+    c = api.parse_completion({"model": "m", "prompt": [1, 2, 3]}, LIM)
+    assert c.prompt_ids == [1, 2, 3] and c.max_tokens == 16 and c.temperature == 1.0
+    assert c.seed == -1 and not c.stream and not c.logprobs and not c.ignore_eos
+    c = api.parse_completion({"model": "m", "prompt": ["hi"], "logprobs": 1, "seed": 7,
+                              "stream": True, "temperature": 0}, LIM)
+    assert c.prompt_text == "hi" and c.logprobs and c.seed == 7 and c.stream
+    assert c.temperature == 0.0
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"model": "m", "prompt": [1], "best_of": 3}, 400, "best_of"),
+    ({"model": "x", "prompt": [1]}, 404, "x"),
+    ({"prompt": [1]}, 400, "model"),
+    ({"model": "m", "prompt": [1] * 101}, 400, "101"),
+    ({"model": "m", "prompt": [1], "max_tokens": 51}, 400, "max_tokens"),
+    ({"model": "m", "prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "m", "prompt": [1], "temperature": 3}, 400, "temperature"),
+    ({"model": "m", "prompt": [1], "temperature": "hot"}, 400, "temperature"),
+    ({"model": "m", "prompt": [1], "n": 2}, 400, "n"),
+    ({"model": "m", "prompt": [1], "logprobs": 5}, 400, "logprobs"),
+    ({"model": "m", "prompt": [-1]}, 400, "token ids"),
+    ({"model": "m", "prompt": [True]}, 400, "prompt"),
+    ({"model": "m", "prompt": ""}, 400, "empty"),
+    ({"model": "m", "prompt": [[1], [2]]}, 400, "one prompt"),
+    ({"model": "m", "prompt": [1], "stream": "yes"}, 400, "stream"),
+    ({"model": "m", "prompt": [1], "stream_options": {"x": 1}}, 400, "stream_options"),
+    ([1, 2], 400, "JSON object"),
+])
+def test_bad_completions_are_refused_naming_the_field(body, status, needle):
+    e = _err(api.parse_completion, body)
+    assert e.status == status
+    assert needle in e.message + str(e.param)
+    assert set(e.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_messages_are_checked():
+    c = api.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                        "max_completion_tokens": 5, "logprobs": True}, LIM)
+    assert c.chat and c.max_tokens == 5 and c.logprobs
+    assert _err(api.parse_chat, {"model": "m", "messages": []}).param == "messages"
+    e = _err(api.parse_chat, {"model": "m", "messages": [{"role": "user", "content": 3}]})
+    assert e.param == "messages[0]"
+    e = _err(api.parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x",
+                                                          "tool_calls": []}]})
+    assert e.param == "messages[0]"
+
+
+def test_answers_have_the_openai_shapes():
+    c = api.parse_completion({"model": "m", "prompt": [1], "logprobs": 1,
+                              "max_tokens": 2}, LIM)
+    a = api.answer(c, "cmpl-1", "ab", [5, 6], [-0.5, -1.0], 1, api.finish_reason(c, 2))
+    assert a["object"] == "text_completion" and a["choices"][0]["finish_reason"] == "length"
+    assert a["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, -1.0]
+    assert a["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    chat = api.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                          LIM)
+    ch = api.chunk(chat, "chatcmpl-1", "a", [5], [-0.5], None, first=True)
+    assert ch["object"] == "chat.completion.chunk"
+    assert ch["choices"][0]["delta"] == {"content": "a", "role": "assistant"}
+    assert api.finish_reason(chat, 3) == "stop"
+
+
+def test_the_hit_index_remembers_served_blocks_but_never_the_last_token():
+    idx = HitIndex(block_tokens=4, capacity=100)
+    prompt, out = list(range(10)), [10, 11, 12]
+    assert idx.hit_tokens(prompt) == 0
+    idx.remember(prompt, out)            # 12 tokens stored (the last one's KV never is)
+    assert len(idx) == 3
+    assert idx.hit_tokens(prompt + out + [99, 98]) == 12
+    assert idx.hit_tokens(list(range(12))) == 8       # the last token is never a hit
+    assert idx.hit_tokens([7] + prompt[1:]) == 0       # another first block: nothing
+
+
+def test_the_hit_index_forgets_the_least_recently_used():
+    idx = HitIndex(block_tokens=2, capacity=2)
+    idx.remember([1, 2, 3, 4], [5])     # two blocks: (1,2), (1,2,3,4)
+    idx.remember([9, 9], [9])           # one more: the oldest goes
+    assert len(idx) == 2
+    assert idx.hit_tokens([1, 2, 3, 4, 5]) == 0        # its first block was forgotten
+    assert HitIndex(2, 0).hit_tokens([1, 2, 3]) == 0

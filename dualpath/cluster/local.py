@@ -92,13 +92,13 @@ class LocalCluster:
     engines_per_node: int = 1
     work_dir: str = ""
     settings: dict = field(default_factory=dict)
-    #: node id -> config sections merged over ``settings`` for that node only (e.g. a
-    #: vLLM node's fixed control_listen and the vllm_url of its instance).
-    node_settings: dict = field(default_factory=dict)
     start_timeout_s: float = 60.0
     launcher: list[str] = field(default_factory=list)
     scheduler_address: str = ""
     nodes: list[NodeProc] = field(default_factory=list)
+    #: node id -> config sections merged over ``settings`` for that node only (e.g. a
+    #: vLLM node's fixed control_listen and the vllm_url of its instance).
+    node_settings: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.prefill_nodes < 1 or self.decode_nodes < 1:

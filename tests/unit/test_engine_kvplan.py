@@ -38,15 +38,24 @@ def _payload(**kw) -> Payload:
 def test_payload_round_trips_every_field():
     ids = encode_token_ids(np.arange(20, 35))
     p = _payload(mode="basic", sink="127.0.0.1:9", layerwise=False,
-                 read_policy="round_robin", token_ids_b64=ids)
+                 read_policy="round_robin", token_ids_b64=ids, temperature=0.5,
+                 top_p=0.9, seed=7, ignore_eos=False, stream=True)
     assert Payload.decode(p.encode()) == p
     # The wire form is compact JSON of exactly the dataclass fields (the scheduler's
     # opaque payload bytes; replay clients and nodes of other versions read it).
     assert json.loads(p.encode()) == {
         "trajectory": "traj-7", "round": 3, "prompt_tokens": 10, "hit_tokens": 4,
         "gen_tokens": 5, "mode": "basic", "sink": "127.0.0.1:9", "layerwise": False,
-        "read_policy": "round_robin", "token_ids_b64": ids}
+        "read_policy": "round_robin", "token_ids_b64": ids, "temperature": 0.5,
+        "top_p": 0.9, "seed": 7, "ignore_eos": False, "stream": True}
     assert b" " not in p.encode()
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 2.5}, {"temperature": -1}, {"top_p": 0},
+                                {"top_p": 1.5}, {"seed": -2}])
+def test_payload_refuses_sampling_out_of_range(kw):
+    with pytest.raises(UsageError, match="temperature"):
+        _payload(**kw)
 
 
 def test_payload_defaults_survive_a_round_trip():

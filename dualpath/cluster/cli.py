@@ -180,17 +180,22 @@ def _up(args) -> int:
           + f"; logs {cluster.dir / 'logs'}. Ctrl-C stops.", flush=True)
     rc = 0
     try:
-        while not stop.wait(0.5):
-            dead = cluster.dead()
-            if dead:
-                print(f"dualpath up: {', '.join(dead)} exited; stopping the cluster "
-                      f"(logs in {cluster.dir / 'logs'})", file=sys.stderr)
-                rc = 1
-                break
+        rc = _until_stopped_or_dead(stop, cluster.dead, cluster.dir / "logs")
     finally:
         cluster.stop()
         cluster.cleanup(keep=rc != 0)   # a failed cluster keeps its logs
     return rc
+
+
+def _until_stopped_or_dead(stop: threading.Event, dead, logs) -> int:
+    """Wait for ``stop``; 1 as soon as ``dead()`` names a process that exited."""
+    while not stop.wait(0.5):
+        gone = dead()
+        if gone:
+            print(f"dualpath up: {', '.join(gone)} exited; stopping the cluster (logs in "
+                  f"{logs})", file=sys.stderr)
+            return 1
+    return 0
 
 
 def _up_vllm(args) -> int:
@@ -229,13 +234,7 @@ def _up_vllm(args) -> int:
               f"scheduler {pd.cluster.scheduler_address}; "
               + ", ".join(f"{nid} beside vLLM {i.url}" for nid, i in pd.instances.items())
               + f"; logs {pd.dir / 'logs'}. Ctrl-C stops.", flush=True)
-        while not stop.wait(0.5):
-            dead = pd.dead()
-            if dead:
-                print(f"dualpath up: {', '.join(dead)} exited; stopping (logs in "
-                      f"{pd.dir / 'logs'})", file=sys.stderr)
-                rc = 1
-                break
+        rc = _until_stopped_or_dead(stop, pd.dead, pd.dir / "logs")
     except KeyboardInterrupt:
         pass
     finally:

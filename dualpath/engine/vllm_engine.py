@@ -584,13 +584,18 @@ class VllmEngine:
         if s.stage is not None:
             s.stage.on_saved(s.keys, s.res)      # it owns the slots now
             return len(s.keys)
+        self._commit(s)
+        return len(s.keys)
+
+    def _commit(self, s: _Save) -> None:
+        """``s``'s blocks count as stored (write-back) and are persisted in the
+        background; its slots go back once persisted (and no load copies from them)."""
         for i, key in enumerate(s.keys):
             self._pending.setdefault(key, (s, i))
         self.metrics.connector_pending_blocks.set(len(self._pending))
         t = asyncio.ensure_future(self._persist(s))
         self._persists.add(t)
         t.add_done_callback(self._persists.discard)
-        return len(s.keys)
 
     async def _persist(self, s: _Save) -> None:
         space = self.space
@@ -632,12 +637,7 @@ class VllmEngine:
         :meth:`release_adopted` (the decode instance loaded them). ``res`` is theirs."""
         self._check_keys(keys, "adopt")
         s = _Save(0, "", request_id, list(keys), res, float("inf"), held=True)
-        for i, key in enumerate(s.keys):
-            self._pending.setdefault(key, (s, i))
-        self.metrics.connector_pending_blocks.set(len(self._pending))
-        t = asyncio.ensure_future(self._persist(s))
-        self._persists.add(t)
-        t.add_done_callback(self._persists.discard)
+        self._commit(s)
         return s
 
     @staticmethod

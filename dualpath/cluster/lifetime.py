@@ -33,6 +33,14 @@ PARENT_ENV = "DUALPATH_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 
 
+def exec_argv(argv: list[str]) -> list[str]:
+    """``argv`` (a program that is not ours, e.g. ``vllm serve``) run so that it dies
+    with its parent: ``python -m dualpath.cluster.lifetime --exec ARGV`` asks for
+    PR_SET_PDEATHSIG (:func:`die_with_parent`; the setting survives exec) and execs it.
+    Start it with :func:`child_env`; its own children go with its process group."""
+    return [sys.executable, "-m", "dualpath.cluster.lifetime", "--exec", *argv]
+
+
 def die_with_parent() -> None:
     """In a child started with ``DUALPATH_PARENT_PID``: SIGKILL when the parent dies.
     The variable is removed so that what this child starts does not inherit it."""
@@ -112,4 +120,7 @@ def _janitor(work_dir: str) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--exec"]:
+        die_with_parent()
+        os.execvp(sys.argv[2], sys.argv[2:])
     sys.exit(_janitor(sys.argv[1]))

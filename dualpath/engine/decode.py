@@ -226,7 +226,10 @@ class DecodePath:
         p = req.payload
         spans = block_spans(p.token_ids(req.prompt_tokens, n.tokens),
                             self.space.fmt.block_tokens)
-        res = None if p.oracle else await self.space.pool.reserve(len(spans))
+        # An emulated oracle moves no KV; a real engine's decode needs its prompt's KV
+        # in any mode (the oracle only skips storage reads).
+        moves_kv = not p.oracle or self.decoder is not None
+        res = await self.space.pool.reserve(len(spans)) if moves_kv else None
         if self.requests.get(rid) is not None or \
                 (req.attempt and req.attempt < self.assigned.get(rid, 0)):
             # Overtaken while waiting for slots (a newer attempt, or a cancel of it).

@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from dualpath.cluster.lifetime import child_env, kill_group
+from dualpath.cluster.lifetime import child_env, exec_argv, kill_group
 from dualpath.cluster.local import ClusterError, LocalCluster, free_port
 from dualpath.errors import UsageError
 from dualpath.vllm.local import CONNECTOR, ENGINE_ENV
@@ -155,8 +155,12 @@ class VllmPdCluster:
                          "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
         path = self.dir / "logs" / f"vllm-{node_id}.log"
         with open(path, "ab") as fh:
-            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+            # It dies with us (pdeathsig), and its process group (vLLM's engine core and
+            # workers) with the cluster's janitor when we are killed.
+            proc = subprocess.Popen(exec_argv(argv), stdout=fh, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+        if self.cluster._janitor is not None:
+            self.cluster._janitor.watch(proc.pid)
         inst = VllmInstanceProc(node_id, proc, f"http://127.0.0.1:{http}", path)
         self.instances[node_id] = inst
         return inst

@@ -47,6 +47,10 @@ class Payload:
     seed: int = -1                    # -1: none
     ignore_eos: bool = True
     stream: bool = False              # the DE streams tokens to the sink as they come
+    # vLLM's prefix-cache salt for both instances' requests ("" none): instances that keep
+    # their own prefix cache hit only requests of the same salt (bench/vllm_pd.py: the
+    # oracle salts by trajectory, the other modes by request: no local hit).
+    cache_salt: str = ""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -54,6 +58,8 @@ class Payload:
         if self.read_policy not in READ_POLICIES:
             raise UsageError(f"payload: read_policy {self.read_policy!r}; allowed: "
                              f"{', '.join(READ_POLICIES)}")
+        if len(self.cache_salt) > 256:
+            raise UsageError("payload: cache_salt longer than 256 characters")
         if not (0.0 <= self.temperature <= 2.0 and 0.0 < self.top_p <= 1.0
                 and -1 <= self.seed < 2 ** 63):
             raise UsageError(f"payload: temperature {self.temperature} (0..2), top_p "

@@ -86,6 +86,7 @@ class VllmDecoder:
             if rest > 0 and not stops:
                 out = await self.instance.complete(
                     ids + head, rest, request_id=st.request_id, ticket="",
+                    cache_salt=p.cache_salt,
                     temperature=p.temperature, top_p=p.top_p, seed=p.seed,
                     ignore_eos=p.ignore_eos, on_tokens=on_tokens)
                 out_ids, out_lps = out.token_ids, out.logprobs

@@ -107,7 +107,7 @@ class VllmInstance:
 
     async def complete(self, prompt: list[int], max_tokens: int, *, request_id: str,
                        ticket: str, save_all: bool = False, logprobs: bool = True,
-                       temperature: float = 0.0,
+                       cache_salt: str = "", temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = -1, ignore_eos: bool = True,
                        on_tokens: Callable[[list[int], list[float]], None] | None = None
                        ) -> Completion:
@@ -125,6 +125,8 @@ class VllmInstance:
                                                     "save_all": save_all}}}
         if seed >= 0:
             body["seed"] = int(seed)
+        if cache_salt:
+            body["cache_salt"] = cache_salt
         if logprobs:
             body["logprobs"] = 1
         ids: list[int] = []

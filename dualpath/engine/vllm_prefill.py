@@ -185,7 +185,7 @@ class VllmPrefillPath(PrefillPath):
                 # block still goes to the DE (save_all), as if its HBM had it too.
                 out = await self.instance.complete(
                     [int(t) for t in ids], 1, request_id=rid, ticket=ticket,
-                    save_all=p.oracle,
+                    save_all=p.oracle, cache_salt=p.cache_salt,
                     temperature=p.temperature, top_p=p.top_p, seed=p.seed,
                     ignore_eos=p.ignore_eos)
             except InstanceError as err:

@@ -39,7 +39,7 @@ def test_payload_round_trips_every_field():
     ids = encode_token_ids(np.arange(20, 35))
     p = _payload(mode="basic", sink="127.0.0.1:9", layerwise=False,
                  read_policy="round_robin", token_ids_b64=ids, temperature=0.5,
-                 top_p=0.9, seed=7, ignore_eos=False, stream=True)
+                 top_p=0.9, seed=7, ignore_eos=False, stream=True, cache_salt="s1")
     assert Payload.decode(p.encode()) == p
     # The wire form is compact JSON of exactly the dataclass fields (the scheduler's
     # opaque payload bytes; replay clients and nodes of other versions read it).
@@ -47,7 +47,7 @@ def test_payload_round_trips_every_field():
         "trajectory": "traj-7", "round": 3, "prompt_tokens": 10, "hit_tokens": 4,
         "gen_tokens": 5, "mode": "basic", "sink": "127.0.0.1:9", "layerwise": False,
         "read_policy": "round_robin", "token_ids_b64": ids, "temperature": 0.5,
-        "top_p": 0.9, "seed": 7, "ignore_eos": False, "stream": True}
+        "top_p": 0.9, "seed": 7, "ignore_eos": False, "stream": True, "cache_salt": "s1"}
     assert b" " not in p.encode()
 
 

@@ -169,11 +169,7 @@ def _up(args) -> int:
         raise UsageError("--model is for --engine vllm")
     cfg, raw = _load(args)
     cluster = cluster_from_config(cfg, raw)
-    with sigterm_as_interrupt():   # start() stops what it began when interrupted
-        cluster.start()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = _start_then_wait_for_signals(cluster.start)
     print(f"dualpath up: scheduler {cluster.scheduler_address} (mutual TLS; `dualpath ctl "
           f"... --config {cluster.config_path}` steers it); nodes "
           + ", ".join(f"{n.node_id} ({n.role}) {n.address}" for n in cluster.nodes)
@@ -185,6 +181,17 @@ def _up(args) -> int:
         cluster.stop()
         cluster.cleanup(keep=rc != 0)   # a failed cluster keeps its logs
     return rc
+
+
+def _start_then_wait_for_signals(start) -> threading.Event:
+    """``start()`` (interrupted by SIGTERM, it stops what it began), then SIGTERM and
+    SIGINT set the returned event instead of interrupting."""
+    with sigterm_as_interrupt():
+        start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 def _until_stopped_or_dead(stop: threading.Event, dead, logs) -> int:
@@ -225,11 +232,7 @@ def _up_vllm(args) -> int:
                        settings=settings, max_model_len=args.max_model_len, frontend=fe)
     rc = 0
     try:
-        with sigterm_as_interrupt():
-            pd.start()
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        stop = _start_then_wait_for_signals(pd.start)
         print(f"dualpath up: OpenAI API at {pd.frontend_url}/v1 (model {model.name}); "
               f"scheduler {pd.cluster.scheduler_address}; "
               + ", ".join(f"{nid} beside vLLM {i.url}" for nid, i in pd.instances.items())

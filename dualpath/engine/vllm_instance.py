@@ -92,19 +92,6 @@ class VllmInstance:
                 raise InstanceError(f"{self.url}/v1/models: no model in {data!r:.200}") from None
         return self._model
 
-    async def ready(self, timeout_s: float) -> None:
-        """Wait until the instance answers ``/health`` (bounded)."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while True:
-            try:
-                await self._call("GET", "/health", json_reply=False)
-                return
-            except InstanceError as e:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise InstanceError(f"vLLM at {self.url} not ready in {timeout_s:g} s: "
-                                        f"{e}") from None
-            await asyncio.sleep(0.5)
-
     async def complete(self, prompt: list[int], max_tokens: int, *, request_id: str,
                        ticket: str, save_all: bool = False, logprobs: bool = True,
                        cache_salt: str = "", temperature: float = 0.0,

@@ -176,7 +176,7 @@ class VllmPrefillPath(PrefillPath):
                       sources[0] if sources else LocalArrivals())
             if not (p.layerwise and n.cfg.engine.layerwise):
                 source = AllAtOnce(source, fmt.layers)
-            stage = Stage(rid, a.attempt, ticket, keys[:hit], res, source,
+            stage = Stage(rid, ticket, keys[:hit], res, source,
                           _combine(first_parts, local), _combine(usable_parts, local),
                           release=lambda r: r is None or r.release(), on_saved=on_saved)
             eng.stages[rid] = stage

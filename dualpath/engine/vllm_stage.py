@@ -81,12 +81,11 @@ class Stage:
     every layer is staged intact (known once all reads ended and verified); ``first``
     to those known usable before any layer arrived (a missing block ends the hit)."""
 
-    def __init__(self, request_id: str, attempt: int, ticket: str, keys: list[bytes],
+    def __init__(self, request_id: str, ticket: str, keys: list[bytes],
                  res: Reservation, source: LayerSource, first: Awaitable[int],
                  usable: Awaitable[int], release: Callable[[Reservation], None],
                  on_saved: Callable[[list[bytes], Reservation], None]):
         self.request_id = request_id
-        self.attempt = attempt
         self.ticket = ticket
         self.keys = keys
         self.index = {k: i for i, k in enumerate(keys)}
@@ -97,7 +96,6 @@ class Stage:
         self._release = release
         self.on_saved = on_saved
         self.refs = 1                   # the owner's (the prefill path)
-        self.loads = 0                  # loads served from it
 
     def admits(self, request_id: str, ticket: str) -> bool:
         return request_id == self.request_id and hmac.compare_digest(ticket.encode(),
@@ -118,7 +116,6 @@ class Stage:
 
     def view(self, first: int, n: int) -> SlotView:
         self.refs += 1
-        self.loads += 1
         return SlotView(self, first, n)
 
     def unref(self) -> None:

@@ -47,7 +47,7 @@ async def _stage(keys, ticket="t" * 32):
 
     async def n(v):
         return v
-    return Stage("r1", 1, ticket, keys, res, LocalArrivals(), n(len(keys)), n(len(keys)),
+    return Stage("r1", ticket, keys, res, LocalArrivals(), n(len(keys)), n(len(keys)),
                  release=lambda r: r.release(), on_saved=lambda k, r: None), res
 
 

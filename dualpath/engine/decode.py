@@ -44,7 +44,6 @@ from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.payload import Payload
 from dualpath.engine.peers import LoadOrder, PrefillReport, Timings
 from dualpath.engine.resources import NodeResources
-from dualpath.engine.roles import RS_DECODE
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.placement import KvPlacement
 from dualpath.kv.prefix import KEY_BYTES, block_keys
@@ -97,6 +96,7 @@ class PrepareCall:
     payload: Payload
     owner: Identity | None = None
     attempt: int = 0
+    decode_read_tokens: int = 0     # this node's part of the hit (node.proto)
 
 
 @dataclass
@@ -209,6 +209,9 @@ class DecodePath:
         if not 0 <= req.hit_tokens < req.prompt_tokens <= MAX_PROMPT_TOKENS:
             raise UsageError(f"PrepareRequest: need 0 <= hit_tokens < prompt_tokens <= "
                              f"{MAX_PROMPT_TOKENS}, got {req.hit_tokens}, {req.prompt_tokens}")
+        if req.decode_read_tokens > req.hit_tokens:
+            raise UsageError(f"PrepareRequest: decode_read_tokens {req.decode_read_tokens} "
+                             f"exceeds hit_tokens {req.hit_tokens}")
         if req.prompt_tokens != req.payload.prompt_tokens:
             raise UsageError(f"PrepareRequest: {req.prompt_tokens} prompt tokens but the "
                              f"payload says {req.payload.prompt_tokens}")
@@ -240,8 +243,8 @@ class DecodePath:
         st = DecodeState(rid, e, p, spans, res, req.prefill_address, attempt=req.attempt,
                          owner=req.owner)
         self.requests[rid] = st
-        if req.read_side == RS_DECODE:
-            self.space.read_queue.expect(rid, req.hit_tokens)
+        if req.decode_read_tokens:
+            self.space.read_queue.expect(rid, req.decode_read_tokens)
         e.tokens.setdefault(rid, req.prompt_tokens)
         if res is None:
             return None, []

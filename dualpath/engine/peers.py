@@ -46,6 +46,7 @@ class PrepareJob:
     read_side: int
     payload: bytes
     attempt: int
+    decode_read_tokens: int = 0     # the DE's part of the hit (node.proto)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class PeerClient:
                 request_id=job.request_id, decode_engine_id=job.decode_engine_id,
                 prefill_control_address=job.prefill_address, prompt_tokens=job.prompt_tokens,
                 hit_tokens=job.hit_tokens, read_side=job.read_side, payload=job.payload,
-                attempt=job.attempt),
+                attempt=job.attempt, decode_read_tokens=job.decode_read_tokens),
             timeout=30))
         if not r.slots:
             return Prepared(None, ())

@@ -79,8 +79,9 @@ class PrefillPath:
             _cancel_once(old)
             old_e.tokens.pop(rid, None)
         e.tokens[rid] = a.prompt_tokens
-        if a.read_side == RS_PREFILL:
-            self.space.read_queue.expect(rid, a.hit_tokens)
+        tokens = self._assigned_read_tokens(a)
+        if tokens:
+            self.space.read_queue.expect(rid, tokens)
         t = self.node.spawn(self._prefill(e, a, old))
         self.tasks[rid] = self.runs[(rid, a.attempt)] = t
         self.current[rid] = (a.attempt, e)
@@ -107,6 +108,14 @@ class PrefillPath:
     def claims(self) -> list[tuple[str, EngineRank, bool]]:
         """What this node's engines run, for a registration: (request, engine, False)."""
         return [(rid, e, False) for rid, (_, e) in self.current.items()]
+
+    def _assigned_read_tokens(self, a: Assignment) -> int:
+        """Hit tokens of ``a`` this node reads by the scheduler's word: its read queue
+        counts them from the assignment on (prefill() corrects it for a forced policy)."""
+        if a.read_side == RS_PREFILL or (a.read_side == RS_SPLIT and
+                                         a.prefill_read_tokens > a.decode_read_tokens):
+            return a.hit_tokens
+        return 0
 
     def _read_side(self, p: Payload, a: Assignment) -> int:
         if a.hit_tokens == 0 or p.oracle or p.read_policy == "none":
@@ -175,7 +184,8 @@ class PrefillPath:
         try:
             prep = await n.peers.prepare(de, PrepareJob(rid, a.decode_engine_id, n.address,
                                                         prompt, hit, side, a.payload_bytes,
-                                                        a.attempt))
+                                                        a.attempt,
+                                                        hit if side == RS_DECODE else 0))
             layer_s = eng.prefill_layer_s(hit, prompt - hit)
             layerwise = p.layerwise and n.cfg.engine.layerwise
             report = PrefillReport(rid, e.engine_id, n.node_id, 0.0, 0, (0.0, 0.0),

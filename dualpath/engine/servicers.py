@@ -179,7 +179,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             call = PrepareCall(request.request_id, request.decode_engine_id,
                                request.prefill_control_address, int(request.prompt_tokens),
                                int(request.hit_tokens), request.read_side,
-                               Payload.decode(request.payload), ident, request.attempt)
+                               Payload.decode(request.payload), ident, request.attempt,
+                               int(request.decode_read_tokens))
             buffer, slots = await self.decode.prepare(call)
         except NotYours as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))

@@ -88,6 +88,17 @@ class VllmPrefillPath(PrefillPath):
     def bind(self) -> None:
         self.space = self.vllm.space
 
+    def _parts(self, a: Assignment) -> tuple[int, int]:
+        """(blocks this PE reads, blocks the DE reads) of ``a``'s hit: its full blocks
+        short of the last prompt token, none for an oracle request."""
+        p, T = a.payload, self.space.fmt.block_tokens
+        hit = 0 if p.oracle else min(a.hit_tokens // T, (a.prompt_tokens - 1) // T)
+        return split_blocks(p.read_policy, a.read_side, hit, a.prefill_read_tokens,
+                            a.decode_read_tokens, T)
+
+    def _assigned_read_tokens(self, a: Assignment) -> int:
+        return self._parts(a)[0] * self.space.fmt.block_tokens
+
     async def prefill(self, e: EngineRank, a: Assignment) -> None:
         n, eng, space = self.node, self.vllm, self.vllm.space
         fmt = space.fmt
@@ -97,9 +108,8 @@ class VllmPrefillPath(PrefillPath):
         ids = p.token_ids(prompt, n.tokens)
         spans = block_spans(ids, T)
         keys = [s.key for s in spans[:prompt // T]]         # the full blocks
-        hit = 0 if p.oracle else min(a.hit_tokens // T, (prompt - 1) // T)
-        local, remote = split_blocks(p.read_policy, a.read_side, hit, a.prefill_read_tokens,
-                                     a.decode_read_tokens, T)
+        local, remote = self._parts(a)
+        hit = local + remote
         prep = stage = res = reader = None
         watch: RemoteWatch | None = None
         pushes: list[asyncio.Future] = []
@@ -110,7 +120,7 @@ class VllmPrefillPath(PrefillPath):
         try:
             prep = await n.peers.prepare(de, PrepareJob(
                 rid, a.decode_engine_id, n.address, prompt, a.hit_tokens,
-                _side(local, remote), a.payload_bytes, a.attempt))
+                _side(local, remote), a.payload_bytes, a.attempt, remote * T))
             if prep.buffer is None or len(prep.slots) != len(spans):
                 raise PeerUnavailable(f"{rid}: the DE prepared {len(prep.slots)} blocks, "
                                       f"{len(spans)} needed")
@@ -153,7 +163,7 @@ class VllmPrefillPath(PrefillPath):
             sources: list[LayerSource] = []
             first_parts: list = []
             usable_parts: list = []
-            if local:
+            if local:                   # expected since assign(); again for a retry
                 space.read_queue.expect(rid, local * T)
                 arrivals = LocalArrivals()
                 ok0, reader = await eng.read_layered(rid, keys[:local], res, arrivals)

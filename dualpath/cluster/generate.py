@@ -9,12 +9,17 @@ passed over (the scheduler runs the next attempt); a request the scheduler ended
 (its retry budget spent) raises :class:`GenerationFailed` with its reason. This is the
 path the front end's requests and ``dualpath replay --engine vllm`` take.
 
+One poller long-polls GetResults for every waiting request at once (up to
+RESULTS_PER_CALL ids a call) and carries the acknowledgements of results received, so
+the scheduler sees one call in flight however many requests wait.
+
 Threads: one asyncio loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,11 +27,14 @@ from dataclasses import dataclass
 import grpc
 
 from dualpath import rpc, tls
+from dualpath.engine.leader import RESULTS_PER_CALL
 from dualpath.engine.payload import Payload, encode_token_ids
 from dualpath.errors import DualPathError
 from dualpath.v1 import node_pb2, node_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 _ENDED = (scheduler_pb2.REQUEST_STATE_FAILED, scheduler_pb2.REQUEST_STATE_CANCELLED)
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+POLL_WAIT_MS = 500
 
 
 class GenerationFailed(DualPathError):
@@ -86,6 +94,9 @@ class Generator:
         self.sink_host = sink_host
         self._waiting: dict[str, asyncio.Future] = {}
         self._partials: dict[str, Callable[[int, int, list[int], list[float]], None]] = {}
+        self._acks: list[str] = []      # results received, not yet acknowledged
+        self._decoded: set[str] = set()  # DECODE_DONE recorded: only the sink's report due
+        self._poller: asyncio.Task | None = None
         self.server = None
         self.channel = None
 
@@ -137,32 +148,77 @@ class Generator:
                 name = scheduler_pb2.RejectReason.Name(rej.reason)
                 raise GenerationFailed(f"request {request_id} rejected: {name}: "
                                        f"{rej.detail}", reason=name)
-            deadline = time.monotonic() + timeout_s
-            while not fut.done():
-                if time.monotonic() > deadline:
-                    raise GenerationFailed(f"request {request_id}: no result within "
-                                           f"{timeout_s:g} s")
-                res = await self.stub.GetResults(scheduler_pb2.GetResultsRequest(
-                    request_ids=[request_id], wait_ms=500), timeout=10)
-                if fut.done():
-                    break
-                st = res.results[0] if res.results else None
-                if st is not None and st.state in _ENDED:
-                    raise GenerationFailed(f"request {request_id} failed after "
-                                           f"{st.failed_attempts} attempt(s): {st.error}")
-                await asyncio.wait([fut], timeout=0.5)
-            t = fut.result()
-            await self.stub.GetResults(scheduler_pb2.GetResultsRequest(
-                acknowledged_request_ids=[request_id]), timeout=10)
+            self._kick()
+            await asyncio.wait([fut], timeout=timeout_s)
+            if not fut.done():
+                raise GenerationFailed(f"request {request_id}: no result within "
+                                       f"{timeout_s:g} s")
+            t = fut.result()            # or the poller's error for this request
+            self._acks.append(request_id)
+            self._kick()
         finally:
             self._waiting.pop(request_id, None)
             self._partials.pop(request_id, None)
+            self._decoded.discard(request_id)
         return Generated(request_id, list(t.output_token_ids), list(t.output_logprobs),
                          t.attempt, t.prefill_node_id, t.decode_node_id,
                          int(t.prefill_read_bytes), int(t.decode_read_bytes), t0,
                          t.first_token_unix_s, t.second_token_unix_s, t.finish_unix_s)
 
+    def _kick(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.ensure_future(self._poll())
+
+    async def _poll(self) -> None:
+        """Until nothing waits and nothing is left to acknowledge: one GetResults for
+        the waiting requests; one the scheduler ended FAILED or CANCELLED fails its
+        waiter. An outage is retried (each request ends at its own deadline); another
+        refusal fails the requests of that call."""
+        while self._waiting or self._acks:
+            ids = [rid for rid, f in self._waiting.items()
+                   if not f.done() and rid not in self._decoded]
+            ids = ids[:RESULTS_PER_CALL]
+            ack, self._acks = self._acks[:RESULTS_PER_CALL], self._acks[RESULTS_PER_CALL:]
+            if not ids and not ack:
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                res = await self.stub.GetResults(scheduler_pb2.GetResultsRequest(
+                    request_ids=ids, acknowledged_request_ids=ack,
+                    wait_ms=POLL_WAIT_MS if ids else 0), timeout=10)
+            except grpc.aio.AioRpcError as e:
+                self._acks[:0] = ack
+                if e.code() in _RETRIED:
+                    await asyncio.sleep(POLL_WAIT_MS / 1000)
+                    continue
+                for rid in ids:
+                    f = self._waiting.get(rid)
+                    if f is not None and not f.done():
+                        f.set_exception(e)
+                continue
+            for st in res.results:
+                f = self._waiting.get(st.request_id)
+                if f is None or f.done():
+                    continue
+                if st.state in _ENDED:
+                    f.set_exception(GenerationFailed(
+                        f"request {st.request_id} failed after {st.failed_attempts} "
+                        f"attempt(s): {st.error}"))
+                elif st.state == scheduler_pb2.REQUEST_STATE_UNKNOWN:
+                    f.set_exception(GenerationFailed(
+                        f"request {st.request_id} is unknown to the scheduler"))
+                elif st.state >= scheduler_pb2.REQUEST_STATE_DECODE_DONE:
+                    self._decoded.add(st.request_id)
+
     async def close(self) -> None:
+        if self._poller is not None:
+            if self._acks and not self._waiting:
+                with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError):
+                    await asyncio.wait_for(asyncio.shield(self._poller), 5)
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._poller
+            self._poller = None
         if self.channel is not None:
             await self.channel.close()
             self.channel = None

@@ -110,13 +110,11 @@ class VllmPrefillPath(PrefillPath):
         keys = [s.key for s in spans[:prompt // T]]         # the full blocks
         local, remote = self._parts(a)
         hit = local + remote
-        prep = stage = res = reader = None
+        prep = stage = res = reader = out = None
         watch: RemoteWatch | None = None
-        pushes: list[asyncio.Future] = []
-        sent: set[int] = set()          # prompt blocks whole in the DE buffer
         finished = False
         told = True
-        read_span = (0.0, 0.0)
+        read_end = [0.0]                # when this node's own read ended
         try:
             prep = await n.peers.prepare(de, PrepareJob(
                 rid, a.decode_engine_id, n.address, prompt, a.hit_tokens,
@@ -124,39 +122,7 @@ class VllmPrefillPath(PrefillPath):
             if prep.buffer is None or len(prep.slots) != len(spans):
                 raise PeerUnavailable(f"{rid}: the DE prepared {len(prep.slots)} blocks, "
                                       f"{len(spans)} needed")
-            de_units = prep.buffer.units_of_slots(prep.slots)
-
-            def push(src: Reservation, first: int, nblocks: int, source=None,
-                     done=None) -> asyncio.Future:
-                """Blocks [first, first + nblocks) of the prompt, in ``src``'s slots, to
-                the same blocks of the DE buffer (each layer once ``source`` has it)."""
-                async def go() -> None:
-                    try:
-                        await write_layers(n.transfer, de, space.buffer,
-                                           space.buffer_units(src)[:nblocks * k],
-                                           prep.buffer,
-                                           de_units[first * k:(first + nblocks) * k], 0,
-                                           nblocks * T, source=source)
-                    except TransferError as err:
-                        raise PeerUnavailable(f"sending KV of {rid} to {de}: {err}") from err
-                    good = nblocks if done is None else min(nblocks, await done)
-                    sent.update(range(first, first + good))
-                f = asyncio.ensure_future(go())
-                pushes.append(f)
-                return f
-
-            prompt_index = {key: i for i, key in enumerate(keys)}
-
-            def on_saved(saved: list[bytes], slots: Reservation) -> None:
-                first = prompt_index.get(saved[0], -1) if saved else -1
-                if first < 0 or keys[first:first + len(saved)] != saved:
-                    log.warning("%s: vLLM saved blocks that are not this prompt's; "
-                                "dropped", rid)
-                    slots.release()
-                    return
-                f = push(slots, first, len(saved))
-                f.add_done_callback(lambda _: slots.release())
-
+            out = _ToDecode(n, space, rid, de, prep, keys)
             ticket = secrets.token_hex(16)
             res = await space.pool.reserve(hit) if hit else None
             t_read = time.time()
@@ -167,11 +133,15 @@ class VllmPrefillPath(PrefillPath):
                 space.read_queue.expect(rid, local * T)
                 arrivals = LocalArrivals()
                 ok0, reader = await eng.read_layered(rid, keys[:local], res, arrivals)
-                reader.add_done_callback(lambda _: space.read_queue.forget(rid))
+
+                def read_done(_) -> None:
+                    space.read_queue.forget(rid)
+                    read_end[0] = time.time()
+                reader.add_done_callback(read_done)
                 sources.append(arrivals)
                 first_parts.append(_const(ok0))
                 usable_parts.append(reader)
-                push(res, 0, ok0, source=arrivals, done=asyncio.shield(reader))
+                out.push(res, 0, ok0, source=arrivals, done=asyncio.shield(reader))
             if remote:
                 await n.transfer.connect(de)
                 watch = n.peers.watch(de, rid, a.attempt)
@@ -188,12 +158,13 @@ class VllmPrefillPath(PrefillPath):
                 source = AllAtOnce(source, fmt.layers)
             stage = Stage(rid, ticket, keys[:hit], res, source,
                           _combine(first_parts, local), _combine(usable_parts, local),
-                          release=lambda r: r is None or r.release(), on_saved=on_saved)
+                          release=lambda r: r is None or r.release(),
+                          on_saved=out.on_saved)
             eng.stages[rid] = stage
             try:
                 # Oracle: the instance's own prefix cache holds the hit; every prompt
                 # block still goes to the DE (save_all), as if its HBM had it too.
-                out = await self.instance.complete(
+                first = await self.instance.complete(
                     [int(t) for t in ids], 1, request_id=rid, ticket=ticket,
                     save_all=p.oracle, cache_salt=p.cache_salt,
                     temperature=p.temperature, top_p=p.top_p, seed=p.seed,
@@ -203,31 +174,24 @@ class VllmPrefillPath(PrefillPath):
                     self.instance.mark_down(str(err))
                 raise DualPathError(f"prefill instance: {err}") from None
             usable = await stage.usable if hit else 0
-            await asyncio.gather(*pushes)
+            await out.wait()
             if remote:                  # what the DE read intact is in its buffer already
-                sent.update(range(local, local + max(0, usable - local)))
-            read_span = (t_read, time.time()) if local else (0.0, 0.0)
-            kv_blocks = 0
-            while kv_blocks in sent:
-                kv_blocks += 1
+                out.arrived(local, usable - local)
+            read_span = (t_read, read_end[0] or time.time()) if local else (0.0, 0.0)
             if usable < hit:
                 self._usable(rid, usable, hit, T)
             report = PrefillReport(rid, e.engine_id, n.node_id, 0.0,
                                    min(local, usable) * space.layout.full_bytes, read_span,
-                                   a.attempt, usable * T, kv_blocks,
-                                   (out.token_ids[0], out.logprobs[0],
-                                    out.finish_reason == "stop"))
+                                   a.attempt, usable * T, out.whole_prefix(),
+                                   (first.token_ids[0], first.logprobs[0],
+                                    first.finish_reason == "stop"))
             await self._done(de, report)
             finished = True
         finally:
             if stage is not None and eng.stages.get(rid) is stage:
                 del eng.stages[rid]
-            pending = [f for f in pushes if not f.done()]
-            if pending:                 # their WRITEs read our slots: let them end
-                await asyncio.gather(*pending, return_exceptions=True)
-            for f in pushes:
-                if f.done() and not f.cancelled():
-                    f.exception()
+            if out is not None:
+                await out.settle()      # their WRITEs read our slots: let them end
             if reader is not None and not reader.done():
                 reader.cancel()         # it waits for its reads in flight
                 await asyncio.gather(reader, return_exceptions=True)
@@ -249,6 +213,74 @@ class VllmPrefillPath(PrefillPath):
                     release(res)
             elif stage is not None:
                 stage.unref()
+
+
+class _ToDecode:
+    """A request's prompt blocks on their way from PE-buffer slots to the same blocks of
+    the DE buffer (``prep``'s slots), and which of them arrived whole there."""
+
+    def __init__(self, n, space, rid: str, de: str, prep, keys: list[bytes]):
+        self.n, self.space, self.rid, self.de, self.prep = n, space, rid, de, prep
+        self.keys = keys
+        self.index = {key: i for i, key in enumerate(keys)}
+        self.units = prep.buffer.units_of_slots(prep.slots)
+        self.pushes: list[asyncio.Future] = []
+        self.sent: set[int] = set()
+
+    def push(self, src: Reservation, first: int, nblocks: int, source=None,
+             done=None) -> asyncio.Future:
+        """Blocks [first, first + nblocks) of the prompt, in ``src``'s slots, to the same
+        blocks of the DE buffer (each layer once ``source`` has it); ``done``: how many
+        of them turned out usable (a read that ended short), else all."""
+        k, T = self.space.fmt.units, self.space.fmt.block_tokens
+
+        async def go() -> None:
+            try:
+                await write_layers(self.n.transfer, self.de, self.space.buffer,
+                                   self.space.buffer_units(src)[:nblocks * k],
+                                   self.prep.buffer,
+                                   self.units[first * k:(first + nblocks) * k], 0,
+                                   nblocks * T, source=source)
+            except TransferError as err:
+                raise PeerUnavailable(f"sending KV of {self.rid} to {self.de}: {err}") \
+                    from err
+            self.arrived(first, nblocks if done is None else min(nblocks, await done))
+        f = asyncio.ensure_future(go())
+        self.pushes.append(f)
+        return f
+
+    def on_saved(self, saved: list[bytes], slots: Reservation) -> None:
+        """The instance saved ``saved`` (consecutive prompt blocks) into ``slots``."""
+        first = self.index.get(saved[0], -1) if saved else -1
+        if first < 0 or self.keys[first:first + len(saved)] != saved:
+            log.warning("%s: vLLM saved blocks that are not this prompt's; dropped",
+                        self.rid)
+            slots.release()
+            return
+        f = self.push(slots, first, len(saved))
+        f.add_done_callback(lambda _: slots.release())
+
+    def arrived(self, first: int, count: int) -> None:
+        self.sent.update(range(first, first + max(0, count)))
+
+    def whole_prefix(self) -> int:
+        """The leading prompt blocks whole in the DE buffer (PrefillDone.kv_blocks)."""
+        n = 0
+        while n in self.sent:
+            n += 1
+        return n
+
+    async def wait(self) -> None:
+        await asyncio.gather(*self.pushes)
+
+    async def settle(self) -> None:
+        """Let every push end (a failed one's error retrieved): none reads our slots."""
+        pending = [f for f in self.pushes if not f.done()]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for f in self.pushes:
+            if f.done() and not f.cancelled():
+                f.exception()
 
 
 async def _const(v: int) -> int:

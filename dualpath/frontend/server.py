@@ -25,15 +25,17 @@ import secrets
 import uuid
 from pathlib import Path
 
+import grpc
 from aiohttp import web
 
 from dualpath import tls
 from dualpath.cluster.generate import GenerationFailed, Generator
-from dualpath.errors import ConfigError, DualPathError, RemoteUnavailable
+from dualpath.errors import ConfigError, DualPathError, RemoteUnavailable, UsageError
 from dualpath.frontend import protocol as api
 from dualpath.frontend.config import FrontendConfig
 from dualpath.frontend.index import HitIndex
 from dualpath.frontend.tokens import Tokens
+from dualpath.scheduler.client import rpc_error
 
 log = logging.getLogger("dualpath.frontend")
 
@@ -199,14 +201,16 @@ class FrontEnd:
                                if status in (400, 409) else "server_error",
                                code=e.reason.removeprefix("REJECT_REASON_").lower()
                                if e.reason else "generation_failed") from None
+        except grpc.aio.AioRpcError as e:       # the scheduler refused or is away
+            err = rpc_error(e, self.gen.scheduler)
+            if isinstance(err, UsageError):
+                raise api.ApiError(400, str(err), type_="invalid_request_error",
+                                   code="rejected") from None
+            raise api.ApiError(503, str(err), type_="server_error",
+                               code="unavailable") from None
         except (RemoteUnavailable, DualPathError, OSError) as e:
             raise api.ApiError(503, f"the cluster could not serve the request: {e}",
                                type_="server_error", code="unavailable") from None
-        except Exception as e:  # a gRPC error from the scheduler
-            if type(e).__name__ == "AioRpcError":
-                raise api.ApiError(503, f"scheduler: {e.code().name} {e.details()}",
-                                   type_="server_error", code="unavailable") from None
-            raise
         self.index.remember(ids, g.token_ids)
         return g
 

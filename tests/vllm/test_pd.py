@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +21,8 @@ import urllib.request
 import pytest
 
 from dualpath.cluster.generate import Generator
+from dualpath.cluster.run import make_trace
+from dualpath.trace.model import stream_token_ids
 from dualpath.v1 import admin_pb2, scheduler_pb2
 from dualpath.vllm.driver import EngineProcess
 from dualpath.vllm.local import ENGINE_ENV, engine_args
@@ -110,7 +114,7 @@ def rig(request, tmp_path_factory, model_dirs, oracle):
                                  "max_prompt_tokens": 3000, "max_tokens": 64}
                        if request.param == "1p1d" else None).start()
     r = Rig(pd, oracle)
-    r.topology = request.param
+    r.topology, r.api_key_file = request.param, key
     yield r
     r.close()
 
@@ -299,6 +303,39 @@ def test_front_end_token_id_completions_are_the_oracle_streamed_or_not(rig):
     while not loaded() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert loaded(), "the front end's hits never came through DualPath"
+
+
+@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
+def test_replay_with_real_tokens_through_the_front_end_is_the_oracle(rig, model_dirs,
+                                                                     tmp_path):
+    """`dualpath replay --engine vllm --url`: Table 2 trajectories as token-id prompts
+    (A.3: each round's prompt = the previous one + the tokens generated + the appended
+    ones); every round's tokens are the oracle's for the prompt that rule builds."""
+    out = tmp_path / "replay.json"
+    args = ["--agents", "2", "--max-rounds", "2", "--context-scale", "0.06", "--seed", "5"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "dualpath.cli", "replay", "--engine", "vllm",
+         "--url", rig.pd.frontend_url, "--model", str(model_dirs["tiny"]),
+         "--served-model", "tiny", "--api-key-file", str(rig.api_key_file),
+         "--json", str(out), *args], check=False, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rec = json.loads(out.read_text())
+    assert rec["summary"]["rounds"] == 4 and rec["engine"] == "vllm"
+    vocab = json.loads((model_dirs["tiny"] / "config.json").read_text())["vocab_size"]
+    trace = make_trace(2, table="32k", context_scale=0.06, max_rounds=2, seed=5)
+    rounds = {(r["trajectory"], r["round"]): r for r in rec["rounds"]}
+    for traj in trace.trajectories:
+        context: list[int] = []
+        pos = 0
+        for k, r in enumerate(traj.rounds):
+            prompt = context + (stream_token_ids(traj, pos, pos + r.append_tokens)
+                                % vocab).tolist()
+            pos += r.append_tokens + r.gen_tokens
+            got = rounds[(traj.id, k)]
+            assert got["prompt_tokens"] == len(prompt)
+            assert got["token_ids"] == rig.oracle.generate(prompt, r.gen_tokens)["token_ids"]
+            context = prompt + got["token_ids"]
 
 
 @pytest.mark.parametrize("rig", ["1p1d"], indirect=True)

@@ -17,9 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpath import config, tls
+from dualpath import tls
 from dualpath.engine.assignment import Assignment
-from dualpath.engine.node import NodeDaemon
 from dualpath.engine.oob import GrpcChannels
 from dualpath.engine.payload import Payload
 from dualpath.engine.peers import PeerClient, PrepareJob
@@ -28,6 +27,7 @@ from dualpath.engine.roles import RS_DECODE, RS_PREFILL, RS_SPLIT
 from dualpath.engine.vllm_prefill import VllmPrefillPath
 from dualpath.errors import DualPathError
 from dualpath.storage.read_queue import ReadQueue
+from tests.integration.de_node import decode_node
 
 BOUND_S = 60.0          # an outer bound against hangs, never a timing assertion
 PROMPT, HIT = 256, 192  # the demo profile's 64-token blocks: 3 hit blocks of 4
@@ -35,34 +35,31 @@ PROMPT, HIT = 256, 192  # the demo profile's 64-token blocks: 3 hit blocks of 4
 
 def test_the_de_counts_its_part_of_a_split_read_from_prepare_on(tmp_path):
     async def main():
-        cfg = config.from_dict({
-            "transport": {"kind": "tcp"}, "tls": {"plaintext": True},
-            "buffers": {"de_buffer_mib": 16, "mlock": False, "huge_pages": "off"},
-            "engine": {"decode_hbm_mib": 16}, "storage": {"dir": str(tmp_path / "kv")}})
-        de = NodeDaemon(cfg, "decode", "d0", "127.0.0.1:1")
-        await de.start()
-        channels = GrpcChannels(tls.PLAINTEXT)
-        peers = PeerClient(channels)
-        try:
-            def job(rid, side, part):
-                payload = Payload("t0", 0, PROMPT, HIT, 1).encode()
-                return PrepareJob(rid, "d0/e0", "127.0.0.1:9", PROMPT, HIT, side, payload,
-                                  1, part)
-            assert de.read_q_tokens() == 0
-            await peers.prepare(de.address, job("split", RS_SPLIT, 64))
-            assert de.read_q_tokens() == 64              # its part, not 0 nor the hit
-            await peers.prepare(de.address, job("whole", RS_DECODE, HIT))
-            assert de.read_q_tokens() == 64 + HIT
-            await peers.prepare(de.address, job("pe", RS_PREFILL, 0))
-            assert de.read_q_tokens() == 64 + HIT
-            with pytest.raises(DualPathError, match="INVALID_ARGUMENT.*decode_read_tokens"):
-                await peers.prepare(de.address, job("big", RS_DECODE, HIT + 64))
-            assert de.read_q_tokens() == 64 + HIT       # a refused one counts nothing
-        finally:
-            await channels.close()
-            await de.close()
+        async with decode_node(tmp_path) as (de, _):
+            channels = GrpcChannels(tls.PLAINTEXT)
+            try:
+                await _prepares(de, PeerClient(channels))
+            finally:
+                await channels.close()
 
     asyncio.run(asyncio.wait_for(main(), BOUND_S))
+
+
+async def _prepares(de, peers: PeerClient) -> None:
+    def job(rid, side, part):
+        payload = Payload("t0", 0, PROMPT, HIT, 1).encode()
+        return PrepareJob(rid, "d0/e0", "127.0.0.1:9", PROMPT, HIT, side, payload,
+                          1, part)
+    assert de.read_q_tokens() == 0
+    await peers.prepare(de.address, job("split", RS_SPLIT, 64))
+    assert de.read_q_tokens() == 64              # its part, not 0 nor the hit
+    await peers.prepare(de.address, job("whole", RS_DECODE, HIT))
+    assert de.read_q_tokens() == 64 + HIT
+    await peers.prepare(de.address, job("pe", RS_PREFILL, 0))
+    assert de.read_q_tokens() == 64 + HIT
+    with pytest.raises(DualPathError, match="INVALID_ARGUMENT.*decode_read_tokens"):
+        await peers.prepare(de.address, job("big", RS_DECODE, HIT + 64))
+    assert de.read_q_tokens() == 64 + HIT        # a refused one counts nothing
 
 
 def _assignment(side: int, pe: int, de: int, policy: str = "scheduler") -> Assignment:

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 import pytest
 
-from dualpath import config, tls
+from dualpath import tls
 from dualpath.engine.node import NodeDaemon
 from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
 from dualpath.engine.payload import Payload
@@ -34,6 +34,7 @@ from dualpath.errors import DualPathError
 from dualpath.kv.placement import KvPlacement, runs
 from dualpath.transfer import TransferEngine
 from dualpath.v1 import engine_pb2, engine_pb2_grpc
+from tests.integration.de_node import decode_node
 
 BOUND_S = 60.0          # an outer bound against hangs, never a timing assertion
 STALE = 0xBB
@@ -62,28 +63,22 @@ async def _aborted(call) -> str:
 
 def test_a_stale_attempts_writes_never_reach_the_new_attempts_memory(tmp_path):
     async def main():
-        cfg = config.from_dict({
-            "transport": {"kind": "tcp"}, "tls": {"plaintext": True},
-            "buffers": {"de_buffer_mib": 16, "mlock": False, "huge_pages": "off"},
-            "engine": {"decode_hbm_mib": 16}, "storage": {"dir": str(tmp_path / "kv")}})
-        de = NodeDaemon(cfg, "decode", "d0", "127.0.0.1:1")
-        await de.start()
-        channels = GrpcChannels(tls.PLAINTEXT)
-        server, port, _ = new_server("127.0.0.1:0")
-        writer = WriterEngine()
-        engine_pb2_grpc.add_EngineServicer_to_server(writer, server)
-        await server.start()
-        pe_addr = f"127.0.0.1:{port}"
-        pe = TransferEngine.open(pe_addr, GrpcOutOfBand(channels), transport=cfg.transport,
-                                 transfer=cfg.transfer)
-        await pe.start()
-        try:
-            await _run(de, pe, pe_addr, PeerClient(channels), writer)
-        finally:
-            await pe.close()
-            await server.stop(0)
-            await channels.close()
-            await de.close()
+        async with decode_node(tmp_path) as (de, cfg):
+            channels = GrpcChannels(tls.PLAINTEXT)
+            server, port, _ = new_server("127.0.0.1:0")
+            writer = WriterEngine()
+            engine_pb2_grpc.add_EngineServicer_to_server(writer, server)
+            await server.start()
+            pe_addr = f"127.0.0.1:{port}"
+            pe = TransferEngine.open(pe_addr, GrpcOutOfBand(channels),
+                                     transport=cfg.transport, transfer=cfg.transfer)
+            await pe.start()
+            try:
+                await _run(de, pe, pe_addr, PeerClient(channels), writer)
+            finally:
+                await pe.close()
+                await server.stop(0)
+                await channels.close()
 
     asyncio.run(asyncio.wait_for(main(), BOUND_S))
 

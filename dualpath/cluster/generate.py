@@ -173,7 +173,7 @@ class Generator:
         """Until nothing waits and nothing is left to acknowledge: one GetResults for
         the waiting requests; one the scheduler ended FAILED or CANCELLED fails its
         waiter. An outage is retried (each request ends at its own deadline); another
-        refusal fails the requests of that call."""
+        refusal fails the requests of that call and drops its acknowledgements."""
         while self._waiting or self._acks:
             ids = [rid for rid, f in self._waiting.items()
                    if not f.done() and rid not in self._decoded]
@@ -187,14 +187,17 @@ class Generator:
                     request_ids=ids, acknowledged_request_ids=ack,
                     wait_ms=POLL_WAIT_MS if ids else 0), timeout=10)
             except grpc.aio.AioRpcError as e:
-                self._acks[:0] = ack
                 if e.code() in _RETRIED:
+                    self._acks[:0] = ack
                     await asyncio.sleep(POLL_WAIT_MS / 1000)
                     continue
+                # Refused: those acknowledgements are dropped (the scheduler keeps an
+                # unacknowledged result until it expires), the waiters told.
                 for rid in ids:
                     f = self._waiting.get(rid)
                     if f is not None and not f.done():
                         f.set_exception(e)
+                await asyncio.sleep(0.05)
                 continue
             for st in res.results:
                 f = self._waiting.get(st.request_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dualpath.engine.payload import Payload
+from dualpath.engine.roles import RS_DECODE, RS_NONE, RS_PREFILL, RS_SPLIT
 from dualpath.v1 import scheduler_pb2
 
 
@@ -35,3 +36,29 @@ class Assignment:
                    int(a.prefill_read_tokens), int(a.decode_read_tokens),
                    a.decode_control_address, Payload.decode(a.payload), a.payload,
                    int(a.attempt))
+
+
+def split_blocks(read_policy: str, read_side: int, hit: int, prefill_read_tokens: int,
+                 decode_read_tokens: int, block_tokens: int) -> tuple[int, int]:
+    """(blocks this PE reads, blocks the DE reads) of a ``hit``-block hit (pure)."""
+    if hit <= 0 or read_policy == "none":
+        return 0, 0
+    if read_policy == "prefill":
+        return hit, 0
+    if read_policy == "decode":
+        return 0, hit
+    if read_policy == "split":
+        return hit // 2, hit - hit // 2
+    if read_side == RS_DECODE:
+        return 0, hit
+    if read_side == RS_SPLIT:
+        total = prefill_read_tokens + decode_read_tokens
+        local = round(hit * prefill_read_tokens / total) if total else hit
+        return local, hit - local
+    return hit, 0
+
+
+def side_of(local: int, remote: int) -> int:
+    if local and remote:
+        return RS_SPLIT
+    return RS_PREFILL if local else RS_DECODE if remote else RS_NONE

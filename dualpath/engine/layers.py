@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import grpc
 
@@ -39,6 +40,21 @@ class AllReady(LayerSource):
 
     async def ready(self, layer: int) -> None:
         return
+
+
+class BothReady(LayerSource):
+    """Layer l is ready when it is ready in every one of ``sources``."""
+
+    def __init__(self, sources: Sequence[LayerSource]):
+        self.sources = list(sources)
+
+    async def ready(self, layer: int) -> None:
+        for s in self.sources:
+            await s.ready(layer)
+
+    def close(self) -> None:
+        for s in self.sources:
+            s.close()
 
 
 class _Counted(LayerSource):

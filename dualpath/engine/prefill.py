@@ -37,17 +37,15 @@ import time
 from dataclasses import replace
 
 from dualpath import clock
-from dualpath.engine.assignment import Assignment
+from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.errors import PeerUnavailable
 from dualpath.engine.kvio import write_layers, write_runs
 from dualpath.engine.kvplan import Route, block_spans
 from dualpath.engine.kvspace import KvSpace
-from dualpath.engine.layers import AllReady, LayerSource, LocalArrivals, RemoteWatch
-from dualpath.engine.payload import Payload
+from dualpath.engine.layers import AllReady, BothReady, LayerSource, LocalArrivals
 from dualpath.engine.peers import LoadOrder, PrefillReport, PrepareJob
 from dualpath.engine.resources import NodeResources
-from dualpath.engine.roles import RS_DECODE, RS_NONE, RS_PREFILL, RS_SPLIT
 from dualpath.errors import TransferError
 from dualpath.v1 import scheduler_pb2
 
@@ -109,26 +107,19 @@ class PrefillPath:
         """What this node's engines run, for a registration: (request, engine, False)."""
         return [(rid, e, False) for rid, (_, e) in self.current.items()]
 
-    def _assigned_read_tokens(self, a: Assignment) -> int:
-        """Hit tokens of ``a`` this node reads by the scheduler's word: its read queue
-        counts them from the assignment on (prefill() corrects it for a forced policy)."""
-        if a.read_side == RS_PREFILL or (a.read_side == RS_SPLIT and
-                                         a.prefill_read_tokens > a.decode_read_tokens):
-            return a.hit_tokens
-        return 0
+    def _parts(self, a: Assignment) -> tuple[int, int]:
+        """(blocks this PE reads, blocks the DE reads) of ``a``'s hit: its full blocks
+        short of the last prompt token, none for an oracle request; a split read
+        (the scheduler's, or the "split" policy's halves) reads a part on each side."""
+        p, T = a.payload, self.space.fmt.block_tokens
+        hit = 0 if p.oracle else min(a.hit_tokens // T, (a.prompt_tokens - 1) // T)
+        return split_blocks(p.read_policy, a.read_side, hit, a.prefill_read_tokens,
+                            a.decode_read_tokens, T)
 
-    def _read_side(self, p: Payload, a: Assignment) -> int:
-        if a.hit_tokens == 0 or p.oracle or p.read_policy == "none":
-            return RS_NONE
-        if p.read_policy == "prefill":
-            return RS_PREFILL
-        if p.read_policy in ("decode", "split"):   # the emulated engine splits no read
-            return RS_DECODE
-        if p.read_policy == "round_robin":
-            return RS_PREFILL if next(self._rr) % 2 == 0 else RS_DECODE
-        if a.read_side == RS_SPLIT:
-            return RS_DECODE if a.decode_read_tokens >= a.prefill_read_tokens else RS_PREFILL
-        return a.read_side if a.read_side in (RS_PREFILL, RS_DECODE) else RS_PREFILL
+    def _assigned_read_tokens(self, a: Assignment) -> int:
+        """Hit tokens of ``a`` this node reads: its read queue counts them from the
+        assignment on (prefill() sets them again for a round-robin one)."""
+        return self._parts(a)[0] * self.space.fmt.block_tokens
 
     async def _prefill(self, e: EngineRank, a: Assignment, after: asyncio.Task | None) -> None:
         n = self.node
@@ -165,17 +156,21 @@ class PrefillPath:
         n, space, eng = self.node, self.space, self.engine
         fmt = space.fmt
         p = a.payload
-        side = self._read_side(p, a)
-        if side == RS_PREFILL:
-            space.read_queue.expect(a.request_id, a.hit_tokens)
-        else:
-            space.read_queue.forget(a.request_id)
-        T, L = fmt.block_tokens, fmt.layers
+        local, remote = self._parts(a)
+        if p.read_policy == "round_robin" and remote + local:
+            both = local + remote
+            local, remote = (both, 0) if next(self._rr) % 2 == 0 else (0, both)
+        T, L, k = fmt.block_tokens, fmt.layers, fmt.units
         rid, prompt, hit = a.request_id, a.prompt_tokens, a.hit_tokens
+        if local:
+            space.read_queue.expect(rid, local * T)
+        else:
+            space.read_queue.forget(rid)
         de = a.decode_address
         spans = block_spans(p.token_ids(prompt, n.tokens), T)
-        nb, hit_blocks = len(spans), hit // T
-        prep = None
+        keys = [s.key for s in spans]
+        nb, hit_blocks = len(spans), local + remote
+        prep = watch = None
         hbm = pebuf = None
         source: LayerSource = AllReady()
         loading: asyncio.Future | None = None
@@ -183,9 +178,9 @@ class PrefillPath:
         finished = False                       # PrefillDone answered
         try:
             prep = await n.peers.prepare(de, PrepareJob(rid, a.decode_engine_id, n.address,
-                                                        prompt, hit, side, a.payload_bytes,
-                                                        a.attempt,
-                                                        hit if side == RS_DECODE else 0))
+                                                        prompt, hit, side_of(local, remote),
+                                                        a.payload_bytes, a.attempt,
+                                                        remote * T))
             layer_s = eng.prefill_layer_s(hit, prompt - hit)
             layerwise = p.layerwise and n.cfg.engine.layerwise
             report = PrefillReport(rid, e.engine_id, n.node_id, 0.0, 0, (0.0, 0.0),
@@ -204,42 +199,55 @@ class PrefillPath:
             to_de = Route(e.placement(fmt), units, prep.buffer,
                           prep.buffer.units_of_slots(prep.slots))
             computed_from = hit                # tokens before it come from storage
-            if side == RS_PREFILL and hit_blocks:
-                pebuf = await space.pool.reserve(hit_blocks)
-                got = await space.read(rid, [s.key for s in spans[:hit_blocks]], pebuf)
+            sources: list[LayerSource] = []
+            if remote:                         # the DE's part: blocks [local, hit)
+                await n.transfer.connect(de)
+                watch = n.peers.watch(de, rid, a.attempt)
+                await n.peers.order_load(de, LoadOrder(
+                    rid, a.decode_engine_id, e.engine_id, keys[local:hit_blocks],
+                    n.address, e.placement(fmt), units[local * k:hit_blocks * k],
+                    a.attempt, first_block=local))
+            own = local                        # our part's leading intact blocks
+            if local:                          # ours: blocks [0, local), meanwhile
+                pebuf = await space.pool.reserve(local)
+                got = await space.read(rid, keys[:local], pebuf)
                 n.metrics.read_bytes.inc(got.nbytes)
-                computed_from = self._usable(rid, got.usable, hit_blocks, T)
+                own = min(got.usable, local)
                 report = PrefillReport(rid, e.engine_id, n.node_id, 0.0, got.nbytes,
-                                       got.span, a.attempt, computed_from)
+                                       got.span, a.attempt, hit)
                 arrivals = LocalArrivals()
                 loading = asyncio.ensure_future(write_layers(
                     n.transfer, n.address, space.buffer, space.buffer_units(pebuf),
-                    e.placement(fmt), units, 0, computed_from, on_layer=arrivals.landed))
+                    e.placement(fmt), units, 0, own * T, on_layer=arrivals.landed))
                 loading.add_done_callback(
                     lambda f: f.cancelled() or f.exception() is None
                     or arrivals.failed(str(f.exception())))
-                source = arrivals
-                if not layerwise:
-                    await source.ready(L - 1)
-            elif side == RS_DECODE and hit_blocks:
-                await n.transfer.connect(de)
-                source = n.peers.watch(de, rid, a.attempt)
-                await n.peers.order_load(de, LoadOrder(
-                    rid, a.decode_engine_id, e.engine_id, [s.key for s in spans[:hit_blocks]],
-                    n.address, e.placement(fmt), units[:hit_blocks * fmt.units], a.attempt))
-                await source.ready(0 if layerwise else L - 1)
-                computed_from = self._usable(rid, source.loaded_blocks, hit_blocks, T)
-                report = PrefillReport(rid, e.engine_id, n.node_id, 0.0, 0, (0.0, 0.0),
-                                       a.attempt, computed_from)
+                sources.append(arrivals)
+            if watch is not None:
+                sources.append(watch)
+                # Layer 0 tells how many blocks the DE read intact; when our own part
+                # ended short, its writes end before we compute over the blocks it wrote.
+                await watch.ready(L - 1 if own < local or not layerwise else 0)
+            if hit_blocks:
+                intact = own if own < local or not remote else local + watch.loaded_blocks
+                computed_from = self._usable(rid, intact, hit_blocks, T)
+                report = replace(report, computed_from_tokens=computed_from)
+            source = (BothReady(sources) if len(sources) > 1 else
+                      sources[0] if sources else AllReady())
+            if not layerwise:
+                await source.ready(L - 1)
             if computed_from != hit:
                 layer_s = eng.prefill_layer_s(computed_from, prompt - computed_from)
-            # The DE holds what it loaded in its own buffer; the PE read side pushes all.
-            push_from = computed_from if side == RS_DECODE else 0
+            # The DE holds the blocks it read intact in its own buffer (when they are
+            # used); every other prompt block goes to it from here.
+            sent = ([(0, local * T), (computed_from, prompt)]
+                    if remote and computed_from >= local * T else [(0, prompt)])
             for layer in range(L):
                 await source.ready(layer)
                 await eng.forward_layer(e, layer_s, hbm, spans, layer, computed_from, prompt)
                 _raise_failed(pushes, de)      # an earlier layer's push failed: stop here
-                push = self._push(de, to_de.runs(layer, push_from, prompt), layer)
+                push = self._push(de, [r for lo, hi in sent if hi > lo
+                                       for r in to_de.runs(layer, lo, hi)], layer)
                 if layerwise:
                     pushes.append(asyncio.ensure_future(push))
                 else:
@@ -265,7 +273,7 @@ class PrefillPath:
                 # our memory, answering once that load ended.
                 told = await n.peers.cancel(de, rid, a.attempt)
             if hbm is not None:
-                if isinstance(source, RemoteWatch) and not source.complete and not told:
+                if watch is not None and not watch.complete and not told:
                     n.fences.hold(de, rid, a.attempt, hbm)
                 else:
                     hbm.release()

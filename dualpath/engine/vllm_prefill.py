@@ -34,47 +34,20 @@ import secrets
 import time
 
 from dualpath.buffers.pool import Reservation
-from dualpath.engine.assignment import Assignment
+from dualpath.engine.assignment import Assignment, side_of
 from dualpath.engine.emulated import EngineRank
 from dualpath.engine.errors import PeerUnavailable
 from dualpath.engine.kvio import write_layers
 from dualpath.engine.kvplan import block_spans
-from dualpath.engine.layers import LayerSource, LocalArrivals, RemoteWatch
+from dualpath.engine.layers import BothReady, LayerSource, LocalArrivals, RemoteWatch
 from dualpath.engine.peers import LoadOrder, PrefillReport, PrepareJob
 from dualpath.engine.prefill import PrefillPath
-from dualpath.engine.roles import RS_DECODE, RS_NONE, RS_PREFILL, RS_SPLIT
 from dualpath.engine.vllm_engine import VllmEngine
 from dualpath.engine.vllm_instance import InstanceError, VllmInstance
-from dualpath.engine.vllm_stage import AllAtOnce, BothReady, Stage
+from dualpath.engine.vllm_stage import AllAtOnce, Stage
 from dualpath.errors import DualPathError, TransferError
 
 log = logging.getLogger("dualpath.engine")
-
-
-def split_blocks(read_policy: str, read_side: int, hit: int, prefill_read_tokens: int,
-                 decode_read_tokens: int, block_tokens: int) -> tuple[int, int]:
-    """(blocks this PE reads, blocks the DE reads) of a ``hit``-block hit (pure)."""
-    if hit <= 0 or read_policy == "none":
-        return 0, 0
-    if read_policy == "prefill":
-        return hit, 0
-    if read_policy == "decode":
-        return 0, hit
-    if read_policy == "split":
-        return hit // 2, hit - hit // 2
-    if read_side == RS_DECODE:
-        return 0, hit
-    if read_side == RS_SPLIT:
-        total = prefill_read_tokens + decode_read_tokens
-        local = round(hit * prefill_read_tokens / total) if total else hit
-        return local, hit - local
-    return hit, 0
-
-
-def _side(local: int, remote: int) -> int:
-    if local and remote:
-        return RS_SPLIT
-    return RS_PREFILL if local else RS_DECODE if remote else RS_NONE
 
 
 class VllmPrefillPath(PrefillPath):
@@ -87,17 +60,6 @@ class VllmPrefillPath(PrefillPath):
 
     def bind(self) -> None:
         self.space = self.vllm.space
-
-    def _parts(self, a: Assignment) -> tuple[int, int]:
-        """(blocks this PE reads, blocks the DE reads) of ``a``'s hit: its full blocks
-        short of the last prompt token, none for an oracle request."""
-        p, T = a.payload, self.space.fmt.block_tokens
-        hit = 0 if p.oracle else min(a.hit_tokens // T, (a.prompt_tokens - 1) // T)
-        return split_blocks(p.read_policy, a.read_side, hit, a.prefill_read_tokens,
-                            a.decode_read_tokens, T)
-
-    def _assigned_read_tokens(self, a: Assignment) -> int:
-        return self._parts(a)[0] * self.space.fmt.block_tokens
 
     async def prefill(self, e: EngineRank, a: Assignment) -> None:
         n, eng, space = self.node, self.vllm, self.vllm.space
@@ -118,7 +80,7 @@ class VllmPrefillPath(PrefillPath):
         try:
             prep = await n.peers.prepare(de, PrepareJob(
                 rid, a.decode_engine_id, n.address, prompt, a.hit_tokens,
-                _side(local, remote), a.payload_bytes, a.attempt, remote * T))
+                side_of(local, remote), a.payload_bytes, a.attempt, remote * T))
             if prep.buffer is None or len(prep.slots) != len(spans):
                 raise PeerUnavailable(f"{rid}: the DE prepared {len(prep.slots)} blocks, "
                                       f"{len(spans)} needed")

@@ -25,21 +25,6 @@ from dualpath.buffers.pool import Reservation
 from dualpath.engine.layers import LayerSource
 
 
-class BothReady(LayerSource):
-    """Layer l is ready when it is ready in every one of ``sources``."""
-
-    def __init__(self, sources: Sequence[LayerSource]):
-        self.sources = list(sources)
-
-    async def ready(self, layer: int) -> None:
-        for s in self.sources:
-            await s.ready(layer)
-
-    def close(self) -> None:
-        for s in self.sources:
-            s.close()
-
-
 class AllAtOnce(LayerSource):
     """Layer l is ready once every one of ``layers`` layers is (no layerwise loading:
     the basic mode's ablation, paper §5)."""

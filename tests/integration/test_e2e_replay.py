@@ -37,7 +37,8 @@ def _replay(cluster, **kw):
 
 
 @pytest.mark.parametrize("mode,read_policy", [("dualpath", ""), ("basic", ""),
-                                              ("dualpath", "round_robin")])
+                                              ("dualpath", "round_robin"),
+                                              ("dualpath", "split")])
 def test_replay_completes_and_verifies(cluster, mode, read_policy):
     run = _replay(cluster, mode=mode, read_policy=read_policy)
     assert len(run.records) == ROUNDS
@@ -52,6 +53,9 @@ def test_replay_completes_and_verifies(cluster, mode, read_policy):
         assert run.snic_bytes["d0"] == run.snic_bytes["d1"] == 0
     if read_policy == "round_robin":
         assert run.snic_bytes["d0"] + run.snic_bytes["d1"] > 0    # the DE read path ran
+    if read_policy == "split":       # each side read its half of a hit into the PE
+        assert run.snic_bytes["p0"] > 0
+        assert run.snic_bytes["d0"] + run.snic_bytes["d1"] > 0
 
 
 def test_no_layerwise_and_oracle(cluster):

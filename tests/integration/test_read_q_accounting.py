@@ -89,11 +89,11 @@ def _path(cls, block_tokens: int = 64):
 @pytest.mark.parametrize("cls, side, pe, de, want", [
     (PrefillPath, RS_PREFILL, HIT, 0, HIT),
     (PrefillPath, RS_DECODE, 0, HIT, 0),
-    (PrefillPath, RS_SPLIT, 128, 64, HIT),    # the emulated engine reads a split whole
-    (PrefillPath, RS_SPLIT, 64, 128, 0),      # ... on the side with the larger part
+    (PrefillPath, RS_SPLIT, 128, 64, 128),    # a PE reads its part of a split only
+    (PrefillPath, RS_SPLIT, 64, 128, 64),
     (VllmPrefillPath, RS_PREFILL, HIT, 0, HIT),
     (VllmPrefillPath, RS_DECODE, 0, HIT, 0),
-    (VllmPrefillPath, RS_SPLIT, 128, 64, 128),    # vLLM's PE reads its part only
+    (VllmPrefillPath, RS_SPLIT, 128, 64, 128),
     (VllmPrefillPath, RS_SPLIT, 64, 128, 64),
 ])
 def test_the_pe_counts_its_part_from_the_assignment_on(cls, side, pe, de, want):

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpath.engine.layers import LocalArrivals
+from dualpath.engine.assignment import split_blocks
+from dualpath.engine.layers import BothReady, LocalArrivals
 from dualpath.engine.roles import RS_DECODE, RS_PREFILL, RS_SPLIT
 from dualpath.engine.vllm_engine import VllmEngine
-from dualpath.engine.vllm_prefill import split_blocks
-from dualpath.engine.vllm_stage import BothReady, Stage
+from dualpath.engine.vllm_stage import Stage
 from dualpath.vllm.scheduler_side import dualpath_params
 
 

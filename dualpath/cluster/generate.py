@@ -96,7 +96,9 @@ class Generator:
         self._partials: dict[str, Callable[[int, int, list[int], list[float]], None]] = {}
         self._acks: list[str] = []      # results received, not yet acknowledged
         self._decoded: set[str] = set()  # DECODE_DONE recorded: only the sink's report due
+        self._submitted: set[str] = set()  # accepted by the scheduler: polled
         self._poller: asyncio.Task | None = None
+        self._closed = False
         self.server = None
         self.channel = None
 
@@ -124,6 +126,8 @@ class Generator:
         ``block_tokens``, below the prompt). ``on_partial(attempt, offset, ids,
         logprobs)``: the tokens as they are generated (streaming; an attempt that
         fails may be followed by the next one's from offset 0)."""
+        if self._closed:
+            raise GenerationFailed(f"request {request_id}: the generator is closed")
         n = len(prompt)
         hit = min(hit_tokens, n - 1)
         hit -= hit % block_tokens
@@ -148,6 +152,7 @@ class Generator:
                 name = scheduler_pb2.RejectReason.Name(rej.reason)
                 raise GenerationFailed(f"request {request_id} rejected: {name}: "
                                        f"{rej.detail}", reason=name)
+            self._submitted.add(request_id)
             self._kick()
             await asyncio.wait([fut], timeout=timeout_s)
             if not fut.done():
@@ -160,13 +165,14 @@ class Generator:
             self._waiting.pop(request_id, None)
             self._partials.pop(request_id, None)
             self._decoded.discard(request_id)
+            self._submitted.discard(request_id)
         return Generated(request_id, list(t.output_token_ids), list(t.output_logprobs),
                          t.attempt, t.prefill_node_id, t.decode_node_id,
                          int(t.prefill_read_bytes), int(t.decode_read_bytes), t0,
                          t.first_token_unix_s, t.second_token_unix_s, t.finish_unix_s)
 
     def _kick(self) -> None:
-        if self._poller is None or self._poller.done():
+        if not self._closed and (self._poller is None or self._poller.done()):
             self._poller = asyncio.ensure_future(self._poll())
 
     async def _poll(self) -> None:
@@ -174,11 +180,13 @@ class Generator:
         the waiting requests; one the scheduler ended FAILED or CANCELLED fails its
         waiter. An outage is retried (each request ends at its own deadline); another
         refusal fails the requests of that call and drops its acknowledgements."""
-        while self._waiting or self._acks:
-            ids = [rid for rid, f in self._waiting.items()
-                   if not f.done() and rid not in self._decoded]
-            ids = ids[:RESULTS_PER_CALL]
-            ack, self._acks = self._acks[:RESULTS_PER_CALL], self._acks[RESULTS_PER_CALL:]
+        while self._submitted or self._acks:
+            # Ids and acknowledgements together stay within one call's bound.
+            half = RESULTS_PER_CALL // 2
+            ack, self._acks = self._acks[:half], self._acks[half:]
+            ids = [rid for rid in self._submitted
+                   if rid in self._waiting and not self._waiting[rid].done()
+                   and rid not in self._decoded][:RESULTS_PER_CALL - len(ack)]
             if not ids and not ack:
                 await asyncio.sleep(0.05)
                 continue
@@ -214,9 +222,14 @@ class Generator:
                     self._decoded.add(st.request_id)
 
     async def close(self) -> None:
+        """Fail what still waits, send the acknowledgements due (bounded), stop."""
+        self._closed = True
+        for rid, f in self._waiting.items():
+            if not f.done():
+                f.set_exception(GenerationFailed(f"request {rid}: the generator closed"))
         if self._poller is not None:
-            if self._acks and not self._waiting:
-                with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError):
+            if self._acks:
+                with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(self._poller), 5)
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

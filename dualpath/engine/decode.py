@@ -243,8 +243,10 @@ class DecodePath:
         st = DecodeState(rid, e, p, spans, res, req.prefill_address, attempt=req.attempt,
                          owner=req.owner)
         self.requests[rid] = st
-        if req.decode_read_tokens:
+        if req.decode_read_tokens:  # (an older attempt's expectation ends either way)
             self.space.read_queue.expect(rid, req.decode_read_tokens)
+        else:
+            self.space.read_queue.forget(rid)
         e.tokens.setdefault(rid, req.prompt_tokens)
         if res is None:
             return None, []

@@ -78,8 +78,10 @@ class PrefillPath:
             old_e.tokens.pop(rid, None)
         e.tokens[rid] = a.prompt_tokens
         tokens = self._assigned_read_tokens(a)
-        if tokens:
+        if tokens:                  # (an older attempt's expectation ends either way)
             self.space.read_queue.expect(rid, tokens)
+        else:
+            self.space.read_queue.forget(rid)
         t = self.node.spawn(self._prefill(e, a, old))
         self.tasks[rid] = self.runs[(rid, a.attempt)] = t
         self.current[rid] = (a.attempt, e)
@@ -198,7 +200,10 @@ class PrefillPath:
             units = e.units(fmt, hbm)
             to_de = Route(e.placement(fmt), units, prep.buffer,
                           prep.buffer.units_of_slots(prep.slots))
-            computed_from = hit                # tokens before it come from storage
+            # Tokens before it come from storage: whole blocks only (a hit's tail short
+            # of a block, or a "none" policy's hit, is computed).
+            computed_from = hit_blocks * T
+            report = replace(report, computed_from_tokens=computed_from)
             sources: list[LayerSource] = []
             if remote:                         # the DE's part: blocks [local, hit)
                 await n.transfer.connect(de)
@@ -258,6 +263,8 @@ class PrefillPath:
             finished = True
         finally:
             source.close()
+            if watch is not None:              # before it joined ``source``, too
+                watch.close()
             # On a failure part way, writes of earlier layers may still read from the
             # engine's memory (pushes) or land in it (the local load): let each finish or
             # fail (bounded by transfer.timeout_s) before those slots go to another request.

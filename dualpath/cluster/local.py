@@ -333,6 +333,14 @@ class LocalCluster:
         """node id -> control address (the Node service), prefill nodes first."""
         return {nid: self.node(nid).address for nid in self.node_ids()}
 
+    def admin(self):
+        """An Admin stub (the cluster's admin certificate) and its channel."""
+        from dualpath.v1 import admin_pb2_grpc
+
+        ch = tls.sync_channel(self.scheduler_address,
+                              config_tls(self.pki.section("admin/operator")))
+        return admin_pb2_grpc.AdminStub(ch), ch
+
     def dead(self) -> list[str]:
         procs = [(n.node_id, n.proc) for n in self.nodes]
         if self.scheduler is not None:

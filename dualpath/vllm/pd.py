@@ -234,13 +234,7 @@ class VllmPdCluster:
 
     def admin(self):
         """An Admin stub (the cluster's admin certificate) and its channel."""
-        from dualpath import tls
-        from dualpath.cluster.local import config_tls
-        from dualpath.v1 import admin_pb2_grpc
-
-        ch = tls.sync_channel(self.cluster.scheduler_address,
-                              config_tls(self.cluster.pki.section("admin/operator")))
-        return admin_pb2_grpc.AdminStub(ch), ch
+        return self.cluster.admin()
 
     def stop(self) -> None:
         """The front end, every vLLM instance (SIGTERM, then its group killed), then the

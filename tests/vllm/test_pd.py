@@ -5,7 +5,9 @@ KV cache, against the single-instance oracle (vLLM's own prefix cache).
 Every turn goes through the scheduler: the prefill node stages the hit (its own reads,
 the decode node's, or both), drives its instance for the prompt, and sends every prompt
 block to the decode node's buffer; the decode node's instance loads them and generates.
-Equal greedy tokens and logprobs mean the KV that crossed both nodes is the KV.
+Equal greedy tokens and logprobs within conftest.TOL (another computation split than the
+oracle's: the decode instance recomputes the partial last block) mean the KV that crossed
+both nodes is the KV; a flipped byte is far outside it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dualpath.v1 import admin_pb2, scheduler_pb2
 from dualpath.vllm.driver import EngineProcess
 from dualpath.vllm.local import ENGINE_ENV, engine_args
 from dualpath.vllm.pd import VllmPdCluster
-from tests.vllm.conftest import Conversation
+from tests.vllm.conftest import Conversation, close
 
 T = 128
 API_KEY = "test-key-0123456789abcdef"
@@ -132,9 +134,9 @@ def _reads(g, stored: int, prompt: int, policy: str) -> None:
         assert pe > 0 and de > 0
 
 
-def test_a_pd_conversation_is_bitwise_the_oracle_on_every_read_path(rig):
+def test_a_pd_conversation_is_the_oracle_on_every_read_path(rig):
     """Turn 1 computes everything; then the PE read, the DE read, the split read and
-    the scheduler's own choice, each bitwise the oracle, each read by the side(s) it
+    the scheduler's own choice, each the oracle's output, each read by the side(s) it
     names."""
     conv = Conversation(seed=101, first=300, append=200, gen=16)
     stored = 0
@@ -142,15 +144,10 @@ def test_a_pd_conversation_is_bitwise_the_oracle_on_every_read_path(rig):
         prompt = list(conv.context)
         a = rig.turn(prompt, conv.gen, stored, policy)
         b = rig.oracle.generate(prompt, conv.gen)
-        assert a["token_ids"] == b["token_ids"], policy
-        assert a["logprobs"] == b["logprobs"], policy
+        assert close(a, b), (policy, a, b)     # the decode instance's split differs
         _reads(a["g"], stored, len(prompt), policy)
         stored = len(prompt) + conv.gen - 1
         conv.advance(a["token_ids"])
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a["token_ids"] == b["token_ids"] and a["logprobs"] == b["logprobs"]
 
 
 class _At:
@@ -187,7 +184,7 @@ def test_negative_control_a_flipped_byte_on_the_pe_read_is_seen(rig):
         bad = rig.turn(prompt, conv.gen, stored, "prefill")
         ref = rig.oracle.generate(prompt, conv.gen)
         assert bad["g"].prefill_read_bytes > 0
-        assert not _same(bad, ref)
+        assert not close(bad, ref)
     finally:
         rig.pd.restart_node("p0")
 
@@ -214,7 +211,7 @@ def test_sigkill_of_a_decode_daemon_mid_decode_ends_in_a_recompute(rig):
     b = rig.turn(prompt, gen, stored, during=at)
     ref = rig.oracle.generate(prompt, gen)
     assert at.fired and b["g"].attempt >= 2, "the kill did not hit a running decode"
-    assert _same(b, ref)
+    assert close(b, ref)
     if rig.topology == "1p2d":
         assert b["g"].decode_node_id != victim[0]
         rig.pd.restart_node(victim[0])
@@ -243,7 +240,7 @@ def test_sigkill_of_a_vllm_instance_mid_request_ends_in_a_recompute(rig, side):
     gen = 1200 if side == "decode" else 16
     b = rig.turn(prompt, gen, stored, "prefill", during=at)
     assert at.fired and b["g"].attempt >= 2, "the kill did not hit a running request"
-    assert _same(b, rig.oracle.generate(prompt, gen))
+    assert close(b, rig.oracle.generate(prompt, gen))
 
 
 # ------------------------------------------------------------------ the front end

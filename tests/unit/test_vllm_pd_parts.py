@@ -109,3 +109,47 @@ def test_both_ready_waits_for_every_source():
 ])
 def test_the_connector_reads_only_well_formed_dualpath_params(params, want):
     assert dualpath_params(SimpleNamespace(kv_transfer_params=params)) == want
+
+
+def test_write_back_counts_in_read_q_until_it_is_written():
+    """Committed blocks wait for the storage NIC in the same FIFO as reads: the node's
+    read_q (what the scheduler balances on) holds them until written; blocks already
+    stored cost nothing."""
+    async def go():
+        gate = asyncio.Event()
+        written = []
+
+        class Store:
+            def contains(self, key):
+                return key == b"s" * 16
+
+            async def awrite(self, key, data):
+                await gate.wait()
+                written.append(key)
+                return True
+
+        def nop(*a):
+            return None
+        eng = VllmEngine.__new__(VllmEngine)
+        eng.space = SimpleNamespace(fmt=SimpleNamespace(block_tokens=128),
+                                    read_queue=SimpleNamespace(read_q_tokens=256),
+                                    store=Store(), layout=SimpleNamespace(full_bytes=8))
+        eng._pending, eng._persists, eng._unwritten, eng.limiter = {}, set(), 0, None
+        eng.node_id = "d0"
+        eng.metrics = SimpleNamespace(connector_pending_blocks=SimpleNamespace(set=nop),
+                                      persisted=SimpleNamespace(inc=nop),
+                                      persist_failed=SimpleNamespace(inc=nop))
+        eng._check_keys = nop
+        keys = [b"s" * 16, b"a" * 16, b"b" * 16]
+        res = _Res(3)
+        s = eng.adopt("r1", keys, res)
+        try:
+            assert eng.read_q_tokens == 256 + 3 * 128
+            await asyncio.sleep(0.01)           # the stored block is skipped at once
+            assert eng.read_q_tokens == 256 + 2 * 128
+        finally:
+            gate.set()
+            eng.release_adopted(s)
+            await asyncio.gather(*eng._persists)
+        assert eng.read_q_tokens == 256 and written == keys[1:] and res.released == 1
+    asyncio.run(go())

@@ -9,8 +9,9 @@ Method
   first --rounds rounds, replayed offline (every agent starts at once) with real tokens:
   round k's prompt = the previous prompt + the tokens actually generated + the appended
   tokens (A.3), exactly g_k tokens generated (ignore_eos), greedy.
-  Modes, alternated within each repetition (each repetition its own trajectories, so
-  no mode reads another's blocks):
+  Modes, alternated within each repetition (each repetition its own trajectories; the
+  modes of one repetition run the same prompts, and the store is emptied after each
+  mode, so no mode reads or skips writing another's blocks):
     basic     every hit read by the prefill node (the PE read path), and no layerwise
               loading: the prefill waits for the whole hit before its first layer
     dualpath  the scheduler picks the reading side (PE, DE, or a real split) per request,
@@ -25,8 +26,13 @@ Method
   Cases: I/O-bound (every node's storage NIC limited to --snic-gbit, chosen so that
   basic's JCT is >= 3x oracle's; the run checks and reports the ratio) and
   compute-bound (no limit; basic vs dualpath only).
+  Every node's DE buffer is --de-buffer-mib, room for the prompts in flight and the
+  write-back behind them, so persisting new KV (at the storage NIC's pace) never holds
+  up a request; each mode's write-back is drained before the next mode starts.
   Figures: medians over --reps of JCT; TTFT / TPOT p50 and p99 over all rounds of all
-  repetitions; each node's storage-NIC utilisation (its bytes read / (limit x JCT));
+  repetitions; each node's storage-NIC load (bytes read + bytes written, from the
+  node's /metrics), its utilisation (load / (limit x JCT)), and max/avg of the load
+  over the three nodes;
   tokens: every mode's generated tokens against the oracle run's of the same round
   (I/O-bound case; all greedy, so they must agree).
 
@@ -48,6 +54,7 @@ from pathlib import Path
 from dualpath.cluster.agentic import Generation, run_agents, summary
 from dualpath.cluster.generate import Generator
 from dualpath.cluster.run import make_trace
+from dualpath.storage.store import SUFFIX
 from dualpath.trace.model import Trace, Trajectory
 from dualpath.vllm import models
 from dualpath.vllm.pd import VllmPdCluster
@@ -65,33 +72,58 @@ def _trace(args, rep: int) -> Trace:
                        for tr in t.trajectories), t.meta)
 
 
+NODES = ("p0", "d0", "d1")
+READ, WRITTEN = "dualpath_node_storage_read_bytes_total", \
+    "dualpath_node_storage_written_bytes_total"
+
+
 async def _run(gen: Generator, trace: Trace, mode: str, vocab: int, tag: str):
     payload_mode, policy, layerwise = MODES[mode]
-    reads: dict[str, int] = {}
 
     async def generate(rid, prompt, n, hit) -> Generation:
         salt = rid.rsplit("-", 1)[0] if mode == "oracle" else rid   # trajectory / request
         g = await gen.generate(rid, prompt, n, hit_tokens=hit, block_tokens=T,
                                mode=payload_mode, read_policy=policy, layerwise=layerwise,
                                timeout_s=1800, cache_salt=salt)
-        reads[g.prefill_node_id] = reads.get(g.prefill_node_id, 0) + g.prefill_read_bytes
-        reads[g.decode_node_id] = reads.get(g.decode_node_id, 0) + g.decode_read_bytes
         return Generation(g.token_ids, g.first_token_unix_s - g.submit_unix_s,
                           g.finish_unix_s - g.submit_unix_s)
-    records = await run_agents(trace, generate, vocab=vocab, block_tokens=T, tag=tag,
-                               concurrency=64)
-    return records, reads
+    return await run_agents(trace, generate, vocab=vocab, block_tokens=T, tag=tag,
+                            concurrency=64)
 
 
-def _cluster(model: Path, snic: float, work: Path, name: str, oracle: bool) -> VllmPdCluster:
-    settings = {"storage": {"snic_gbit_per_s": snic}} if snic else {}
+def _io_bytes(pd: VllmPdCluster) -> dict[str, tuple[float, float]]:
+    """node -> (bytes read, bytes written) through its storage NIC so far."""
+    out = {}
+    for n in NODES:
+        m = pd.node_metrics(n)
+        out[n] = (m.get(READ, 0.0), m.get(WRITTEN, 0.0))
+    return out
+
+
+def _empty_store(pd: VllmPdCluster) -> int:
+    """Delete every stored block (the cluster's one shared store), so the next mode
+    reads and writes only its own blocks: modes run the same prompts (their tokens are
+    compared), and a mode after another would otherwise find its first rounds already
+    written and its hits already in the disk's page cache. Block files only: the
+    manifests and the directory tree stay (nodes hold descriptors of it)."""
+    n = 0
+    for f in (pd.dir / "kv").rglob(f"*{SUFFIX}"):
+        f.unlink(missing_ok=True)
+        n += 1
+    return n
+
+
+def _cluster(model: Path, snic: float, work: Path, name: str, args) -> VllmPdCluster:
+    settings = {"buffers": {"de_buffer_mib": args.de_buffer_mib}}
+    if snic:
+        settings["storage"] = {"snic_gbit_per_s": snic}
     return VllmPdCluster(model, decode_nodes=2, work_dir=str(work / name), settings=settings,
-                         max_model_len=8192, prefix_caching=oracle).start()
+                         max_model_len=8192, prefix_caching=True).start()
 
 
 def case(args, model: Path, vocab: int, snic: float, modes: list[str], work: Path) -> dict:
     need_oracle = "oracle" in modes
-    pd = _cluster(model, snic, work, f"pd-{snic:g}", True)
+    pd = _cluster(model, snic, work, f"pd-{snic:g}", args)
     loop = asyncio.new_event_loop()
     gens = {}
     try:
@@ -102,13 +134,24 @@ def case(args, model: Path, vocab: int, snic: float, modes: list[str], work: Pat
         for rep in range(args.warmup + args.reps):
             order = modes if rep % 2 == 0 else list(reversed(modes))
             for m in order:
-                gen = gens["dp"]
-                recs, reads = loop.run_until_complete(_run(
-                    gen, _trace(args, rep), m, vocab, f"{m}{rep}-{int(time.time())}"))
+                before = _io_bytes(pd)
+                recs = loop.run_until_complete(_run(
+                    gens["dp"], _trace(args, rep), m, vocab, f"{m}{rep}-{int(time.time())}"))
+                # Write-back goes on after the last token (off the requests' latency);
+                # it ends before the next mode starts, so no mode's reads wait behind
+                # another's writes, and its bytes are this mode's.
+                drain = pd.wait_written()
+                after = _io_bytes(pd)
+                _empty_store(pd)
+                io_ = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1])
+                       for n in NODES}
                 if rep >= args.warmup:
-                    runs[m].append((recs, reads))
+                    runs[m].append((recs, io_, drain))
                 print(f"  {'warm-up' if rep < args.warmup else f'rep {rep - args.warmup}'}"
-                      f" {m}: JCT {summary(recs)['jct_s']:.2f} s", file=sys.stderr)
+                      f" {m}: JCT {summary(recs)['jct_s']:.2f} s, write-back drained "
+                      f"{drain:.1f} s later, MB read/written "
+                      + ", ".join(f"{n} {r / 1e6:.0f}/{w / 1e6:.0f}"
+                                  for n, (r, w) in io_.items()), file=sys.stderr)
     finally:
         for g in gens.values():
             loop.run_until_complete(g.close())
@@ -118,25 +161,26 @@ def case(args, model: Path, vocab: int, snic: float, modes: list[str], work: Pat
     out = {}
     rate = snic * 1e9 / 8 if snic else 0.0
     for m, reps in runs.items():
-        s = [summary(r) for r, _ in reps]
-        all_recs = [x for r, _ in reps for x in r]
-        flat = summary(all_recs)
-        util = []
-        for (recs, reads), si in zip(reps, s):
-            if rate:
-                per = {n: reads.get(n, 0) / (rate * si["jct_s"]) for n in ("p0", "d0", "d1")}
-                util.append(per)
-        snic_util = ({n: statistics.median(u[n] for u in util) for n in ("p0", "d0", "d1")}
-                     if util else {})
-        out[m] = {"jct_s": statistics.median(x["jct_s"] for x in s),
-                  "jct_s_reps": [x["jct_s"] for x in s],
+        s = [summary(r) for r, _, _ in reps]
+        flat = summary([x for r, _, _ in reps for x in r])
+        # A storage NIC moves reads and write-back alike: its load is both, and its
+        # utilisation that load over the mode's JCT at the limit.
+        load = {n: statistics.median(sum(io_[n]) for _, io_, _ in reps) for n in NODES}
+        jct = statistics.median(x["jct_s"] for x in s)
+        avg = sum(load.values()) / len(load)
+        out[m] = {"jct_s": jct, "jct_s_reps": [x["jct_s"] for x in s],
                   "ttft_p50_s": flat["ttft_p50_s"], "ttft_p99_s": flat["ttft_p99_s"],
                   "tpot_p50_s": flat["tpot_p50_s"], "tpot_p99_s": flat["tpot_p99_s"],
-                  "rounds": flat["rounds"], "snic_utilisation": snic_util,
-                  "snic_max_avg": (max(snic_util.values()) /
-                                   (sum(snic_util.values()) / len(snic_util)))
-                  if snic_util and sum(snic_util.values()) else None,
-                  "tokens": [[list(x.token_ids) for x in r] for r, _ in reps]}
+                  "rounds": flat["rounds"],
+                  "write_back_drain_s": statistics.median(d for _, _, d in reps),
+                  "snic_read_mb": {n: statistics.median(io_[n][0] for _, io_, _ in reps) / 1e6
+                                   for n in NODES},
+                  "snic_written_mb": {n: statistics.median(io_[n][1] for _, io_, _ in reps)
+                                      / 1e6 for n in NODES},
+                  "snic_utilisation": {n: load[n] / (rate * jct) for n in NODES} if rate
+                  else {},
+                  "snic_max_avg": max(load.values()) / avg if avg else None,
+                  "tokens": [[list(x.token_ids) for x in r] for r, _, _ in reps]}
     if need_oracle:
         ref = out["oracle"]["tokens"]
         for m in modes:
@@ -161,6 +205,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="unreported repetitions first")
     ap.add_argument("--snic-gbit", type=float, default=0.1,
                     help="I/O-bound case: every node's storage-NIC limit (Gbit/s)")
+    ap.add_argument("--de-buffer-mib", type=int, default=1024,
+                    help="each node's DE buffer: room for every prompt in flight and the "
+                    "write-back behind it, so writes never hold up a request")
+    ap.add_argument("--cases", default="io,compute",
+                    help="which cases to run: io, compute or both (comma-separated)")
     ap.add_argument("--work-dir", default="", help="keep the clusters' logs here")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
@@ -169,26 +218,38 @@ def main(argv=None) -> int:
     model = Path(args.model) if args.model else models.prepare(models.default_dir())["smollm2"]
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="dualpath-vllm-pd-"))
-    io = case(args, model, vocab, args.snic_gbit, ["basic", "dualpath", "oracle"], work)
-    cb = case(args, model, vocab, 0.0, ["basic", "dualpath"], work)
+    cases = set(args.cases.split(","))
+    if not cases or cases - {"io", "compute"}:
+        ap.error(f"--cases: io, compute or io,compute, not {args.cases!r}")
+    io = case(args, model, vocab, args.snic_gbit, ["basic", "dualpath", "oracle"], work) \
+        if "io" in cases else {}
+    cb = case(args, model, vocab, 0.0, ["basic", "dualpath"], work) \
+        if "compute" in cases else {}
     print(f"\nvLLM P/D (1P2D, {model.name}, {args.agents} agents x {args.rounds} rounds, "
           f"medians of {args.reps} alternated repetitions)")
     print("| case | mode | JCT (s) | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | storage NIC "
-          "p0 / d0 / d1 | tokens mismatched |")
-    print("|---|---|---|---|---|---|---|")
+          "p0 / d0 / d1 (read+written MB, utilisation) | write-back drained after (s) "
+          "| tokens mismatched |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, res in ((f"I/O-bound ({args.snic_gbit:g} Gbit/s)", io), ("compute-bound", cb)):
         for m, r in res.items():
             u = r["snic_utilisation"]
-            util = " / ".join(f"{100 * u[n]:.0f}%" for n in ("p0", "d0", "d1")) if u else "-"
+            nic = " / ".join(f"{r['snic_read_mb'][n]:.0f}+{r['snic_written_mb'][n]:.0f}"
+                             + (f" {100 * u[n]:.0f}%" if u else "") for n in NODES)
             print(f"| {name} | {m} | {r['jct_s']:.2f} | {r['ttft_p50_s']:.3f} / "
                   f"{r['ttft_p99_s']:.3f} | {1e3 * r['tpot_p50_s']:.1f} / "
-                  f"{1e3 * r['tpot_p99_s']:.1f} | {util} | {r.get('tokens_mismatched', '-')} |")
-    s = {"io_bound_speedup_vs_basic": io["basic"]["jct_s"] / io["dualpath"]["jct_s"],
-         "io_bound_basic_over_oracle": io["basic"]["jct_s"] / io["oracle"]["jct_s"],
-         "compute_bound_slowdown_vs_basic": cb["dualpath"]["jct_s"] / cb["basic"]["jct_s"]
-         - 1.0,
-         "io_bound_snic_max_avg": io["dualpath"]["snic_max_avg"],
-         "tokens_mismatched": sum(r.get("tokens_mismatched", 0) for r in io.values()),
+                  f"{1e3 * r['tpot_p99_s']:.1f} | {nic} | {r['write_back_drain_s']:.1f} "
+                  f"| {r.get('tokens_mismatched', '-')} |")
+
+    def ratio(a: dict, b: dict) -> float | None:
+        return a["jct_s"] / b["jct_s"] if a and b else None
+    s = {"io_bound_speedup_vs_basic": ratio(io.get("basic"), io.get("dualpath")),
+         "io_bound_basic_over_oracle": ratio(io.get("basic"), io.get("oracle")),
+         "compute_bound_slowdown_vs_basic": (ratio(cb["dualpath"], cb["basic"]) - 1.0)
+         if cb else None,
+         "io_bound_snic_max_avg": io["dualpath"]["snic_max_avg"] if io else None,
+         "tokens_mismatched": sum(r.get("tokens_mismatched", 0) for r in io.values())
+         if io else None,
          "snic_gbit_per_s": args.snic_gbit,
          "targets": {"io_bound_speedup_vs_basic": ">= 2.0",
                      "compute_bound_slowdown_vs_basic": "<= 0.05",

@@ -473,5 +473,6 @@ class DecodePath:
                     log.warning("%s: not caching block %d: %s", st.request_id, b, err)
                 continue
             m.persisted.inc()
+            m.written_bytes.inc(self.space.layout.full_bytes)
         if failed > 1:
             log.warning("%s: %d blocks not cached (persist failures)", st.request_id, failed)

@@ -21,6 +21,9 @@ class NodeMetrics:
                                     "Prompt KV bytes in requests that failed verification.")
         self.persisted = m.counter(registry, "dualpath_node_blocks_persisted_total",
                                    "Full Blocks of new KV written to storage.")
+        self.written_bytes = m.counter(
+            registry, "dualpath_node_storage_written_bytes_total",
+            "KV bytes this node wrote to storage (its storage NIC, beside the reads).")
         self.persist_failed = m.counter(registry, "dualpath_node_persist_failures_total",
                                         "Full Blocks not cached because the write failed "
                                         "(disk full, I/O error); the request is unaffected.")
@@ -36,7 +39,9 @@ class NodeMetrics:
                                  "so a silent fallback to TCP shows on dashboards.",
                                  ("transport",))
         self.read_q = m.gauge(registry, "dualpath_node_read_queue_tokens",
-                              "Tokens queued or in flight on this node's storage reads.")
+                              "The scheduler's read_q: tokens queued, in flight or "
+                              "expected on this node's storage reads (vLLM nodes: and "
+                              "committed blocks not yet written, which share the NIC).")
         self.phase_s = m.histogram(registry, "dualpath_node_request_phase_seconds",
                                    "Time per request phase (prefill on PEs, decode on DEs).",
                                    ("phase",))

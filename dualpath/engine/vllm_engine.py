@@ -621,6 +621,7 @@ class VllmEngine:
                         await self.limiter.acquire(space.layout.full_bytes)
                     if await space.store.awrite(key, s.res.flat(i)):
                         self.metrics.persisted.inc()
+                        self.metrics.written_bytes.inc(space.layout.full_bytes)
                 except DualPathError as e:   # disk full, I/O error: skip caching it
                     self.metrics.persist_failed.inc()
                     log.warning("%s: persisting a block of %s failed: %s", self.node_id,

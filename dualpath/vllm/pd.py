@@ -63,14 +63,17 @@ class VllmPdCluster:
         self.prefix_caching = prefix_caching
         ids = [f"p{i}" for i in range(prefill_nodes)] + [f"d{i}" for i in range(decode_nodes)]
         self.ports = {nid: (free_port(), free_port()) for nid in ids}   # control, HTTP
+        #: node id -> the port of its /metrics (fixed, so benches can read it).
+        self.metrics_ports = {nid: free_port() for nid in ids}
         base = {"engine": {"kind": "vllm"},
                 "buffers": {"pe_buffer_mib": 256, "de_buffer_mib": 256},
                 "transport": {"kind": "tcp"}}
         for sec, kv in (settings or {}).items():
             base.setdefault(sec, {}).update(kv)
-        per_node = {nid: {"engine": {"control_listen": f"127.0.0.1:{c}",
-                                     "vllm_url": f"http://127.0.0.1:{h}"}}
-                    for nid, (c, h) in self.ports.items()}
+        per_node = {nid: {"engine": {
+            "control_listen": f"127.0.0.1:{c}", "vllm_url": f"http://127.0.0.1:{h}",
+            "metrics_listen": f"127.0.0.1:{self.metrics_ports[nid]}"}}
+            for nid, (c, h) in self.ports.items()}
         self.cluster = LocalCluster(prefill_nodes=prefill_nodes, decode_nodes=decode_nodes,
                                     work_dir=work_dir, settings=base, node_settings=per_node,
                                     start_timeout_s=min(start_timeout_s, 120.0))
@@ -235,6 +238,30 @@ class VllmPdCluster:
     def admin(self):
         """An Admin stub (the cluster's admin certificate) and its channel."""
         return self.cluster.admin()
+
+    def node_metrics(self, node_id: str) -> dict[str, float]:
+        """``node_id``'s /metrics: sample name (labels dropped, summed) -> value."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://127.0.0.1:{self.metrics_ports[node_id]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                out[smp.name] = out.get(smp.name, 0.0) + smp.value
+        return out
+
+    def wait_written(self, timeout_s: float = 900.0) -> float:
+        """Until no node has committed blocks left to persist (write-back drained);
+        the seconds it took."""
+        t0 = time.monotonic()
+        while any(self.node_metrics(n.node_id).get("dualpath_node_connector_pending_blocks")
+                  for n in self.cluster.nodes):
+            if time.monotonic() - t0 > timeout_s:
+                raise ClusterError(f"write-back not drained in {timeout_s:g} s")
+            time.sleep(0.5)
+        return time.monotonic() - t0
 
     def stop(self) -> None:
         """The front end, every vLLM instance (SIGTERM, then its group killed), then the

@@ -136,9 +136,8 @@ def test_write_back_counts_in_read_q_until_it_is_written():
                                     store=Store(), layout=SimpleNamespace(full_bytes=8))
         eng._pending, eng._persists, eng._unwritten, eng.limiter = {}, set(), 0, None
         eng.node_id = "d0"
-        eng.metrics = SimpleNamespace(connector_pending_blocks=SimpleNamespace(set=nop),
-                                      persisted=SimpleNamespace(inc=nop),
-                                      persist_failed=SimpleNamespace(inc=nop))
+        eng.metrics = SimpleNamespace(**{n: SimpleNamespace(inc=nop, set=nop) for n in (
+            "connector_pending_blocks", "persisted", "written_bytes", "persist_failed")})
         eng._check_keys = nop
         keys = [b"s" * 16, b"a" * 16, b"b" * 16]
         res = _Res(3)

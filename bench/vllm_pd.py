@@ -198,12 +198,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--agents", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--context-scale", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1, help="unreported repetitions first")
-    ap.add_argument("--snic-gbit", type=float, default=0.1,
+    ap.add_argument("--snic-gbit", type=float, default=0.025,
                     help="I/O-bound case: every node's storage-NIC limit (Gbit/s)")
     ap.add_argument("--de-buffer-mib", type=int, default=1024,
                     help="each node's DE buffer: room for every prompt in flight and the "

@@ -39,9 +39,7 @@ class NodeMetrics:
                                  "so a silent fallback to TCP shows on dashboards.",
                                  ("transport",))
         self.read_q = m.gauge(registry, "dualpath_node_read_queue_tokens",
-                              "The scheduler's read_q: tokens queued, in flight or "
-                              "expected on this node's storage reads (vLLM nodes: and "
-                              "committed blocks not yet written, which share the NIC).")
+                              "Tokens queued or in flight on this node's storage reads.")
         self.phase_s = m.histogram(registry, "dualpath_node_request_phase_seconds",
                                    "Time per request phase (prefill on PEs, decode on DEs).",
                                    ("phase",))
@@ -74,7 +72,7 @@ class CountingLimiter(RateLimiter):
         super().__init__(*args, **kw)
         self.slots: dict[int, int] = {}
 
-    async def acquire(self, nbytes: int) -> None:
-        await super().acquire(nbytes)
+    async def acquire(self, nbytes: int, *, background: bool = False) -> None:
+        await super().acquire(nbytes, background=background)
         k = int(clock.unix_now() / self.SLOT_S)
         self.slots[k] = self.slots.get(k, 0) + nbytes

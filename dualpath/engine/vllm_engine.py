@@ -148,9 +148,6 @@ class VllmEngine:
         self._pending: dict[bytes, tuple[_Save, int]] = {}
         self._save_ids = itertools.count(1)
         self._persists: set[asyncio.Task] = set()
-        # Committed blocks whose write has not ended: they wait in the same storage-NIC
-        # FIFO as this node's reads, so the scheduler's read_q counts them too.
-        self._unwritten = 0
         self._warned_cap = False
         self.offer = offer                     # the buffer, shared with same-host workers
         self._held: dict[int, tuple[Reservation, float]] = {}   # worker_copies loads
@@ -169,14 +166,10 @@ class VllmEngine:
 
     @property
     def read_q_tokens(self) -> int:
-        """The scheduler's read_q: tokens this node's storage NIC still has to move —
-        reads queued, in flight or expected, and committed blocks not yet written
-        (write-back shares the NIC's FIFO with the reads, so a read queued behind them
-        waits for them; docs/vllm.md, "Write-back and read_q")."""
-        if self.space is None:
-            return 0
-        return (self.space.read_queue.read_q_tokens
-                + self._unwritten * self.space.fmt.block_tokens)
+        """The scheduler's read_q: this node's reads queued, in flight or expected.
+        Write-back is not in it: it yields to reads at the storage NIC (docs/vllm.md,
+        "Write-back yields to reads")."""
+        return self.space.read_queue.read_q_tokens if self.space is not None else 0
 
     # ------------------------------------------------------------------ attach
 
@@ -603,7 +596,6 @@ class VllmEngine:
         for i, key in enumerate(s.keys):
             self._pending.setdefault(key, (s, i))
         self.metrics.connector_pending_blocks.set(len(self._pending))
-        self._unwritten += len(s.keys)
         t = asyncio.ensure_future(self._persist(s))
         self._persists.add(t)
         t.add_done_callback(self._persists.discard)
@@ -611,14 +603,18 @@ class VllmEngine:
     async def _persist(self, s: _Save) -> None:
         space = self.space
         assert space is not None
-        left = len(s.keys)
         try:
             for i, key in enumerate(s.keys):
                 try:
                     if space.store.contains(key):
                         continue
                     if self.limiter is not None:
-                        await self.limiter.acquire(space.layout.full_bytes)
+                        # Write-back yields to reads (ratelimit.RateLimiter), a layer's
+                        # bytes at a time so a read arriving meanwhile waits for one
+                        # layer's write at most, not a block's.
+                        for _ in range(space.layout.layers):
+                            await self.limiter.acquire(space.layout.layer_bytes,
+                                                       background=True)
                     if await space.store.awrite(key, s.res.flat(i)):
                         self.metrics.persisted.inc()
                         self.metrics.written_bytes.inc(space.layout.full_bytes)
@@ -627,13 +623,10 @@ class VllmEngine:
                     log.warning("%s: persisting a block of %s failed: %s", self.node_id,
                                 s.request_id, e)
                 finally:
-                    left -= 1
-                    self._unwritten -= 1
                     if not s.held and self._pending.get(key, (None,))[0] is s:
                         del self._pending[key]
                     self.metrics.connector_pending_blocks.set(len(self._pending))
         finally:
-            self._unwritten -= left       # cancelled (close): not written, not queued
             while s.held:                 # adopted: the decode instance loads them first
                 s.idle.clear()
                 await s.idle.wait()

@@ -47,19 +47,36 @@ class TokenBucket:
         self.level -= nbytes
         return 0.0 if self.level >= 0 else -self.level / self.rate
 
+    def debt_s(self, now: float) -> float:
+        """Seconds until every byte granted so far has had its turn (0: none waits)."""
+        level = self.level + max(0.0, now - self.last) * self.rate
+        return 0.0 if level >= 0 else -level / self.rate
+
 
 class RateLimiter:
     """Storage-NIC emulation: ``await acquire(n)`` returns once ``n`` bytes may go.
 
     ``gbit_per_s <= 0`` means unlimited. ``burst_bytes`` defaults to 10 ms at full rate.
     Safe to call from asyncio tasks and from threads (``acquire_blocking``) at once.
+
+    Two classes share the one bucket: foreground (reads a request waits for) and
+    background (``acquire(n, background=True)``: write-back, outside any request's
+    latency). A background acquire yields: it takes its bytes only once every byte
+    granted before has had its turn (so no foreground caller is waiting either), so
+    write-back fills the NIC's idle time instead of delaying reads queued behind it; a
+    read that arrives after it waits for its bytes only. It yields for at most
+    ``max_defer_s``, so reads that saturate the NIC for ever cannot starve it.
     """
 
     def __init__(self, gbit_per_s: float, burst_bytes: int | None = None, *,
                  now: Callable[[], float] = clock.now,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 sleep_blocking: Callable[[float], None] = time.sleep):
+                 sleep_blocking: Callable[[float], None] = time.sleep,
+                 max_defer_s: float = 5.0):
+        if max_defer_s < 0:
+            raise UsageError(f"max_defer_s must be >= 0, got {max_defer_s}")
         self.gbit_per_s = gbit_per_s
+        self.max_defer_s = max_defer_s
         self._now = now
         self._sleep = sleep
         self._sleep_blocking = sleep_blocking
@@ -79,7 +96,15 @@ class RateLimiter:
         with self._lock:
             return self._bucket.reserve(nbytes, self._now())
 
-    async def acquire(self, nbytes: int) -> None:
+    def _debt_s(self) -> float:
+        with self._lock:
+            return self._bucket.debt_s(self._now())
+
+    async def acquire(self, nbytes: int, *, background: bool = False) -> None:
+        if background and self._bucket is not None:
+            deadline = self._now() + self.max_defer_s
+            while (debt := self._debt_s()) > 0 and (left := deadline - self._now()) > 0:
+                await self._sleep(min(debt, left))
         delay = self._delay(nbytes)
         if delay > 0:
             await self._sleep(delay)

@@ -70,3 +70,85 @@ def test_default_burst_is_ten_ms():
     assert ft.slept == []
     lim.acquire_blocking(1_000_000)
     assert ft.slept == [pytest.approx(0.001)]
+
+
+class VirtualClock:
+    """Time that moves only when every task is asleep: to the earliest wake-up."""
+
+    def __init__(self):
+        self.t = 0.0
+        self._wakeups = []
+        self._seq = 0
+
+    def now(self):
+        return self.t
+
+    async def sleep(self, s):
+        import heapq
+
+        fut = asyncio.get_running_loop().create_future()
+        self._seq += 1
+        heapq.heappush(self._wakeups, (self.t + s, self._seq, fut))
+        await fut
+
+    async def run(self, *coros):
+        import heapq
+
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        while not all(t.done() for t in tasks):
+            for _ in range(20):
+                await asyncio.sleep(0)
+            if self._wakeups:
+                when, _, fut = heapq.heappop(self._wakeups)
+                self.t = max(self.t, when)
+                fut.set_result(None)
+        return [t.result() for t in tasks]
+
+
+def _limiter(vc, **kw):
+    # 1000 B/s (8e-6 Gbit/s), 100 B banked.
+    return RateLimiter(8e-6, burst_bytes=100, now=vc.now, sleep=vc.sleep, **kw)
+
+
+def test_write_back_yields_to_reads_waiting_and_to_bytes_already_granted():
+    vc = VirtualClock()
+    lim = _limiter(vc)
+    done = {}
+
+    async def read(name, n, at=0.0):
+        await vc.sleep(at)
+        await lim.acquire(n)
+        done[name] = vc.t
+
+    async def write(name, n, at=0.0):
+        await vc.sleep(at)
+        await lim.acquire(n, background=True)
+        done[name] = vc.t
+
+    # A read of 1000 B at t=0 (100 banked: 0.9 s), a write asked at 0.1 s, a second read
+    # asked at 0.5 s while the write still yields: both reads go first.
+    asyncio.run(vc.run(read("r1", 1000), write("w", 100, at=0.1), read("r2", 100, at=0.5)))
+    assert done["r1"] == pytest.approx(0.9)
+    assert done["r2"] == pytest.approx(1.0)          # FIFO behind r1, not behind w
+    assert done["w"] == pytest.approx(1.1, abs=0.01)  # after both reads' bytes went
+
+
+def test_write_back_is_not_starved_for_longer_than_max_defer():
+    vc = VirtualClock()
+    lim = _limiter(vc, max_defer_s=2.0)
+    done = {}
+
+    async def reads():
+        for _ in range(50):                 # 5 s of reads back to back
+            await lim.acquire(100)
+
+    async def write():
+        await vc.sleep(0.05)
+        await lim.acquire(100, background=True)
+        done["w"] = vc.t
+
+    asyncio.run(vc.run(reads(), write()))
+    assert 2.0 <= done["w"] - 0.05 <= 2.3           # yielded max_defer_s, then FIFO
+    assert RateLimiter(0).unlimited
+    with pytest.raises(UsageError, match="max_defer_s"):
+        RateLimiter(1.0, max_defer_s=-1)

@@ -14,8 +14,9 @@ Method
   mode, so no mode reads or skips writing another's blocks):
     basic     every hit read by the prefill node (the PE read path), and no layerwise
               loading: the prefill waits for the whole hit before its first layer
-    dualpath  the scheduler picks the reading side (PE, DE, or a real split) per request,
-              layerwise loading
+    dualpath  the scheduler picks the reading side per request (with --split-read, the
+              default, it may split a hit between the PE and the DE so both queues
+              drain together; --no-split-read: one side, as the paper), layerwise
     oracle    the hit is in the prefill instance's own memory (vLLM's prefix cache),
               nothing is read from storage; every prompt block still goes to the DE
   The instances keep vLLM's prefix cache on; a request's cache_salt decides what it may
@@ -114,11 +115,13 @@ def _empty_store(pd: VllmPdCluster) -> int:
 
 
 def _cluster(model: Path, snic: float, work: Path, name: str, args) -> VllmPdCluster:
-    settings = {"buffers": {"de_buffer_mib": args.de_buffer_mib}}
+    settings = {"buffers": {"de_buffer_mib": args.de_buffer_mib},
+                "scheduler": {"split_read": args.split_read}}
     if snic:
         settings["storage"] = {"snic_gbit_per_s": snic}
     return VllmPdCluster(model, decode_nodes=2, work_dir=str(work / name), settings=settings,
-                         max_model_len=8192, prefix_caching=True).start()
+                         max_model_len=8192, kv_cache_gib=args.kv_cache_gib,
+                         prefix_caching=True).start()
 
 
 def case(args, model: Path, vocab: int, snic: float, modes: list[str], work: Path) -> dict:
@@ -205,9 +208,16 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="unreported repetitions first")
     ap.add_argument("--snic-gbit", type=float, default=0.025,
                     help="I/O-bound case: every node's storage-NIC limit (Gbit/s)")
+    ap.add_argument("--kv-cache-gib", type=int, default=2,
+                    help="each vLLM instance's KV cache: the oracle's prefix cache must "
+                    "hold every agent's context")
     ap.add_argument("--de-buffer-mib", type=int, default=1024,
                     help="each node's DE buffer: room for every prompt in flight and the "
                     "write-back behind it, so writes never hold up a request")
+    ap.add_argument("--split-read", action=argparse.BooleanOptionalAction, default=True,
+                    help="the scheduler may split a hit between the PE and the DE "
+                    "(scheduler.split_read); --no-split-read: one side per request, as "
+                    "the paper")
     ap.add_argument("--cases", default="io,compute",
                     help="which cases to run: io, compute or both (comma-separated)")
     ap.add_argument("--work-dir", default="", help="keep the clusters' logs here")

@@ -102,17 +102,19 @@ def _io_bytes(pd: VllmPdCluster) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _empty_store(pd: VllmPdCluster) -> int:
+def _empty_store(pd: VllmPdCluster) -> None:
     """Delete every stored block (the cluster's one shared store), so the next mode
     reads and writes only its own blocks: modes run the same prompts (their tokens are
     compared), and a mode after another would otherwise find its first rounds already
     written and its hits already in the disk's page cache. Block files only: the
     manifests and the directory tree stay (nodes hold descriptors of it)."""
-    n = 0
     for f in (pd.dir / "kv").rglob(f"*{SUFFIX}"):
         f.unlink(missing_ok=True)
-        n += 1
-    return n
+
+
+def _median_mb(reps: list, k: int) -> dict[str, float]:
+    """node -> median MB over the repetitions of its bytes read (k=0) or written (k=1)."""
+    return {n: statistics.median(io_[n][k] for _, io_, _ in reps) / 1e6 for n in NODES}
 
 
 def _cluster(model: Path, snic: float, work: Path, name: str, args) -> VllmPdCluster:
@@ -177,10 +179,8 @@ def case(args, model: Path, vocab: int, snic: float, modes: list[str], work: Pat
                   "tpot_p50_s": flat["tpot_p50_s"], "tpot_p99_s": flat["tpot_p99_s"],
                   "rounds": flat["rounds"],
                   "write_back_drain_s": statistics.median(d for _, _, d in reps),
-                  "snic_read_mb": {n: statistics.median(io_[n][0] for _, io_, _ in reps) / 1e6
-                                   for n in NODES},
-                  "snic_written_mb": {n: statistics.median(io_[n][1] for _, io_, _ in reps)
-                                      / 1e6 for n in NODES},
+                  "snic_read_mb": _median_mb(reps, 0),
+                  "snic_written_mb": _median_mb(reps, 1),
                   "snic_utilisation": {n: load[n] / (rate * jct) for n in NODES} if rate
                   else {},
                   "snic_max_avg": max(load.values()) / avg if avg else None,
@@ -224,6 +224,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", default="", help="keep the clusters' logs here")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    cases = set(args.cases.split(","))
+    if not cases or cases - {"io", "compute"}:
+        ap.error(f"--cases: io, compute or io,compute, not {args.cases!r}")
     import tempfile
 
     # SIGTERM unwinds like Ctrl-C, so each cluster's finally stops it: vLLM's engine
@@ -233,9 +236,6 @@ def main(argv=None) -> int:
     model = Path(args.model) if args.model else models.prepare(models.default_dir())["smollm2"]
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="dualpath-vllm-pd-"))
-    cases = set(args.cases.split(","))
-    if not cases or cases - {"io", "compute"}:
-        ap.error(f"--cases: io, compute or io,compute, not {args.cases!r}")
     io = case(args, model, vocab, args.snic_gbit, ["basic", "dualpath", "oracle"], work) \
         if "io" in cases else {}
     cb = case(args, model, vocab, 0.0, ["basic", "dualpath"], work) \

@@ -1,4 +1,4 @@
-"""`dualpath scheduler`, `dualpath ctl engines|groups|stats|drain|set|requests|cancel`,
+"""`dualpath scheduler`, `dualpath ctl engines|groups|stats|drain|set|requests|cancel|top`,
 `dualpath submit`.
 
 Tables by default, ``--json`` for scripts. Exit codes (dualpath.cli, from the typed
@@ -73,6 +73,22 @@ def register(sub) -> None:
     c = csub.add_parser("cancel", parents=[conn], help="cancel queued or running requests")
     c.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
     c.set_defaults(func=_cmd(_cancel))
+    t = csub.add_parser("top", parents=[conn], help="live view: groups, queues, per-node "
+                        "storage read queues, request rates",
+                        description="Poll the admin API every --interval seconds and redraw "
+                        "one screen: queues, running requests and parameters; each group "
+                        "(lease state, engines, load); each node's storage read queue in "
+                        "tokens (the admin API does not report storage-NIC bytes, so the "
+                        "read queue stands in for NIC use); and requests submitted, "
+                        "completed and failed per second (deltas between two polls). "
+                        "Ctrl-C or SIGTERM ends it (exit 0). With --json: one JSON object "
+                        "per poll, a line each.")
+    t.add_argument("--interval", type=_float_in(INTERVAL_MIN_S, INTERVAL_MAX_S), default=1.0,
+                   metavar="S", help=f"seconds between polls, {INTERVAL_MIN_S:g}.."
+                   f"{INTERVAL_MAX_S:g} (default 1)")
+    t.add_argument("--once", action="store_true", help="poll twice, --interval apart, print "
+                   "one plain-text screen (one JSON object with --json) and exit")
+    t.set_defaults(func=_cmd(_top))
 
     sm = sub.add_parser("submit", parents=[conn], help="submit requests to the scheduler")
     # uint64 on the wire; what the scheduler accepts beyond that it checks itself.
@@ -95,6 +111,7 @@ def register(sub) -> None:
 
 
 _U32_MAX, _U64_MAX = 2**32 - 1, 2**64 - 1
+INTERVAL_MIN_S, INTERVAL_MAX_S = 0.1, 60.0   # ctl top --interval
 
 
 def _int_in(low: int, high: int) -> Callable[[str], int]:
@@ -108,6 +125,21 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+
+    return parse
+
+
+def _float_in(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a number in [low, high] (nan and inf are outside)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is outside {low:g}..{high:g}")
         return value
 
     return parse
@@ -146,7 +178,7 @@ def _run(coro: Awaitable) -> object:
 
 def _cmd(action: Callable, admin: bool = True) -> Callable[[argparse.Namespace], int]:
     """Wrap an async action(client, args) -> (json-able, table text) with connection set-up
-    and the exit-code mapping."""
+    and the exit-code mapping. An action that printed for itself returns None."""
 
     def run(args) -> int:
         from dualpath import config as _config
@@ -168,13 +200,15 @@ def _cmd(action: Callable, admin: bool = True) -> Callable[[argparse.Namespace],
                 return await action(client, args)
 
         try:
-            data, text = _run(go())
+            result = _run(go())
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, args.scheduler or cfg.address) from None
         except SubmitRejected as e:
             print(json.dumps(e.data, indent=2, sort_keys=True) if args.json else e.text)
             return EXIT_USAGE if e.usage else EXIT_FAIL
-        print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
+        if result is not None:
+            data, text = result
+            print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
         return EXIT_OK
 
     return run
@@ -311,6 +345,17 @@ async def _cancel(client, args):
     r = await client.cancel(args.request_ids)
     rows = [[x.request_id, _state(x.state)] for x in r.results]
     return _msg_dict(r), table(["REQUEST", "STATE"], rows)
+
+
+async def _top(client, args):
+    from dualpath.scheduler import top
+
+    address = args.scheduler or client.address
+    if args.once:
+        f = await top.once(client, address, args.interval)
+        return f, top.render(f)
+    await top.live(client, address, args.interval, as_json=args.json)
+    return None
 
 
 def submit_payload(trajectory: str, prompt: int, hit: int, gen: int, block_tokens: int

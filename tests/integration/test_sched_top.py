@@ -1,0 +1,191 @@
+"""`dualpath ctl top` against a real scheduler daemon (mutual TLS, admin token): one
+prefill and one decode group registered, node read queues reported by a fetch, requests
+submitted; `--once` and `--once --json` screens, rates that follow submissions made
+between the two polls, live mode ended by SIGTERM, and a bad --interval."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from dualpath import cli
+from dualpath.scheduler import top
+from dualpath.scheduler.client import SchedulerClient
+from dualpath.v1 import scheduler_pb2 as pb
+from tests.integration.test_sched_cli import TOKEN, DaemonLog, tls_toml
+
+ANSI = re.compile(r"\x1b\[")
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    from dualpath import tls
+
+    d = tmp_path_factory.mktemp("top")
+    pki = tls.make_cluster_pki(d / "pki", ("scheduler/s", "node/node-7", "client/ctl"))
+    (d / "token").write_text(TOKEN + "\n")
+    cfg = d / "scheduler.toml"
+    # A long lease: the groups never fetch again and must stay up for the whole module.
+    cfg.write_text(f'[scheduler]\nadmin_token_file = "{d / "token"}"\n'
+                   'metrics_listen = ""\nmodel_profile = "ds27b"\nlease_ms = 600000\n'
+                   + tls_toml(pki, "scheduler/s"))
+    client_cfg = d / "client.toml"
+    client_cfg.write_text(tls_toml(pki, "client/ctl"))
+    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "scheduler", "--config",
+                             str(cfg), "--listen", "127.0.0.1:0"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        log = DaemonLog(proc)
+        m = log.wait_for(r"listening on 127\.0\.0\.1:(\d+)")
+        addr = f"127.0.0.1:{m.group(1)}"
+        node_creds = tls.channel_credentials(pki.config("node/node-7"))
+
+        async def register():
+            async with SchedulerClient(addr, credentials=node_creds) as c:
+                for gid, role, node, n, read_q in (("pe1", pb.ENGINE_ROLE_PREFILL, "node-1", 1,
+                                                    777),
+                                                   ("de7", pb.ENGINE_ROLE_DECODE, "node-7", 2,
+                                                    12345)):
+                    info = [pb.EngineInfo(engine_id=f"{gid}.{k}", rank=k, node_id=node,
+                                          hbm_bytes=1 << 30) for k in range(n)]
+                    lease = (await c.register_group(gid, role, info)).lease_id
+                    # One fetch with nothing queued: the node's read queue as its leader
+                    # reports it, assigning nothing.
+                    await c.fetch(gid, lease, [pb.EngineStatus(
+                        engine_id=e.engine_id, read_queue_tokens=read_q,
+                        free_hbm_bytes=1 << 30) for e in info])
+
+        asyncio.run(register())
+        yield {"addr": addr, "token_file": str(d / "token"), "config": str(client_cfg),
+               "node_creds": node_creds}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _args(daemon):
+    return ["--scheduler", daemon["addr"], "--token-file", daemon["token_file"],
+            "--config", daemon["config"]]
+
+
+def _specs(n: int, prefix: str) -> list[pb.RequestSpec]:
+    return [pb.RequestSpec(request_id=f"{prefix}-{k}", prompt_tokens=1000, max_new_tokens=8)
+            for k in range(n)]
+
+
+@pytest.fixture
+def submit_between_polls(monkeypatch):
+    """Make `ctl top --once` submit ``n`` requests over its own connection right after
+    its first poll, so the second poll sees them."""
+
+    def arm(n: int, prefix: str) -> None:
+        real = top.poll
+        calls = []
+
+        async def poll(client):
+            got = await real(client)
+            calls.append(got)
+            if len(calls) == 1 and n:
+                r = await client.submit(_specs(n, prefix))
+                assert len(r.request_ids) == n, r
+            return got
+
+        monkeypatch.setattr(top, "poll", poll)
+
+    return arm
+
+
+def test_once_screen_names_groups_queue_nodes_and_a_rate_that_follows_submissions(
+        daemon, capsys, submit_between_polls):
+    # Nothing submitted between the polls: a zero rate, an empty queue.
+    rc = cli.main(["ctl", "top", "--once", "--interval", "0.2", *_args(daemon)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert not ANSI.search(out)
+    assert daemon["addr"] in out.splitlines()[0]
+    assert re.search(r"^requests  queued 0 \(global 0,", out, re.MULTILINE), out
+    assert re.search(r"^per s .*submitted 0\.0 ", out, re.MULTILINE), out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln[:3] in ("pe1", "de7")}
+    assert rows["pe1"][1:3] == ["prefill", "up"] and rows["de7"][1:3] == ["decode", "up"]
+    nodes = {ln.split()[0]: ln.split() for ln in out.splitlines()
+             if ln.startswith("node-")}
+    assert nodes["node-1"][4] == "777" and nodes["node-7"][4] == "12345"   # READ_Q_TOK
+    assert "not NIC bytes" in out
+
+    # Six submitted between the polls: the queue holds them and the rate is 6 / interval.
+    submit_between_polls(6, "between")
+    rc = cli.main(["ctl", "top", "--once", "--interval", "0.5", *_args(daemon)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert re.search(r"^requests  queued 6 \(global 6,", out, re.MULTILINE), out
+    over = float(re.search(r"\(over ([\d.]+) s\)", out).group(1))
+    rate = float(re.search(r"submitted ([\d.]+)", out).group(1))
+    assert over >= 0.5 and rate > 0 and abs(rate * over - 6) < 0.2, out
+
+
+def test_once_json_holds_the_same_figures(daemon, capsys, submit_between_polls):
+    submit_between_polls(4, "json")
+    rc = cli.main(["ctl", "top", "--once", "--json", "--interval", "0.2", *_args(daemon)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    f = json.loads(out)   # one object
+    assert f["scheduler"] == daemon["addr"] and f["groups_up"] == 2
+    assert [(g["group_id"], g["role"], g["state"], g["engines"]) for g in f["groups"]] == \
+        [("de7", "decode", "up", 2), ("pe1", "prefill", "up", 1)]
+    assert {n["node_id"]: n["read_queue_tokens"] for n in f["nodes"]} == \
+        {"node-1": 777, "node-7": 12345}
+    assert f["totals"]["submitted"] >= 4 and f["queued_requests"] == f["queue"]["global"]
+    assert f["queued_requests"] >= 4
+    assert f["rates"]["submitted_per_s"] * f["rates_over_s"] == pytest.approx(4, abs=0.1)
+    assert all(v is not None and v >= 0 for v in f["rates"].values())
+    assert f["rates"]["completed_per_s"] == 0
+
+
+def test_live_mode_appends_plain_screens_and_exits_0_on_sigterm(daemon):
+    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "ctl", "top",
+                             "--interval", "0.1", *_args(daemon)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        heads = 0
+        seen = []
+        for line in proc.stdout:   # a pipe, not a terminal: screens appended, no ANSI
+            seen.append(line)
+            if line.startswith("dualpath top"):
+                heads += 1
+                if heads == 3:
+                    break
+        assert heads == 3, "".join(seen) + proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    text = "".join(seen) + rest
+    assert not ANSI.search(text) and "Traceback" not in err
+    # The first screen has no rates yet (one poll), later ones do.
+    per_s = re.findall(r"^per s .*$", text, re.MULTILINE)
+    assert "submitted -" in per_s[0] and re.search(r"submitted \d+\.\d", per_s[1])
+
+
+@pytest.mark.parametrize("value", ["0", "0.05", "61", "nan", "inf", "soon"])
+def test_bad_interval_is_a_usage_error_naming_the_flag(capsys, value):
+    # Port 1 is closed: reaching the network would give exit 3, not 2.
+    with pytest.raises(SystemExit) as e:
+        cli.main(["ctl", "top", "--once", "--interval", value, "--scheduler", "127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--interval" in err and "Traceback" not in err
+
+
+def test_unreachable_scheduler_exits_3(daemon, capsys):
+    rc = cli.main(["ctl", "top", "--once", "--interval", "0.1", "--scheduler", "127.0.0.1:1",
+                   "--config", daemon["config"]])
+    assert rc == 3 and "UNAVAILABLE" in capsys.readouterr().err

@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parent
 class BuildPyWithProto(build_py):
     def run(self):
         subprocess.check_call([sys.executable, str(ROOT / "tools" / "gen_proto.py")])
+        # The package list was found before the stubs existed (a fresh clone, an sdist):
+        # without this the wheel lacks dualpath.v1.
+        if "dualpath.v1" not in self.packages:
+            self.packages.append("dualpath.v1")
         super().run()
 
 

@@ -65,8 +65,9 @@ def register(sub) -> None:
     s.set_defaults(func=_cmd(_set))
     q = csub.add_parser("requests", parents=[conn], help="failed requests and stuck ones "
                         "(live, stage unchanged for --stuck-after seconds)")
-    q.add_argument("--stuck-after", type=float, default=60.0, metavar="S",
-                   help="seconds in one stage that make a live request stuck (default 60)")
+    q.add_argument("--stuck-after", type=float, default=None, metavar="S",
+                   help="seconds in one stage that make a live request stuck (default: "
+                   "the scheduler's scheduler.stuck_after_ms, 60 s unless configured)")
     q.add_argument("--all", action="store_true", help="every live request too")
     q.add_argument("--limit", type=_int_in(1, _U32_MAX), default=100)
     q.set_defaults(func=_cmd(_requests))
@@ -328,7 +329,8 @@ def _state(value: int) -> str:
 
 
 async def _requests(client, args):
-    r = await client.list_requests(stuck_after_ms=max(1, int(args.stuck_after * 1000)),
+    stuck_ms = 0 if args.stuck_after is None else max(1, int(args.stuck_after * 1000))
+    r = await client.list_requests(stuck_after_ms=stuck_ms,
                                    all=args.all, limit=args.limit)
     rows = [[v.request_id, _state(v.state), v.stage, v.attempt,
              v.failed_attempts, round(v.ms_in_stage / 1000, 1),

@@ -88,6 +88,10 @@ class SchedulerConfig:
                                 "admin certificates.")
     metrics_listen: str = key("", "Prometheus /metrics address host:port; empty = off, port "
                               "0 = any free port.")
+    stuck_after_ms: int = key(60_000, "A live request whose stage has not changed this long "
+                              "is stuck: the dualpath_scheduler_stuck_requests gauge counts "
+                              "them, and `ctl requests` lists them unless it is given "
+                              "--stuck-after.", min=1, max=U32_MAX)
 
     MOVED_KEYS: ClassVar[dict[str, str]] = {
         "tls_cert_file": "tls.cert_file", "tls_key_file": "tls.key_file",

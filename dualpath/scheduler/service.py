@@ -98,7 +98,8 @@ _STATE = {Stage.GLOBAL_QUEUE: scheduler_pb2.REQUEST_STATE_QUEUED,
           Stage.PREFILL_QUEUE: scheduler_pb2.REQUEST_STATE_ASSIGNED,
           Stage.PREFILLING: scheduler_pb2.REQUEST_STATE_ASSIGNED,
           Stage.DECODING: scheduler_pb2.REQUEST_STATE_PREFILL_DONE}
-STUCK_AFTER_MS = 60_000     # ListRequests' default
+# Time to first token reaches a minute when storage is the bottleneck (tokens wait for reads).
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 LIST_LIMIT = 1000
 MAX_WAIT_MS = 60_000        # GetResults' long poll, at most
 
@@ -177,6 +178,17 @@ class SchedulerMetrics:
         self.loop_lag = m.histogram(registry, "dualpath_scheduler_event_loop_lag_seconds",
                                     "How late the event loop runs a timer (50 ms ticks): "
                                     "time no call could be served.")
+        self.stuck = m.gauge(registry, "dualpath_scheduler_stuck_requests",
+                             "Live requests whose stage has not changed for "
+                             "scheduler.stuck_after_ms.")
+        self.ttft = m.histogram(registry, "dualpath_scheduler_time_to_first_token_seconds",
+                                "Submission to the PE's first PREFILL_DONE report (the "
+                                "first token, as the scheduler hears of it).",
+                                buckets=TTFT_BUCKETS_S)
+        self.tpot = m.histogram(registry, "dualpath_scheduler_time_per_output_token_seconds",
+                                "PREFILL_DONE to DECODE_DONE per generated token after the "
+                                "first, as the scheduler hears of them.")
+        self._latency = {"ttft": self.ttft, "tpot": self.tpot}
         self._fetch_s = {r: self.fetch_s.labels(lbl) for r, lbl in _ROLE_LABEL.items()}
         self._assign = {s: self.assignments.labels(lbl) for s, lbl in _PATH_LABEL.items()}
         for q in ("global", "group", "prefill", "backoff", "recovering"):
@@ -195,9 +207,13 @@ class SchedulerMetrics:
     def observe_fetch(self, role: Role, seconds: float) -> None:
         self._fetch_s[role].observe(seconds)
 
-    def refresh(self, s: Scheduler) -> None:
+    def refresh(self, s: Scheduler, now: float, stuck_after_s: float) -> None:
         """Bring gauges and counters up to date with the core (O(engines + requests))."""
         c = s.counters
+        while s.latencies:
+            kind, seconds = s.latencies.popleft()
+            self._latency[kind].observe(seconds)
+        self.stuck.set(sum(1 for r in s.requests.values() if now - r.since >= stuck_after_s))
         for name, value, metric in (("submitted", c.submitted, self.submitted),
                                     ("rejected", c.rejected, self.rejected),
                                     ("completed", c.completed, self.completed),
@@ -368,7 +384,7 @@ class SchedulerService:
                      "requeued with their next attempt", recovering)
         with contextlib.suppress(JournalError):
             self.commit()
-        self.metrics.refresh(self.core)
+        self.metrics.refresh(self.core, self.clock(), self.config.stuck_after_ms / 1000.0)
         return late
 
     def start_sweeper(self, period_s: float | None = None) -> None:
@@ -713,7 +729,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         svc = self.svc
         core = svc.core
         now = svc.clock()
-        stuck_s = (request.stuck_after_ms or STUCK_AFTER_MS) / 1000.0
+        stuck_s = (request.stuck_after_ms or svc.config.stuck_after_ms) / 1000.0
         failed = [f for f in reversed(core.finished.values()) if f.outcome is Outcome.FAILED]
         live = sorted((r for r in core.requests.values()
                        if request.all or now - r.since >= stuck_s),

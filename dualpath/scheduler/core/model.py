@@ -92,6 +92,8 @@ class Request:
     failures: int = 0                 # failed attempts so far (the budget's count)
     error: str = ""                   # why the last attempt failed
     since: float = 0.0                # clock time of the last change of stage
+    submitted: float | None = None    # clock time of its submission
+    prefilled: float | None = None    # clock time its PE last reported PREFILL_DONE
     not_before: float = 0.0           # BACKOFF: eligible again from this time
     # Groups this request keeps away from after failing there: group id -> (lease id,
     # until). A new lease (re-registration) or the time passing lifts it. None = none.

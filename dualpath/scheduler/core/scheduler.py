@@ -93,6 +93,7 @@ from dualpath.scheduler.core.model import (
 
 # Stages in which an attempt has started (a DE holds the request).
 _STARTED = frozenset({Stage.PREFILL_QUEUE, Stage.PREFILLING, Stage.DECODING})
+LATENCIES_KEPT = 65536     # Scheduler.latencies nobody took: the oldest go
 
 
 def _clamped_hit(s: RequestSpec) -> int:
@@ -135,6 +136,10 @@ class Scheduler:
         self.journal: list[tuple] | None = [] if journaling else None
         # Requests that ended FAILED since the caller last took them (one log line each).
         self.newly_failed: list[Finished] = []
+        # Latencies as the reports show them, until the caller takes them (the metrics):
+        # ("ttft", submission to the first PREFILL_DONE), ("tpot", that attempt's
+        # PREFILL_DONE to DECODE_DONE per generated token after the first). Bounded.
+        self.latencies: deque[tuple[str, float]] = deque(maxlen=LATENCIES_KEPT)
         self.backoff: dict[str, Request] = {}
         self._backoff_heap: list[tuple[float, int, Request]] = []
         self.recovering: dict[str, Request] = {}
@@ -329,7 +334,8 @@ class Scheduler:
             self._next_seq += 1
             rid = s.request_id or self._auto_id(self._next_seq)
             r = Request(rid, s.prompt_tokens, _clamped_hit(s), s.max_new_tokens, s.payload,
-                        self._next_seq, since=now, wire_bytes=wire_bytes(rid, s.payload))
+                        self._next_seq, since=now, submitted=now,
+                        wire_bytes=wire_bytes(rid, s.payload))
             self.requests[rid] = r
             self.held_bytes += r.wire_bytes + REQUEST_FIXED_BYTES
             adm.accepted.append(r)
@@ -474,10 +480,15 @@ class Scheduler:
                 r.stage = Stage.DECODING
                 r.since = now
                 self._prefilling -= 1
+                if r.submitted is not None and r.prefilled is None:
+                    self.latencies.append(("ttft", now - r.submitted))
+                r.prefilled = now
             elif c.stage is CompletionStage.DECODE_DONE and de_here and \
                     r.stage is not Stage.PREFILL_QUEUE:
                 if r.stage is Stage.PREFILLING:
                     self._prefilling -= 1
+                elif r.prefilled is not None and r.max_new_tokens > 1:
+                    self.latencies.append(("tpot", (now - r.prefilled) / (r.max_new_tokens - 1)))
                 self._finish(r, Outcome.DECODE_DONE, now)
                 self.counters.completed += 1
             elif c.stage is CompletionStage.FAILED and (pe_here or de_here):

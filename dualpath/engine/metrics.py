@@ -3,6 +3,10 @@ storage-NIC limiter that also counts what it granted."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client.metrics_core import CounterMetricFamily
+
 from dualpath import clock
 from dualpath import metrics as m
 from dualpath.storage.ratelimit import RateLimiter
@@ -38,8 +42,15 @@ class NodeMetrics:
                                  "1 for the transport KV bytes travel on (verbs or tcp), "
                                  "so a silent fallback to TCP shows on dashboards.",
                                  ("transport",))
+        self.snic_rate = m.gauge(registry, "dualpath_node_storage_nic_bytes_per_second",
+                                 "The storage-NIC limit this node reads and writes under "
+                                 "(storage.snic_gbit_per_s; 0 = unlimited).")
         self.read_q = m.gauge(registry, "dualpath_node_read_queue_tokens",
                               "Tokens queued or in flight on this node's storage reads.")
+        self.layer_wait_s = m.histogram(
+            registry, "dualpath_node_layer_wait_seconds",
+            "Time a PE's forward pass waited for one layer's hit KV to be in place (all of "
+            "it, once, without layerwise loading).")
         self.phase_s = m.histogram(registry, "dualpath_node_request_phase_seconds",
                                    "Time per request phase (prefill on PEs, decode on DEs).",
                                    ("phase",))
@@ -60,6 +71,46 @@ class NodeMetrics:
         self.connector_load_failed_blocks = m.counter(
             registry, "dualpath_node_connector_load_failed_blocks_total",
             "Hit blocks that could not be loaded (missing, corrupt): vLLM recomputed them.")
+
+
+# Counters other owners keep, read when /metrics is scraped: (metric, owner, key, help).
+_OWNED_COUNTERS = (
+    ("dualpath_node_transfer_writes_total", "transfer", "writes_posted",
+     "RDMA WRITEs (or TCP provider writes) posted by this node's transfer engine."),
+    ("dualpath_node_transfer_error_completions_total", "transfer", "error_completions",
+     "Completions with an error status: a write that failed on the wire."),
+    ("dualpath_node_transfer_recoveries_total", "transfer", "recoveries",
+     ("Connections (QPs on verbs) reset and reconnected after an error or a timed-out "
+     "write; their in-flight writes were retried.")),
+    ("dualpath_node_transfer_retried_slices_total", "transfer", "retried_slices",
+     "Writes posted again after their connection broke."),
+    ("dualpath_node_store_corrupt_blocks_total", "store", "corrupt_blocks",
+     ("Stored blocks that failed their checksum (or header, length) check: quarantined "
+     "and recomputed.")),
+    ("dualpath_node_store_read_errors_total", "store", "read_errors",
+     "Block reads that failed with an I/O error: the block is recomputed."),
+    ("dualpath_node_store_missing_blocks_total", "store", "misses",
+     "Block reads that found no such block."),
+)
+
+
+class OwnedCounters:
+    """A collector exporting the transfer engine's and the block store's own counters
+    at scrape time (they are kept by their owners' threads; each read here is one dict or
+    attribute read)."""
+
+    def __init__(self, transfer: Mapping[str, int], store: Callable[[], Mapping[str, int]]):
+        self._sources = {"transfer": lambda: transfer, "store": store}
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        for name, _, _, doc in _OWNED_COUNTERS:
+            yield CounterMetricFamily(name[: -len("_total")], doc)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        values = {owner: get() for owner, get in self._sources.items()}
+        for name, owner, k, doc in _OWNED_COUNTERS:
+            yield CounterMetricFamily(name[: -len("_total")], doc,
+                                      value=values[owner].get(k, 0))
 
 
 class CountingLimiter(RateLimiter):

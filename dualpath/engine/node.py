@@ -49,7 +49,7 @@ from dualpath.engine.errors import PeerUnavailable
 from dualpath.engine.fence import Fences
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.leader import Leader
-from dualpath.engine.metrics import CountingLimiter, NodeMetrics
+from dualpath.engine.metrics import CountingLimiter, NodeMetrics, OwnedCounters
 from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
 from dualpath.engine.peers import PeerClient
 from dualpath.engine.prefill import PrefillPath
@@ -152,6 +152,7 @@ class NodeDaemon:
         self.metrics.transport.labels(self.transfer.transport).set(1)
         self.snic_bytes_per_s = gbit_to_bytes_per_s(s.snic_gbit_per_s) if s.snic_gbit_per_s else 0
         self.limiter = CountingLimiter(s.snic_gbit_per_s, s.snic_burst_bytes or None)
+        self.metrics.snic_rate.set(self.snic_bytes_per_s)
         self.fences = Fences(self._ask_writer, self.spawn, self.metrics.fenced_blocks)
         self.resources = NodeResources(
             self.node_id, self.role, self.address, cfg, self.transfer, self.peers,
@@ -167,6 +168,8 @@ class NodeDaemon:
         else:
             services = self._start_emulated(buf_name)
         add_services(self.server, services)
+        store = (self.engine.space if ecfg.kind == "vllm" else self.space).store
+        self.registry.register(OwnedCounters(self.transfer.stats, store.stats_dict))
         self.metrics_srv = _metrics.start_metrics_server(ecfg.metrics_listen, self.registry,
                                                         "engine.metrics_listen")
         if self.metrics_srv is not None:

@@ -10,6 +10,7 @@ PKGS=(
   perftest ucx-utils fio tcpdump iproute2          # peers for the benches, packet capture
   openssl libcap2-bin                              # test PKI (TLS tests), capsh (memlock test)
   systemd                                          # systemd-analyze verify (the units' test)
+  prometheus                                       # scrape + promtool (the monitoring test)
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -10,11 +10,14 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import socket
 
 import pytest
 
+from dualpath import metrics
 from dualpath.config_sections import TransportConfig
+from dualpath.engine.metrics import OwnedCounters
 from dualpath.errors import RdmaError, TransferError, TransferTimeout, UsageError
 from dualpath.transfer import (
     ConnectReply,
@@ -132,6 +135,13 @@ def test_remote_access_error_fails_the_write_and_the_peer_recovers(tamper):
             assert dst[8192:8192 + 65536] == src[4096:4096 + 65536]
             assert a._peers["b"].regions["default"] == true
             assert a.stats["recoveries"] >= 1
+            # What a node's /metrics says of it (engine/metrics.OwnedCounters).
+            reg = metrics.new_registry(process=False)
+            reg.register(OwnedCounters(a.stats, dict))
+            text = metrics.render(reg)
+            for name in ("error_completions", "recoveries"):
+                got = re.search(rf"^dualpath_node_transfer_{name}_total (\S+)$", text, re.MULTILINE)
+                assert float(got[1]) == a.stats[name] >= 1
     run(main())
 
 

@@ -115,35 +115,31 @@ _U32_MAX, _U64_MAX = 2**32 - 1, 2**64 - 1
 INTERVAL_MIN_S, INTERVAL_MAX_S = 0.1, 60.0   # ctl top --interval
 
 
-def _int_in(low: int, high: int) -> Callable[[str], int]:
-    """An argparse type: an integer in [low, high] (protobuf's uint64 fields raise a bare
-    ValueError on a negative one, a traceback after the connection was made)."""
+def _number_in(kind: type, low, high) -> Callable[[str], int | float]:
+    """An argparse type: an int or float in [low, high] (nan and inf are outside; a
+    negative uint64 would raise a bare ValueError in protobuf, after the connection)."""
+    what = "an integer" if kind is int else "a number"
 
-    def parse(text: str) -> int:
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+            raise argparse.ArgumentTypeError(f"{text} is outside {low:g}..{high:g}"
+                                             if kind is float else
+                                             f"{value} is outside {low}..{high}")
         return value
 
     return parse
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    return _number_in(int, low, high)
 
 
 def _float_in(low: float, high: float) -> Callable[[str], float]:
-    """An argparse type: a number in [low, high] (nan and inf are outside)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text} is outside {low:g}..{high:g}")
-        return value
-
-    return parse
+    return _number_in(float, low, high)
 
 
 # ---------------------------------------------------------------- the daemon

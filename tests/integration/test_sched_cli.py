@@ -3,6 +3,7 @@
 graceful shutdown on SIGTERM."""
 
 import asyncio
+import contextlib
 import json
 import queue
 import re
@@ -55,17 +56,17 @@ def tls_toml(pki, identity) -> str:
     return "[tls]\n" + "".join(f'{k} = "{v}"\n' for k, v in pki.section(identity).items())
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+@contextlib.contextmanager
+def tls_scheduler(d, scheduler_toml: str):
+    """A mutual-TLS scheduler subprocess in ``d`` with the admin TOKEN (``scheduler_toml``:
+    more [scheduler] lines); yields (address, pki, client config path, process, log)."""
     from dualpath import tls
 
-    d = tmp_path_factory.mktemp("sched")
     pki = tls.make_cluster_pki(d / "pki", ("scheduler/s", "node/node-7", "client/ctl"))
     (d / "token").write_text(TOKEN + "\n")
     cfg = d / "scheduler.toml"
     cfg.write_text(f'[scheduler]\nadmin_token_file = "{d / "token"}"\n'
-                   'metrics_listen = "127.0.0.1:0"\nmodel_profile = "ds27b"\n'
-                   + tls_toml(pki, "scheduler/s"))
+                   'model_profile = "ds27b"\n' + scheduler_toml + tls_toml(pki, "scheduler/s"))
     client_cfg = d / "client.toml"
     client_cfg.write_text(tls_toml(pki, "client/ctl"))
     proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "scheduler", "--config",
@@ -74,8 +75,20 @@ def daemon(tmp_path_factory):
     try:
         log = DaemonLog(proc)
         m = log.wait_for(r"listening on 127\.0\.0\.1:(\d+)")
-        addr = f"127.0.0.1:{m.group(1)}"
+        yield f"127.0.0.1:{m.group(1)}", pki, client_cfg, proc, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    from dualpath import tls
+
+    d = tmp_path_factory.mktemp("sched")
+    with tls_scheduler(d, 'metrics_listen = "127.0.0.1:0"\n') as (addr, pki, client_cfg,
+                                                                   proc, log):
         async def register():
             async with SchedulerClient(addr, credentials=tls.channel_credentials(
                     pki.config("node/node-7"))) as c:
@@ -86,10 +99,6 @@ def daemon(tmp_path_factory):
         asyncio.run(register())
         yield {"addr": addr, "token_file": str(d / "token"), "proc": proc, "log": log,
                "startup": "".join(log.seen), "config": str(client_cfg)}
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def ctl(capsys, *argv):

@@ -18,7 +18,7 @@ from dualpath import cli
 from dualpath.scheduler import top
 from dualpath.scheduler.client import SchedulerClient
 from dualpath.v1 import scheduler_pb2 as pb
-from tests.integration.test_sched_cli import TOKEN, DaemonLog, tls_toml
+from tests.integration.test_sched_cli import tls_scheduler
 
 ANSI = re.compile(r"\x1b\[")
 
@@ -28,22 +28,9 @@ def daemon(tmp_path_factory):
     from dualpath import tls
 
     d = tmp_path_factory.mktemp("top")
-    pki = tls.make_cluster_pki(d / "pki", ("scheduler/s", "node/node-7", "client/ctl"))
-    (d / "token").write_text(TOKEN + "\n")
-    cfg = d / "scheduler.toml"
     # A long lease: the groups never fetch again and must stay up for the whole module.
-    cfg.write_text(f'[scheduler]\nadmin_token_file = "{d / "token"}"\n'
-                   'metrics_listen = ""\nmodel_profile = "ds27b"\nlease_ms = 600000\n'
-                   + tls_toml(pki, "scheduler/s"))
-    client_cfg = d / "client.toml"
-    client_cfg.write_text(tls_toml(pki, "client/ctl"))
-    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "scheduler", "--config",
-                             str(cfg), "--listen", "127.0.0.1:0"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    try:
-        log = DaemonLog(proc)
-        m = log.wait_for(r"listening on 127\.0\.0\.1:(\d+)")
-        addr = f"127.0.0.1:{m.group(1)}"
+    with tls_scheduler(d, 'metrics_listen = ""\nlease_ms = 600000\n') as (addr, pki,
+                                                                          client_cfg, _, _):
         node_creds = tls.channel_credentials(pki.config("node/node-7"))
 
         async def register():
@@ -64,10 +51,6 @@ def daemon(tmp_path_factory):
         asyncio.run(register())
         yield {"addr": addr, "token_file": str(d / "token"), "config": str(client_cfg),
                "node_creds": node_creds}
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _args(daemon):

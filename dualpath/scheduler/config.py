@@ -41,6 +41,12 @@ class SchedulerConfig:
                                 "(paper §6.2, A.4: 300 ms).", min=1, max=60000)
     split_read: bool = key(False, "Read a request's hit KV from both nodes, sized so both "
                            "read queues drain together (beyond the paper, its future work).")
+    split_min_saving_ms: int = key(50, "A split read must end a request's reads at least "
+                                   "this much sooner than the better node alone would "
+                                   "(read queues over read rates), else one node reads it: "
+                                   "a split costs a second set of reads and a PE<-DE hop, "
+                                   "which an idle storage NIC never pays back.", min=0,
+                                   max=U32_MAX)
     lease_ms: int = key(3000, "A group whose leader is silent this long is marked down and "
                         "its unfinished requests are requeued at the head (uint32 on the wire).",
                         min=10, max=U32_MAX)

@@ -113,6 +113,7 @@ def params_from_config(cfg: SchedulerConfig, profile: ModelProfile | None = None
         profile, cfg.beta_window_s, cfg.reference_context_tokens, cfg.reference_append_tokens)
     return Params(alpha_tokens=alpha, beta_tokens=beta, compute_quota_ms=cfg.compute_quota_ms,
                   split_read=cfg.split_read, split_align_tokens=profile.block_tokens,
+                  split_min_saving_s=cfg.split_min_saving_ms / 1000.0,
                   lease_s=cfg.lease_ms / 1000.0,
                   max_assignments_per_fetch=cfg.max_assignments_per_fetch,
                   max_queued_requests=cfg.max_queued_requests,
@@ -844,12 +845,13 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
         p = svc.core.params
         host = config.listen.rpartition(":")[0]
         log.info("scheduler listening on %s:%d, %s, admin token %s; config %s; model %s, "
-                 "alpha %d tokens, beta %d tokens, quota %d ms, split read %s, lease %d ms; "
-                 "metrics %s", host, port,
+                 "alpha %d tokens, beta %d tokens, quota %d ms, split read %s (when it "
+                 "saves %d ms), lease %d ms; metrics %s", host, port,
                  tls.mode(tls_config),
                  "set" if token else "not set (admin certificates only)",
                  config_path or "(defaults)", svc.profile.name, p.alpha_tokens, p.beta_tokens,
-                 p.compute_quota_ms, p.split_read, config.lease_ms,
+                 p.compute_quota_ms, p.split_read, config.split_min_saving_ms,
+                 config.lease_ms,
                  metrics_srv.url if metrics_srv else "off")
         if on_ready is not None:
             on_ready(port, metrics_srv.port if metrics_srv else None)

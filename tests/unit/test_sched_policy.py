@@ -121,6 +121,20 @@ def test_split_read_drains_both_queues_together():
     assert a / pe.read_tokens_per_s == b / de.read_tokens_per_s  # drain together
 
 
+def test_a_split_that_saves_less_than_the_minimum_is_one_sided():
+    # Equal rates, empty queues, hit 2048 at 100 tok/s: one side ends in 20.48 s, a split
+    # in 10.24 s; it splits when 10.24 s is worth it, not when more is asked.
+    pe, de = Node("p", 100.0), Node("d", 100.0)
+    assert policy.choose_read_side(2048, pe, de, True, 64, 10.0)[0] is ReadSide.SPLIT
+    assert policy.choose_read_side(2048, pe, de, True, 64, 10.5) == (ReadSide.PREFILL, 2048, 0)
+    # A fast idle NIC (a compute-bound cluster): a split saves microseconds, the PE reads.
+    pe, de = Node("p", 3e6), Node("d", 3e6)
+    assert policy.choose_read_side(2048, pe, de, True, 64, 0.05) == (ReadSide.PREFILL, 2048, 0)
+    # Not worth splitting, but the DE's side ends sooner: the DE reads it all.
+    pe, de = Node("p", 100.0, read_q=300), Node("d", 100.0, read_q=100)
+    assert policy.choose_read_side(640, pe, de, True, 64, 60.0) == (ReadSide.DECODE, 0, 640)
+
+
 # ---------------------------------------------------------------- DE
 
 

@@ -276,6 +276,7 @@ class Params:
     compute_quota_ms: int = 300       # PE forward-batch quota (§6.2, A.4), for engines
     split_read: bool = False          # beyond the paper: read a request from both sides
     split_align_tokens: int = 64      # a split falls on a KV block boundary
+    split_min_saving_s: float = 0.0   # a split must end the reads this much sooner
     z_slack: float = 1.05             # the 1.05 in Z (paper §6.1, DE in-group phase)
     lease_s: float = 3.0
     max_assignments_per_fetch: int = 4096
@@ -308,9 +309,10 @@ class Params:
         if self.lease_s <= 0 or self.default_read_tokens_per_s <= 0:
             raise UsageError("scheduler parameters lease_s and default_read_tokens_per_s "
                              "must be > 0")
-        if min(self.retry_backoff_s, self.retry_backoff_max_s, self.peer_avoid_s) < 0:
-            raise UsageError("scheduler parameters retry_backoff_s, retry_backoff_max_s and "
-                             "peer_avoid_s must be >= 0")
+        if min(self.retry_backoff_s, self.retry_backoff_max_s, self.peer_avoid_s,
+               self.split_min_saving_s) < 0:
+            raise UsageError("scheduler parameters retry_backoff_s, retry_backoff_max_s, "
+                             "peer_avoid_s and split_min_saving_s must be >= 0")
         one = self.max_payload_bytes + MAX_REQUEST_ID_BYTES + ASSIGNMENT_FIXED_BYTES
         if one > self.max_fetch_reply_bytes:
             raise UsageError(f"scheduler parameter max_payload_bytes = "

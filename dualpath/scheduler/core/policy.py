@@ -74,6 +74,7 @@ def assign_prefill(queue: deque[Request], engines: list[Engine], params: Params,
     out: list[Request] = []
     alpha, beta = params.alpha_tokens, params.beta_tokens
     split, align = params.split_read, params.split_align_tokens
+    saving = params.split_min_saving_s
     room = params.max_fetch_reply_bytes
     passed: list[Request] = []
     while queue and len(out) < limit and queue[0].wire_bytes <= room:
@@ -91,7 +92,8 @@ def assign_prefill(queue: deque[Request], engines: list[Engine], params: Params,
         r.pe = e
         r.stage = Stage.PREFILLING
         de_node = r.de.node  # type: ignore[union-attr]  # DE is chosen before the PE
-        side, pe_part, de_part = choose_read_side(r.hit_tokens, e.node, de_node, split, align)
+        side, pe_part, de_part = choose_read_side(r.hit_tokens, e.node, de_node, split, align,
+                                                  saving)
         e.node.read_q += pe_part
         de_node.read_q += de_part
         r.read_side, r.prefill_read_tokens, r.decode_read_tokens = side, pe_part, de_part
@@ -105,14 +107,17 @@ def assign_prefill(queue: deque[Request], engines: list[Engine], params: Params,
 
 
 def choose_read_side(hit: int, pe_node: Node, de_node: Node, split: bool,
-                     align: int) -> tuple[ReadSide, int, int]:
+                     align: int, min_saving_s: float = 0.0) -> tuple[ReadSide, int, int]:
     """Which node reads ``hit`` tokens: ``(side, prefill_part, decode_part)``.
 
     Paper §6.1: the node with the shorter read queue (a tie goes to the PE [ours]: the
     PE read path needs no extra PE<-DE hop). With ``split`` (the paper's future work) the
     hit is divided so that both queues drain at the same moment given each node's read
     rate: (q_p + x) / r_p = (q_d + hit - x) / r_d, x rounded to a multiple of ``align``
-    (a KV block); a part that rounds to nothing makes it a one-sided read."""
+    (a KV block); a part that rounds to nothing makes it a one-sided read, and so does a
+    split that would end the reads less than ``min_saving_s`` sooner than the better
+    one side [ours]: a split costs a second set of reads and a PE<-DE hop, which an
+    idle, fast storage NIC (a compute-bound cluster) never pays back."""
     if hit <= 0:
         return ReadSide.NONE, 0, 0
     qp, qd = pe_node.read_q, de_node.read_q
@@ -124,7 +129,11 @@ def choose_read_side(hit: int, pe_node: Node, de_node: Node, split: bool,
             return ReadSide.DECODE, 0, hit
         if x >= hit:
             return ReadSide.PREFILL, hit, 0
-        return ReadSide.SPLIT, x, hit - x
+        on_pe, on_de = (qp + hit) / rp, (qd + hit) / rd
+        both = max((qp + x) / rp, (qd + hit - x) / rd)
+        if min(on_pe, on_de) - both >= min_saving_s:
+            return ReadSide.SPLIT, x, hit - x
+        return (ReadSide.PREFILL, hit, 0) if on_pe <= on_de else (ReadSide.DECODE, 0, hit)
     if qp <= qd:
         return ReadSide.PREFILL, hit, 0
     return ReadSide.DECODE, 0, hit

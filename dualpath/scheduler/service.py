@@ -428,7 +428,8 @@ class SchedulerService:
             unfinished_tokens=e.tok, read_queue_tokens=e.node.read_q,
             free_hbm_bytes=e.free_hbm_tokens * self.kv_bytes_per_token, drained=e.drained,
             group_state=admin_pb2.GROUP_STATE_UP if e.group.up else admin_pb2.GROUP_STATE_DOWN,
-            assigned_requests=e.assigned_total)
+            assigned_requests=e.assigned_total,
+            node_read_bytes_total=e.node.read_tokens_total * self.kv_bytes_per_token)
 
     def params_pb(self) -> admin_pb2.Params:
         p = self.core.params

@@ -5,9 +5,10 @@ nodes, request rates as deltas between the polls) and :func:`render` (figures in
 out) are pure; :func:`poll`, :func:`once` and :func:`live` are the thin shell that calls
 ListEngines, ListGroups and Stats and prints.
 
-Storage-NIC use: the admin API reports each node's storage read queue (read_q, in
-tokens, as the node's leader last reported it), not NIC bytes, so that is what the node
-table shows; it names the column READ_Q_TOK and says so under the table.
+Storage-NIC use: per node, the storage reads the scheduler ordered (its admin API's
+node_read_bytes_total, as MB/s between two polls: both read paths and split parts) and
+its read queue (read_q in tokens, as the node's leader last reported it). Write-back is
+not the scheduler's to see: a node's own /metrics has both (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import time
 from typing import TextIO
 
 CLEAR = "\x1b[H\x1b[2J"   # cursor home, erase the screen
-NIC_NOTE = ("storage NIC: the admin API reports each node's read queue (tokens), "
-            "not NIC bytes")
+NIC_NOTE = ("storage NIC: READ_MB/S is the reads the scheduler ordered on the node; "
+            "write-back is in the node's /metrics")
 
 # Counters whose per-second rates the header shows: figure name -> StatsResponse field.
 RATES = {"submitted": "submitted_requests_total", "completed": "completed_requests_total",
@@ -72,6 +73,8 @@ def figures(prev: Poll | None, cur: Poll, address: str, interval_s: float) -> di
         by_group.setdefault(e["group_id"], []).append(e)
         by_node.setdefault(e["node_id"], []).append(e)
     before = {e["engine_id"]: e["assigned_requests"] for e in prev.engines} if prev else {}
+    read_before = {e["node_id"]: e["node_read_bytes_total"] for e in prev.engines} \
+        if prev else {}
 
     groups = []
     for g in cur.groups:
@@ -100,7 +103,11 @@ def figures(prev: Poll | None, cur: Poll, address: str, interval_s: float) -> di
             "engines": len(mine),
             # Every engine of a node carries the node's one read_q; max() is that value.
             "read_queue_tokens": max(e["read_queue_tokens"] for e in mine),
-            "assigned_per_s": assigned})
+            "assigned_per_s": assigned,
+            # Every engine of a node carries the node's one total.
+            "read_bytes_per_s": _rate(max(e["node_read_bytes_total"] for e in mine),
+                                      read_before[node_id], dt)
+            if node_id in read_before else None})
 
     return {
         "scheduler": address,
@@ -157,8 +164,9 @@ def render(f: dict) -> str:
         lines.append("(no engine groups registered)")
     if f["nodes"]:
         lines += ["", table(
-            ["NODE", "ROLES", "GROUPS", "ENGINES", "READ_Q_TOK", "ASSIGNED/S"],
+            ["NODE", "ROLES", "GROUPS", "ENGINES", "READ_MB/S", "READ_Q_TOK", "ASSIGNED/S"],
             [[n["node_id"], ",".join(n["roles"]), ",".join(n["groups"]), n["engines"],
+              "-" if n["read_bytes_per_s"] is None else round(n["read_bytes_per_s"] / 1e6, 1),
               n["read_queue_tokens"],
               "-" if n["assigned_per_s"] is None else round(n["assigned_per_s"], 1)]
              for n in f["nodes"]]),

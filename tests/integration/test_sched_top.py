@@ -99,8 +99,9 @@ def test_once_screen_names_groups_queue_nodes_and_a_rate_that_follows_submission
     assert rows["pe1"][1:3] == ["prefill", "up"] and rows["de7"][1:3] == ["decode", "up"]
     nodes = {ln.split()[0]: ln.split() for ln in out.splitlines()
              if ln.startswith("node-")}
-    assert nodes["node-1"][4] == "777" and nodes["node-7"][4] == "12345"   # READ_Q_TOK
-    assert "not NIC bytes" in out
+    assert nodes["node-1"][4:6] == ["0.0", "777"]        # READ_MB/S, READ_Q_TOK
+    assert nodes["node-7"][4:6] == ["0.0", "12345"]
+    assert "write-back is in the node's /metrics" in out
 
     # Six submitted between the polls: the queue holds them and the rate is 6 / interval.
     submit_between_polls(6, "between")

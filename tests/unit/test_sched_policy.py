@@ -90,6 +90,9 @@ def test_category_is_reevaluated_as_read_queue_grows():
     out = policy.assign_prefill(q, pe.engines, Params(alpha_tokens=150, beta_tokens=10**9), 9)
     assert [r.pe.rank for r in out] == [0, 0, 1]
     assert [r.read_side for r in out] == [ReadSide.PREFILL] * 3
+    # What each node was ordered to read, for ever (ctl top's READ_MB/S).
+    assert [e.node.read_tokens_total for e in pe.engines] == [200, 100]
+    assert de.node.read_tokens_total == 0
 
 
 # ---------------------------------------------------------------- read side

@@ -14,7 +14,7 @@ UP, DOWN = apb.GROUP_STATE_UP, apb.GROUP_STATE_DOWN
 
 
 def _poll(t: float, *, submitted: int, completed: int, assigned: tuple[int, int, int],
-          de_state: int = UP) -> top.Poll:
+          de_state: int = UP, read: tuple[int, int] = (0, 0)) -> top.Poll:
     """A poll shaped exactly as the admin API's replies are (through _msg_dict)."""
     stats = apb.StatsResponse(
         params=apb.Params(alpha_tokens=4000000, beta_tokens=1500000, compute_quota_ms=250,
@@ -32,13 +32,16 @@ def _poll(t: float, *, submitted: int, completed: int, assigned: tuple[int, int,
     engines = [
         apb.EngineView(engine_id="de1.0", group_id="de1", node_id="n2",
                        role=pb.ENGINE_ROLE_DECODE, unfinished_requests=3,
-                       read_queue_tokens=500, assigned_requests=assigned[0]),
+                       read_queue_tokens=500, assigned_requests=assigned[0],
+                       node_read_bytes_total=read[1]),
         apb.EngineView(engine_id="de1.1", group_id="de1", node_id="n2",
                        role=pb.ENGINE_ROLE_DECODE, unfinished_requests=1, drained=True,
-                       read_queue_tokens=500, assigned_requests=assigned[1]),
+                       read_queue_tokens=500, assigned_requests=assigned[1],
+                       node_read_bytes_total=read[1]),
         apb.EngineView(engine_id="pe1.0", group_id="pe1", node_id="n1",
                        role=pb.ENGINE_ROLE_PREFILL, unfinished_requests=3,
-                       read_queue_tokens=64000, assigned_requests=assigned[2])]
+                       read_queue_tokens=64000, assigned_requests=assigned[2],
+                       node_read_bytes_total=read[0])]
     return top.Poll(t=t, wall=1_700_000_000.0 + t, stats=_msg_dict(stats),
                     groups=[_msg_dict(g) for g in groups],
                     engines=[_msg_dict(e) for e in engines])
@@ -56,20 +59,23 @@ GROUP  ROLE     LEASE  LEASE_ID  FETCH_AGO_S  ENGINES  DRAINED  SEQ   TOK  QUEUE
 de1    decode   up            7          0.0        2        1    4  9000       2
 pe1    prefill  up            3          1.2        1        0    3  3000       0
 
-NODE  ROLES    GROUPS  ENGINES  READ_Q_TOK  ASSIGNED/S
-n1    prefill  pe1           1       64000         0.5
-n2    decode   de1           2         500         2.5
-(storage NIC: the admin API reports each node's read queue (tokens), not NIC bytes)"""
+NODE  ROLES    GROUPS  ENGINES  READ_MB/S  READ_Q_TOK  ASSIGNED/S
+n1    prefill  pe1           1      150.0       64000         0.5
+n2    decode   de1           2       25.0         500         2.5
+(storage NIC: READ_MB/S is the reads the scheduler ordered on the node; write-back is in \
+the node's /metrics)"""
 
 
 def test_two_polls_render_the_whole_screen():
-    prev = _poll(100.0, submitted=10, completed=4, assigned=(1, 2, 3))
-    cur = _poll(102.0, submitted=16, completed=5, assigned=(4, 4, 4))
+    prev = _poll(100.0, submitted=10, completed=4, assigned=(1, 2, 3), read=(10**9, 0))
+    cur = _poll(102.0, submitted=16, completed=5, assigned=(4, 4, 4),
+                read=(10**9 + 300_000_000, 50_000_000))
     f = top.figures(prev, cur, "sched:7000", 2.0)
     assert f["rates"]["submitted_per_s"] == 3.0 and f["rates"]["completed_per_s"] == 0.5
     assert f["queued_requests"] == 8 and f["running_requests"] == 7
-    assert [(n["node_id"], n["read_queue_tokens"], n["assigned_per_s"]) for n in f["nodes"]] \
-        == [("n1", 64000, 0.5), ("n2", 500, 2.5)]
+    assert [(n["node_id"], n["read_queue_tokens"], n["assigned_per_s"],
+             n["read_bytes_per_s"]) for n in f["nodes"]] \
+        == [("n1", 64000, 0.5, 150e6), ("n2", 500, 2.5, 25e6)]
     text = top.render(f)
     assert text == SCREEN, "\n" + text
     assert "\x1b" not in text

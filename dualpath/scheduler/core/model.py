@@ -121,6 +121,7 @@ class Node:
     node_id: str
     read_tokens_per_s: float
     read_q: int = 0
+    read_tokens_total: int = 0        # hit tokens the scheduler ordered it to read, ever
 
 
 @dataclass(slots=True, eq=False)

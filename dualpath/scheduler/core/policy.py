@@ -96,6 +96,8 @@ def assign_prefill(queue: deque[Request], engines: list[Engine], params: Params,
                                                   saving)
         e.node.read_q += pe_part
         de_node.read_q += de_part
+        e.node.read_tokens_total += pe_part
+        de_node.read_tokens_total += de_part
         r.read_side, r.prefill_read_tokens, r.decode_read_tokens = side, pe_part, de_part
         out.append(r)
     if passed:

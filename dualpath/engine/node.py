@@ -168,8 +168,7 @@ class NodeDaemon:
         else:
             services = self._start_emulated(buf_name)
         add_services(self.server, services)
-        store = (self.engine.space if ecfg.kind == "vllm" else self.space).store
-        self.registry.register(OwnedCounters(self.transfer.stats, store.stats_dict))
+        self.registry.register(OwnedCounters(self.transfer.stats, self._store_stats))
         self.metrics_srv = _metrics.start_metrics_server(ecfg.metrics_listen, self.registry,
                                                         "engine.metrics_listen")
         if self.metrics_srv is not None:
@@ -288,6 +287,12 @@ class NodeDaemon:
                       results=self.path if isinstance(self.path, DecodePath) else None,
                       status=self.notifier.status,
                       available=(lambda: self.instance.up) if vllm else (lambda: True))
+
+    def _store_stats(self) -> dict[str, int]:
+        """The block store's counters (a vLLM node opens its store when its worker first
+        attaches: none before)."""
+        space = self.engine.space if isinstance(self.engine, VllmEngine) else self.space
+        return space.store.stats_dict() if space is not None else {}
 
     # ------------------------------------------------------------ running
 

@@ -80,8 +80,9 @@ def stall_node(node_id: str, leases: float) -> Callable[[LocalCluster], None]:
 
 
 def run_replay(cluster: LocalCluster, fault: Fault, *, agents: int = 6, rounds: int = 4,
-               timeout_s: float = 240, seed: int = 3) -> ReplayRun:
-    """Replay a small trace, injecting ``fault`` after its ``after``-th finished round."""
+               timeout_s: float = 240, seed: int = 3, **opts) -> ReplayRun:
+    """Replay a small trace, injecting ``fault`` after its ``after``-th finished round
+    (``opts``: more ReplayOptions, e.g. a read_policy)."""
     trace = make_trace(agents, context_scale=0.05, max_rounds=rounds, seed=seed)
     finished = [0]
     due = threading.Event()
@@ -95,7 +96,7 @@ def run_replay(cluster: LocalCluster, fault: Fault, *, agents: int = 6, rounds: 
     def drive():
         try:
             out["run"] = replay_local(cluster, trace, PROFILE, timeout_s=timeout_s,
-                                      observer=observer, give_up_s=60)
+                                      observer=observer, give_up_s=60, **opts)
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
             out["error"] = e
 

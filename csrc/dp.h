@@ -367,6 +367,14 @@ int dp_tcp_conn_set_credential(dp_tcp_conn *conn, uint32_t id, const uint8_t *se
  * in RESET). The credential is cleared: each connect needs a fresh one. */
 int dp_tcp_conn_connect(dp_tcp_conn *conn, const char *host, uint16_t port,
                         int64_t timeout_ns);
+/* [int] RESET -> RTS without a socket: a connection of this engine to itself. A post
+ * then copies each item in the posting thread (memmove, under the region table's read
+ * lock) into this engine's own regions, with the checks the target makes on a socket —
+ * the rkey names a live region with remote write that covers the range, else
+ * REM_ACCESS_ERR (and LOC_PROT_ERR for a bad lkey) — and completions come from the next
+ * poll as over a socket (in order, the rest flushed after a failure). No credential: it
+ * reaches no memory but the engine's own. EISCONN when not in RESET. */
+int dp_tcp_conn_connect_self(dp_tcp_conn *conn);
 /* [int] Any state -> RESET (recovery): the socket is closed abortively (RST: bytes still
  * queued for the peer are discarded, not delivered), outstanding items and their credits
  * are dropped without completions. Connect again afterwards. */

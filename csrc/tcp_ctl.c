@@ -776,6 +776,20 @@ int dp_tcp_conn_connect(dp_tcp_conn *conn, const char *host, uint16_t port, int6
     return 0;
 }
 
+int dp_tcp_conn_connect_self(dp_tcp_conn *conn)
+{
+    if (!conn)
+        return -EINVAL;
+    if (conn->state != TCP_RESET)
+        return -EISCONN;
+    conn->self = 1;
+    conn->self_status = 0;
+    conn->self_sig_done = 0;
+    conn->self_done = conn->tail;
+    conn->state = TCP_RTS;
+    return 0;
+}
+
 int dp_tcp_conn_reset(dp_tcp_conn *conn)
 {
     if (!conn)
@@ -804,6 +818,10 @@ int dp_tcp_conn_reset(dp_tcp_conn *conn)
     conn->ack_pos = conn->ack_len = 0;
     conn->fail_status = 0;
     conn->fail_errno = 0;
+    conn->self = 0;
+    conn->self_status = 0;
+    conn->self_sig_done = 0;
+    conn->self_done = conn->tail;
     conn->state = TCP_RESET;
     return 0;
 }

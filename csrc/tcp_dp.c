@@ -243,9 +243,68 @@ static void read_acks(dp_tcp_conn *c)
     }
 }
 
+/* A connection to itself: the oldest copied signalled item -> its completion; else the
+ * failed item (retiring the unsignalled ones copied before it), and the rest flushed. */
+static uint32_t self_take(dp_tcp_conn *c, struct dp_wc *wc)
+{
+    uint64_t j = c->head;
+    int32_t status = TCP_WC_SUCCESS;
+    if (c->self_sig_done) {
+        while (!c->ring[j & c->mask].signalled)
+            j++;
+        c->self_sig_done--;
+    } else {
+        j = c->self_done;
+        status = c->self_status;
+        c->self_status = 0;
+    }
+    wc->wr_id = c->ring[j & c->mask].wr_id;
+    wc->status = status;
+    wc->qp_num = c->id;
+    wc->retired = (uint32_t)(j - c->head + 1);
+    wc->vendor_err = 0;
+    retire_through(c, j);
+    if (status != TCP_WC_SUCCESS)
+        tcp_conn_fail(c, TCP_WC_WR_FLUSH_ERR, 0);
+    return 1;
+}
+
+static inline int self_has_work(const dp_tcp_conn *c)
+{
+    return c->self && c->state == TCP_RTS && (c->self_sig_done || c->self_status);
+}
+
+/* Post on a connection to itself: copy items [tail, tail + k), already in the ring, until
+ * one fails. The region table's read lock is held (regions cannot go meanwhile). */
+static void self_copy(dp_tcp_conn *c, const struct dp_item *items, uint64_t k)
+{
+    const dp_tcp *eng = c->eng;
+    for (uint64_t i = 0; i < k && !c->self_status; i++) {
+        const struct dp_item *it = &items[i];
+        const struct tcp_wqe *w = &c->ring[(c->tail + i) & c->mask];
+        int32_t status = TCP_WC_LOC_PROT_ERR;
+        if (w->hdr.op == TCP_OP_WRITE) {
+            const struct tcp_region *r = region_find(eng, it->rkey);
+            status = r && (r->access & DP_ACCESS_REMOTE_WRITE) &&
+                             region_covers(r, it->remote_addr, it->length)
+                         ? TCP_WC_SUCCESS : TCP_WC_REM_ACCESS_ERR;
+        }
+        if (status != TCP_WC_SUCCESS) {
+            c->self_status = status;
+            c->self_done = c->tail + i;
+            break;
+        }
+        if (it->length)
+            memmove((void *)(uintptr_t)it->remote_addr, (const void *)(uintptr_t)it->local_addr,
+                    it->length);
+        c->self_done = c->tail + i + 1;
+        c->self_sig_done += w->signalled;
+    }
+}
+
 static inline int conn_has_work(const dp_tcp_conn *c)
 {
-    return c->ack_len - c->ack_pos >= sizeof(struct tcp_ack) ||
+    return self_has_work(c) || c->ack_len - c->ack_pos >= sizeof(struct tcp_ack) ||
            (c->state == TCP_RTS && c->rx_more) || (c->state == TCP_ERR && c->head != c->tail);
 }
 
@@ -253,7 +312,9 @@ static uint32_t conn_drain(dp_tcp_conn *c, struct dp_wc *out, uint32_t max)
 {
     uint32_t n = 0;
     while (n < max) {
-        if (c->ack_len - c->ack_pos >= sizeof(struct tcp_ack))
+        if (self_has_work(c))
+            n += self_take(c, &out[n]);
+        else if (c->ack_len - c->ack_pos >= sizeof(struct tcp_ack))
             n += take_ack(c, &out[n]);
         else if (c->state == TCP_RTS && c->rx_more)
             read_acks(c);
@@ -375,15 +436,22 @@ int dp_tcp_post_write(dp_tcp_conn *c, const struct dp_item *items, uint32_t n,
         w->signalled = (uint8_t)sig;
         nsig += (uint32_t)sig;
     }
+    if (c->self && c->state == TCP_RTS)
+        self_copy(c, items, k);
     pthread_rwlock_unlock(&eng->lock);
     c->tail += k;
     c->sig_outstanding += nsig;
     cq->sig_outstanding += nsig;
     *n_posted = (uint32_t)k;
-    if (c->state == TCP_RTS)
+    if (c->self && c->state == TCP_RTS) {
+        c->send_idx = c->tail;        /* nothing to send: copied (or refused) already */
+        if (self_has_work(c))
+            ready_add(c);
+    } else if (c->state == TCP_RTS) {
         send_progress(c);
-    else
+    } else {
         ready_add(c);    /* ERR: flushed by the next poll, as verbs does */
+    }
     return k < n ? -EAGAIN : 0;
 }
 

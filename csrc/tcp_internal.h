@@ -214,6 +214,13 @@ struct dp_tcp_conn {
     struct iovec *iov;               /* TCP_IOV_MAX entries, built per sendmsg */
     uint32_t ack_pos, ack_len;       /* unread bytes of ackbuf are [ack_pos, ack_len) */
     uint8_t ackbuf[TCP_ACKBUF];
+    /* A connection to this engine itself (dp_tcp_conn_connect_self): posts copy; items
+     * [head, self_done) were copied, self_sig_done of them signalled and not completed;
+     * self_status != 0: item self_done failed with it (nothing after it was copied). */
+    uint8_t self;
+    int32_t self_status;
+    uint64_t self_done;
+    uint32_t self_sig_done;
 };
 
 /* Server-thread counter bump; readers use __atomic_load_n. */

@@ -318,6 +318,14 @@ class TcpConnection(Owner):
               f"connect TCP connection {self.conn_id} to {host}:{port}")
         self.remote = (host, port)
 
+    def connect_self(self) -> None:
+        """RESET -> RTS to this engine itself, without a socket: a post copies into the
+        engine's own regions (checked as a target checks a WRITE), completions as usual."""
+        self._check_open()
+        check(lib.dp_tcp_conn_connect_self(self._handle),
+              f"connect TCP connection {self.conn_id} to its own engine")
+        self.remote = ("self", 0)
+
     def reset(self) -> None:
         """Back to RESET (recovery): the socket closes, outstanding items are forgotten
         without completions."""

@@ -331,19 +331,30 @@ class TransferEngine:
             raise TransferError(f"peer {peer!r} answered {len(reply.endpoints)} endpoints "
                                 f"for {n} connections", errno=errno.EPROTO)
 
+    def _to_self(self, name: str) -> bool:
+        """WRITEs to ``name`` land in our own regions and the provider copies them there
+        without a network stack (no exchange: nothing outside this process is reached)."""
+        return name == self.name and self.provider.copies_to_self
+
     async def _connect_peer(self, name: str) -> _Peer:
         n = self.config.connections_per_peer
         conns: list[Connection] = []
         try:
             for _ in range(n):
                 conns.append(self.provider.connection(self.config.max_send_wr))
-            req = ConnectRequest(self.name, self.transport, tuple(range(n)),
-                                 tuple(c.endpoint() for c in conns))
-            reply = await self.oob.request(name, req)
-            self._check_reply(name, reply, n)
-            await asyncio.gather(*(self._run_blocking(c.connect, ep,
-                                                      self.config.connect_timeout_s)
-                                   for c, ep in zip(conns, reply.endpoints)))
+            if self._to_self(name):
+                for c in conns:
+                    c.connect_self()
+                regions = self.region_infos()
+            else:
+                req = ConnectRequest(self.name, self.transport, tuple(range(n)),
+                                     tuple(c.endpoint() for c in conns))
+                reply = await self.oob.request(name, req)
+                self._check_reply(name, reply, n)
+                await asyncio.gather(*(self._run_blocking(c.connect, ep,
+                                                          self.config.connect_timeout_s)
+                                       for c, ep in zip(conns, reply.endpoints)))
+                regions = reply.regions
         except BaseException as e:
             # Connected sockets may already have events queued on the data-path thread's
             # completion stream: only that thread may close them.
@@ -352,12 +363,13 @@ class TransferEngine:
                 raise TransferError(f"cannot connect to peer {name!r}: {e}",
                                     errno=getattr(e, "errno", 0) or 0) from e
             raise
-        p = _Peer(name, dict(reply.regions))
+        p = _Peer(name, dict(regions))
         p.conns = [_Conn(p, i, c) for i, c in enumerate(conns)]
         self._peers[name] = p
         self._command(("add_peer", p))
         log.info("transfer engine %s: connected to %s over %s (%d connections; regions %s)",
-                 self.name, name, self.transport, n, ", ".join(p.regions) or "none")
+                 self.name, name, "copies in this process" if self._to_self(name)
+                 else self.transport, n, ", ".join(p.regions) or "none")
         return p
 
     async def _handle_connect(self, req: ConnectRequest) -> ConnectReply:
@@ -384,13 +396,17 @@ class TransferEngine:
             try:
                 if attempt > 1:
                     c.conn.reset()      # a half-made connect; nothing is posted on it
-                req = ConnectRequest(self.name, self.transport, (c.index,),
-                                     (c.conn.endpoint(),))
-                reply = await self.oob.request(p.name, req)
-                self._check_reply(p.name, reply, 1)
-                p.regions = dict(reply.regions)
-                await self._run_blocking(c.conn.connect, reply.endpoints[0],
-                                         self.config.connect_timeout_s)
+                if self._to_self(p.name):
+                    p.regions = self.region_infos()     # keys as they are now (a rekey)
+                    c.conn.connect_self()
+                else:
+                    req = ConnectRequest(self.name, self.transport, (c.index,),
+                                         (c.conn.endpoint(),))
+                    reply = await self.oob.request(p.name, req)
+                    self._check_reply(p.name, reply, 1)
+                    p.regions = dict(reply.regions)
+                    await self._run_blocking(c.conn.connect, reply.endpoints[0],
+                                             self.config.connect_timeout_s)
             except (DualPathError, OSError) as e:
                 last = e
                 log.warning("transfer engine %s: peer %s connection %d: reconnect attempt "

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
-from dualpath.errors import TransferError
+from dualpath.errors import TransferError, UsageError
 from dualpath.verbs import Completion, WcStatus
 
 #: Admission bounds of the passive side: connections (QPs) one peer may have us make,
@@ -117,6 +117,11 @@ class Connection(ABC):
     def connect(self, remote: bytes, timeout: float) -> None:
         """RESET -> connected to the peer's half described by ``remote``."""
 
+    def connect_self(self) -> None:
+        """RESET -> connected to this provider itself (only where ``Provider.copies_to_self``):
+        a post then copies into our own regions, checked as a peer's target checks."""
+        raise UsageError("this provider has no connection to itself")
+
     @abstractmethod
     def reset(self) -> None:
         """Any state -> RESET; outstanding items are dropped without completions."""
@@ -136,6 +141,9 @@ class Provider(ABC):
     kind: str               # "verbs" | "tcp": the metric label and the log word
     description: str        # for start-up logs: device/port/GID or listen address
     poll_slice_s: float     # how long one wait() may block while items are in flight
+    # A WRITE into our own regions is a copy on the data-path thread, no network stack
+    # (Connection.connect_self); verbs keeps the NIC's loopback, as the CNIC does.
+    copies_to_self: bool = False
 
     @abstractmethod
     def register(self, buf=None, *, addr: int | None = None,
@@ -145,8 +153,6 @@ class Provider(ABC):
     def register_gpu(self, addr: int, length: int, device: int) -> Region:
         """Register device memory ``[addr, addr + length)`` of GPU ``device`` (owned by the
         caller) for WRITE both ways; providers that cannot reach GPU memory refuse."""
-        from dualpath.errors import UsageError
-
         raise UsageError(f"the {self.kind} provider cannot register GPU memory; GPU KV needs "
                          "transport.kind = 'verbs' on a NIC with dma-buf or peer memory")
 

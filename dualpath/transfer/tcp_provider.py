@@ -52,6 +52,7 @@ class TcpProvider(Provider):
 
     kind = "tcp"
     poll_slice_s = 0.05     # wait() sleeps in epoll and wake() interrupts it
+    copies_to_self = True
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, cq_depth: int = 4096,
                  sockbuf_bytes: int = 0, user_timeout_ms: int = 0, advertise: str = "",
@@ -116,6 +117,9 @@ class _TcpConnection(Connection):
     def connect(self, remote: bytes, timeout: float) -> None:
         host, port, cred = decode_address(remote)
         self.conn.connect(host, port, timeout, credential=cred)
+
+    def connect_self(self) -> None:
+        self.conn.connect_self()
 
     def reset(self) -> None:
         self.conn.reset()

@@ -367,9 +367,10 @@ class TransferEngine:
         p.conns = [_Conn(p, i, c) for i, c in enumerate(conns)]
         self._peers[name] = p
         self._command(("add_peer", p))
-        log.info("transfer engine %s: connected to %s over %s (%d connections; regions %s)",
-                 self.name, name, "copies in this process" if self._to_self(name)
-                 else self.transport, n, ", ".join(p.regions) or "none")
+        log.info("transfer engine %s: connected to %s %s (%d connections; regions %s)",
+                 self.name, name, "by copies in this process (no network stack)"
+                 if self._to_self(name) else f"over {self.transport}", n,
+                 ", ".join(p.regions) or "none")
         return p
 
     async def _handle_connect(self, req: ConnectRequest) -> ConnectReply:

@@ -53,6 +53,18 @@ from dualpath.v1 import scheduler_pb2
 log = logging.getLogger("dualpath.engine")
 
 
+async def _off_loop(fn) -> None:
+    """Run ``fn`` (a copy) on a worker thread, off the event loop. A cancellation waits
+    for it to end before it goes on: the caller frees the memory it writes into as it
+    unwinds."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn))
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
+
+
 @dataclass
 class DecodeState:
     """One attempt of a request on this DE, from PrepareRequest to its end."""
@@ -387,8 +399,12 @@ class DecodePath:
                 timings.bytes_verified = nbytes
             hbm = await e.hbm.reserve(blocks_for(prompt + gen, T))
             if st.buffer is not None:
-                for i in range(len(st.spans)):
-                    np.copyto(hbm.flat(i), st.buffer.flat(i))   # DE buffer -> DE HBM
+                buf, spans = st.buffer, len(st.spans)
+
+                def copy_in() -> None:                  # DE buffer -> DE HBM
+                    for i in range(spans):
+                        np.copyto(hbm.flat(i), buf.flat(i))
+                await _off_loop(copy_in)
                 self._release(st)
             step = eng.decode_s(1)
             await asyncio.sleep(step)

@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "dualpath.scheduler.cli",
     "dualpath.vllm.cli",
     "dualpath.frontend.cli",
+    "dualpath.repro.cli",
 ]
 
 

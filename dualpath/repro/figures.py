@@ -1,0 +1,156 @@
+"""The paper's results as commands (`dualpath repro FIG`): each runs the local cluster —
+real processes, real KV bytes moved and verified, model execution emulated by the cost
+model — at a stated scale, and returns a record: the scale, the points measured, a
+``summary`` of headline figures and the paper's own headline beside them.
+
+Figures built so far (the others need the engine model of "The paper, all of it":
+forward batches, per-layer HBM, batched decode):
+
+- ``fig7``: offline JCT of basic, dualpath and oracle as the agent count grows (1P2D).
+- ``fig8``: P/D shapes 1P1D, 1P2D and 2P1D under basic and dualpath, the paper's
+  equivalences (dualpath 1P1D ≈ basic 2P1D ...) as relative errors, and §4.2's
+  bottleneck-free P/D range for the paper's hardware.
+- ``fig13``: storage-NIC balance (max/avg over the three nodes in small windows) of
+  dualpath's scheduler against reading sides chosen round-robin.
+
+Pure orchestration over :func:`dualpath.cluster.run.run_modes`; plotting is in
+:mod:`dualpath.repro.plot`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+from dualpath.cluster.local import LocalCluster
+from dualpath.cluster.replay import ReplayOptions
+from dualpath.cluster.run import make_trace, run_modes
+from dualpath.planning.capacity import Hardware, bottleneck_free_range
+
+EMULATED = "model execution emulated (cost model); KV bytes moved and verified for real"
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How big a figure runs: agents (the largest count of a sweep), rounds kept per
+    trajectory, the Table 2 row and its context scale, every node's storage-NIC limit."""
+
+    agents: int
+    rounds: int
+    context_scale: float
+    snic_gbit_per_s: float
+    table: str = "32k"
+    seed: int = 7
+
+    def describe(self) -> str:
+        return (f"{self.agents} agents x {self.rounds} rounds, Table 2 '{self.table}' row "
+                f"at context_scale {self.context_scale:g}, storage NIC "
+                f"{self.snic_gbit_per_s:g} Gbit/s per node; {EMULATED}")
+
+
+# FULL is bench/e2e.py's I/O-bound case (its storage NICs are the bottleneck).
+QUICK = Scale(agents=8, rounds=3, context_scale=0.1, snic_gbit_per_s=0.25)
+FULL = Scale(agents=24, rounds=4, context_scale=0.1, snic_gbit_per_s=0.25)
+
+
+def run_shape(prefill: int, decode: int, scale: Scale, modes: Sequence[str], *,
+              agents: int | None = None, read_policy: str = "") -> dict[str, dict]:
+    """One P x D local cluster replaying the scale's trace in ``modes`` (a warm-up first,
+    unreported): the report's per-mode summaries."""
+    trace = make_trace(agents or scale.agents, table=scale.table,
+                       context_scale=scale.context_scale, max_rounds=scale.rounds,
+                       seed=scale.seed)
+    with LocalCluster(prefill, decode,
+                      settings={"storage": {"snic_gbit_per_s": scale.snic_gbit_per_s}}) as c:
+        report, _ = run_modes(c.scheduler_address, c.node_ids(), prefill, trace, modes,
+                              ReplayOptions(read_policy=read_policy),
+                              snic_gbit_per_s=scale.snic_gbit_per_s,
+                              tls_config=c.client_tls, node_tls=c.node_tls,
+                              node_addresses=c.addresses(), warmup_agents=1)
+    return report["modes"]
+
+
+def _record(name: str, title: str, scale: Scale, points: list[dict], summary: dict,
+            paper: dict) -> dict:
+    return {"figure": name, "title": title, "scale": {**asdict(scale),
+                                                      "described": scale.describe()},
+            "model_execution": "emulated (cost model)", "points": points,
+            "summary": summary, "paper": paper}
+
+
+def fig7(scale: Scale) -> dict:
+    """Offline JCT vs agents, basic / dualpath / oracle, 1P2D."""
+    counts = sorted({max(1, scale.agents // 2), scale.agents})
+    points = []
+    for n in counts:
+        modes = run_shape(1, 2, scale, ("basic", "dualpath", "oracle"), agents=n)
+        points += [{"agents": n, "mode": m, "jct_s": s["jct_s"]} for m, s in modes.items()]
+    jct = {(p["agents"], p["mode"]): p["jct_s"] for p in points}
+    speedups = [jct[n, "basic"] / jct[n, "dualpath"] for n in counts]
+    top = counts[-1]
+    return _record("fig7", "Offline JCT vs agents (1P2D)", scale, points, {
+        "speedup_vs_basic_max": max(speedups),
+        "speedup_vs_basic_by_agents": dict(zip(map(str, counts), speedups)),
+        "dualpath_over_oracle_jct": jct[top, "dualpath"] / jct[top, "oracle"],
+    }, {"speedup_vs_basic_max": "1.87 (DS 660B, 2P4D); 1.78 (DS 27B, 1P1D)",
+        "dualpath_over_oracle_jct": "close to 1 (DS 660B); 1.09-1.85 (DS 27B)"})
+
+
+#: The paper's hardware for §4.2 (per node: 8 GPUs, a 400 Gbps compute NIC per GPU, one
+#: 400 Gbps storage NIC, ~500 GB/s of memory bandwidth).
+PAPER_HARDWARE = Hardware(gpus_per_node=8, cnic_bytes_per_s=50e9, snic_bytes_per_s=50e9,
+                          mem_bytes_per_s=500e9)
+
+
+def fig8(scale: Scale) -> dict:
+    """P/D shapes under basic and dualpath, and the paper's equivalences."""
+    shapes = ((1, 1), (1, 2), (2, 1))
+    points = []
+    for p, d in shapes:
+        for m, s in run_shape(p, d, scale, ("basic", "dualpath")).items():
+            points.append({"shape": f"{p}P{d}D", "mode": m, "jct_s": s["jct_s"]})
+    jct = {(x["shape"], x["mode"]): x["jct_s"] for x in points}
+
+    def rel(a: tuple[str, str], b: tuple[str, str]) -> float:
+        return abs(jct[a] - jct[b]) / jct[b]
+
+    rng = bottleneck_free_range(PAPER_HARDWARE)
+    return _record("fig8", "P/D ratios (offline JCT)", scale, points, {
+        "equivalence_rel_error_1p1d_vs_basic_2p1d": rel(("1P1D", "dualpath"),
+                                                        ("2P1D", "basic")),
+        "equivalence_rel_error_basic_1p1d_vs_1p2d": rel(("1P1D", "basic"), ("1P2D", "basic")),
+        "equivalence_rel_error_dualpath_2p1d_vs_1p2d": rel(("2P1D", "dualpath"),
+                                                           ("1P2D", "dualpath")),
+        "speedup_vs_basic": {f"{p}P{d}D": jct[f"{p}P{d}D", "basic"] / jct[f"{p}P{d}D",
+                                                                           "dualpath"]
+                             for p, d in shapes},
+        "bottleneck_free_pd_range_paper_hardware": rng.describe(),
+    }, {"equivalence_rel_error_1p1d_vs_basic_2p1d": "~0: dualpath 1P1D = basic 2P1D",
+        "equivalence_rel_error_basic_1p1d_vs_1p2d": "~0: basic 1P1D = basic 1P2D",
+        "equivalence_rel_error_dualpath_2p1d_vs_1p2d": "~0: dualpath 2P1D = dualpath 1P2D",
+        "speedup_vs_basic": "1.64 on average, up to 2.46 (DS 27B)",
+        "bottleneck_free_pd_range_paper_hardware": "1/7 <= P/D <= 7/2 (§4.2)"})
+
+
+def fig13(scale: Scale) -> dict:
+    """Storage-NIC balance over the three nodes of 1P2D: the scheduler's read sides
+    against round-robin ones."""
+    points = []
+    for policy, label in (("round_robin", "round-robin"), ("", "dualpath scheduler")):
+        s = run_shape(1, 2, scale, ("dualpath",), read_policy=policy)["dualpath"]
+        points.append({"policy": label, "jct_s": s["jct_s"],
+                       "window_max_avg": s["snic"]["window_max_avg"],
+                       "window_max_avg_bytes_weighted":
+                           s["snic"]["window_max_avg_bytes_weighted"],
+                       "max_avg": s["snic"]["max_avg"]})
+    by = {p["policy"]: p for p in points}
+    return _record("fig13", "Storage-NIC balance (max/avg over nodes, small windows)",
+                   scale, points, {
+                       "snic_max_avg_dualpath":
+                           by["dualpath scheduler"]["window_max_avg_bytes_weighted"],
+                       "snic_max_avg_round_robin":
+                           by["round-robin"]["window_max_avg_bytes_weighted"],
+                   }, {"snic_max_avg_round_robin": 1.53, "snic_max_avg_dualpath": 1.18})
+
+
+FIGURES: dict[str, Callable[[Scale], dict]] = {"fig7": fig7, "fig8": fig8, "fig13": fig13}

@@ -1,0 +1,52 @@
+"""PNGs of `dualpath repro` records (matplotlib's Agg canvas: no display, no pyplot
+global state)."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Mapping
+
+import numpy as np
+
+
+def _canvas(width: float = 7.0):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(1, 1)
+
+
+def _bars(ax, groups: list[str], series: Mapping[str, list[float]], ylabel: str) -> None:
+    x = np.arange(len(groups))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(x, groups)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+
+
+def write(record: Mapping, path: str) -> None:
+    fig, ax = _canvas()
+    pts, name = record["points"], record["figure"]
+    if name == "fig13":
+        _bars(ax, [p["policy"] for p in pts],
+              {"max/avg (byte-weighted windows)": [p["window_max_avg_bytes_weighted"] or 0
+                                                   for p in pts]},
+              "storage-NIC max/avg over nodes")
+    else:
+        key = "agents" if name == "fig7" else "shape"
+        groups = list(dict.fromkeys(str(p[key]) for p in pts))
+        modes = list(dict.fromkeys(p["mode"] for p in pts))
+        jct = {(str(p[key]), p["mode"]): p["jct_s"] for p in pts}
+        _bars(ax, groups, {m: [jct.get((g, m), 0) for g in groups] for m in modes},
+              "JCT (s)")
+        ax.set_xlabel("agents" if name == "fig7" else "P/D shape")
+    ax.set_title(f"{name}: {record['title']}", fontsize=10)
+    fig.text(0.01, 0.01, "\n".join(textwrap.wrap(record["scale"]["described"], 140)),
+             fontsize=6)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, format="png")

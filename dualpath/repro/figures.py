@@ -20,12 +20,14 @@ Pure orchestration over :func:`dualpath.cluster.run.run_modes`; plotting is in
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.replay import ReplayOptions
-from dualpath.cluster.run import make_trace, run_modes
+from dualpath.cluster.run import first_rounds, make_trace, run_modes
 from dualpath.planning.capacity import Hardware, bottleneck_free_range
+from dualpath.trace.generator import PARAMS, generate
+from dualpath.trace.model import Trace, trace_stats
 
 EMULATED = "model execution emulated (cost model); KV bytes moved and verified for real"
 
@@ -54,12 +56,13 @@ FULL = Scale(agents=24, rounds=4, context_scale=0.1, snic_gbit_per_s=0.25)
 
 
 def run_shape(prefill: int, decode: int, scale: Scale, modes: Sequence[str], *,
-              agents: int | None = None, read_policy: str = "") -> dict[str, dict]:
-    """One P x D local cluster replaying the scale's trace in ``modes`` (a warm-up first,
-    unreported): the report's per-mode summaries."""
-    trace = make_trace(agents or scale.agents, table=scale.table,
-                       context_scale=scale.context_scale, max_rounds=scale.rounds,
-                       seed=scale.seed)
+              agents: int | None = None, read_policy: str = "",
+              trace: Trace | None = None) -> dict[str, dict]:
+    """One P x D local cluster replaying the scale's trace (or ``trace``) in ``modes`` (a
+    warm-up first, unreported): the report's per-mode summaries."""
+    trace = trace or make_trace(agents or scale.agents, table=scale.table,
+                                context_scale=scale.context_scale, max_rounds=scale.rounds,
+                                seed=scale.seed)
     with LocalCluster(prefill, decode,
                       settings={"storage": {"snic_gbit_per_s": scale.snic_gbit_per_s}}) as c:
         report, _ = run_modes(c.scheduler_address, c.node_ids(), prefill, trace, modes,
@@ -94,6 +97,30 @@ def fig7(scale: Scale) -> dict:
         "dualpath_over_oracle_jct": jct[top, "dualpath"] / jct[top, "oracle"],
     }, {"speedup_vs_basic_max": "1.87 (DS 660B, 2P4D); 1.78 (DS 27B, 1P1D)",
         "dualpath_over_oracle_jct": "close to 1 (DS 660B); 1.09-1.85 (DS 27B)"})
+
+
+def fig9(scale: Scale) -> dict:
+    """Dualpath's speedup over basic as appends and generations grow or shrink (1P2D):
+    the generator's mean append or generation length scaled, the rest as Table 2."""
+    base = PARAMS[scale.table]
+    points = []
+    for what, factor in (("append", 0.5), ("append", 1.0), ("append", 2.0), ("gen", 0.5),
+                         ("gen", 2.0)):
+        params = replace(base, **{what: getattr(base, what) * factor})
+        t = generate(scale.agents, scale.table, seed=scale.seed,
+                     context_scale=scale.context_scale, params=params)
+        t = Trace(tuple(first_rounds(x, scale.rounds) for x in t.trajectories), t.meta)
+        st = trace_stats(t.trajectories).as_dict()
+        modes = run_shape(1, 2, scale, ("basic", "dualpath"), trace=t)
+        points.append({"scaled": f"{what} x{factor:g}",
+                       "mean_append": st["append_tokens"], "mean_gen": st["gen_tokens"],
+                       "basic_jct_s": modes["basic"]["jct_s"],
+                       "dualpath_jct_s": modes["dualpath"]["jct_s"],
+                       "speedup": modes["basic"]["jct_s"] / modes["dualpath"]["jct_s"]})
+    sp = [p["speedup"] for p in points]
+    return _record("fig9", "Speedup vs append and generation lengths (1P2D)", scale, points,
+                   {"speedup_min": min(sp), "speedup_max": max(sp)},
+                   {"speedup_min": 1.82, "speedup_max": 1.99})
 
 
 #: The paper's hardware for §4.2 (per node: 8 GPUs, a 400 Gbps compute NIC per GPU, one
@@ -153,4 +180,5 @@ def fig13(scale: Scale) -> dict:
                    }, {"snic_max_avg_round_robin": 1.53, "snic_max_avg_dualpath": 1.18})
 
 
-FIGURES: dict[str, Callable[[Scale], dict]] = {"fig7": fig7, "fig8": fig8, "fig13": fig13}
+FIGURES: dict[str, Callable[[Scale], dict]] = {"fig7": fig7, "fig8": fig8, "fig9": fig9,
+                                               "fig13": fig13}

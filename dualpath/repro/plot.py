@@ -32,7 +32,10 @@ def _bars(ax, groups: list[str], series: Mapping[str, list[float]], ylabel: str)
 def write(record: Mapping, path: str) -> None:
     fig, ax = _canvas()
     pts, name = record["points"], record["figure"]
-    if name == "fig13":
+    if name == "fig9":
+        _bars(ax, [p["scaled"] for p in pts], {"dualpath / basic": [p["speedup"] for p in pts]},
+              "speedup (JCT basic / dualpath)")
+    elif name == "fig13":
         _bars(ax, [p["policy"] for p in pts],
               {"max/avg (byte-weighted windows)": [p["window_max_avg_bytes_weighted"] or 0
                                                    for p in pts]},

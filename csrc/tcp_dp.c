@@ -275,28 +275,32 @@ static inline int self_has_work(const dp_tcp_conn *c)
 }
 
 /* Post on a connection to itself: copy items [tail, tail + k), already in the ring, until
- * one fails. The region table's read lock is held (regions cannot go meanwhile). */
+ * one fails. Each item is checked and copied under the region table's read lock, taken
+ * per item (a dereg waits for one copy, not a batch); both regions are checked then, so
+ * neither can go while it is copied. */
 static void self_copy(dp_tcp_conn *c, const struct dp_item *items, uint64_t k)
 {
-    const dp_tcp *eng = c->eng;
+    dp_tcp *eng = c->eng;
     for (uint64_t i = 0; i < k && !c->self_status; i++) {
         const struct dp_item *it = &items[i];
         const struct tcp_wqe *w = &c->ring[(c->tail + i) & c->mask];
+        pthread_rwlock_rdlock(&eng->lock);
+        const struct tcp_region *l = region_find(eng, it->lkey);
+        const struct tcp_region *r = region_find(eng, it->rkey);
         int32_t status = TCP_WC_LOC_PROT_ERR;
-        if (w->hdr.op == TCP_OP_WRITE) {
-            const struct tcp_region *r = region_find(eng, it->rkey);
+        if (w->hdr.op == TCP_OP_WRITE && l && region_covers(l, it->local_addr, it->length))
             status = r && (r->access & DP_ACCESS_REMOTE_WRITE) &&
                              region_covers(r, it->remote_addr, it->length)
                          ? TCP_WC_SUCCESS : TCP_WC_REM_ACCESS_ERR;
-        }
+        if (status == TCP_WC_SUCCESS && it->length)
+            memmove((void *)(uintptr_t)it->remote_addr, (const void *)(uintptr_t)it->local_addr,
+                    it->length);
+        pthread_rwlock_unlock(&eng->lock);
         if (status != TCP_WC_SUCCESS) {
             c->self_status = status;
             c->self_done = c->tail + i;
             break;
         }
-        if (it->length)
-            memmove((void *)(uintptr_t)it->remote_addr, (const void *)(uintptr_t)it->local_addr,
-                    it->length);
         c->self_done = c->tail + i + 1;
         c->self_sig_done += w->signalled;
     }
@@ -436,9 +440,9 @@ int dp_tcp_post_write(dp_tcp_conn *c, const struct dp_item *items, uint32_t n,
         w->signalled = (uint8_t)sig;
         nsig += (uint32_t)sig;
     }
+    pthread_rwlock_unlock(&eng->lock);
     if (c->self && c->state == TCP_RTS)
         self_copy(c, items, k);
-    pthread_rwlock_unlock(&eng->lock);
     c->tail += k;
     c->sig_outstanding += nsig;
     cq->sig_outstanding += nsig;

@@ -28,6 +28,7 @@ Threads: the node's event loop owns all state; verification runs in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -61,7 +62,9 @@ async def _off_loop(fn) -> None:
     try:
         await asyncio.shield(fut)
     except asyncio.CancelledError:
-        await asyncio.wait([fut])
+        while not fut.done():          # a second cancel (shutdown) waits all the same
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([fut])
         raise
 
 

@@ -49,8 +49,8 @@ class NodeMetrics:
                               "Tokens queued or in flight on this node's storage reads.")
         self.layer_wait_s = m.histogram(
             registry, "dualpath_node_layer_wait_seconds",
-            "Time a PE's forward pass waited for one layer's hit KV to be in place (all of "
-            "it, once, without layerwise loading).")
+            "Time a PE's forward pass waited for one layer's hit KV to be in place "
+            "(requests with a hit only; without layerwise loading one sample: all of it).")
         self.phase_s = m.histogram(registry, "dualpath_node_request_phase_seconds",
                                    "Time per request phase (prefill on PEs, decode on DEs).",
                                    ("phase",))
@@ -80,8 +80,8 @@ _OWNED_COUNTERS = (
     ("dualpath_node_transfer_error_completions_total", "transfer", "error_completions",
      "Completions with an error status: a write that failed on the wire."),
     ("dualpath_node_transfer_recoveries_total", "transfer", "recoveries",
-     ("Connections (QPs on verbs) reset and reconnected after an error or a timed-out "
-     "write; their in-flight writes were retried.")),
+     ("Connections (QPs on verbs) reset after an error or a timed-out write, a reconnect "
+      "attempted; their in-flight writes go back to the queue.")),
     ("dualpath_node_transfer_retried_slices_total", "transfer", "retried_slices",
      "Writes posted again after their connection broke."),
     ("dualpath_node_store_corrupt_blocks_total", "store", "corrupt_blocks",

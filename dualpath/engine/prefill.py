@@ -239,11 +239,15 @@ class PrefillPath:
                 report = replace(report, computed_from_tokens=computed_from)
             source = (BothReady(sources) if len(sources) > 1 else
                       sources[0] if sources else AllReady())
-            waited = n.metrics.layer_wait_s
+            # Hit KV to wait for: timed once (all of it) without layerwise loading, per
+            # layer with it; a request with nothing to load is not a sample.
+            waited = n.metrics.layer_wait_s if sources else None
             if not layerwise:
                 t = time.monotonic()
                 await source.ready(L - 1)
-                waited.observe(time.monotonic() - t)
+                if waited is not None:
+                    waited.observe(time.monotonic() - t)
+                waited = None
             if computed_from != hit:
                 layer_s = eng.prefill_layer_s(computed_from, prompt - computed_from)
             # The DE holds the blocks it read intact in its own buffer (when they are
@@ -253,7 +257,8 @@ class PrefillPath:
             for layer in range(L):
                 t = time.monotonic()
                 await source.ready(layer)
-                waited.observe(time.monotonic() - t)
+                if waited is not None:
+                    waited.observe(time.monotonic() - t)
                 await eng.forward_layer(e, layer_s, hbm, spans, layer, computed_from, prompt)
                 _raise_failed(pushes, de)      # an earlier layer's push failed: stop here
                 push = self._push(de, [r for lo, hi in sent if hi > lo

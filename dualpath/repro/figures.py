@@ -10,6 +10,8 @@ forward batches, per-layer HBM, batched decode):
 - ``fig8``: P/D shapes 1P1D, 1P2D and 2P1D under basic and dualpath, the paper's
   equivalences (dualpath 1P1D ≈ basic 2P1D ...) as relative errors, and §4.2's
   bottleneck-free P/D range for the paper's hardware.
+- ``fig9``: dualpath's speedup over basic with the mean append or generation length
+  halved or doubled (1P2D).
 - ``fig13``: storage-NIC balance (max/avg over the three nodes in small windows) of
   dualpath's scheduler against reading sides chosen round-robin.
 

@@ -75,12 +75,12 @@ def register(sub) -> None:
     c.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
     c.set_defaults(func=_cmd(_cancel))
     t = csub.add_parser("top", parents=[conn], help="live view: groups, queues, per-node "
-                        "storage read queues, request rates",
+                        "storage reads and read queues, request rates",
                         description="Poll the admin API every --interval seconds and redraw "
                         "one screen: queues, running requests and parameters; each group "
-                        "(lease state, engines, load); each node's storage read queue in "
-                        "tokens (the admin API does not report storage-NIC bytes, so the "
-                        "read queue stands in for NIC use); and requests submitted, "
+                        "(lease state, engines, load); each node's storage reads as the "
+                        "scheduler ordered them (MB/s; write-back is in the node's own "
+                        "/metrics) and its read queue in tokens; and requests submitted, "
                         "completed and failed per second (deltas between two polls). "
                         "Ctrl-C or SIGTERM ends it (exit 0). With --json: one JSON object "
                         "per poll, a line each.")

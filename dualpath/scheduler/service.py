@@ -187,8 +187,9 @@ class SchedulerMetrics:
                                 "first token, as the scheduler hears of it).",
                                 buckets=TTFT_BUCKETS_S)
         self.tpot = m.histogram(registry, "dualpath_scheduler_time_per_output_token_seconds",
-                                "PREFILL_DONE to DECODE_DONE per generated token after the "
-                                "first, as the scheduler hears of them.")
+                                "PREFILL_DONE to DECODE_DONE over max_new_tokens - 1, as "
+                                "the scheduler hears of them (an early stop at EOS reads "
+                                "low).")
         self._latency = {"ttft": self.ttft, "tpot": self.tpot}
         self._fetch_s = {r: self.fetch_s.labels(lbl) for r, lbl in _ROLE_LABEL.items()}
         self._assign = {s: self.assignments.labels(lbl) for s, lbl in _PATH_LABEL.items()}

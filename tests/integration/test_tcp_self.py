@@ -119,7 +119,8 @@ def test_connect_self_needs_reset(me):
 
 def test_the_transfer_engine_writes_to_itself_by_copy_and_recovers_after_a_rekey():
     async def main():
-        eng = TransferEngine("me", TcpProvider(), InProcessChannel(),
+        provider = TcpProvider()
+        eng = TransferEngine("me", provider, InProcessChannel(),
                              TransferConfig(slice_bytes=65536, timeout_s=10.0))
         await eng.start()
         try:
@@ -138,6 +139,10 @@ def test_the_transfer_engine_writes_to_itself_by_copy_and_recovers_after_a_rekey
             await eng.write("me", [(128, 128, 256)], local="src", remote="dst")
             assert dst[128:384] == src[128:384]
             assert eng.stats["recoveries"] >= 1
+            # Copies, not the loopback stack: no connection came in, nothing landed
+            # through the engine's server.
+            st = provider.engine.stats()
+            assert st.conns_accepted == 0 and st.writes == 0 and st.bytes == 0
         finally:
             await eng.close()
     asyncio.run(main())

@@ -125,6 +125,9 @@ def test_leader_protocol_end_to_end():
             # HBM bytes became tokens with the profile and back.
             views = {e.engine_id: e for e in (await c.list_engines()).engines}
             assert views["de0.0"].free_hbm_bytes % KVB == 0
+            # The reads each node was ordered to do, in bytes (ctl top's READ_MB/S).
+            assert {v.node_id: v.node_read_bytes_total for v in views.values()} == \
+                {"pe-node0": 3 * 900 * KVB, "de-node0": 2 * 900 * KVB}
 
     run(body())
 

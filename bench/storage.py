@@ -9,13 +9,19 @@ Method
      BlockPool, a ReadQueue of depth --workers reads blocks into them with O_DIRECT,
      checking header and payload hash (XXH3-64); then again with the payload hash off.
   3. fio reads the SAME files with O_DIRECT, bs = file size (header + payload, rounded
-     down to 4096 where it is not a multiple), queue depth = --workers, once as psync
-     x numjobs (our model: threads doing preadv; each job over its own share of the
-     files, through hard links) and once as libaio x iodepth over all the files.
+     down to 4096 where it is not a multiple), as psync x numjobs (our model: threads
+     doing preadv; each job over its own share of the files, through hard links) and as
+     libaio x iodepth over all the files, at depths --workers and 2 x --workers, with
+     normal and with 2 MiB huge-page buffers (--mem=shmhuge): fio at its best on this
+     host. The bench reserves the huge pages it needs for its run (vm.nr_hugepages, as
+     root) and gives them back after; the store's buffers use them too (stated).
+     fio also reads one large file of the same size (bs 1 MiB): the disk's own limit,
+     stated beside the ratio.
   4. The generator and verifier fill / check Full Blocks in a 64 MiB buffer, one thread.
   Store and fio runs alternate for --rounds rounds; each row keeps its best round (on a
   shared machine noise only slows a run down), the same rule for both sides.
-  read_vs_fio_ratio = store read (hash on) / the faster fio variant, both in file bytes/s.
+  read_vs_fio_ratio = store read (hash on) / the fastest fio variant on the store's files,
+  both in file bytes/s.
 
 Prints a table and, with --json PATH, writes the same record with a "summary" object.
 Example: .venv/bin/python bench/storage.py --json out/storage.json
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import platform
@@ -35,6 +43,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -69,9 +78,38 @@ def fs_type(path: Path) -> str:
 
 def pinned(nbytes: int) -> tuple[PinnedRegion, str]:
     try:
-        return PinnedRegion(nbytes, what="bench buffers"), "mlocked"
+        r, how = PinnedRegion(nbytes, what="bench buffers"), "mlocked"
     except MemlockError:
-        return PinnedRegion(nbytes, lock=False, what="bench buffers"), "not locked (memlock)"
+        r, how = PinnedRegion(nbytes, lock=False, what="bench buffers"), "not locked (memlock)"
+    return r, how + (", 2 MiB huge pages" if r.huge else ", normal pages")
+
+
+HUGE_PAGES = Path("/proc/sys/vm/nr_hugepages")
+
+
+@contextlib.contextmanager
+def huge_pages_reserved(pages: int) -> Iterator[int]:
+    """Reserve ``pages`` more 2 MiB huge pages for the run (root), give them back after;
+    yields how many were added (0 where the host refuses: not root, no memory)."""
+    try:
+        before = int(HUGE_PAGES.read_text())
+        HUGE_PAGES.write_text(str(before + pages))
+    except (OSError, ValueError) as e:
+        print(f"huge pages: cannot reserve {pages} ({e}); fio and the store use normal pages",
+              file=sys.stderr)
+        yield 0
+        return
+    try:
+        yield int(HUGE_PAGES.read_text()) - before
+    finally:
+        HUGE_PAGES.write_text(str(before))
+
+
+def make_big_file(path: Path, nbytes: int) -> None:
+    """One large file of ``nbytes`` (fio lays it out, O_DIRECT): the disk's own limit."""
+    subprocess.run(["fio", "--name=lay", "--rw=write", "--bs=1M", "--direct=1",
+                    f"--size={nbytes}", f"--filename={path}", "--output-format=json"],
+                   check=True, capture_output=True)
 
 
 def write_set(store: BlockStore, keys: list[bytes]) -> float:
@@ -130,18 +168,24 @@ def link_per_job(store_dir: Path, links: Path, jobs: int) -> int:
 
 
 def run_fio(store_dir: Path, links: Path, per_job: int, bs: int, file_bytes: int,
-            workers: int, seconds: float, engine: str) -> dict:
-    """fio reading the store's block files, O_DIRECT, queue depth ``workers``.
+            workers: int, seconds: float, engine: str, huge: bool = False,
+            big_file: Path | None = None) -> dict:
+    """fio reading the store's block files (or ``big_file``), O_DIRECT, queue depth
+    ``workers``, from huge-page buffers with ``huge``.
 
     psync: ``workers`` threads, each over its own share of the files (as our workers
     take distinct blocks). libaio: one job over every file, ``workers`` I/Os in flight.
     """
-    if engine == "psync":
+    if big_file is not None:
+        files = [f"--filename={big_file}", "--ioengine=libaio", f"--iodepth={workers}"]
+    elif engine == "psync":
         files = [f"--directory={links}", "--filename_format=blk.$jobnum.$filenum",
                  f"--nrfiles={per_job}", f"--filesize={file_bytes}",
                  "--ioengine=psync", f"--numjobs={workers}", "--thread", "--group_reporting"]
     else:
         files = [f"--opendir={store_dir}", "--ioengine=libaio", f"--iodepth={workers}"]
+    if huge:
+        files.append("--mem=shmhuge")
     cmd = ["fio", "--name=blk", "--rw=read", f"--bs={bs}", "--direct=1", "--time_based",
            f"--runtime={int(seconds * 1000)}ms", "--output-format=json", *files]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -191,7 +235,8 @@ def hash_speed(seconds: float = 0.3) -> dict[str, float]:
     return out
 
 
-def measure_reads(work: Path, profile, keys: list[bytes], args) -> tuple[dict, dict]:
+def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
+                  ) -> tuple[dict, dict]:
     """Interleaved rounds of store and fio reads; per row the best round (noise only slows)."""
     layout = BlockLayout.of(profile)
     file_bytes = HEADER_BYTES + layout.full_bytes
@@ -205,10 +250,14 @@ def measure_reads(work: Path, profile, keys: list[bytes], args) -> tuple[dict, d
         if label not in best or row["gbytes_per_s"] > best[label]["gbytes_per_s"]:
             best[label] = row
 
+    big = work / "big.file"
+    make_big_file(big, len(keys) * file_bytes)
+    meta["huge_pages_reserved"] = huge
     with BlockStore(work / "files", profile, read_workers=args.workers) as store:
         per_job = link_per_job(store.dir, work / "fio", args.workers)
         region, meta["buffers"] = pinned(args.workers * 4 * slot_stride(layout))
         pool = BlockPool("bench", region.array, layout, region_addr=region.addr)
+        mems = (False, True) if huge else (False,)
         for _ in range(args.rounds):
             for verify in (True, False):
                 store.verify_checksum = verify
@@ -216,12 +265,18 @@ def measure_reads(work: Path, profile, keys: list[bytes], args) -> tuple[dict, d
                 keep("read: store, ReadQueue, O_DIRECT, "
                      + ("header + payload hash" if verify else "header only"),
                      n * file_bytes, sec, n)
-            for engine in ("psync", "libaio"):
-                r = run_fio(store.dir, work / "fio", per_job, fio_bs, file_bytes, args.workers,
-                            args.seconds, engine)
-                depth = f"numjobs={args.workers}" if engine == "psync" else \
-                    f"iodepth={args.workers}"
-                keep(f"read: fio {engine}, {depth}, bs={fio_bs}, direct=1", **r)
+            for depth, engine, mem in itertools.product(
+                    (args.workers, 2 * args.workers), ("psync", "libaio"), mems):
+                r = run_fio(store.dir, work / "fio", per_job, fio_bs, file_bytes, depth,
+                            args.seconds, engine, huge=mem)
+                how = f"numjobs={depth}" if engine == "psync" else f"iodepth={depth}"
+                keep(f"read: fio {engine}, {how}, bs={fio_bs}, direct=1"
+                     + (", huge-page buffers" if mem else ""), **r)
+            for depth, mem in itertools.product((args.workers, 2 * args.workers), mems):
+                r = run_fio(store.dir, work / "fio", per_job, 1 << 20, file_bytes, depth,
+                            args.seconds, "libaio", huge=mem, big_file=big)
+                keep(f"read: fio libaio, one large file, iodepth={depth}, bs=1M, direct=1"
+                     + (", huge-page buffers" if mem else ""), **r)
         meta["o_direct"] = store.direct
         meta["store_stats"] = store.stats_dict()
         del pool
@@ -241,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved store/fio rounds")
     ap.add_argument("--allow-tmpfs", action="store_true", help="bench a RAM filesystem anyway")
     ap.add_argument("--keep", action="store_true", help="keep the file set afterwards")
+    ap.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                    help="reserve 2 MiB huge pages for the run (root; given back after) so "
+                    "fio and the store read into huge-page buffers")
     ap.add_argument("--json", type=Path, help="also write the record as JSON here")
     args = ap.parse_args(argv)
 
@@ -268,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         with BlockStore(work / "files", profile) as store:
             wsec = write_set(store, keys)
         os.sync()
-        reads, meta = measure_reads(work, profile, keys, args)
+        # The store's buffers and fio's deepest run (2 x workers buffers), with room.
+        need = (args.workers * 4 * slot_stride(layout) + 2 * args.workers * (2 << 20)) >> 21
+        with huge_pages_reserved(need + 16 if args.huge_pages else 0) as huge:
+            reads, meta = measure_reads(work, profile, keys, args, huge)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -280,12 +341,19 @@ def main(argv: list[str] | None = None) -> int:
             *reads.values()]
     store_row = next(r for r in rows if "payload hash" in r["row"])
     bare_row = next(r for r in rows if "header only" in r["row"])
-    fio_best = max(r["gbytes_per_s"] for r in rows if "fio" in r["row"])
+    fio_rows = [r for r in rows if "fio" in r["row"] and "large file" not in r["row"]]
+    fio_top = max(fio_rows, key=lambda r: r["gbytes_per_s"])
+    fio_best = fio_top["gbytes_per_s"]
+    disk = max(r["gbytes_per_s"] for r in rows if "large file" in r["row"])
     summary = {
         "read_vs_fio_ratio": round(store_row["gbytes_per_s"] / fio_best, 3),
         "store_read_gbytes_per_s": round(store_row["gbytes_per_s"], 3),
         "store_read_no_hash_gbytes_per_s": round(bare_row["gbytes_per_s"], 3),
         "fio_read_gbytes_per_s": round(fio_best, 3),
+        "fio_best_variant": fio_top["row"],
+        "fio_large_file_gbytes_per_s": round(disk, 3),
+        "store_read_vs_large_file": round(store_row["gbytes_per_s"] / disk, 3),
+        "huge_pages_reserved": meta["huge_pages_reserved"],
         "write_gbytes_per_s": round(rows[0]["gbytes_per_s"], 3),
         "generator_gbytes_per_s": round(gen / 1e9, 3),
         "verifier_gbytes_per_s": round(ver / 1e9, 3),
@@ -301,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                    "files": nblocks, "workers": args.workers, "seconds": args.seconds,
                    "rounds": args.rounds, "dir": str(args.dir), "fstype": fstype,
                    "o_direct": meta["o_direct"], "buffers": meta["buffers"],
+                   "huge_pages_reserved": meta["huge_pages_reserved"],
                    "cpus": os.cpu_count(), "kernel": platform.release(),
                    "load_avg_1m": os.getloadavg()[0]},
         "rows": rows,
@@ -312,17 +381,21 @@ def main(argv: list[str] | None = None) -> int:
           f"({file_bytes}-byte files) x {nblocks} = {nblocks * file_bytes / 2**30:.2f} GiB on "
           f"{args.dir} ({fstype}); O_DIRECT {'on' if meta['o_direct'] else 'OFF'}; depth "
           f"{args.workers}; best of {args.rounds} interleaved rounds of {args.seconds:g} s")
-    print(f"{'measurement':<68} {'GB/s':>7} {'blocks/s':>9}")
+    w = max(68, *(len(r["row"]) for r in rows))
+    print(f"{'measurement':<{w}} {'GB/s':>7} {'blocks/s':>9}")
     for r in rows:
-        print(f"{r['row']:<68} {r['gbytes_per_s']:>7.3f} {r['ios'] / r['seconds']:>9.0f}")
+        print(f"{r['row']:<{w}} {r['gbytes_per_s']:>7.3f} {r['ios'] / r['seconds']:>9.0f}")
     for label, v in ((f"{LABEL} generator, 1 thread", gen),
                      (f"{LABEL} verifier, 1 thread", ver),
                      ("payload hash xxh3_64, 1 thread, 1 MiB", hashes["xxh3_64"]),
                      ("for comparison: zlib.crc32, 1 thread, 1 MiB", hashes["zlib.crc32"])):
-        print(f"{label:<68} {v / 1e9:>7.3f}")
-    print(f"read_vs_fio_ratio (store with payload hash / best fio) = "
-          f"{summary['read_vs_fio_ratio']:.3f}   (GB = 1e9 bytes of file data; load avg "
-          f"{record['config']['load_avg_1m']:.1f} on {os.cpu_count()} CPUs)")
+        print(f"{label:<{w}} {v / 1e9:>7.3f}")
+    print(f"read_vs_fio_ratio (store with payload hash / best fio on the same files: "
+          f"{summary['fio_best_variant']}) = {summary['read_vs_fio_ratio']:.3f}; against "
+          f"fio on one large file (the disk's limit, {disk:.3f} GB/s): "
+          f"{summary['store_read_vs_large_file']:.3f}   (GB = 1e9 bytes of file data; store "
+          f"buffers {meta['buffers']}; {meta['huge_pages_reserved']} huge pages reserved for "
+          f"the run; load avg {record['config']['load_avg_1m']:.1f} on {os.cpu_count()} CPUs)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")

@@ -32,6 +32,18 @@ from dualpath.tcp import (
 WAIT_BOUND_S = 10.0     # a bound against hangs, never a performance assertion
 
 
+def drain(cq, n_items):
+    """Completions from ``cq`` until ``n_items`` items are retired (bounded)."""
+    out, retired = [], 0
+    while retired < n_items:
+        got = cq.wait(WAIT_BOUND_S)
+        assert got, f"no completion within {WAIT_BOUND_S} s ({retired}/{n_items} retired)"
+        out += got
+        retired += sum(c.retired for c in got)
+    assert retired == n_items
+    return out
+
+
 class Pair:
     """Engine A writes from `src` into engine B's `dst` over one connection."""
 
@@ -53,15 +65,7 @@ class Pair:
         return it._replace(**over)
 
     def drain(self, n_items):
-        """Completions until `n_items` items are retired (bounded)."""
-        out, retired = [], 0
-        while retired < n_items:
-            got = self.cq.wait(WAIT_BOUND_S)
-            assert got, f"no completion within {WAIT_BOUND_S} s ({retired}/{n_items} retired)"
-            out += got
-            retired += sum(c.retired for c in got)
-        assert retired == n_items
-        return out
+        return drain(self.cq, n_items)
 
     def close(self):
         self.a.close()

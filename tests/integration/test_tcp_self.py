@@ -14,8 +14,8 @@ from dualpath.tcp import Access, Item, QpState, TcpEngine, WcStatus
 from dualpath.transfer import TransferConfig, TransferEngine
 from dualpath.transfer.oob import InProcessChannel
 from dualpath.transfer.tcp_provider import TcpProvider
+from tests.integration.test_tcp_provider import drain
 
-WAIT_BOUND_S = 10.0     # a bound against hangs, never a performance assertion
 SIZE = 1 << 20
 
 
@@ -35,14 +35,7 @@ class Self:
                     self.src_mr.lkey, self.dst_mr.rkey, wr_id)._replace(**over)
 
     def drain(self, n_items):
-        out, retired = [], 0
-        while retired < n_items:
-            got = self.cq.wait(WAIT_BOUND_S)
-            assert got, f"no completion within {WAIT_BOUND_S} s ({retired}/{n_items})"
-            out += got
-            retired += sum(c.retired for c in got)
-        assert retired == n_items
-        return out
+        return drain(self.cq, n_items)
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ forward batches, per-layer HBM, batched decode):
   bottleneck-free P/D range for the paper's hardware.
 - ``fig9``: dualpath's speedup over basic with the mean append or generation length
   halved or doubled (1P2D).
+- ``fig12``: the ablation (its right half): basic without layerwise prefill, then with
+  it, then both read paths with sides round-robin, then DualPath's scheduler.
 - ``fig13``: storage-NIC balance (max/avg over the three nodes in small windows) of
   dualpath's scheduler against reading sides chosen round-robin.
 
@@ -161,6 +163,45 @@ def fig8(scale: Scale) -> dict:
         "bottleneck_free_pd_range_paper_hardware": "1/7 <= P/D <= 7/2 (§4.2)"})
 
 
+#: fig12's ablation, the paper's order: (label, mode, read policy, layerwise prefill).
+ABLATION = (("basic", "basic", "", False),
+            ("+ layerwise prefill", "basic", "", True),
+            ("+ dual-path loading", "dualpath", "round_robin", True),
+            ("+ scheduling", "dualpath", "", True))
+
+
+def fig12(scale: Scale) -> dict:
+    """The ablation (Fig. 12 right), on one 1P2D cluster: basic without layerwise prefill,
+    then layerwise prefill, then both read paths (sides round-robin), then DualPath's
+    scheduler choosing the sides. Each step's throughput gain over the step before."""
+    trace = make_trace(scale.agents, table=scale.table, context_scale=scale.context_scale,
+                       max_rounds=scale.rounds, seed=scale.seed)
+    points = []
+    with LocalCluster(1, 2,
+                      settings={"storage": {"snic_gbit_per_s": scale.snic_gbit_per_s}}) as c:
+        for i, (label, mode, policy, layerwise) in enumerate(ABLATION):
+            report, _ = run_modes(c.scheduler_address, c.node_ids(), 1, trace, (mode,),
+                                  ReplayOptions(read_policy=policy, layerwise=layerwise),
+                                  snic_gbit_per_s=scale.snic_gbit_per_s,
+                                  tls_config=c.client_tls, node_tls=c.node_tls,
+                                  node_addresses=c.addresses(), warmup_agents=int(i == 0))
+            points.append({"step": label, "jct_s": report["modes"][mode]["jct_s"]})
+    jct = [p["jct_s"] for p in points]
+    for p in points:
+        p["jct_vs_basic"] = p["jct_s"] / jct[0] - 1.0
+    gains = [jct[i - 1] / jct[i] - 1.0 for i in range(1, len(jct))]
+    return _record("fig12", "Ablation: layerwise prefill, dual-path loading, scheduling "
+                   "(1P2D)", scale, points, {
+                       "ablation_gain_layerwise": gains[0],
+                       "ablation_gain_dualpath": gains[1],
+                       "ablation_gain_sched": gains[2],
+                       "jct_vs_basic_by_step": {p["step"]: p["jct_vs_basic"] for p in points},
+                   }, {"ablation_gain_layerwise": 0.208, "ablation_gain_dualpath": 0.339,
+                       "ablation_gain_sched": 0.137,   # from its JCTs below, step on step
+                       "jct_vs_basic_by_step": "layerwise -17.21%, + dual-path -38.19%, "
+                       "+ scheduling -45.62% (DS 660B, 64K)"})
+
+
 def fig13(scale: Scale) -> dict:
     """Storage-NIC balance over the three nodes of 1P2D: the scheduler's read sides
     against round-robin ones."""
@@ -183,4 +224,4 @@ def fig13(scale: Scale) -> dict:
 
 
 FIGURES: dict[str, Callable[[Scale], dict]] = {"fig7": fig7, "fig8": fig8, "fig9": fig9,
-                                               "fig13": fig13}
+                                               "fig12": fig12, "fig13": fig13}

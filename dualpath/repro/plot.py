@@ -32,7 +32,9 @@ def _bars(ax, groups: list[str], series: Mapping[str, list[float]], ylabel: str)
 def write(record: Mapping, path: str) -> None:
     fig, ax = _canvas()
     pts, name = record["points"], record["figure"]
-    if name == "fig9":
+    if name == "fig12":
+        _bars(ax, [p["step"] for p in pts], {"JCT": [p["jct_s"] for p in pts]}, "JCT (s)")
+    elif name == "fig9":
         _bars(ax, [p["scaled"] for p in pts], {"dualpath / basic": [p["speedup"] for p in pts]},
               "speedup (JCT basic / dualpath)")
     elif name == "fig13":

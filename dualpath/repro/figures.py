@@ -12,6 +12,8 @@ forward batches, per-layer HBM, batched decode):
   bottleneck-free P/D range for the paper's hardware.
 - ``fig9``: dualpath's speedup over basic with the mean append or generation length
   halved or doubled (1P2D).
+- ``fig11``: average trajectory completion time of basic and dualpath as agents arrive
+  faster (online, Poisson arrivals).
 - ``fig12``: the ablation (its right half): basic without layerwise prefill, then with
   it, then both read paths with sides round-robin, then DualPath's scheduler.
 - ``fig13``: storage-NIC balance (max/avg over the three nodes in small windows) of
@@ -163,6 +165,44 @@ def fig8(scale: Scale) -> dict:
         "bottleneck_free_pd_range_paper_hardware": "1/7 <= P/D <= 7/2 (§4.2)"})
 
 
+def fig11(scale: Scale) -> dict:
+    """Online (Fig. 11): the average trajectory completion time of basic and dualpath as
+    agents arrive faster (Poisson at 0.5 to 8 agents/s; one 1P2D cluster, the same
+    trajectories at every rate). With a finite agent count the fastest rates approach
+    the offline case (every agent at once)."""
+    trace = make_trace(scale.agents, table=scale.table, context_scale=scale.context_scale,
+                       max_rounds=scale.rounds, seed=scale.seed)
+    points = []
+    with LocalCluster(1, 2,
+                      settings={"storage": {"snic_gbit_per_s": scale.snic_gbit_per_s}}) as c:
+        for i, aps in enumerate((0.5, 1.0, 2.0, 4.0, 8.0)):
+            for mode in ("basic", "dualpath"):        # alternated at every rate
+                report, runs = run_modes(
+                    c.scheduler_address, c.node_ids(), 1, trace, (mode,),
+                    ReplayOptions(replay_mode="online", aps=aps, seed=scale.seed),
+                    snic_gbit_per_s=scale.snic_gbit_per_s, tls_config=c.client_tls,
+                    node_tls=c.node_tls, node_addresses=c.addresses(),
+                    warmup_agents=int(i == 0))
+                spans: dict[int, list[float]] = {}
+                for r in runs[mode].records:
+                    spans.setdefault(r.agent, []).extend((r.submit_s, r.finish_s))
+                s = report["modes"][mode]
+                points.append({"aps": aps, "mode": mode,
+                               "trajectory_s": sum(max(v) - min(v) for v in spans.values())
+                               / len(spans),
+                               "ttft_mean_s": s["ttft_s"]["mean"]})
+    t = {(p["aps"], p["mode"]): p["trajectory_s"] for p in points}
+    ratios = {str(a): t[a, "basic"] / t[a, "dualpath"] for a in dict.fromkeys(
+        p["aps"] for p in points)}
+    return _record("fig11", "Average trajectory completion time vs agents per second "
+                   "(online, 1P2D)", scale, points, {
+                       "trajectory_time_basic_over_dualpath_by_aps": ratios,
+                       "trajectory_time_basic_over_dualpath_max": max(ratios.values()),
+                   }, {"trajectory_time_basic_over_dualpath_by_aps":
+                       "dualpath's stays lower as APS grows; basic's climbs as its PE's "
+                       "storage NIC saturates"})
+
+
 #: fig12's ablation, the paper's order: (label, mode, read policy, layerwise prefill).
 ABLATION = (("basic", "basic", "", False),
             ("+ layerwise prefill", "basic", "", True),
@@ -224,4 +264,5 @@ def fig13(scale: Scale) -> dict:
 
 
 FIGURES: dict[str, Callable[[Scale], dict]] = {"fig7": fig7, "fig8": fig8, "fig9": fig9,
-                                               "fig12": fig12, "fig13": fig13}
+                                               "fig11": fig11, "fig12": fig12,
+                                               "fig13": fig13}

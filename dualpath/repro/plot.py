@@ -32,7 +32,16 @@ def _bars(ax, groups: list[str], series: Mapping[str, list[float]], ylabel: str)
 def write(record: Mapping, path: str) -> None:
     fig, ax = _canvas()
     pts, name = record["points"], record["figure"]
-    if name == "fig12":
+    if name == "fig11":
+        for mode in dict.fromkeys(p["mode"] for p in pts):
+            mine = [p for p in pts if p["mode"] == mode]
+            ax.plot([p["aps"] for p in mine], [p["trajectory_s"] for p in mine], "o-",
+                    label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("agents per second (Poisson arrivals)")
+        ax.set_ylabel("average trajectory completion (s)")
+        ax.legend()
+    elif name == "fig12":
         _bars(ax, [p["step"] for p in pts], {"JCT": [p["jct_s"] for p in pts]}, "JCT (s)")
     elif name == "fig9":
         _bars(ax, [p["scaled"] for p in pts], {"dualpath / basic": [p["speedup"] for p in pts]},

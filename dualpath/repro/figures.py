@@ -61,21 +61,36 @@ QUICK = Scale(agents=8, rounds=3, context_scale=0.1, snic_gbit_per_s=0.25)
 FULL = Scale(agents=24, rounds=4, context_scale=0.1, snic_gbit_per_s=0.25)
 
 
+def scale_trace(scale: Scale, agents: int | None = None) -> Trace:
+    """The scale's trace (``agents`` of its trajectories when given)."""
+    return make_trace(agents or scale.agents, table=scale.table,
+                      context_scale=scale.context_scale, max_rounds=scale.rounds,
+                      seed=scale.seed)
+
+
+def cluster(scale: Scale, prefill: int = 1, decode: int = 2) -> LocalCluster:
+    """A P x D local cluster with the scale's storage-NIC limit (a context manager)."""
+    return LocalCluster(prefill, decode,
+                        settings={"storage": {"snic_gbit_per_s": scale.snic_gbit_per_s}})
+
+
+def replay_on(c: LocalCluster, scale: Scale, trace: Trace, modes: Sequence[str],
+              opts: ReplayOptions, *, warmup: bool = False):
+    """:func:`run_modes` on ``c`` (a warm-up first, unreported, with ``warmup``)."""
+    return run_modes(c.scheduler_address, c.node_ids(), c.prefill_nodes, trace, modes, opts,
+                     snic_gbit_per_s=scale.snic_gbit_per_s, tls_config=c.client_tls,
+                     node_tls=c.node_tls, node_addresses=c.addresses(),
+                     warmup_agents=int(warmup))
+
+
 def run_shape(prefill: int, decode: int, scale: Scale, modes: Sequence[str], *,
               agents: int | None = None, read_policy: str = "",
               trace: Trace | None = None) -> dict[str, dict]:
     """One P x D local cluster replaying the scale's trace (or ``trace``) in ``modes`` (a
     warm-up first, unreported): the report's per-mode summaries."""
-    trace = trace or make_trace(agents or scale.agents, table=scale.table,
-                                context_scale=scale.context_scale, max_rounds=scale.rounds,
-                                seed=scale.seed)
-    with LocalCluster(prefill, decode,
-                      settings={"storage": {"snic_gbit_per_s": scale.snic_gbit_per_s}}) as c:
-        report, _ = run_modes(c.scheduler_address, c.node_ids(), prefill, trace, modes,
-                              ReplayOptions(read_policy=read_policy),
-                              snic_gbit_per_s=scale.snic_gbit_per_s,
-                              tls_config=c.client_tls, node_tls=c.node_tls,
-                              node_addresses=c.addresses(), warmup_agents=1)
+    with cluster(scale, prefill, decode) as c:
+        report, _ = replay_on(c, scale, trace or scale_trace(scale, agents), modes,
+                              ReplayOptions(read_policy=read_policy), warmup=True)
     return report["modes"]
 
 
@@ -170,19 +185,15 @@ def fig11(scale: Scale) -> dict:
     agents arrive faster (Poisson at 0.5 to 8 agents/s; one 1P2D cluster, the same
     trajectories at every rate). With a finite agent count the fastest rates approach
     the offline case (every agent at once)."""
-    trace = make_trace(scale.agents, table=scale.table, context_scale=scale.context_scale,
-                       max_rounds=scale.rounds, seed=scale.seed)
+    trace = scale_trace(scale)
     points = []
-    with LocalCluster(1, 2,
-                      settings={"storage": {"snic_gbit_per_s": scale.snic_gbit_per_s}}) as c:
+    with cluster(scale) as c:
         for i, aps in enumerate((0.5, 1.0, 2.0, 4.0, 8.0)):
             for mode in ("basic", "dualpath"):        # alternated at every rate
-                report, runs = run_modes(
-                    c.scheduler_address, c.node_ids(), 1, trace, (mode,),
+                report, runs = replay_on(
+                    c, scale, trace, (mode,),
                     ReplayOptions(replay_mode="online", aps=aps, seed=scale.seed),
-                    snic_gbit_per_s=scale.snic_gbit_per_s, tls_config=c.client_tls,
-                    node_tls=c.node_tls, node_addresses=c.addresses(),
-                    warmup_agents=int(i == 0))
+                    warmup=i == 0)
                 spans: dict[int, list[float]] = {}
                 for r in runs[mode].records:
                     spans.setdefault(r.agent, []).extend((r.submit_s, r.finish_s))
@@ -214,17 +225,13 @@ def fig12(scale: Scale) -> dict:
     """The ablation (Fig. 12 right), on one 1P2D cluster: basic without layerwise prefill,
     then layerwise prefill, then both read paths (sides round-robin), then DualPath's
     scheduler choosing the sides. Each step's throughput gain over the step before."""
-    trace = make_trace(scale.agents, table=scale.table, context_scale=scale.context_scale,
-                       max_rounds=scale.rounds, seed=scale.seed)
+    trace = scale_trace(scale)
     points = []
-    with LocalCluster(1, 2,
-                      settings={"storage": {"snic_gbit_per_s": scale.snic_gbit_per_s}}) as c:
+    with cluster(scale) as c:
         for i, (label, mode, policy, layerwise) in enumerate(ABLATION):
-            report, _ = run_modes(c.scheduler_address, c.node_ids(), 1, trace, (mode,),
+            report, _ = replay_on(c, scale, trace, (mode,),
                                   ReplayOptions(read_policy=policy, layerwise=layerwise),
-                                  snic_gbit_per_s=scale.snic_gbit_per_s,
-                                  tls_config=c.client_tls, node_tls=c.node_tls,
-                                  node_addresses=c.addresses(), warmup_agents=int(i == 0))
+                                  warmup=i == 0)
             points.append({"step": label, "jct_s": report["modes"][mode]["jct_s"]})
     jct = [p["jct_s"] for p in points]
     for p in points:

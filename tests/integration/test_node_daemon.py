@@ -3,12 +3,11 @@ actually uses and the KV lane, /metrics labels the transport in use, and SIGTERM
 scheduler is unreachable (127.0.0.1:1: nothing listens on port 1)."""
 
 import re
-import signal
 import subprocess
 import sys
 import urllib.request
 
-from tests.integration.test_sched_cli import DaemonLog
+from tests.integration.test_sched_cli import DaemonLog, stops_cleanly
 
 
 def test_node_startup_line_and_sigterm(tmp_path):
@@ -35,9 +34,7 @@ def test_node_startup_line_and_sigterm(tmp_path):
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         assert 'dualpath_node_transport_info{transport="tcp"} 1.0' in text, text[:2000]
         log.wait_for(r"scheduler 127\.0\.0\.1:1: UNAVAILABLE")
-        proc.send_signal(signal.SIGTERM)
-        log.wait_for(r"p0: shutting down")
-        assert proc.wait(timeout=60) == 0
+        stops_cleanly(proc, log, "p0")
     finally:
         if proc.poll() is None:
             proc.kill()

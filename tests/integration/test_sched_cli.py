@@ -52,6 +52,13 @@ class DaemonLog:
                 return m
 
 
+def stops_cleanly(proc, log: DaemonLog, node_id: str) -> None:
+    """SIGTERM a node daemon: it says it is shutting down and exits 0 (bounded wait)."""
+    proc.send_signal(signal.SIGTERM)
+    log.wait_for(rf"{node_id}: shutting down")
+    assert proc.wait(timeout=60) == 0
+
+
 def tls_toml(pki, identity) -> str:
     return "[tls]\n" + "".join(f'{k} = "{v}"\n' for k, v in pki.section(identity).items())
 

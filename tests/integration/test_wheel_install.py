@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dualpath._version import __version__
-from tests.integration.test_sched_cli import DaemonLog
+from tests.integration.test_sched_cli import DaemonLog, stops_cleanly
 
 pytestmark = pytest.mark.slow
 
@@ -154,9 +153,7 @@ def test_node_starts_and_stops_on_sigterm(venv, outside, tmp_path):
         log = DaemonLog(proc)
         line = log.wait_for(r"prefill node p0 up: .*").group(0)
         assert re.search(r"transport tcp \(tcp listening on 127\.0\.0\.1:\d+", line), line
-        proc.send_signal(signal.SIGTERM)
-        log.wait_for(r"p0: shutting down")
-        assert proc.wait(timeout=60) == 0
+        stops_cleanly(proc, log, "p0")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -31,9 +31,11 @@ Method
   write-back behind them, so persisting new KV (at the storage NIC's pace) never holds
   up a request; each mode's write-back is drained before the next mode starts.
   Figures: medians over --reps of JCT; TTFT / TPOT p50 and p99 over all rounds of all
-  repetitions; each node's storage-NIC load (bytes read + bytes written, from the
-  node's /metrics), its utilisation (load / (limit x JCT)), and max/avg of the load
-  over the three nodes;
+  repetitions; each node's storage-NIC bytes read and bytes written (from the node's
+  /metrics); its load, the busier of the two directions of the full-duplex NIC
+  (storage/ratelimit.py), its utilisation (load / (limit x JCT)), and max/avg of the
+  load over the three nodes (io_bound_snic_max_avg; reads alone:
+  io_bound_snic_read_max_avg);
   tokens: every mode's generated tokens against the oracle run's of the same round
   (I/O-bound case; all greedy, so they must agree).
 
@@ -169,11 +171,14 @@ def case(args, model: Path, vocab: int, snic: float, modes: list[str], work: Pat
     for m, reps in runs.items():
         s = [summary(r) for r, _, _ in reps]
         flat = summary([x for r, _, _ in reps for x in r])
-        # A storage NIC moves reads and write-back alike: its load is both, and its
-        # utilisation that load over the mode's JCT at the limit.
-        load = {n: statistics.median(sum(io_[n]) for _, io_, _ in reps) for n in NODES}
+        # A storage NIC is full duplex (storage/ratelimit.py): reads come in and
+        # write-back goes out, each at the limit. Its load is its busier direction, and
+        # its utilisation that load over the mode's JCT at the limit.
+        load = {n: statistics.median(max(io_[n]) for _, io_, _ in reps) for n in NODES}
+        reads = {n: statistics.median(io_[n][0] for _, io_, _ in reps) for n in NODES}
         jct = statistics.median(x["jct_s"] for x in s)
         avg = sum(load.values()) / len(load)
+        ravg = sum(reads.values()) / len(reads)
         out[m] = {"jct_s": jct, "jct_s_reps": [x["jct_s"] for x in s],
                   "ttft_p50_s": flat["ttft_p50_s"], "ttft_p99_s": flat["ttft_p99_s"],
                   "tpot_p50_s": flat["tpot_p50_s"], "tpot_p99_s": flat["tpot_p99_s"],
@@ -184,6 +189,7 @@ def case(args, model: Path, vocab: int, snic: float, modes: list[str], work: Pat
                   "snic_utilisation": {n: load[n] / (rate * jct) for n in NODES} if rate
                   else {},
                   "snic_max_avg": max(load.values()) / avg if avg else None,
+                  "snic_read_max_avg": max(reads.values()) / ravg if ravg else None,
                   "tokens": [[list(x.token_ids) for x in r] for r, _, _ in reps]}
     if need_oracle:
         ref = out["oracle"]["tokens"]
@@ -243,7 +249,7 @@ def main(argv=None) -> int:
     print(f"\nvLLM P/D (1P2D, {model.name}, {args.agents} agents x {args.rounds} rounds, "
           f"medians of {args.reps} alternated repetitions)")
     print("| case | mode | JCT (s) | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | storage NIC "
-          "p0 / d0 / d1 (read+written MB, utilisation) | write-back drained after (s) "
+          "p0 / d0 / d1 (MB read+written, utilisation of the busier direction) | write-back drained after (s) "
           "| tokens mismatched |")
     print("|---|---|---|---|---|---|---|---|")
     for name, res in ((f"I/O-bound ({args.snic_gbit:g} Gbit/s)", io), ("compute-bound", cb)):
@@ -263,6 +269,7 @@ def main(argv=None) -> int:
          "compute_bound_slowdown_vs_basic": (ratio(cb["dualpath"], cb["basic"]) - 1.0)
          if cb else None,
          "io_bound_snic_max_avg": io["dualpath"]["snic_max_avg"] if io else None,
+         "io_bound_snic_read_max_avg": io["dualpath"]["snic_read_max_avg"] if io else None,
          "tokens_mismatched": sum(r.get("tokens_mismatched", 0) for r in io.values())
          if io else None,
          "snic_gbit_per_s": args.snic_gbit,

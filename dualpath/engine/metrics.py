@@ -43,8 +43,8 @@ class NodeMetrics:
                                  "so a silent fallback to TCP shows on dashboards.",
                                  ("transport",))
         self.snic_rate = m.gauge(registry, "dualpath_node_storage_nic_bytes_per_second",
-                                 "The storage-NIC limit this node reads and writes under "
-                                 "(storage.snic_gbit_per_s; 0 = unlimited).")
+                                 "The storage-NIC limit this node reads and writes under, "
+                                 "each direction (storage.snic_gbit_per_s; 0 = unlimited).")
         self.read_q = m.gauge(registry, "dualpath_node_read_queue_tokens",
                               "Tokens queued or in flight on this node's storage reads.")
         self.layer_wait_s = m.histogram(
@@ -114,8 +114,8 @@ class OwnedCounters:
 
 
 class CountingLimiter(RateLimiter):
-    """The storage-NIC token bucket, also counting the bytes it grants per wall-clock
-    slot: the node's real storage-NIC traffic over time (Node.StorageReads)."""
+    """The storage-NIC token buckets, also counting the read bytes they grant per
+    wall-clock slot: the node's storage reads over time (Node.StorageReads)."""
 
     SLOT_S = 0.05
 
@@ -123,7 +123,7 @@ class CountingLimiter(RateLimiter):
         super().__init__(*args, **kw)
         self.slots: dict[int, int] = {}
 
-    async def acquire(self, nbytes: int, *, background: bool = False) -> None:
-        await super().acquire(nbytes, background=background)
+    async def acquire(self, nbytes: int) -> None:
+        await super().acquire(nbytes)
         k = int(clock.unix_now() / self.SLOT_S)
         self.slots[k] = self.slots.get(k, 0) + nbytes

@@ -167,8 +167,8 @@ class VllmEngine:
     @property
     def read_q_tokens(self) -> int:
         """The scheduler's read_q: this node's reads queued, in flight or expected.
-        Write-back is not in it: it yields to reads at the storage NIC (docs/vllm.md,
-        "Write-back yields to reads")."""
+        Write-back is not in it: it has the storage NIC's other direction (docs/vllm.md,
+        "Write-back and reads at the storage NIC")."""
         return self.space.read_queue.read_q_tokens if self.space is not None else 0
 
     # ------------------------------------------------------------------ attach
@@ -609,12 +609,9 @@ class VllmEngine:
                     if space.store.contains(key):
                         continue
                     if self.limiter is not None:
-                        # Write-back yields to reads (ratelimit.RateLimiter), a layer's
-                        # bytes at a time so a read arriving meanwhile waits for one
-                        # layer's write at most, not a block's.
-                        for _ in range(space.layout.layers):
-                            await self.limiter.acquire(space.layout.layer_bytes,
-                                                       background=True)
+                        # The NIC's write direction (ratelimit.RateLimiter: full
+                        # duplex, so write-back never delays a read).
+                        await self.limiter.acquire_write(space.layout.full_bytes)
                     if await space.store.awrite(key, s.res.flat(i)):
                         self.metrics.persisted.inc()
                         self.metrics.written_bytes.inc(space.layout.full_bytes)

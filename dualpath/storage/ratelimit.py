@@ -47,69 +47,59 @@ class TokenBucket:
         self.level -= nbytes
         return 0.0 if self.level >= 0 else -self.level / self.rate
 
-    def debt_s(self, now: float) -> float:
-        """Seconds until every byte granted so far has had its turn (0: none waits)."""
-        level = self.level + max(0.0, now - self.last) * self.rate
-        return 0.0 if level >= 0 else -level / self.rate
-
 
 class RateLimiter:
-    """Storage-NIC emulation: ``await acquire(n)`` returns once ``n`` bytes may go.
+    """Storage-NIC emulation: ``await acquire(n)`` returns once ``n`` bytes may be read,
+    ``await acquire_write(n)`` once ``n`` bytes may be written.
 
     ``gbit_per_s <= 0`` means unlimited. ``burst_bytes`` defaults to 10 ms at full rate.
     Safe to call from asyncio tasks and from threads (``acquire_blocking``) at once.
 
-    Two classes share the one bucket: foreground (reads a request waits for) and
-    background (``acquire(n, background=True)``: write-back, outside any request's
-    latency). A background acquire yields: it takes its bytes only once every byte
-    granted before has had its turn (so no foreground caller is waiting either), so
-    write-back fills the NIC's idle time instead of delaying reads queued behind it; a
-    read that arrives after it waits for its bytes only. It yields for at most
-    ``max_defer_s``, so reads that saturate the NIC for ever cannot starve it.
+    A NIC is full duplex: reads come in and writes go out on separate directions of the
+    link, each at the NIC's rate (the paper's bandwidth analysis counts a NIC's read and
+    write traffic apart; only DRAM is half duplex). So reads and writes each have their
+    own bucket at ``gbit_per_s``, FIFO within a direction: write-back (outside any
+    request's latency) never delays a read, and reads never starve write-back.
     """
 
     def __init__(self, gbit_per_s: float, burst_bytes: int | None = None, *,
                  now: Callable[[], float] = clock.now,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 sleep_blocking: Callable[[float], None] = time.sleep,
-                 max_defer_s: float = 5.0):
-        if max_defer_s < 0:
-            raise UsageError(f"max_defer_s must be >= 0, got {max_defer_s}")
+                 sleep_blocking: Callable[[float], None] = time.sleep):
         self.gbit_per_s = gbit_per_s
-        self.max_defer_s = max_defer_s
         self._now = now
         self._sleep = sleep
         self._sleep_blocking = sleep_blocking
         self._lock = threading.Lock()
-        self._bucket: TokenBucket | None = None
+        self._read: TokenBucket | None = None
+        self._write: TokenBucket | None = None
         if gbit_per_s > 0:
             rate = gbit_to_bytes_per_s(gbit_per_s)
-            self._bucket = TokenBucket(rate, burst_bytes or rate * 0.010, now())
+            burst = burst_bytes or rate * 0.010
+            self._read = TokenBucket(rate, burst, now())
+            self._write = TokenBucket(rate, burst, now())
 
     @property
     def unlimited(self) -> bool:
-        return self._bucket is None
+        return self._read is None
 
-    def _delay(self, nbytes: int) -> float:
-        if self._bucket is None:
+    def _delay(self, bucket: TokenBucket | None, nbytes: int) -> float:
+        if bucket is None:
             return 0.0
         with self._lock:
-            return self._bucket.reserve(nbytes, self._now())
+            return bucket.reserve(nbytes, self._now())
 
-    def _debt_s(self) -> float:
-        with self._lock:
-            return self._bucket.debt_s(self._now())
+    async def acquire(self, nbytes: int) -> None:
+        delay = self._delay(self._read, nbytes)
+        if delay > 0:
+            await self._sleep(delay)
 
-    async def acquire(self, nbytes: int, *, background: bool = False) -> None:
-        if background and self._bucket is not None:
-            deadline = self._now() + self.max_defer_s
-            while (debt := self._debt_s()) > 0 and (left := deadline - self._now()) > 0:
-                await self._sleep(min(debt, left))
-        delay = self._delay(nbytes)
+    async def acquire_write(self, nbytes: int) -> None:
+        delay = self._delay(self._write, nbytes)
         if delay > 0:
             await self._sleep(delay)
 
     def acquire_blocking(self, nbytes: int) -> None:
-        delay = self._delay(nbytes)
+        delay = self._delay(self._read, nbytes)
         if delay > 0:
             self._sleep_blocking(delay)

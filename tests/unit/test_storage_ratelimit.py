@@ -110,7 +110,7 @@ def _limiter(vc, **kw):
     return RateLimiter(8e-6, burst_bytes=100, now=vc.now, sleep=vc.sleep, **kw)
 
 
-def test_write_back_yields_to_reads_waiting_and_to_bytes_already_granted():
+def test_the_nic_is_full_duplex_writes_never_delay_reads():
     vc = VirtualClock()
     lim = _limiter(vc)
     done = {}
@@ -122,33 +122,35 @@ def test_write_back_yields_to_reads_waiting_and_to_bytes_already_granted():
 
     async def write(name, n, at=0.0):
         await vc.sleep(at)
-        await lim.acquire(n, background=True)
+        await lim.acquire_write(n)
         done[name] = vc.t
 
-    # A read of 1000 B at t=0 (100 banked: 0.9 s), a write asked at 0.1 s, a second read
-    # asked at 0.5 s while the write still yields: both reads go first.
-    asyncio.run(vc.run(read("r1", 1000), write("w", 100, at=0.1), read("r2", 100, at=0.5)))
-    assert done["r1"] == pytest.approx(0.9)
-    assert done["r2"] == pytest.approx(1.0)          # FIFO behind r1, not behind w
-    assert done["w"] == pytest.approx(1.1, abs=0.01)  # after both reads' bytes went
+    # 1000 B of write-back asked first, then two reads: each direction has its own
+    # 1000 B/s (100 B banked), so the reads wait only for each other, FIFO.
+    asyncio.run(vc.run(write("w1", 1000), read("r1", 1000, at=0.1),
+                       read("r2", 100, at=0.5), write("w2", 100, at=0.2)))
+    assert done["w1"] == pytest.approx(0.9)
+    assert done["r1"] == pytest.approx(1.0)          # 0.1 + 0.9, not behind w1
+    assert done["r2"] == pytest.approx(1.1)          # FIFO behind r1
+    assert done["w2"] == pytest.approx(1.0)          # FIFO behind w1, not behind reads
 
 
-def test_write_back_is_not_starved_for_longer_than_max_defer():
+def test_each_direction_is_paced_to_the_rate():
     vc = VirtualClock()
-    lim = _limiter(vc, max_defer_s=2.0)
+    lim = _limiter(vc)
     done = {}
 
-    async def reads():
-        for _ in range(50):                 # 5 s of reads back to back
-            await lim.acquire(100)
-
-    async def write():
-        await vc.sleep(0.05)
-        await lim.acquire(100, background=True)
+    async def writes():
+        for _ in range(50):                 # 5,000 B of write-back back to back
+            await lim.acquire_write(100)
         done["w"] = vc.t
 
-    asyncio.run(vc.run(reads(), write()))
-    assert 2.0 <= done["w"] - 0.05 <= 2.3           # yielded max_defer_s, then FIFO
+    async def reads():
+        for _ in range(20):                 # 2,000 B of reads at the same time
+            await lim.acquire(100)
+        done["r"] = vc.t
+
+    asyncio.run(vc.run(writes(), reads()))
+    assert done["w"] == pytest.approx(4.9)  # 100 B banked, the rest at 1000 B/s
+    assert done["r"] == pytest.approx(1.9)
     assert RateLimiter(0).unlimited
-    with pytest.raises(UsageError, match="max_defer_s"):
-        RateLimiter(1.0, max_defer_s=-1)

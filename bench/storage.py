@@ -6,8 +6,12 @@ Method
      through BlockStore.write (crash-safe path: temp, fsync, rename, dir fsync) on a real
      disk (tmpfs refused: RAM would stand in for the disk).
   2. Read it for --seconds through the engines' path: requests reserve slots in a
-     BlockPool, a ReadQueue of depth --workers reads blocks into them with O_DIRECT,
-     checking header and payload hash (XXH3-64); then again with the payload hash off.
+     BlockPool, a ReadQueue of depth --workers reads blocks into them with O_DIRECT
+     (blocks queued behind a reader's go with it as one batch to the C read loop:
+     openat2 + io_uring, storage.read_batch_depth = 8 in flight per batch), checking
+     header and payload hash (XXH3-64); then again with the payload hash off; and with
+     batches off (read_batch_depth 0: one preadv per block on --workers threads, the
+     store's fallback without io_uring).
   3. fio reads the SAME files with O_DIRECT, bs = file size (header + payload, rounded
      down to 4096 where it is not a multiple), as psync x numjobs (our model: threads
      doing preadv; each job over its own share of the files, through hard links) and as
@@ -258,13 +262,21 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
         region, meta["buffers"] = pinned(args.workers * 4 * slot_stride(layout))
         pool = BlockPool("bench", region.array, layout, region_addr=region.addr)
         mems = (False, True) if huge else (False,)
+        threads = BlockStore(work / "files", profile, read_workers=args.workers,
+                             read_batch_depth=0)
+        meta["store_batched"] = store.batched
         for _ in range(args.rounds):
             for verify in (True, False):
                 store.verify_checksum = verify
                 n, sec = asyncio.run(read_for(store, keys, pool, args.workers, args.seconds))
                 keep("read: store, ReadQueue, O_DIRECT, "
-                     + ("header + payload hash" if verify else "header only"),
+                     + ("header + payload hash" if verify else "header only")
+                     + (f", io_uring batches of {store.read_batch_depth}" if store.batched
+                        else ", worker threads"),
                      n * file_bytes, sec, n)
+            n, sec = asyncio.run(read_for(threads, keys, pool, args.workers, args.seconds))
+            keep(f"read: store, ReadQueue, O_DIRECT, header + payload hash, {args.workers} "
+                 "worker threads (read_batch_depth 0)", n * file_bytes, sec, n)
             for depth, engine, mem in itertools.product(
                     (args.workers, 2 * args.workers), ("psync", "libaio"), mems):
                 r = run_fio(store.dir, work / "fio", per_job, fio_bs, file_bytes, depth,
@@ -279,6 +291,7 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
                      + (", huge-page buffers" if mem else ""), **r)
         meta["o_direct"] = store.direct
         meta["store_stats"] = store.stats_dict()
+        threads.close()
         del pool
         region.close()
     return best, meta
@@ -339,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"row": "write: store (temp, fsync, rename, dir fsync)", "bytes": nblocks * file_bytes,
              "seconds": wsec, "ios": nblocks, "gbytes_per_s": nblocks * file_bytes / wsec / 1e9},
             *reads.values()]
-    store_row = next(r for r in rows if "payload hash" in r["row"])
+    store_row = next(r for r in rows if "payload hash" in r["row"]
+                     and "read_batch_depth 0" not in r["row"])
+    threads_row = next(r for r in rows if "read_batch_depth 0" in r["row"])
     bare_row = next(r for r in rows if "header only" in r["row"])
     fio_rows = [r for r in rows if "fio" in r["row"] and "large file" not in r["row"]]
     fio_top = max(fio_rows, key=lambda r: r["gbytes_per_s"])
@@ -349,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         "read_vs_fio_ratio": round(store_row["gbytes_per_s"] / fio_best, 3),
         "store_read_gbytes_per_s": round(store_row["gbytes_per_s"], 3),
         "store_read_no_hash_gbytes_per_s": round(bare_row["gbytes_per_s"], 3),
+        "store_read_batched": meta["store_batched"],
+        "store_read_threads_gbytes_per_s": round(threads_row["gbytes_per_s"], 3),
         "fio_read_gbytes_per_s": round(fio_best, 3),
         "fio_best_variant": fio_top["row"],
         "fio_large_file_gbytes_per_s": round(disk, 3),

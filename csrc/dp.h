@@ -411,6 +411,48 @@ int dp_tcp_cq_wait(dp_tcp_cq *cq, struct dp_wc *out, uint32_t max, int64_t timeo
 /* [int] Make a dp_tcp_cq_wait in progress (or the next one) return. Any thread. */
 int dp_tcp_cq_wake(dp_tcp_cq *cq);
 
+/* ------------------------------------------------------------------ store reads */
+
+/* One block-file read of a batch (dp_sio_read): the file `path`, relative to the
+ * store's root descriptor, opened beneath it without following any symlink and only if
+ * it is a regular file, read from offset 0 into up to 3 buffers in order (header, body,
+ * tail: a scatter list), then closed. Outcome in `got` (bytes read, the whole file or
+ * less) and `err` (0, or the errno of the failing `stage`). */
+struct dp_sio_item {
+    const char *path;
+    void *bufs[3];
+    uint64_t lens[3];
+    uint32_t nbufs;        /* 1..3 */
+    uint64_t hash_skip;    /* XXH3-64 of file bytes [hash_skip, hash_skip + hash_len), */
+    uint64_t hash_len;     /*   computed as the file lands (0: none) ... */
+    uint64_t hash;         /* out: ... here, when all of those bytes were read */
+    int32_t err;           /* out: 0 or errno */
+    int32_t stage;         /* out: enum dp_sio_stage where err was raised */
+    int32_t hashed;        /* out: 1 when `hash` holds the digest */
+    int32_t pad;
+    int64_t got;           /* out: bytes read */
+};
+
+enum dp_sio_stage {
+    DP_SIO_OK = 0,
+    DP_SIO_OPEN = 1,       /* ENOENT: no block; ELOOP/EXDEV/ENOTDIR: a path that
+                              leaves the store or crosses a symlink */
+    DP_SIO_NOT_REGULAR = 2,/* err = EISDIR or ENXIO: a directory, FIFO... in place of it */
+    DP_SIO_DIRECT = 3,     /* O_DIRECT refused by the filesystem (EINVAL) */
+    DP_SIO_READ = 4        /* the read itself (EINVAL with O_DIRECT: misaligned/refused) */
+};
+
+/* [int] Read a batch of `n` block files beneath `root_fd`: files opened in turn, their
+ * reads submitted to one io_uring ring with at most `depth` in flight (refilled as they
+ * complete), one io_uring_enter per refill; each file's hash range is hashed as soon as
+ * it lands, while the others are still in flight. With `direct` each file is read with
+ * O_DIRECT (every buffer address and length must then be 4096-aligned). Per-item
+ * outcomes in the items; returns 0, or -ENOSYS/-EPERM when the kernel has no io_uring
+ * or openat2 for us (nothing was read: use a thread pool), -EINVAL for bad arguments.
+ * Blocking; any thread; no state kept between calls. */
+int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t depth,
+                int direct);
+
 /* DP_CDEF_END */
 
 #endif /* DP_H */

@@ -5,6 +5,7 @@ set -euo pipefail
 PKGS=(
   libibverbs-dev librdmacm-dev rdma-core ibverbs-utils ibverbs-providers  # verbs build + tools
   libssl-dev                                       # libcrypto: the TCP provider's HMAC
+  libxxhash-dev                                    # XXH3 of blocks read (csrc/store_io.c)
   python3-pyverbs                                  # rdma-core's own bindings: our cross-check
   qemu-system-x86 busybox-static kmod              # the SoftRoCE guest (tools/vm)
   perftest ucx-utils fio tcpdump iproute2          # peers for the benches, packet capture

@@ -55,7 +55,8 @@ ffibuilder.set_source(
     '#include "dp.h"\n',
     sources=[str(p.relative_to(ROOT)) for p in sorted(CSRC.glob("*.c"))],
     include_dirs=[str(CSRC)],
-    libraries=["ibverbs", "pthread", "crypto"],   # libcrypto: the TCP handshake's HMAC
+    # libcrypto: the TCP handshake's HMAC; libxxhash: block payload hashes (store_io.c)
+    libraries=["ibverbs", "pthread", "crypto", "xxhash"],
     define_macros=[("DP_PKG_VERSION", f'"{_version()}"'), ("_GNU_SOURCE", "1")]
     + [(name, "1") for name, snippet in _FEATURES if _probe(snippet)],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror",

@@ -62,10 +62,7 @@ class KvSpace:
         layout = fmt.block_layout()
         profile = geometry_profile(namespace, layout.layers, layout.token_bytes,
                                    layout.tokens, dtype)
-        store = BlockStore(storage.resolved_dir(), profile, read_workers=storage.read_workers,
-                           write_workers=storage.write_workers, direct_io=storage.direct_io,
-                           verify_checksum=storage.verify_checksum, fsync=storage.fsync,
-                           integrity_key=storage.integrity_key())
+        store = storage.open_store(profile)
         pool = BlockPool(region_name, region.array, layout, region_addr=region.addr)
         buffer = KvPlacement.full_blocks(fmt, region_name, pool.stride, pool.capacity)
         return cls(fmt, store, ReadQueue(store, limiter), pool, buffer)

@@ -74,7 +74,6 @@ from dualpath.lane import describe as describe_lane
 from dualpath.sdnotify import Notifier
 from dualpath.storage.ratelimit import gbit_to_bytes_per_s
 from dualpath.storage.read_queue import ReadQueue
-from dualpath.storage.store import BlockStore
 from dualpath.trace.model import trajectory_token_ids
 from dualpath.transfer import TransferEngine
 from dualpath.v1 import connector_pb2_grpc
@@ -212,10 +211,7 @@ class NodeDaemon:
                               "this build does not do; use 'host' or 'auto'")
         profile = get_profile(ecfg.model_profile).scaled(ecfg.speed_scale)
         layout = BlockLayout.of(profile)
-        store = BlockStore(s.resolved_dir(), profile, read_workers=s.read_workers,
-                           write_workers=s.write_workers, direct_io=s.direct_io,
-                           verify_checksum=s.verify_checksum, fsync=s.fsync,
-                           integrity_key=s.integrity_key())
+        store = s.open_store(profile)
         self._stack.callback(store.close)
         read_queue = ReadQueue(store, self.limiter)
         self._stack.push_async_callback(read_queue.close)

@@ -10,7 +10,7 @@ from pathlib import Path
 from dualpath.config import key
 from dualpath.errors import ConfigError
 from dualpath.storage.format import MIN_KEY_BYTES
-from dualpath.storage.store import DIRECT_IO_MODES
+from dualpath.storage.store import DIRECT_IO_MODES, BlockStore
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,11 @@ class StorageConfig:
                          "fails where unsupported; 'off' never uses it.", choices=DIRECT_IO_MODES)
     read_workers: int = key(8, "Concurrent block reads per node (worker threads; the "
                             "read queue's depth).", min=1, max=256)
+    read_batch_depth: int = key(8, "Block reads in flight on one io_uring ring when the read "
+                                "queue hands the store a batch (the C read loop, "
+                                "csrc/store_io.c); 0 = no batches: one read per worker "
+                                "thread. Without io_uring in the kernel, threads anyway "
+                                "(logged once).", min=0, max=1024)
     write_workers: int = key(2, "Concurrent block writes per node (worker threads).",
                              min=1, max=64)
     verify_checksum: bool = key(True, "Check each block's payload hash (XXH3-64) on read (a block "
@@ -61,6 +66,14 @@ class StorageConfig:
             raise ConfigError(f"{what}: {len(data)} bytes; the key needs at least "
                               f"{MIN_KEY_BYTES} (head -c 32 /dev/urandom > FILE)")
         return data
+
+    def open_store(self, profile) -> BlockStore:
+        """The node's BlockStore of ``profile`` as this section configures it."""
+        return BlockStore(self.resolved_dir(), profile, read_workers=self.read_workers,
+                          read_batch_depth=self.read_batch_depth,
+                          write_workers=self.write_workers, direct_io=self.direct_io,
+                          verify_checksum=self.verify_checksum, fsync=self.fsync,
+                          integrity_key=self.integrity_key())
 
     def resolved_dir(self) -> Path:
         if self.dir:

@@ -5,7 +5,8 @@ The scheduler picks the reading side by comparing how much each node still has t
 block that is queued or in flight and drops them as each block lands. Reads are served
 FIFO by ``depth`` concurrent readers, each first taking the block's bytes from the
 node's storage-NIC limiter (when one is set), then reading through the BlockStore's
-worker pool.
+worker pool. Without a limit, a reader takes the blocks queued behind its own as one
+batch for the store's C read loop (``BlockStore.read_batch``: io_uring).
 
 Threads: one asyncio loop owns a ReadQueue; call everything from that loop.
 The scheduler also needs reads that are certain but not queued yet (a request waiting
@@ -136,25 +137,41 @@ class ReadQueue:
 
     async def _reader(self) -> None:
         while True:
-            job = await self._queue.get()
+            jobs = [await self._queue.get()]
+            # Blocks queued behind it go with it as one batch (one C call, one ring:
+            # store.read_batch), up to the store's batch depth. Under a storage-NIC limit
+            # one at a time: a batch would wait for all its bytes before its first block.
+            limit = self.store.read_batch_depth if self.store.batched and (
+                self.limiter is None or self.limiter.unlimited) else 1
+            while len(jobs) < limit and not self._queue.empty():
+                jobs.append(self._queue.get_nowait())
+            live = [j for j in jobs if not j.result.cancelled()]
             try:
-                if job.result.cancelled():
+                if not live:
                     continue
-                job.running = True
+                for j in live:
+                    j.running = True
                 try:
                     if self.limiter is not None:
-                        await self.limiter.acquire(self.file_bytes)
-                    ok = await self.store.aread(job.key, job.out)
-                except Exception as e:  # noqa: BLE001 - handed to the request; reader lives on
-                    if not job.result.done():
-                        job.result.set_exception(e)
+                        await self.limiter.acquire(self.file_bytes * len(live))
+                    if len(live) == 1:
+                        oks = [await self.store.aread(live[0].key, live[0].out)]
+                    else:
+                        oks = await self.store.aread_many([j.key for j in live],
+                                                          [j.out for j in live])
+                except Exception as e:  # noqa: BLE001 - handed to the requests; reader lives on
+                    for j in live:
+                        if not j.result.done():
+                            j.result.set_exception(e)
                 else:
-                    if not job.result.done():
-                        job.result.set_result(ok)
+                    for j, ok in zip(live, oks):
+                        if not j.result.done():
+                            j.result.set_result(ok)
             finally:
-                self._tokens -= self.block_tokens
-                self._blocks -= 1
-                job.finished.set_result(None)
+                for j in jobs:
+                    self._tokens -= self.block_tokens
+                    self._blocks -= 1
+                    j.finished.set_result(None)
 
     async def close(self) -> None:
         """Stop the readers (idempotent); call when no ``read()`` is pending."""

@@ -57,6 +57,7 @@ from typing import Self
 
 import numpy as np
 
+from dualpath._native import ffi, lib
 from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import ModelProfile
@@ -119,6 +120,13 @@ class _Scratch(threading.local):
         self.header = pages[:ALIGN]
         self.tail = pages[ALIGN:]
         self.bounce: np.ndarray | None = None
+        self.pages: np.ndarray | None = None
+
+    def pages_for(self, n: int) -> np.ndarray:
+        """``n`` aligned pages (a batch's header and tail pages), kept for the thread."""
+        if self.pages is None or len(self.pages) < n:
+            self.pages = aligned_bytes(n * ALIGN).reshape(n, ALIGN)
+        return self.pages
 
     def bounce_for(self, nbytes: int) -> np.ndarray:
         if self.bounce is None or self.bounce.size < nbytes:
@@ -131,6 +139,7 @@ class BlockStore:
 
     def __init__(self, root: str | os.PathLike, profile: ModelProfile, *,
                  read_workers: int = 8, write_workers: int = 2, direct_io: str = "auto",
+                 read_batch_depth: int = 8,
                  verify_checksum: bool = True, fsync: bool = True,
                  integrity_key: bytes | None = None):
         if direct_io not in DIRECT_IO_MODES:
@@ -141,6 +150,9 @@ class BlockStore:
         self.integrity_key = integrity_key
         if read_workers < 1 or write_workers < 1:
             raise UsageError("read_workers and write_workers must be >= 1")
+        if not 0 <= read_batch_depth <= 1024:
+            raise UsageError(f"read_batch_depth must be 0 (off) to 1024, got "
+                             f"{read_batch_depth}")
         self.profile = profile
         self.layout = BlockLayout.of(profile)
         self.root = Path(root)
@@ -150,6 +162,8 @@ class BlockStore:
         self.verify_checksum = verify_checksum
         self.fsync = fsync
         self.read_workers = read_workers
+        self.read_batch_depth = read_batch_depth
+        self._batched = read_batch_depth > 0
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._scratch = _Scratch()
@@ -305,18 +319,22 @@ class BlockStore:
         On False (missing, corrupt or unreadable) the contents of ``out`` are undefined.
         """
         dst = self._as_block(out, writable=True)
-        path = self.path_of(key)
         self._count(reads=1)
         try:
             problem = self._read_file(key, dst)
         except StorageError:
             raise
         except (_Unsafe, OSError) as e:
-            self._missed(path, e)
+            self._missed(self.path_of(key), e)
             return False
+        return self._outcome(key, dst, problem)
+
+    def _outcome(self, key: bytes, dst: np.ndarray, problem: str | None) -> bool:
+        """Count a checked read; a corrupt block is quarantined. True on a hit."""
         if problem is not None:
             self._count(corrupt_blocks=1)
-            log.warning("corrupt block %s (%s): quarantined, treated as a miss", path, problem)
+            log.warning("corrupt block %s (%s): quarantined, treated as a miss",
+                        self.path_of(key), problem)
             self._quarantine(key)
             return False
         self._count(hits=1, bytes_read=dst.size)
@@ -339,10 +357,95 @@ class BlockStore:
         return await loop.run_in_executor(self._read_pool, self.read_into, key, out)
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence) -> list[bool]:
-        """Read blocks concurrently on the read pool; one bool per key, in order."""
+        """Read blocks concurrently; one bool per key, in order. One batch on the io_uring
+        ring of the calling thread where the kernel has it (:meth:`read_batch`), else the
+        read pool's threads."""
         if len(keys) != len(outs):
             raise UsageError(f"{len(keys)} keys but {len(outs)} buffers")
+        if self.batched:
+            return self.read_batch(keys, outs)
         return list(self._read_pool.map(self.read_into, keys, outs))
+
+    async def aread_many(self, keys: Sequence[bytes], outs: Sequence) -> list[bool]:
+        """:meth:`read_many` off the event loop: one batch on a read-pool thread (or one
+        read per block on the pool without io_uring)."""
+        if len(keys) != len(outs):
+            raise UsageError(f"{len(keys)} keys but {len(outs)} buffers")
+        if not self.batched:
+            return list(await asyncio.gather(*(self.aread(k, o) for k, o in zip(keys, outs))))
+        return await self.arun(self.read_batch, keys, outs)
+
+    @property
+    def batched(self) -> bool:
+        """Whether reads go in batches through the C loop (store_io.c): the kernel has
+        io_uring and openat2 for us (checked by the first batch)."""
+        return self._batched
+
+    def read_batch(self, keys: Sequence[bytes], outs: Sequence) -> list[bool]:
+        """Read blocks in one C call: each file opened beneath the store's root (no
+        symlink followed) and read with O_DIRECT into its buffer, ``read_batch_depth``
+        in flight on one io_uring ring; then each checked as :meth:`read_into` does.
+        Blocks the calling thread; GIL released during the I/O."""
+        if len(keys) != len(outs):
+            raise UsageError(f"{len(keys)} keys but {len(outs)} buffers")
+        dsts = [self._as_block(o, writable=True) for o in outs]
+        direct = self.direct
+        full = self.layout.full_bytes
+        cut = full - full % ALIGN if direct else full
+        batch = [i for i, d in enumerate(dsts) if not (direct and d.ctypes.data % ALIGN)]
+        out = [False] * len(keys)
+        if batch:
+            pages = self._scratch.pages_for(2 * len(batch))
+            items = ffi.new("struct dp_sio_item[]", len(batch))
+            paths = []
+            for j, i in enumerate(batch):
+                it = items[j]
+                paths.append(ffi.new("char[]", "/".join(_parts(keys[i])).encode()))
+                it.path = paths[-1]
+                hdr, tail = pages[2 * j], pages[2 * j + 1]
+                bufs = [hdr, dsts[i][:cut], tail] if cut else [hdr, tail]
+                for k, b in enumerate(bufs):
+                    it.bufs[k] = ffi.cast("void *", b.ctypes.data)
+                    it.lens[k] = b.size
+                it.nbufs = len(bufs)
+                if self.verify_checksum:
+                    it.hash_skip, it.hash_len = HEADER_BYTES, full
+            rc = lib.dp_sio_read(self._root_fd, items, len(batch), self.read_batch_depth,
+                                 int(direct))
+            if rc in (-_errno.ENOSYS, -_errno.EPERM):
+                self._no_batches(rc)
+                return [self.read_into(k, o) for k, o in zip(keys, outs)]
+            if rc < 0:
+                raise StorageError(-rc, "reading a batch of blocks from", self.dir)
+            retry = []
+            for j, i in enumerate(batch):
+                it = items[j]
+                if it.err == 0:
+                    self._count(reads=1)
+                    problem = self._check_file(keys[i], dsts[i], it.got, pages[2 * j],
+                                               dsts[i], pages[2 * j + 1], direct,
+                                               it.hash if it.hashed else None)
+                    out[i] = self._outcome(keys[i], dsts[i], problem)
+                elif direct and it.err == _errno.EINVAL and it.stage in (
+                        lib.DP_SIO_DIRECT, lib.DP_SIO_READ):
+                    self._direct_unsupported(OSError(it.err, os.strerror(it.err)))
+                    retry.append(i)                # buffered, by read_into
+                else:
+                    self._count(reads=1)
+                    self._missed(self.path_of(keys[i]), _sio_error(it))
+        else:
+            retry = []
+        in_batch = set(batch)
+        for i in sorted(retry + [i for i in range(len(keys)) if i not in in_batch]):
+            out[i] = self.read_into(keys[i], outs[i])
+        return out
+
+    def _no_batches(self, rc: int) -> None:
+        with self._lock:
+            if self._batched:
+                self._batched = False
+                log.warning("io_uring or openat2 is not available here (%s): block reads "
+                            "use the read pool's threads", os.strerror(-rc))
 
     # --- reading a block layer by layer --------------------------------------------
     def layered(self) -> bool:
@@ -445,10 +548,8 @@ class BlockStore:
                 if dst.ctypes.data % ALIGN:
                     body = s.bounce_for(full)
                     self._count(bounce_reads=1)
-                cut = full - full % ALIGN     # the tail page takes the unaligned rest
-                iov = [s.header, body[:cut], s.tail]
+                iov = [s.header, body[:full - full % ALIGN], s.tail]
             else:
-                cut = full
                 iov = [s.header, dst, s.tail]  # the tail page only catches trailing bytes
             try:
                 got = _read_all(fd, [v for v in iov if v.size], HEADER_BYTES + full, direct)
@@ -459,19 +560,31 @@ class BlockStore:
                 return self._read_file(key, dst)
         finally:
             os.close(fd)
+        return self._check_file(key, dst, got, s.header, body, s.tail, direct)
+
+    def _check_file(self, key: bytes, dst: np.ndarray, got: int, header: np.ndarray,
+                    body: np.ndarray, tail: np.ndarray, direct: bool,
+                    digest_read: int | None = None) -> str | None:
+        """Check a file read as [header, body[:cut], tail] and put its payload in
+        ``dst`` (from ``body`` when that was a bounce buffer, and the unaligned rest
+        from ``tail``): the problem found, or None when good. ``digest_read``: the
+        payload's XXH3-64 when the read already computed it (the C read loop)."""
+        full = dst.size
+        cut = full - full % ALIGN if direct else full
         if got != HEADER_BYTES + full:
             return f"file holds {got} bytes, expected {HEADER_BYTES + full}"
-        problem, digest = check_header(s.header, self.profile.name, self.layout, key)
+        problem, digest = check_header(header, self.profile.name, self.layout, key)
         if problem is not None:
             return problem
         if cut != full:
-            body[cut:full] = s.tail[:full - cut]
+            body[cut:full] = tail[:full - cut]
         if body is not dst:
             dst[:] = body[:full]
-        if self.verify_checksum and payload_hash(dst) != digest:
+        if self.verify_checksum and (payload_hash(dst) if digest_read is None
+                                     else digest_read) != digest:
             return "payload hash mismatch"
         if self.integrity_key is not None:
-            return check_tag(s.header, self.integrity_key, dst)
+            return check_tag(header, self.integrity_key, dst)
         return None
 
     def _open_for_read(self, key: bytes, direct: bool) -> int:
@@ -619,6 +732,24 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
 
 class _Unsafe(Exception):
     """A symlink or a non-regular file on a block's path (a miss, never followed)."""
+
+
+# openat2 beneath the root without symlinks: ELOOP for a symlink on the way, ENOTDIR for
+# a file in place of a directory, EXDEV for a path that would leave the root.
+_UNSAFE_OPEN = {_errno.ELOOP: "a symlink on the block's path",
+                _errno.ENOTDIR: "a file in place of the block's directory",
+                _errno.EXDEV: "a path leaving the store"}
+
+
+def _sio_error(it) -> BaseException:
+    """The exception :meth:`BlockStore._missed` counts for a failed batch item."""
+    if it.stage == lib.DP_SIO_NOT_REGULAR:
+        return _Unsafe("not a regular file in place of the block")
+    if it.stage == lib.DP_SIO_OPEN and it.err in _UNSAFE_OPEN:
+        return _Unsafe(_UNSAFE_OPEN[it.err])
+    if it.err == _errno.ENOENT:
+        return FileNotFoundError(it.err, os.strerror(it.err))
+    return OSError(it.err, os.strerror(it.err))
 
 
 def _parts(key: bytes) -> tuple[str, str, str]:

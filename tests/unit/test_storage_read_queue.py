@@ -23,6 +23,8 @@ class GatedStore:
     profile = PROFILE
     layout = BlockLayout.of(PROFILE)
     read_workers = 2
+    batched = False           # one block per read; BatchingStore below takes batches
+    read_batch_depth = 0
 
     def __init__(self, hits=None):
         self.started = []
@@ -67,6 +69,48 @@ def test_read_q_counts_queued_and_in_flight_tokens_and_drains_per_block():
         await q.close()
 
     asyncio.run(main())
+
+
+class BatchingStore(GatedStore):
+    """A fake store that takes batches (as the C read loop does), gated by first key."""
+
+    batched = True
+    read_batch_depth = 3
+
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    async def aread_many(self, keys, outs):
+        self.batches.append(list(keys))
+        gate = self.gates.setdefault(keys[0], asyncio.Event())
+        await gate.wait()
+        return [True] * len(keys)
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["no-limit", "limited"])
+def test_blocks_queued_behind_a_read_go_as_one_batch_unless_the_nic_is_limited(limited):
+    async def main():
+        store = BatchingStore()
+        lim = RateLimiter(8.0 if limited else 0)      # 1 GB/s: no wait for 64 KiB
+        q = ReadQueue(store, lim, depth=1)
+        first = asyncio.create_task(q.read(KEYS[:1], [None]))
+        await _settle()
+        rest = asyncio.create_task(q.read(KEYS[1:8], [None] * 7))   # queued behind
+        await _settle()
+        for k in KEYS[:8]:
+            store.open(k)
+        assert (await first).all_hit and (await rest).all_hit
+        assert q.read_q_tokens == 0
+        await q.close()
+        return store
+
+    store = asyncio.run(main())
+    if limited:      # a batch would wait for all its bytes before its first block
+        assert store.batches == [] and store.started == KEYS[:8]
+    else:            # the first alone (nothing behind it yet), then up to 3 at a time
+        assert store.batches == [KEYS[1:4], KEYS[4:7]]
+        assert store.started == [KEYS[0], KEYS[7]]    # the last one left, alone
 
 
 def test_cancelled_request_drops_queued_blocks_and_waits_for_in_flight_ones():

@@ -16,7 +16,9 @@ from dualpath.kv.profiles import get_profile
 from dualpath.kv.synth import SyntheticKV
 from dualpath.storage import BlockStore
 from dualpath.storage.store import aligned_bytes
-from tests.unit.test_storage_store import _put, _read
+from tests.unit.test_storage_store import _put, _read, both_paths  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.usefixtures("both_paths")   # both read paths face each attack
 
 PROFILE = get_profile("demo", 4)   # 64 KiB blocks
 KEYS = block_keys(list(range(32)), 4)

@@ -41,12 +41,26 @@ def _put(store, key, fill=None):
     return buf
 
 
+# The two read paths: one block per call (Python, a worker thread's preadv) and a batch
+# (store_io.c: openat2 beneath the root, io_uring). Tests that use the `both_paths`
+# fixture run on each.
+READERS = {"one": lambda s, k, out: s.read_into(k, out),
+           "batch": lambda s, k, out: s.read_batch([k], [out])[0]}
+_reader = READERS["one"]
+
+
+@pytest.fixture(params=sorted(READERS))
+def both_paths(request, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_reader", READERS[request.param])
+    return request.param
+
+
 def _read(store, key):
     out = aligned_bytes(store.layout.full_bytes)
-    return store.read_into(key, out), out
+    return _reader(store, key, out), out
 
 
-def test_round_trip_verifies(store):
+def test_round_trip_verifies(both_paths, store):
     for k in KEYS:
         _put(store, k)
     synth = SyntheticKV(store.layout)
@@ -66,7 +80,7 @@ def test_unaligned_destination_bounces_and_still_verifies(store):
     assert store.stats.bounce_reads == (1 if store.direct else 0)
 
 
-def test_missing_block_is_a_plain_miss(store):
+def test_missing_block_is_a_plain_miss(both_paths, store):
     assert not store.contains(KEYS[0])
     ok, _ = _read(store, KEYS[0])
     assert not ok
@@ -88,6 +102,24 @@ def test_async_and_parallel_reads(store):
     assert store.read_many(KEYS, outs) == [True] * len(KEYS)
     assert asyncio.run(store.aread(KEYS[1], outs[0]))
     assert SyntheticKV(store.layout).verify_full(outs[0], KEYS[1]) is None
+
+
+def test_a_batch_reads_every_block_into_its_own_buffer(store):
+    # More blocks than the ring's depth (refills), a miss and an unaligned buffer (read
+    # alone, through a bounce buffer) among them.
+    import asyncio
+    keys = block_keys(list(range(64)), 4)
+    synth = SyntheticKV(store.layout)
+    for k in keys[:12]:
+        _put(store, k)
+    outs = [aligned_bytes(store.layout.full_bytes) for _ in keys]
+    outs[5] = aligned_bytes(store.layout.full_bytes + 1)[1:]
+    got = asyncio.run(store.aread_many(keys, outs))
+    assert got == [True] * 12 + [False] * 4
+    assert all(synth.verify_full(outs[i], k) is None for i, k in enumerate(keys[:12]))
+    st = store.stats
+    assert (st.reads, st.hits, st.misses, st.bounce_reads) == (16, 12, 4, 1)
+    assert store.batched, "io_uring and openat2 are expected on this kernel"
 
 
 # --- corruption: every kind is counted, quarantined, a miss ------------------------------
@@ -135,7 +167,7 @@ def _flip(offset):
     pytest.param(lambda d: _rewrite_header(d, tokens=8), id="wrong-layout"),
     pytest.param(lambda d: _rewrite_header(d, key=KEYS[1]), id="wrong-key"),
 ])
-def test_corrupt_block_is_counted_quarantined_and_a_miss(store, damage, caplog):
+def test_corrupt_block_is_counted_quarantined_and_a_miss(both_paths, store, damage, caplog):
     with caplog.at_level(logging.WARNING, "dualpath.storage"):
         ok, path = _corrupt_and_read(store, damage)
     assert not ok
@@ -228,7 +260,7 @@ def test_direct_io_on_fails_loudly_where_unsupported(tmp_path, monkeypatch):
         assert ei.value.errno == errno.EINVAL
 
 
-def test_direct_io_off_reads_buffered(tmp_path):
+def test_direct_io_off_reads_buffered(both_paths, tmp_path):
     with BlockStore(tmp_path, PROFILES[1], direct_io="off") as s:
         _put(s, KEYS[0])
         ok, out = _read(s, KEYS[0])

@@ -10,6 +10,8 @@ levels of 256 subdirectories::
 
 Writes: temp file in the same directory, write, fsync, rename, fsync the directory.
 rename is atomic, so a reader sees either no block or the whole block, never a part.
+A written block's pages are dropped from the page cache (POSIX_FADV_DONTNEED after the
+fsync): reads bypass it anyway, and persisting KV must not evict the host's fresh data.
 A crashed writer leaves only a ``.tmp`` file, which no reader opens; :meth:`sweep_temp`
 removes old ones.
 
@@ -289,6 +291,10 @@ class BlockStore:
             _write_all(fd, [memoryview(header), memoryview(src)])
             if self.fsync:
                 os.fsync(fd)
+            # Reads use O_DIRECT: this block's pages would only push fresher data out of
+            # the page cache. Clean after the fsync, they are dropped now; without fsync
+            # this starts their write-back, so dirty KV never piles up in the cache.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
             fd = -1
             os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)

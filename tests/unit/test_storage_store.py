@@ -87,6 +87,41 @@ def test_missing_block_is_a_plain_miss(both_paths, store):
     assert (store.stats.misses, store.stats.corrupt_blocks) == (1, 0)
 
 
+def _cached_pages(path) -> int:
+    """Pages of ``path`` in the page cache (mincore over a read-only mapping)."""
+    import ctypes
+    import mmap as _mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    vec = (ctypes.c_ubyte * -(-size // _mmap.PAGESIZE))()
+    with open(path, "rb") as f:
+        p = libc.mmap(None, size, _mmap.PROT_READ, _mmap.MAP_SHARED, f.fileno(), 0)
+        assert p not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            assert libc.mincore(p, size, vec) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(p, size)
+    return sum(b & 1 for b in vec)
+
+
+def test_a_written_block_leaves_the_page_cache(store):
+    # Persisted KV is read back with O_DIRECT; its pages must not crowd out the host's
+    # fresher data (bounded write-back).
+    if subprocess.run(["stat", "-f", "-c", "%T", str(store.dir)], capture_output=True,
+                      text=True).stdout.strip() == "tmpfs":
+        pytest.skip("the store is on tmpfs, where the page cache is the storage")
+    _put(store, KEYS[0])
+    assert _cached_pages(store.path_of(KEYS[0])) == 0
+    with open(store.path_of(KEYS[0]), "rb") as f:     # a buffered read caches it ...
+        f.read()
+    assert _cached_pages(store.path_of(KEYS[0])) > 0  # ... so the probe can see pages
+
+
 def test_write_skips_existing_blocks_unless_overwrite(store):
     buf = _put(store, KEYS[0])
     assert not store.write(KEYS[0], buf)

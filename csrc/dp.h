@@ -57,6 +57,14 @@ enum dp_item_flags {
     DP_ITEM_UNSIGNALLED_LAST = 1
 };
 
+/* Fill `n` items for one post from rows of (local offset, remote offset, length), 3
+ * uint64 each: item k WRITEs length bytes from local_base + its local offset (lkey) to
+ * remote_base + its remote offset (rkey), wr_id first_wr_id + k, flags 0. The engine
+ * checked every range when the rows were planned; no allocation, any thread. */
+void dp_items_fill(struct dp_item *out, uint32_t n, const uint64_t *rows,
+                   uint64_t local_base, uint32_t lkey, uint64_t remote_base,
+                   uint32_t rkey, uint64_t first_wr_id);
+
 /* One completion. status uses ibv_wc_status numbering for both providers:
  * 0 success, 4 LOC_PROT_ERR, 5 WR_FLUSH_ERR, 9 REM_INV_REQ_ERR, 10 REM_ACCESS_ERR,
  * 12 RETRY_EXC_ERR, 13 RNR_RETRY_EXC_ERR, ... */

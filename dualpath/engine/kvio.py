@@ -5,8 +5,10 @@ The PE read path (PE buffer -> the PE's own engine memory), the DE read path (DE
 worker's KV tensors) are the same loop: for each layer, the WRITE runs from the buffer's
 placement to the target's (dualpath/kv/placement.py), then "layer l is in place" to
 whoever waits for it. :func:`write_layers` is that loop, with two layers in flight so
-the wire never idles between layers; :func:`write_runs` issues one layer's runs, one
-TransferEngine write per (source region, target region) pair.
+the wire never idles between layers; :func:`write_layer` issues one layer's runs as one
+array (placement.run_arrays: no Python step per block) in one TransferEngine write;
+:func:`write_runs` issues a few runs of any layers, one write per (source region,
+target region) pair.
 
 Threads: the node's (or worker agent's) event loop.
 """
@@ -18,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from dualpath.engine.layers import LayerSource
-from dualpath.kv.placement import KvPlacement, Run, runs
+from dualpath.kv.placement import KvPlacement, Run, run_arrays
 from dualpath.transfer import TransferEngine
 
 
@@ -30,6 +32,18 @@ async def write_runs(transfer: TransferEngine, peer: str, rs: Sequence[Run]) -> 
     await asyncio.gather(*(transfer.write(peer, items, local=src, remote=dst)
                            for (src, dst), items in groups.items()))
     return sum(r.length for r in rs)
+
+
+async def write_layer(transfer: TransferEngine, peer: str, src: KvPlacement,
+                      src_units: Sequence[int], dst: KvPlacement, dst_units: Sequence[int],
+                      layer: int, first_token: int, stop_token: int) -> int:
+    """WRITE layer ``layer``'s tokens ``[first_token, stop_token)`` from ``src`` to
+    ``peer``'s ``dst`` in one transfer; the bytes moved once all landed."""
+    sreg, dreg, rows = run_arrays(src, src_units, dst, dst_units, layer, first_token,
+                                  stop_token)
+    if len(rows):
+        await transfer.write(peer, rows, local=sreg, remote=dreg)
+    return int(rows[:, 2].sum())
 
 
 async def write_layers(transfer: TransferEngine, peer: str, src: KvPlacement,
@@ -53,9 +67,8 @@ async def write_layers(transfer: TransferEngine, peer: str, src: KvPlacement,
         return 0
 
     def start(layer: int) -> asyncio.Future:
-        return asyncio.ensure_future(write_runs(
-            transfer, peer, runs(src, src_units, dst, dst_units, layer, first_token,
-                                 stop_token)))
+        return asyncio.ensure_future(write_layer(
+            transfer, peer, src, src_units, dst, dst_units, layer, first_token, stop_token))
 
     async def begin(i: int) -> asyncio.Future:
         if source is not None:

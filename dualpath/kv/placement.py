@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 
@@ -195,3 +197,52 @@ def runs(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
                 out.append(Run(sreg, dreg, so, do, n))
         t += t1 - t0
     return out
+
+
+def run_arrays(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
+               dst_units: Sequence[int], layer: int, first_token: int, stop_token: int
+               ) -> tuple[str, str, np.ndarray]:
+    """:func:`runs` as arrays, computed without a Python step per block: (source region,
+    target region, uint64 rows of (src_offset, dst_offset, length)), the same runs in
+    the same order (a layer's runs all go between one pair of regions)."""
+    if src.fmt != dst.fmt:
+        raise UsageError(f"KV formats differ: {src.fmt.signature()} vs {dst.fmt.signature()}")
+    f = src.fmt
+    if not 0 <= layer < f.layers:
+        raise UsageError(f"layer {layer} out of range 0..{f.layers - 1}")
+    T = f.unit_tokens
+    if first_token < 0 or stop_token > T * min(len(src_units), len(dst_units)):
+        raise UsageError(f"tokens [{first_token}, {stop_token}) exceed the "
+                         f"{min(len(src_units), len(dst_units))} units given")
+    sreg, dreg = src.layer_regions[layer], dst.layer_regions[layer]
+    if stop_token <= first_token:
+        return sreg, dreg, np.zeros((0, 3), np.uint64)
+    i0, i1 = first_token // T, (stop_token - 1) // T + 1
+    idx = np.arange(i0, i1, dtype=np.int64)
+    t0 = np.maximum(first_token - idx * T, 0)                  # token span in each unit
+    t1 = np.minimum(stop_token - idx * T, T)
+    rows = np.asarray(f.row_bytes, np.int64)
+
+    def seg_offsets(pl: KvPlacement, units: Sequence[int]) -> np.ndarray:
+        u = np.asarray(units[i0:i1], np.int64)
+        if u.size and (u.min() < 0 or u.max() >= pl.num_units):
+            bad = int(u[(u < 0) | (u >= pl.num_units)][0])
+            raise UsageError(f"unit {bad} out of range 0..{pl.num_units - 1}")
+        g, i = np.divmod(u, pl.group)
+        unit_off = g * pl.group_stride + i * pl.unit_stride
+        base = np.asarray([pl.plane_bases[layer][p] + o for p, o in
+                           zip(pl.segment_planes, pl.segment_offsets)], np.int64)
+        return unit_off[:, None] + base[None, :] + t0[:, None] * rows[None, :]
+
+    so = seg_offsets(src, src_units).ravel()                    # unit-major, then segment
+    do = seg_offsets(dst, dst_units).ravel()
+    n = ((t1 - t0)[:, None] * rows[None, :]).ravel()
+    # Merge neighbours contiguous on both sides (as runs() does, left to right).
+    joins = np.empty(len(n), bool)
+    joins[0] = False
+    joins[1:] = (so[1:] == so[:-1] + n[:-1]) & (do[1:] == do[:-1] + n[:-1])
+    starts = np.flatnonzero(~joins)
+    out = np.empty((len(starts), 3), np.uint64)
+    out[:, 0], out[:, 1] = so[starts], do[starts]
+    out[:, 2] = np.add.reduceat(n, starts)
+    return sreg, dreg, out

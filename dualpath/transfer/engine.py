@@ -4,7 +4,8 @@ Policy over a :class:`~dualpath.transfer.provider.Provider` (verbs or TCP): buff
 registered once under a name; peers are reached through an out-of-band channel
 (:mod:`dualpath.transfer.oob`) that exchanges endpoints and region keys; a batch of
 ``(local_offset, remote_offset, length)`` items is cut into slices
-(:func:`~dualpath.transfer.plan.plan_slices`), spread over the peer's connections,
+(:func:`~dualpath.transfer.plan.plan_rows`: uint64 rows, filled into WRs by C at post
+time), spread over the peer's connections,
 posted with selective signalling, and resolved when its last slice completes.
 
 Threads. The event loop that called :meth:`TransferEngine.start` owns the peer table,
@@ -39,11 +40,14 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
+import numpy as np
+
+from dualpath._native import ffi, lib
 from dualpath.config_sections import KvLaneConfig, TransportConfig
 from dualpath.errors import DualPathError, TransferError, TransferTimeout, UsageError
 from dualpath.transfer.config import TransferConfig
 from dualpath.transfer.oob import ConnectReply, ConnectRequest, OutOfBand
-from dualpath.transfer.plan import plan_slices, spread
+from dualpath.transfer.plan import plan_rows, spread
 from dualpath.transfer.provider import (
     ITEM_ERRORS,
     Connection,
@@ -61,43 +65,57 @@ UP, RECOVERING, DOWN = "up", "recovering", "down"
 
 
 class _Transfer:
-    __slots__ = ("abandoned", "done", "fut", "nbytes", "nslices", "peer", "remaining")
+    """One write(): its planned slices as uint64 rows (local offset, remote offset,
+    length), read by ``dp_items_fill`` at post time, never walked in Python."""
 
-    def __init__(self, fut: asyncio.Future, peer: _Peer, nslices: int, nbytes: int):
-        self.fut, self.peer, self.nbytes = fut, peer, nbytes
-        self.remaining = self.nslices = nslices
+    __slots__ = ("abandoned", "done", "end", "fut", "lkey", "local_base", "nbytes",
+                 "nslices", "peer", "ptr", "remaining", "remote", "rows")
+
+    def __init__(self, fut: asyncio.Future, peer: _Peer, rows: np.ndarray, region: Region,
+                 remote: str):
+        self.fut, self.peer, self.rows, self.remote = fut, peer, rows, remote
+        self.local_base, self.lkey = region.addr, region.lkey
+        self.nbytes = int(rows[:, 2].sum())
+        self.end = int((rows[:, 1] + rows[:, 2]).max())     # the remote region must hold it
+        self.ptr = ffi.cast("uint64_t *", ffi.from_buffer(rows))
+        self.remaining = self.nslices = len(rows)
         self.done = False           # data-path thread: resolved (or cancelled)
         self.abandoned = False      # loop: nobody awaits the future any more
 
 
-class _Slice:
-    __slots__ = (
-        "attempts",
-        "length",
-        "lkey",
-        "local_addr",
-        "remote",
-        "remote_off",
-        "transfer",
-        "wr_id",
-    )
+class _Seg:
+    """Slices ``[start, stop)`` of a transfer: queued, or posted on one connection as the
+    WRs ``first_wr ..`` in order. Retries, credits and completions count whole segments
+    (split where a post or a completion ends inside one)."""
 
-    def __init__(self, transfer: _Transfer, local_addr: int, lkey: int, remote: str,
-                 remote_off: int, length: int):
-        self.transfer, self.local_addr, self.lkey = transfer, local_addr, lkey
-        self.remote, self.remote_off, self.length = remote, remote_off, length
-        self.attempts = 0
-        self.wr_id = 0
+    __slots__ = ("attempts", "first_wr", "start", "stop", "transfer")
+
+    def __init__(self, transfer: _Transfer, start: int, stop: int, attempts: int = 0):
+        self.transfer, self.start, self.stop, self.attempts = transfer, start, stop, attempts
+        self.first_wr = 0
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def cut(self, k: int) -> _Seg:
+        """Take the first ``k`` slices off as a segment of their own."""
+        head = _Seg(self.transfer, self.start, self.start + k, self.attempts)
+        head.first_wr = self.first_wr
+        self.start += k
+        if self.first_wr:
+            self.first_wr += k
+        return head
 
 
 class _Conn:
-    __slots__ = ("conn", "fifo", "index", "peer", "posted", "state")
+    __slots__ = ("conn", "fifo", "index", "peer", "posted", "state", "wrs")
 
     def __init__(self, peer: _Peer, index: int, conn: Connection):
         self.peer, self.index, self.conn = peer, index, conn
         self.state = UP
         self.posted = 0                     # WRITEs posted on it, ever
-        self.fifo: deque[_Slice] = deque()  # posted, not yet retired, in post order
+        self.fifo: deque[_Seg] = deque()    # posted, not yet retired, in post order
+        self.wrs = 0                        # WRs in fifo
 
 
 class _Peer:
@@ -105,7 +123,7 @@ class _Peer:
         self.name = name
         self.regions = regions              # replaced whole by the loop on recovery
         self.conns: list[_Conn] = []
-        self.pending: deque[_Slice] = deque()   # data-path thread
+        self.pending: deque[_Seg] = deque()     # data-path thread
         self.rr = 0                             # data-path thread: spreading rotation
 
 
@@ -245,12 +263,11 @@ class TransferEngine:
         if info is None:
             raise UsageError(f"peer {peer!r} has no region named {remote!r} (it has: "
                              f"{', '.join(map(repr, p.regions)) or 'none'})")
-        plan = plan_slices(items, self.config.slice_bytes, region.length, info.length)
-        if not plan:
+        rows = plan_rows(items, self.config.slice_bytes, region.length, info.length)
+        if not len(rows):
             return
-        t = _Transfer(self._loop.create_future(), p, len(plan), sum(n for _, _, n in plan))
-        slices = [_Slice(t, region.addr + lo, region.lkey, remote, ro, n) for lo, ro, n in plan]
-        self._command(("submit", t, slices))
+        t = _Transfer(self._loop.create_future(), p, rows, region, remote)
+        self._command(("submit", t))
         try:
             await asyncio.wait_for(asyncio.shield(t.fut), bound)
         except TimeoutError:
@@ -478,7 +495,8 @@ class TransferEngine:
             cmd = self._cmds.popleft()
             op = cmd[0]
             if op == "submit":
-                cmd[1].peer.pending.extend(cmd[2])
+                t = cmd[1]
+                t.peer.pending.append(_Seg(t, 0, t.nslices))
             elif op == "add_peer":
                 p = cmd[1]
                 self._w_peers[p.name] = p
@@ -510,73 +528,105 @@ class TransferEngine:
             k = p.rr % len(ups)
             ups = ups[k:] + ups[:k]
             p.rr += 1
-            counts = spread(len(p.pending), [c.conn.max_send_wr - len(c.fifo) for c in ups])
+            counts = spread(sum(map(len, p.pending)), [c.conn.max_send_wr - c.wrs for c in ups])
             for c, n in zip(ups, counts):
                 if n and p.pending:
                     self._post(c, n)
 
     def _post(self, c: _Conn, n: int) -> None:
-        p, items, batch = c.peer, c.conn.items, []
-        regions = p.regions
-        while len(batch) < n and p.pending:
-            s = p.pending.popleft()
+        """Post up to ``n`` queued slices on ``c``: one dp_items_fill per segment, one
+        post (doorbell) for them all."""
+        p, items, regions = c.peer, c.conn.items, c.peer.regions
+        batch: list[_Seg] = []
+        filled = 0
+        while filled < n and p.pending:
+            s = p.pending[0]
             t = s.transfer
             if t.done:
+                p.pending.popleft()
                 continue
-            info = regions.get(s.remote)
-            if info is None or s.remote_off + s.length > info.length:
+            info = regions.get(t.remote)
+            if info is None or t.end > info.length:
+                p.pending.popleft()
                 self._finish(t, TransferError(
-                    f"write to {p.name!r}: the peer's region {s.remote!r} is gone or now "
-                    f"shorter than {s.remote_off + s.length} bytes",
-                    status=WcStatus.REM_ACCESS_ERR))
+                    f"write to {p.name!r}: the peer's region {t.remote!r} is gone or now "
+                    f"shorter than {t.end} bytes", status=WcStatus.REM_ACCESS_ERR))
                 continue
-            d = items[len(batch)]
-            d.local_addr, d.lkey, d.length = s.local_addr, s.lkey, s.length
-            d.remote_addr, d.rkey = info.addr + s.remote_off, info.rkey
-            self._wr_seq += 1
-            s.wr_id = d.wr_id = self._wr_seq
-            batch.append(s)
+            part = s.cut(n - filled) if len(s) > n - filled else p.pending.popleft()
+            part.first_wr = self._wr_seq + 1
+            lib.dp_items_fill(items + filled, len(part), t.ptr + 3 * part.start,
+                              t.local_base, t.lkey, info.addr, info.rkey, part.first_wr)
+            self._wr_seq += len(part)
+            filled += len(part)
+            batch.append(part)
         if not batch:
             return
         failure = None
         try:
-            posted = c.conn.post(len(batch), self.config.signal_every)
+            posted = c.conn.post(filled, self.config.signal_every)
         except PostError as e:
             posted, failure = e.posted, e
-        c.fifo.extend(batch[:posted])
         c.posted += posted
+        c.wrs += posted
         self._inflight += posted
         self.stats["posts"] += 1
         self.stats["writes_posted"] += posted
-        for s in reversed(batch[posted:]):
-            p.pending.appendleft(s)
+        back: list[_Seg] = []
+        for part in batch:
+            if posted >= len(part):
+                c.fifo.append(part)
+                posted -= len(part)
+            else:
+                if posted:
+                    c.fifo.append(part.cut(posted))
+                    posted = 0
+                part.first_wr = 0
+                back.append(part)
+        for part in reversed(back):
+            p.pending.appendleft(part)
         if failure is not None:
             self._break(c, f"post failed: {failure}")
+
+    def _retire(self, c: _Conn, k: int) -> list[_Seg]:
+        """The first ``k`` WRs of ``c``'s FIFO, as segments (the last one cut to fit)."""
+        out = []
+        while k and c.fifo:
+            s = c.fifo[0]
+            if len(s) <= k:
+                out.append(c.fifo.popleft())
+            else:
+                out.append(s.cut(k))
+            k -= len(out[-1])
+        got = sum(map(len, out))
+        c.wrs -= got
+        self._inflight -= got
+        return out
 
     def _on_completions(self, comps: list[Completion]) -> None:
         for wc in comps:
             c = self._w_conns.get(wc.qp_num)
             if c is None or c.state != UP:
                 continue                # a late completion of a connection since reset
-            k = min(wc.retired, len(c.fifo))
-            retired = [c.fifo.popleft() for _ in range(k)]
-            self._inflight -= k
-            if not retired or retired[-1].wr_id != wc.wr_id:
+            retired = self._retire(c, wc.retired)
+            if not retired or retired[-1].first_wr + len(retired[-1]) - 1 != wc.wr_id:
                 for s in retired:
-                    self._slice_failed(s, WcStatus.WR_FLUSH_ERR, retry=True)
+                    self._seg_failed(s, WcStatus.WR_FLUSH_ERR, retry=True)
                 self._break(c, f"completion wr_id {wc.wr_id} out of order")
                 continue
             if wc.status == WcStatus.SUCCESS:
                 for s in retired:
-                    self._slice_done(s)
+                    self._seg_done(s)
                 continue
             if wc.status in ITEM_ERRORS:
-                for s in retired[:-1]:          # RC order: these landed before it
-                    self._slice_done(s)
-                self._slice_failed(retired[-1], wc.status, retry=False)
+                last = retired[-1]
+                if len(last) > 1:               # RC order: the WRs before it landed
+                    retired.insert(-1, last.cut(len(last) - 1))
+                for s in retired[:-1]:
+                    self._seg_done(s)
+                self._seg_failed(retired[-1], wc.status, retry=False)
             else:
                 for s in retired:
-                    self._slice_failed(s, wc.status, retry=True)
+                    self._seg_failed(s, wc.status, retry=True)
             self.stats["error_completions"] += 1
             self._break(c, f"{status_name(wc.status)}"
                         + (f", vendor_err {wc.vendor_err}" if wc.vendor_err else ""))
@@ -591,14 +641,17 @@ class TransferEngine:
             log.error("transfer engine %s: resetting a connection to %s failed: %s",
                       self.name, c.peer.name, e)
         rest = list(c.fifo)
+        lost = c.wrs
         c.fifo.clear()
-        self._inflight -= len(rest)
-        for s in rest:
-            self._slice_failed(s, WcStatus.WR_FLUSH_ERR, retry=True)
+        self._inflight -= lost
+        c.wrs = 0
+        for s in reversed(rest):                # back to the queue's head, in order
+            s.first_wr = 0
+            self._seg_failed(s, WcStatus.WR_FLUSH_ERR, retry=True)
         self.stats["recoveries"] += 1
         log.warning("transfer engine %s: peer %s connection %d: %s; reset, reconnecting "
                     "(%d in-flight slices back in the queue)", self.name, c.peer.name,
-                    c.index, cause, len(rest))
+                    c.index, cause, lost)
         self._events.append(("recover", c))
 
     def _recover_later(self, c: _Conn) -> None:
@@ -625,27 +678,29 @@ class TransferEngine:
             if c.state == UP and any(s.transfer is t for s in c.fifo):
                 self._break(c, "a write timed out on it")
 
-    def _slice_done(self, s: _Slice) -> None:
+    def _seg_done(self, s: _Seg) -> None:
         t = s.transfer
         if t.done:
             return
-        t.remaining -= 1
+        t.remaining -= len(s)
         if t.remaining == 0:
             self._finish(t, None)
 
-    def _slice_failed(self, s: _Slice, status: int, *, retry: bool) -> None:
+    def _seg_failed(self, s: _Seg, status: int, *, retry: bool) -> None:
         t = s.transfer
         if t.done:
             return
         if retry and s.attempts < self.config.max_retries:
             s.attempts += 1
-            self.stats["retried_slices"] += 1
+            self.stats["retried_slices"] += len(s)
+            s.first_wr = 0
             t.peer.pending.appendleft(s)
             return
         tries = f" after {s.attempts + 1} attempts" if retry else ""
+        _, remote_off, length = (int(x) for x in t.rows[s.start])
         self._finish(t, TransferError(
             f"write of {t.nbytes} bytes to peer {t.peer.name!r} failed{tries}: "
-            f"{status_name(status)} on {s.length} bytes at {s.remote!r}+{s.remote_off}",
+            f"{status_name(status)} on {length} bytes at {t.remote!r}+{remote_off}",
             status=status))
 
     def _finish(self, t: _Transfer, exc: BaseException | None) -> None:

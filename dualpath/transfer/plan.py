@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from dualpath.errors import UsageError
 
 
@@ -34,6 +36,45 @@ def plan_slices(items: Iterable, slice_bytes: int, local_length: int,
                              f"peer's region ({remote_length} bytes)")
         for off in range(0, n, slice_bytes):
             out.append((lo + off, ro + off, min(slice_bytes, n - off)))
+    return out
+
+
+def plan_rows(items, slice_bytes: int, local_length: int, remote_length: int) -> np.ndarray:
+    """:func:`plan_slices` as uint64 rows of ``(local_offset, remote_offset, length)``,
+    C-contiguous (what ``dp_items_fill`` reads). ``items`` may be an (n, 3) integer array
+    (a layer's runs, dualpath/kv/placement.run_arrays): checked and cut without a Python
+    step per item, with the same errors naming the first bad item."""
+    if not isinstance(items, np.ndarray):
+        return np.asarray(plan_slices(items, slice_bytes, local_length, remote_length),
+                          np.uint64).reshape(-1, 3)
+    if slice_bytes <= 0:
+        raise UsageError(f"slice_bytes must be > 0, not {slice_bytes!r}")
+    if items.ndim != 2 or items.shape[1] != 3 or items.dtype.kind not in "iu":
+        raise UsageError(f"an items array must be (n, 3) integers, not {items.shape} "
+                         f"{items.dtype}")
+    a = items.astype(np.int64, copy=False)
+    lo, ro, n = a[:, 0], a[:, 1], a[:, 2]
+    for what, bad, why in (
+            ("local_offset", lo < 0, "must be an integer >= 0"),
+            ("remote_offset", ro < 0, "must be an integer >= 0"),
+            ("length", n <= 0, "must be > 0"),
+            ("", lo + n > local_length, "local range outside the local region"),
+            ("", ro + n > remote_length, "remote range outside the peer's region")):
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            if what:
+                col = ('local_offset', 'remote_offset', 'length').index(what)
+                raise UsageError(f"items[{i}].{what} {why}, not {int(a[i, col])}")
+            raise UsageError(f"items[{i}]: {why} ([{int(lo[i])}, {int(ro[i])}, {int(n[i])}]; "
+                             f"{local_length} local, {remote_length} remote bytes)")
+    k = -(-n // slice_bytes)
+    if (k == 1).all():
+        return np.ascontiguousarray(a, np.uint64)
+    rep = np.repeat(np.arange(len(a)), k)
+    off = (np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)) * slice_bytes
+    out = np.empty((len(rep), 3), np.uint64)
+    out[:, 0], out[:, 1] = lo[rep] + off, ro[rep] + off
+    out[:, 2] = np.minimum(slice_bytes, n[rep] - off)
     return out
 
 

@@ -94,9 +94,6 @@ class _Seg:
         self.transfer, self.start, self.stop, self.attempts = transfer, start, stop, attempts
         self.first_wr = 0
 
-    def __len__(self) -> int:
-        return self.stop - self.start
-
     def cut(self, k: int) -> _Seg:
         """Take the first ``k`` slices off as a segment of their own."""
         head = _Seg(self.transfer, self.start, self.start + k, self.attempts)
@@ -528,7 +525,8 @@ class TransferEngine:
             k = p.rr % len(ups)
             ups = ups[k:] + ups[:k]
             p.rr += 1
-            counts = spread(sum(map(len, p.pending)), [c.conn.max_send_wr - c.wrs for c in ups])
+            queued = sum(x.stop - x.start for x in p.pending)
+            counts = spread(queued, [c.conn.max_send_wr - c.wrs for c in ups])
             for c, n in zip(ups, counts):
                 if n and p.pending:
                     self._post(c, n)
@@ -552,12 +550,14 @@ class TransferEngine:
                     f"write to {p.name!r}: the peer's region {t.remote!r} is gone or now "
                     f"shorter than {t.end} bytes", status=WcStatus.REM_ACCESS_ERR))
                 continue
-            part = s.cut(n - filled) if len(s) > n - filled else p.pending.popleft()
+            room = n - filled
+            part = s.cut(room) if s.stop - s.start > room else p.pending.popleft()
+            k = part.stop - part.start
             part.first_wr = self._wr_seq + 1
-            lib.dp_items_fill(items + filled, len(part), t.ptr + 3 * part.start,
+            lib.dp_items_fill(items + filled, k, t.ptr + 3 * part.start,
                               t.local_base, t.lkey, info.addr, info.rkey, part.first_wr)
-            self._wr_seq += len(part)
-            filled += len(part)
+            self._wr_seq += k
+            filled += k
             batch.append(part)
         if not batch:
             return
@@ -573,9 +573,10 @@ class TransferEngine:
         self.stats["writes_posted"] += posted
         back: list[_Seg] = []
         for part in batch:
-            if posted >= len(part):
+            k = part.stop - part.start
+            if posted >= k:
                 c.fifo.append(part)
-                posted -= len(part)
+                posted -= k
             else:
                 if posted:
                     c.fifo.append(part.cut(posted))
@@ -590,14 +591,17 @@ class TransferEngine:
     def _retire(self, c: _Conn, k: int) -> list[_Seg]:
         """The first ``k`` WRs of ``c``'s FIFO, as segments (the last one cut to fit)."""
         out = []
+        got = 0
         while k and c.fifo:
             s = c.fifo[0]
-            if len(s) <= k:
+            m = s.stop - s.start
+            if m <= k:
                 out.append(c.fifo.popleft())
             else:
                 out.append(s.cut(k))
-            k -= len(out[-1])
-        got = sum(map(len, out))
+                m = k
+            k -= m
+            got += m
         c.wrs -= got
         self._inflight -= got
         return out
@@ -608,7 +612,8 @@ class TransferEngine:
             if c is None or c.state != UP:
                 continue                # a late completion of a connection since reset
             retired = self._retire(c, wc.retired)
-            if not retired or retired[-1].first_wr + len(retired[-1]) - 1 != wc.wr_id:
+            last = retired[-1] if retired else None
+            if last is None or last.first_wr + last.stop - last.start - 1 != wc.wr_id:
                 for s in retired:
                     self._seg_failed(s, WcStatus.WR_FLUSH_ERR, retry=True)
                 self._break(c, f"completion wr_id {wc.wr_id} out of order")
@@ -618,9 +623,8 @@ class TransferEngine:
                     self._seg_done(s)
                 continue
             if wc.status in ITEM_ERRORS:
-                last = retired[-1]
-                if len(last) > 1:               # RC order: the WRs before it landed
-                    retired.insert(-1, last.cut(len(last) - 1))
+                if last.stop - last.start > 1:  # RC order: the WRs before it landed
+                    retired.insert(-1, last.cut(last.stop - last.start - 1))
                 for s in retired[:-1]:
                     self._seg_done(s)
                 self._seg_failed(retired[-1], wc.status, retry=False)
@@ -682,7 +686,7 @@ class TransferEngine:
         t = s.transfer
         if t.done:
             return
-        t.remaining -= len(s)
+        t.remaining -= s.stop - s.start
         if t.remaining == 0:
             self._finish(t, None)
 
@@ -692,7 +696,7 @@ class TransferEngine:
             return
         if retry and s.attempts < self.config.max_retries:
             s.attempts += 1
-            self.stats["retried_slices"] += len(s)
+            self.stats["retried_slices"] += s.stop - s.start
             s.first_wr = 0
             t.peer.pending.appendleft(s)
             return

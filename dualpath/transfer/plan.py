@@ -54,19 +54,18 @@ def plan_rows(items, slice_bytes: int, local_length: int, remote_length: int) ->
                          f"{items.dtype}")
     a = items.astype(np.int64, copy=False)
     lo, ro, n = a[:, 0], a[:, 1], a[:, 2]
-    for what, bad, why in (
-            ("local_offset", lo < 0, "must be an integer >= 0"),
-            ("remote_offset", ro < 0, "must be an integer >= 0"),
-            ("length", n <= 0, "must be > 0"),
-            ("", lo + n > local_length, "local range outside the local region"),
-            ("", ro + n > remote_length, "remote range outside the peer's region")):
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            if what:
-                col = ('local_offset', 'remote_offset', 'length').index(what)
-                raise UsageError(f"items[{i}].{what} {why}, not {int(a[i, col])}")
-            raise UsageError(f"items[{i}]: {why} ([{int(lo[i])}, {int(ro[i])}, {int(n[i])}]; "
-                             f"{local_length} local, {remote_length} remote bytes)")
+    for col, what in enumerate(("local_offset", "remote_offset")):
+        if (bad := np.flatnonzero(a[:, col] < 0)).size:
+            i = int(bad[0])
+            raise UsageError(f"items[{i}].{what} must be an integer >= 0, not {int(a[i, col])}")
+    if (bad := np.flatnonzero(n <= 0)).size:
+        raise UsageError(f"items[{int(bad[0])}].length must be > 0")
+    for side, off, length in (("local", lo, local_length), ("remote", ro, remote_length)):
+        if (bad := np.flatnonzero(off + n > length)).size:
+            i = int(bad[0])
+            where = "the local region" if side == "local" else "the peer's region"
+            raise UsageError(f"items[{i}]: {side} range [{int(off[i])}, {int(off[i] + n[i])}) "
+                             f"is outside {where} ({length} bytes)")
     k = -(-n // slice_bytes)
     if (k == 1).all():
         return np.ascontiguousarray(a, np.uint64)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dualpath.errors import UsageError
-from dualpath.transfer.plan import plan_slices, spread
+from dualpath.transfer.plan import plan_rows, plan_slices, spread
 
 
 def test_items_are_cut_at_slice_bytes_in_order():
@@ -31,6 +32,16 @@ def test_exact_multiple_makes_no_empty_slice():
 def test_bad_items_name_the_item_and_the_problem(items, match):
     with pytest.raises(UsageError, match=match):
         plan_slices(items, 4, 100, 100)
+    if all(len(it) == 3 and not any(isinstance(v, bool) for v in it) for it in items):
+        with pytest.raises(UsageError, match=match):      # the array path says the same
+            plan_rows(np.array(items, np.int64), 4, 100, 100)
+
+
+def test_an_items_array_must_be_n_by_3_integers():
+    with pytest.raises(UsageError, match=r"must be \(n, 3\) integers"):
+        plan_rows(np.zeros((2, 2), np.int64), 4, 100, 100)
+    with pytest.raises(UsageError, match=r"must be \(n, 3\) integers"):
+        plan_rows(np.zeros((2, 3)), 4, 100, 100)
 
 
 @given(st.lists(st.tuples(st.integers(0, 500), st.integers(0, 500), st.integers(1, 500)),
@@ -45,6 +56,10 @@ def test_slices_cover_each_item_exactly(items, slice_bytes):
             assert next(covered) == (lo + off, ro + off, min(slice_bytes, n - off))
             off += slice_bytes
     assert next(covered, None) is None
+    # The array path (a layer's runs) plans the very same rows.
+    rows = plan_rows(np.array(items, np.int64).reshape(-1, 3), slice_bytes, 1000, 1000)
+    assert rows.dtype == np.uint64 and rows.flags.c_contiguous
+    assert [tuple(r) for r in rows.tolist()] == slices
 
 
 def test_spread_is_even_then_capped_by_credits():

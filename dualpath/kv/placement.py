@@ -163,21 +163,29 @@ class KvPlacement:
         return [s * k + j for s in slots for j in range(k)]
 
 
+def _check_layer_move(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
+                      dst_units: Sequence[int], layer: int, first_token: int,
+                      stop_token: int) -> KvFormat:
+    """The arguments of :func:`runs` / :func:`run_arrays` checked; their common format."""
+    if src.fmt != dst.fmt:
+        raise UsageError(f"KV formats differ: {src.fmt.signature()} vs {dst.fmt.signature()}")
+    f = src.fmt
+    if not 0 <= layer < f.layers:
+        raise UsageError(f"layer {layer} out of range 0..{f.layers - 1}")
+    if first_token < 0 or stop_token > f.unit_tokens * min(len(src_units), len(dst_units)):
+        raise UsageError(f"tokens [{first_token}, {stop_token}) exceed the "
+                         f"{min(len(src_units), len(dst_units))} units given")
+    return f
+
+
 def runs(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
          dst_units: Sequence[int], layer: int, first_token: int, stop_token: int
          ) -> list[Run]:
     """The WRITE runs moving layer ``layer``'s KV of tokens ``[first_token, stop_token)``
     from ``src`` to ``dst``. ``src_units[i]`` / ``dst_units[i]`` hold the request's tokens
     ``[i*T, (i+1)*T)`` (T = unit tokens) on each side. Contiguous neighbours are merged."""
-    if src.fmt != dst.fmt:
-        raise UsageError(f"KV formats differ: {src.fmt.signature()} vs {dst.fmt.signature()}")
-    f = src.fmt
-    if not 0 <= layer < f.layers:
-        raise UsageError(f"layer {layer} out of range 0..{f.layers - 1}")
+    f = _check_layer_move(src, src_units, dst, dst_units, layer, first_token, stop_token)
     T = f.unit_tokens
-    if first_token < 0 or stop_token > T * min(len(src_units), len(dst_units)):
-        raise UsageError(f"tokens [{first_token}, {stop_token}) exceed the "
-                         f"{min(len(src_units), len(dst_units))} units given")
     out: list[Run] = []
     sreg, dreg = src.layer_regions[layer], dst.layer_regions[layer]
     t = first_token
@@ -205,15 +213,8 @@ def run_arrays(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
     """:func:`runs` as arrays, computed without a Python step per block: (source region,
     target region, uint64 rows of (src_offset, dst_offset, length)), the same runs in
     the same order (a layer's runs all go between one pair of regions)."""
-    if src.fmt != dst.fmt:
-        raise UsageError(f"KV formats differ: {src.fmt.signature()} vs {dst.fmt.signature()}")
-    f = src.fmt
-    if not 0 <= layer < f.layers:
-        raise UsageError(f"layer {layer} out of range 0..{f.layers - 1}")
+    f = _check_layer_move(src, src_units, dst, dst_units, layer, first_token, stop_token)
     T = f.unit_tokens
-    if first_token < 0 or stop_token > T * min(len(src_units), len(dst_units)):
-        raise UsageError(f"tokens [{first_token}, {stop_token}) exceed the "
-                         f"{min(len(src_units), len(dst_units))} units given")
     sreg, dreg = src.layer_regions[layer], dst.layer_regions[layer]
     if stop_token <= first_token:
         return sreg, dreg, np.zeros((0, 3), np.uint64)

@@ -6,9 +6,7 @@ worker's KV tensors) are the same loop: for each layer, the WRITE runs from the 
 placement to the target's (dualpath/kv/placement.py), then "layer l is in place" to
 whoever waits for it. :func:`write_layers` is that loop, with two layers in flight so
 the wire never idles between layers; :func:`write_layer` issues one layer's runs as one
-array (placement.run_arrays: no Python step per block) in one TransferEngine write;
-:func:`write_runs` issues a few runs of any layers, one write per (source region,
-target region) pair.
+array (placement.run_arrays: no Python step per block) in one TransferEngine write.
 
 Threads: the node's (or worker agent's) event loop.
 """
@@ -16,22 +14,11 @@ Threads: the node's (or worker agent's) event loop.
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from dualpath.engine.layers import LayerSource
-from dualpath.kv.placement import KvPlacement, Run, run_arrays
+from dualpath.kv.placement import KvPlacement, run_arrays
 from dualpath.transfer import TransferEngine
-
-
-async def write_runs(transfer: TransferEngine, peer: str, rs: Sequence[Run]) -> int:
-    """WRITE ``rs`` to ``peer``; the bytes moved once all landed."""
-    groups: dict[tuple[str, str], list[tuple[int, int, int]]] = defaultdict(list)
-    for r in rs:
-        groups[(r.src_region, r.dst_region)].append((r.src_offset, r.dst_offset, r.length))
-    await asyncio.gather(*(transfer.write(peer, items, local=src, remote=dst)
-                           for (src, dst), items in groups.items()))
-    return sum(r.length for r in rs)
 
 
 async def write_layer(transfer: TransferEngine, peer: str, src: KvPlacement,

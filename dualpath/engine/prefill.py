@@ -40,7 +40,7 @@ from dualpath import clock
 from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.errors import PeerUnavailable
-from dualpath.engine.kvio import write_layers, write_runs
+from dualpath.engine.kvio import write_layers
 from dualpath.engine.kvplan import Route, block_spans
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.layers import AllReady, BothReady, LayerSource, LocalArrivals
@@ -261,8 +261,7 @@ class PrefillPath:
                     waited.observe(time.monotonic() - t)
                 await eng.forward_layer(e, layer_s, hbm, spans, layer, computed_from, prompt)
                 _raise_failed(pushes, de)      # an earlier layer's push failed: stop here
-                push = self._push(de, [r for lo, hi in sent if hi > lo
-                                       for r in to_de.runs(layer, lo, hi)], layer)
+                push = self._push(de, *to_de.arrays(layer, sent), layer)
                 if layerwise:
                     pushes.append(asyncio.ensure_future(push))
                 else:
@@ -306,9 +305,11 @@ class PrefillPath:
             self.node.metrics.recomputed_blocks.inc(hit_blocks - usable)
         return usable * T
 
-    async def _push(self, de: str, rs, layer: int) -> int:
+    async def _push(self, de: str, src: str, dst: str, rows, layer: int) -> int:
         try:
-            return await write_runs(self.node.transfer, de, rs)
+            if len(rows):
+                await self.node.transfer.write(de, rows, local=src, remote=dst)
+            return int(rows[:, 2].sum())
         except TransferError as e:
             raise PeerUnavailable(f"push of layer {layer} to {de}: {e}") from e
 

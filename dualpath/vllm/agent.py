@@ -33,7 +33,7 @@ import numpy as np
 
 from dualpath import rpc, tls
 from dualpath.config_sections import KvLaneConfig, TransportConfig
-from dualpath.engine.kvio import write_runs
+from dualpath.engine.kvio import write_layer
 from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
 from dualpath.engine.shm import take_buffer
 from dualpath.errors import DualPathError, UsageError
@@ -516,9 +516,8 @@ class WorkerAgent:
         buf = self.attached.buffer
         stop = len(h.keys) * self.placement.fmt.block_tokens
         try:
-            await write_runs(self.transfer, self.settings.node_address,
-                             runs(self.placement, h.units, buf, buf.units_of_slots(slots),
-                                  layer, 0, stop))
+            await write_layer(self.transfer, self.settings.node_address, self.placement,
+                              h.units, buf, buf.units_of_slots(slots), layer, 0, stop)
         except DualPathError as e:
             h.ok, h.error = False, f"layer {layer}: {e}"
 

@@ -112,7 +112,7 @@ def _cached_pages(path) -> int:
 def test_a_written_block_leaves_the_page_cache(store):
     # Persisted KV is read back with O_DIRECT; its pages must not crowd out the host's
     # fresher data (bounded write-back).
-    if subprocess.run(["stat", "-f", "-c", "%T", str(store.dir)], capture_output=True,
+    if subprocess.run(["stat", "-f", "-c", "%T", str(store.dir)], capture_output=True, check=False,
                       text=True).stdout.strip() == "tmpfs":
         pytest.skip("the store is on tmpfs, where the page cache is the storage")
     _put(store, KEYS[0])

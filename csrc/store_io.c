@@ -157,6 +157,13 @@ static void prep_readv(struct ring *r, struct flight *f, uint64_t off, uint64_t 
     __atomic_store_n(r->sq_tail, tail + 1, __ATOMIC_RELEASE);
 }
 
+/* SQEs queued that the kernel has not taken yet (an enter cut short by a signal leaves
+ * some: the next enter submits them). */
+static unsigned unsubmitted(struct ring *r)
+{
+    return *r->sq_tail - __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
+}
+
 /* Drop `done` bytes from the front of f's scatter list. */
 static void advance(struct flight *f, uint64_t done)
 {
@@ -234,14 +241,14 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
     uint32_t nfree = depth, next = 0, inflight = 0;
     rc = 0;
     while (next < n || inflight) {
-        unsigned queued = 0;
         while (nfree && next < n) {
             struct dp_sio_item *it = &items[next];
             int fd = open_block(root_fd, it, direct);
             if (fd < 0) {
-                if (it->stage == DP_SIO_OPEN && it->err == ENOSYS && next == 0 &&
-                    inflight == 0) {
-                    rc = -ENOSYS;                  /* no openat2: nothing was read */
+                if (it->stage == DP_SIO_OPEN && (it->err == ENOSYS || it->err == EPERM) &&
+                    next == 0 && inflight == 0) {
+                    rc = -it->err;                 /* no openat2 for us (a seccomp filter
+                                                    * says EPERM): nothing was read */
                     goto out;
                 }
                 next++;
@@ -257,15 +264,13 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
                 f->iov[k].iov_len = it->lens[k];
             }
             prep_readv(&r, f, 0, s);
-            queued++;
             inflight++;
             /* An idle ring's first read goes at once: the disk starts on it while the
              * next files are opened; the rest go with the next enter. */
-            if (inflight == 1 &&
-                syscall(__NR_io_uring_enter, r.fd, queued, 0, 0, NULL, 0) == (long)queued)
-                queued = 0;
+            if (inflight == 1)
+                syscall(__NR_io_uring_enter, r.fd, unsubmitted(&r), 0, 0, NULL, 0);
         }
-        int got = (int)syscall(__NR_io_uring_enter, r.fd, queued, inflight ? 1 : 0,
+        int got = (int)syscall(__NR_io_uring_enter, r.fd, unsubmitted(&r), inflight ? 1 : 0,
                                inflight ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
         if (got < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY) {
             /* Not expected of a valid ring. Queue nothing more; the reads in flight
@@ -305,12 +310,7 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
                 more = f->niov > 0 && !(direct && (uint64_t)res < asked);
             }                                      /* res == 0: end of file */
             if (more && rc == 0) {
-                prep_readv(&r, f, (uint64_t)it->got, s);
-                if (syscall(__NR_io_uring_enter, r.fd, 1, 0, 0, NULL, 0) < 0) {
-                    it->err = errno;               /* not submitted: nothing in flight */
-                    it->stage = DP_SIO_READ;
-                    more = 0;
-                }
+                prep_readv(&r, f, (uint64_t)it->got, s);   /* goes with the next enter */
             } else if (more) {
                 it->err = -rc;
                 it->stage = DP_SIO_READ;

@@ -157,6 +157,16 @@ async def read_for(store: BlockStore, keys: list[bytes], pool: BlockPool, worker
     return done, elapsed
 
 
+def timed_reads(store: BlockStore, keys: list[bytes], pool: BlockPool, args
+                ) -> tuple[int, float, float]:
+    """:func:`read_for`, and the CPU seconds this process spent meanwhile (every thread:
+    the event loop, the store's readers)."""
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    n, sec = asyncio.run(read_for(store, keys, pool, args.workers, args.seconds))
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return n, sec, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
 def link_per_job(store_dir: Path, links: Path, jobs: int) -> int:
     """Hard-link the block files as ``blk.<job>.<n>`` so each fio job reads its own share.
 
@@ -193,9 +203,14 @@ def run_fio(store_dir: Path, links: Path, per_job: int, bs: int, file_bytes: int
     cmd = ["fio", "--name=blk", "--rw=read", f"--bs={bs}", "--direct=1", "--time_based",
            f"--runtime={int(seconds * 1000)}ms", "--output-format=json", *files]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]["read"]
-    return {"nbytes": job["io_bytes"], "seconds": job["runtime"] / 1000.0,
-            "ios": job["total_ios"], "cmd": " ".join(cmd)}
+    whole = json.loads(out[out.index("{"):])["jobs"][0]
+    job = whole["read"]
+    seconds = job["runtime"] / 1000.0
+    # usr_cpu / sys_cpu: percent of one CPU over the run (group_reporting sums the jobs)
+    cpu_s = (whole["usr_cpu"] + whole["sys_cpu"]) / 100.0 * seconds
+    return {"nbytes": job["io_bytes"], "seconds": seconds, "ios": job["total_ios"],
+            "cpu_s_per_gb": cpu_s / (job["io_bytes"] / 1e9) if job["io_bytes"] else None,
+            "cmd": " ".join(cmd)}
 
 
 def synth_speed(layout: BlockLayout, seconds: float = 0.5) -> tuple[float, float]:
@@ -268,15 +283,16 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
         for _ in range(args.rounds):
             for verify in (True, False):
                 store.verify_checksum = verify
-                n, sec = asyncio.run(read_for(store, keys, pool, args.workers, args.seconds))
+                n, sec, cpu = timed_reads(store, keys, pool, args)
                 keep("read: store, ReadQueue, O_DIRECT, "
                      + ("header + payload hash" if verify else "header only")
                      + (f", io_uring batches of {store.read_batch_depth}" if store.batched
                         else ", worker threads"),
-                     n * file_bytes, sec, n)
-            n, sec = asyncio.run(read_for(threads, keys, pool, args.workers, args.seconds))
+                     n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
+            n, sec, cpu = timed_reads(threads, keys, pool, args)
             keep(f"read: store, ReadQueue, O_DIRECT, header + payload hash, {args.workers} "
-                 "worker threads (read_batch_depth 0)", n * file_bytes, sec, n)
+                 "worker threads (read_batch_depth 0)", n * file_bytes, sec, n,
+                 cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
             for depth, engine, mem in itertools.product(
                     (args.workers, 2 * args.workers), ("psync", "libaio"), mems):
                 r = run_fio(store.dir, work / "fio", per_job, fio_bs, file_bytes, depth,
@@ -366,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         "store_read_no_hash_gbytes_per_s": round(bare_row["gbytes_per_s"], 3),
         "store_read_batched": meta["store_batched"],
         "store_read_threads_gbytes_per_s": round(threads_row["gbytes_per_s"], 3),
+        "store_read_cpu_s_per_gb": round(store_row["cpu_s_per_gb"], 3),
+        "store_read_threads_cpu_s_per_gb": round(threads_row["cpu_s_per_gb"], 3),
+        "fio_best_cpu_s_per_gb": round(fio_top["cpu_s_per_gb"], 3),
         "fio_read_gbytes_per_s": round(fio_best, 3),
         "fio_best_variant": fio_top["row"],
         "fio_large_file_gbytes_per_s": round(disk, 3),
@@ -399,9 +418,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.dir} ({fstype}); O_DIRECT {'on' if meta['o_direct'] else 'OFF'}; depth "
           f"{args.workers}; best of {args.rounds} interleaved rounds of {args.seconds:g} s")
     w = max(68, *(len(r["row"]) for r in rows))
-    print(f"{'measurement':<{w}} {'GB/s':>7} {'blocks/s':>9}")
+    print(f"{'measurement':<{w}} {'GB/s':>7} {'blocks/s':>9} {'CPU s/GB':>9}")
     for r in rows:
-        print(f"{r['row']:<{w}} {r['gbytes_per_s']:>7.3f} {r['ios'] / r['seconds']:>9.0f}")
+        cpu = r.get("cpu_s_per_gb")
+        print(f"{r['row']:<{w}} {r['gbytes_per_s']:>7.3f} {r['ios'] / r['seconds']:>9.0f} "
+              + (f"{cpu:>9.3f}" if cpu is not None else f"{'':>9}"))
     for label, v in ((f"{LABEL} generator, 1 thread", gen),
                      (f"{LABEL} verifier, 1 thread", ver),
                      ("payload hash xxh3_64, 1 thread, 1 MiB", hashes["xxh3_64"]),

@@ -402,22 +402,11 @@ class BlockStore:
         out = [False] * len(keys)
         if batch:
             pages = self._scratch.pages_for(2 * len(batch))
-            items = ffi.new("struct dp_sio_item[]", len(batch))
-            paths = []
-            for j, i in enumerate(batch):
-                it = items[j]
-                paths.append(ffi.new("char[]", "/".join(_parts(keys[i])).encode()))
-                it.path = paths[-1]
-                hdr, tail = pages[2 * j], pages[2 * j + 1]
-                bufs = [hdr, dsts[i][:cut], tail] if cut else [hdr, tail]
-                for k, b in enumerate(bufs):
-                    it.bufs[k] = ffi.cast("void *", b.ctypes.data)
-                    it.lens[k] = b.size
-                it.nbufs = len(bufs)
-                if self.verify_checksum:
-                    it.hash_skip, it.hash_len = HEADER_BYTES, full
+            items, paths = self._sio_items([keys[i] for i in batch],
+                                           [dsts[i][:cut] for i in batch], pages)
             rc = lib.dp_sio_read(self._root_fd, items, len(batch), self.read_batch_depth,
                                  int(direct))
+            del paths                          # kept alive through the call
             if rc in (-_errno.ENOSYS, -_errno.EPERM):
                 self._no_batches(rc)
                 return [self.read_into(k, o) for k, o in zip(keys, outs)]
@@ -445,6 +434,27 @@ class BlockStore:
         for i in sorted(retry + [i for i in range(len(keys)) if i not in in_batch]):
             out[i] = self.read_into(keys[i], outs[i])
         return out
+
+    def _sio_items(self, keys: Sequence[bytes], bodies: Sequence[np.ndarray],
+                   pages: np.ndarray):
+        """The C read loop's items: block ``keys[j]`` read as [header page, ``bodies[j]``,
+        tail page] (pages ``2j`` and ``2j + 1``), its payload hashed when checked; and the
+        path strings they point to (keep them alive through the call)."""
+        items = ffi.new("struct dp_sio_item[]", len(keys))
+        paths = []
+        for j, (key, body) in enumerate(zip(keys, bodies)):
+            it = items[j]
+            paths.append(ffi.new("char[]", "/".join(_parts(key)).encode()))
+            it.path = paths[-1]
+            bufs = [pages[2 * j], body, pages[2 * j + 1]] if body.size else \
+                [pages[2 * j], pages[2 * j + 1]]
+            for k, b in enumerate(bufs):
+                it.bufs[k] = ffi.cast("void *", b.ctypes.data)
+                it.lens[k] = b.size
+            it.nbufs = len(bufs)
+            if self.verify_checksum:
+                it.hash_skip, it.hash_len = HEADER_BYTES, self.layout.full_bytes
+        return items, paths
 
     def _no_batches(self, rc: int) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import transfer_calls  # noqa: E402
+import transfer_calls
 
 
 def test_python_calls_per_request_layer_do_not_grow_with_blocks(tmp_path, capsys):

@@ -38,7 +38,7 @@ import logging
 import threading
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Self
+from typing import NamedTuple, Self
 
 import numpy as np
 
@@ -102,6 +102,39 @@ class _Seg:
         if self.first_wr:
             self.first_wr += k
         return head
+
+
+# The event loop -> the data-path thread: typed commands on a deque (no lock; one wake-up).
+class _Submit(NamedTuple):
+    transfer: _Transfer
+
+
+class _Cancel(NamedTuple):
+    transfer: _Transfer
+
+
+class _AddPeer(NamedTuple):
+    peer: _Peer
+
+
+class _ConnUp(NamedTuple):
+    conn: _Conn
+
+
+class _ConnDown(NamedTuple):
+    conn: _Conn
+    cause: BaseException | None
+
+
+class _Discard(NamedTuple):
+    conns: list[Connection]
+
+
+class _Stop(NamedTuple):
+    pass
+
+
+_Command = _Submit | _Cancel | _AddPeer | _ConnUp | _ConnDown | _Discard | _Stop
 
 
 class _Conn:
@@ -264,18 +297,18 @@ class TransferEngine:
         if not len(rows):
             return
         t = _Transfer(self._loop.create_future(), p, rows, region, remote)
-        self._command(("submit", t))
+        self._command(_Submit(t))
         try:
             await asyncio.wait_for(asyncio.shield(t.fut), bound)
         except TimeoutError:
             t.abandoned = True
-            self._command(("cancel", t))
+            self._command(_Cancel(t))
             raise TransferTimeout(f"write of {t.nbytes} bytes ({t.nslices} slices) to peer "
                                   f"{peer!r} did not complete within {bound:.3g} s",
                                   errno=errno.ETIMEDOUT) from None
         except asyncio.CancelledError:
             t.abandoned = True
-            self._command(("cancel", t))
+            self._command(_Cancel(t))
             raise
 
     async def close(self) -> None:
@@ -291,14 +324,14 @@ class TransferEngine:
                 task.cancel()
             await asyncio.gather(*self._recoveries, *self._connecting.values(),
                                  return_exceptions=True)
-            self._command(("stop",))
+            self._command(_Stop())
             await asyncio.to_thread(self._thread.join)
         # Nothing else runs now: connects in the executor finish within their bound.
         await asyncio.to_thread(self._connector.shutdown, True)
         closed = TransferError(f"transfer engine {self.name} closed")
         for cmd in self._cmds:
-            if cmd[0] == "submit":
-                self._finish(cmd[1], closed)
+            if isinstance(cmd, _Submit):
+                self._finish(cmd.transfer, closed)
         self._cmds.clear()
         self._fail_everything(closed)
         self._deliver(self._events)
@@ -318,7 +351,7 @@ class TransferEngine:
         if self._state != "running":
             raise UsageError(f"transfer engine {self.name} is {self._state}, not running")
 
-    def _command(self, cmd: tuple) -> None:
+    def _command(self, cmd: _Command) -> None:
         self._cmds.append(cmd)
         self._kick.set()
         self.provider.wake()
@@ -372,7 +405,7 @@ class TransferEngine:
         except BaseException as e:
             # Connected sockets may already have events queued on the data-path thread's
             # completion stream: only that thread may close them.
-            self._command(("discard", conns))
+            self._command(_Discard(conns))
             if isinstance(e, (DualPathError, OSError)):
                 raise TransferError(f"cannot connect to peer {name!r}: {e}",
                                     errno=getattr(e, "errno", 0) or 0) from e
@@ -380,7 +413,7 @@ class TransferEngine:
         p = _Peer(name, dict(regions))
         p.conns = [_Conn(p, i, c) for i, c in enumerate(conns)]
         self._peers[name] = p
-        self._command(("add_peer", p))
+        self._command(_AddPeer(p))
         log.info("transfer engine %s: connected to %s %s (%d connections; regions %s)",
                  self.name, name, "by copies in this process (no network stack)"
                  if self._to_self(name) else f"over {self.transport}", n,
@@ -433,9 +466,9 @@ class TransferEngine:
                 continue
             log.info("transfer engine %s: peer %s connection %d recovered (attempt %d)",
                      self.name, p.name, c.index, attempt)
-            self._command(("conn_up", c))
+            self._command(_ConnUp(c))
             return
-        self._command(("conn_down", c, last))
+        self._command(_ConnDown(c, last))
 
     def _deliver(self, events: list[tuple]) -> None:
         """Loop: act on a batch of data-path events."""
@@ -489,27 +522,24 @@ class TransferEngine:
 
     def _apply_commands(self) -> bool:
         while self._cmds:
-            cmd = self._cmds.popleft()
-            op = cmd[0]
-            if op == "submit":
-                t = cmd[1]
-                t.peer.pending.append(_Seg(t, 0, t.nslices))
-            elif op == "add_peer":
-                p = cmd[1]
-                self._w_peers[p.name] = p
-                for c in p.conns:
-                    self._w_conns[c.conn.conn_id] = c
-            elif op == "conn_up":
-                cmd[1].state = UP
-            elif op == "conn_down":
-                self._conn_down(cmd[1], cmd[2])
-            elif op == "cancel":
-                self._cancel(cmd[1])
-            elif op == "discard":
-                for conn in cmd[1]:
-                    conn.close()
-            elif op == "stop":
-                return False
+            match self._cmds.popleft():
+                case _Submit(t):
+                    t.peer.pending.append(_Seg(t, 0, t.nslices))
+                case _AddPeer(p):
+                    self._w_peers[p.name] = p
+                    for c in p.conns:
+                        self._w_conns[c.conn.conn_id] = c
+                case _ConnUp(c):
+                    c.state = UP
+                case _ConnDown(c, cause):
+                    self._conn_down(c, cause)
+                case _Cancel(t):
+                    self._cancel(t)
+                case _Discard(conns):
+                    for conn in conns:
+                        conn.close()
+                case _Stop():
+                    return False
         return True
 
     def _post_pending(self) -> None:

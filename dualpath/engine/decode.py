@@ -282,6 +282,14 @@ class DecodePath:
             raise UsageError(f"{st.request_id}: target KV format {order.target.fmt.signature()}"
                              f" is not ours ({self.space.fmt.signature()})")
         await self.node.transfer.connect(order.target_peer)
+        # A first connect waits: meanwhile the request may have been dropped here (its PE
+        # cancelled it: the PE's memory may already serve another request) or overtaken
+        # by a newer attempt. Its load must not start then; checked with no await before
+        # the spawn, so a later drop finds the task and waits for it.
+        if self.requests.get(order.request_id) is not st or st.load_error:
+            raise StaleAttempt(f"{order.request_id} (attempt {st.attempt}) was dropped here "
+                               f"while connecting to {order.target_peer}; its load order "
+                               "is not carried out")
         st.tasks.append(self.node.spawn(self.load_hit_kv(st, order)))
 
     def start_decode(self, st: DecodeState, done: PrefillReport) -> None:

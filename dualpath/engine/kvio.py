@@ -26,10 +26,16 @@ async def write_layer(transfer: TransferEngine, peer: str, src: KvPlacement,
                       layer: int, first_token: int, stop_token: int) -> int:
     """WRITE layer ``layer``'s tokens ``[first_token, stop_token)`` from ``src`` to
     ``peer``'s ``dst`` in one transfer; the bytes moved once all landed."""
-    sreg, dreg, rows = run_arrays(src, src_units, dst, dst_units, layer, first_token,
-                                  stop_token)
+    return await write_rows(transfer, peer, *run_arrays(src, src_units, dst, dst_units,
+                                                        layer, first_token, stop_token))
+
+
+async def write_rows(transfer: TransferEngine, peer: str, src_region: str,
+                     dst_region: str, rows) -> int:
+    """WRITE uint64 ``(src_offset, dst_offset, length)`` rows from ``src_region`` to
+    ``peer``'s ``dst_region`` in one transfer; the bytes moved once all landed."""
     if len(rows):
-        await transfer.write(peer, rows, local=sreg, remote=dreg)
+        await transfer.write(peer, rows, local=src_region, remote=dst_region)
     return int(rows[:, 2].sum())
 
 

@@ -40,7 +40,7 @@ from dualpath import clock
 from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.errors import PeerUnavailable
-from dualpath.engine.kvio import write_layers
+from dualpath.engine.kvio import write_layers, write_rows
 from dualpath.engine.kvplan import Route, block_spans
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.layers import AllReady, BothReady, LayerSource, LocalArrivals
@@ -307,9 +307,7 @@ class PrefillPath:
 
     async def _push(self, de: str, src: str, dst: str, rows, layer: int) -> int:
         try:
-            if len(rows):
-                await self.node.transfer.write(de, rows, local=src, remote=dst)
-            return int(rows[:, 2].sum())
+            return await write_rows(self.node.transfer, de, src, dst, rows)
         except TransferError as e:
             raise PeerUnavailable(f"push of layer {layer} to {de}: {e}") from e
 

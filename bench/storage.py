@@ -9,7 +9,8 @@ Method
      BlockPool, a ReadQueue of depth --workers reads blocks into them with O_DIRECT
      (blocks queued behind a reader's go with it as one batch to the C read loop:
      openat2 + io_uring, storage.read_batch_depth = 8 in flight per batch), checking
-     header and payload hash (XXH3-64); then again with the payload hash off; and with
+     header and payload hash (XXH3-64); then with the cluster key, as a node reads
+     (the block tag checked in the same pass); then with the payload hash off; and with
      batches off (read_batch_depth 0: one preadv per block on --workers threads, the
      store's fallback without io_uring).
   3. fio reads the SAME files with O_DIRECT, bs = file size (header + payload, rounded
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import json
 import os
@@ -59,11 +61,12 @@ from dualpath.kv.prefix import block_keys
 from dualpath.kv.profiles import PROFILES, get_profile
 from dualpath.kv.synth import LABEL, SyntheticKV
 from dualpath.storage import BlockStore
-from dualpath.storage.format import HEADER_BYTES, payload_hash
+from dualpath.storage.format import HEADER_BYTES, integrity_tag, payload_hash
 from dualpath.storage.read_queue import ReadQueue
 
 REPO = Path(__file__).resolve().parents[1]
 RAM_FILESYSTEMS = {"tmpfs", "ramfs"}
+KEY = os.urandom(32)        # the file set's cluster key (blocks carry their tag)
 
 
 def fs_type(path: Path) -> str:
@@ -241,10 +244,14 @@ def synth_speed(layout: BlockLayout, seconds: float = 0.5) -> tuple[float, float
 
 
 def hash_speed(seconds: float = 0.3) -> dict[str, float]:
-    """Bytes/s of the store's payload hash and of zlib.crc32 (the alternative) on 1 MiB."""
+    """Bytes/s on 1 MiB of the store's payload hash and of zlib.crc32 (the alternative),
+    of the block tag (format 2) and of format 1's keyed BLAKE2b."""
     buf = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    head = bytes(HEADER_BYTES)
     out = {}
-    for name, fn in (("xxh3_64", payload_hash), ("zlib.crc32", zlib.crc32)):
+    for name, fn in (("xxh3_64", payload_hash), ("zlib.crc32", zlib.crc32),
+                     ("block_tag", lambda b: integrity_tag(KEY, head, b)),
+                     ("blake2b_keyed", lambda b: hashlib.blake2b(b, key=KEY).digest())):
         fn(buf)
         reps, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
@@ -279,6 +286,8 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
         mems = (False, True) if huge else (False,)
         threads = BlockStore(work / "files", profile, read_workers=args.workers,
                              read_batch_depth=0)
+        keyed = BlockStore(work / "files", profile, read_workers=args.workers,
+                           integrity_key=KEY)
         meta["store_batched"] = store.batched
         for _ in range(args.rounds):
             for verify in (True, False):
@@ -289,6 +298,10 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
                      + (f", io_uring batches of {store.read_batch_depth}" if store.batched
                         else ", worker threads"),
                      n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
+            n, sec, cpu = timed_reads(keyed, keys, pool, args)
+            keep("read: store, ReadQueue, O_DIRECT, header + payload hash + block tag (cluster "
+                 f"key), io_uring batches of {keyed.read_batch_depth}", n * file_bytes, sec, n,
+                 cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
             n, sec, cpu = timed_reads(threads, keys, pool, args)
             keep(f"read: store, ReadQueue, O_DIRECT, header + payload hash, {args.workers} "
                  "worker threads (read_batch_depth 0)", n * file_bytes, sec, n,
@@ -308,6 +321,7 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
         meta["o_direct"] = store.direct
         meta["store_stats"] = store.stats_dict()
         threads.close()
+        keyed.close()
         del pool
         region.close()
     return best, meta
@@ -352,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     nblocks = max(args.workers * 4, int(args.gib * (1 << 30)) // file_bytes)
     keys = block_keys(np.arange(nblocks * layout.tokens) % 100_000, layout.tokens)
     try:
-        with BlockStore(work / "files", profile) as store:
+        with BlockStore(work / "files", profile, integrity_key=KEY) as store:
             wsec = write_set(store, keys)
         os.sync()
         # The store's buffers and fio's deepest run (2 x workers buffers), with room.
@@ -369,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
              "seconds": wsec, "ios": nblocks, "gbytes_per_s": nblocks * file_bytes / wsec / 1e9},
             *reads.values()]
     store_row = next(r for r in rows if "payload hash" in r["row"]
-                     and "read_batch_depth 0" not in r["row"])
+                     and "read_batch_depth 0" not in r["row"] and "tag" not in r["row"])
+    keyed_row = next(r for r in rows if "block tag" in r["row"])
     threads_row = next(r for r in rows if "read_batch_depth 0" in r["row"])
     bare_row = next(r for r in rows if "header only" in r["row"])
     fio_rows = [r for r in rows if "fio" in r["row"] and "large file" not in r["row"]]
@@ -383,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         "store_read_batched": meta["store_batched"],
         "store_read_threads_gbytes_per_s": round(threads_row["gbytes_per_s"], 3),
         "store_read_cpu_s_per_gb": round(store_row["cpu_s_per_gb"], 3),
+        "read_keyed_vs_fio_ratio": round(keyed_row["gbytes_per_s"] / fio_best, 3),
+        "store_read_keyed_cpu_s_per_gb": round(keyed_row["cpu_s_per_gb"], 3),
         "store_read_threads_cpu_s_per_gb": round(threads_row["cpu_s_per_gb"], 3),
         "fio_best_cpu_s_per_gb": round(fio_top["cpu_s_per_gb"], 3),
         "fio_read_gbytes_per_s": round(fio_best, 3),
@@ -395,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         "verifier_gbytes_per_s": round(ver / 1e9, 3),
         "xxh3_gbytes_per_s": round(hashes["xxh3_64"] / 1e9, 3),
         "crc32_gbytes_per_s": round(hashes["zlib.crc32"] / 1e9, 3),
+        "block_tag_gbytes_per_s": round(hashes["block_tag"] / 1e9, 3),
+        "blake2b_keyed_gbytes_per_s": round(hashes["blake2b_keyed"] / 1e9, 3),
     }
     record = {
         "bench": "storage",
@@ -426,7 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, v in ((f"{LABEL} generator, 1 thread", gen),
                      (f"{LABEL} verifier, 1 thread", ver),
                      ("payload hash xxh3_64, 1 thread, 1 MiB", hashes["xxh3_64"]),
-                     ("for comparison: zlib.crc32, 1 thread, 1 MiB", hashes["zlib.crc32"])):
+                     ("for comparison: zlib.crc32, 1 thread, 1 MiB", hashes["zlib.crc32"]),
+                     ("block tag (Poly1305, one-time key), 1 thread, 1 MiB",
+                      hashes["block_tag"]),
+                     ("for comparison: keyed BLAKE2b (format 1's tag), 1 thread, 1 MiB",
+                      hashes["blake2b_keyed"])):
         print(f"{label:<{w}} {v / 1e9:>7.3f}")
     print(f"read_vs_fio_ratio (store with payload hash / best fio on the same files: "
           f"{summary['fio_best_variant']}) = {summary['read_vs_fio_ratio']:.3f}; against "

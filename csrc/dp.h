@@ -437,7 +437,10 @@ struct dp_sio_item {
     int32_t err;           /* out: 0 or errno */
     int32_t stage;         /* out: enum dp_sio_stage where err was raised */
     int32_t hashed;        /* out: 1 when `hash` holds the digest */
-    int32_t pad;
+    int32_t tag;           /* out, when dp_sio_read has a secret: 1 when the block tag of
+                            * file bytes [0, DP_TAG_HEAD) and the hash range equals the
+                            * one stored at [DP_TAG_HEAD, +DP_TAG_BYTES) (bufs[0] holds
+                            * both), -1 when it differs, 0 when not computed */
     int64_t got;           /* out: bytes read */
 };
 
@@ -454,13 +457,41 @@ enum dp_sio_stage {
  * reads submitted to one io_uring ring with at most `depth` in flight (refilled as they
  * complete), one io_uring_enter per refill; each file's hash range is hashed as soon as
  * it lands, while the others are still in flight. With `direct` each file is read with
- * O_DIRECT (every buffer address and length must then be 4096-aligned). Per-item
+ * O_DIRECT (every buffer address and length must then be 4096-aligned). With `secret`
+ * (the cluster key, or NULL) each file's block tag is checked in the same pass. Per-item
  * outcomes in the items; returns 0, or -ENOSYS/-EPERM when the kernel has no io_uring
  * or openat2 for us (nothing was read: use a thread pool), -EINVAL for bad arguments.
  * Blocking; any thread; no state kept between calls. */
 int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t depth,
-                int direct);
+                int direct, const uint8_t *secret, uint32_t secret_len);
+
+/* ------------------------------------------------------------------ block tags */
+
+/* The keyed integrity tag of a block file, format 2 (csrc/block_tag.c): Poly1305 under
+ * BLAKE2b-256(key = secret[:64], label || nonce) over the header's first DP_TAG_HEAD
+ * bytes (the nonce is their last DP_TAG_NONCE) and the payload. */
+enum dp_tag_sizes {
+    DP_TAG_BYTES = 16,     /* the tag, stored at header bytes [DP_TAG_HEAD, +16) */
+    DP_TAG_NONCE = 16,     /* the per-write random nonce, header bytes [104, 120) */
+    DP_TAG_HEAD = 120      /* header bytes the tag covers */
+};
+
+/* [int] The tag of `head` (>= DP_TAG_HEAD bytes) and `payload` into `out`
+ * (DP_TAG_BYTES). -EINVAL for a secret under 32 bytes, -ENOSYS for a libcrypto without
+ * BLAKE2BMAC or POLY1305, -EIO when it fails. Any thread; no state. */
+int dp_block_tag(const uint8_t *secret, uint32_t secret_len, const void *head,
+                 const void *payload, uint64_t payload_len, uint8_t *out);
 
 /* DP_CDEF_END */
+
+/* Not for cffi: the same tag computed piecewise (store_io.c hashes a read as it lands).
+ * begin -> update* -> end; end frees the state whatever it returns. [int] each. */
+struct dp_tag {
+    void *ctx;
+};
+int dp_tag_begin(struct dp_tag *t, const uint8_t *secret, uint32_t secret_len,
+                 const uint8_t *nonce);
+int dp_tag_update(struct dp_tag *t, const void *data, uint64_t len);
+int dp_tag_end(struct dp_tag *t, uint8_t *out);
 
 #endif /* DP_H */

@@ -23,6 +23,7 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
+#include <openssl/crypto.h>
 #include <xxhash.h>
 
 struct ring {
@@ -179,12 +180,22 @@ static void advance(struct flight *f, uint64_t done)
 }
 
 /* XXH3-64 of file bytes [hash_skip, hash_skip + hash_len) of a read item, across its
- * buffers (the payload of a block read with O_DIRECT ends in the tail page). */
-static void hash_item(XXH3_state_t *st, struct dp_sio_item *it)
+ * buffers (the payload of a block read with O_DIRECT ends in the tail page), and with a
+ * secret the block tag of the header's first DP_TAG_HEAD bytes and the same range: one
+ * pass, a cache-sized piece at a time through both. */
+#define PASS_PIECE (64u << 10)
+
+static void hash_item(XXH3_state_t *st, struct dp_sio_item *it, const uint8_t *secret,
+                      uint32_t secret_len)
 {
     uint64_t skip = it->hash_skip, left = it->hash_len;
     if (!left || (uint64_t)it->got < skip + left)
         return;
+    const uint8_t *head = it->bufs[0];
+    struct dp_tag t = {NULL};
+    int tagging = secret && it->lens[0] >= DP_TAG_HEAD + DP_TAG_BYTES &&
+                  dp_tag_begin(&t, secret, secret_len, head + DP_TAG_HEAD - DP_TAG_NONCE) == 0 &&
+                  dp_tag_update(&t, head, DP_TAG_HEAD) == 0;
     XXH3_64bits_reset(st);
     for (uint32_t k = 0; k < it->nbufs && left; k++) {
         uint64_t len = it->lens[k];
@@ -193,16 +204,25 @@ static void hash_item(XXH3_state_t *st, struct dp_sio_item *it)
             continue;
         }
         uint64_t take = len - skip < left ? len - skip : left;
-        XXH3_64bits_update(st, (const char *)it->bufs[k] + skip, take);
+        const char *p = (const char *)it->bufs[k] + skip;
+        for (uint64_t off = 0; off < take; off += PASS_PIECE) {
+            uint64_t piece = take - off < PASS_PIECE ? take - off : PASS_PIECE;
+            XXH3_64bits_update(st, p + off, piece);
+            if (tagging && dp_tag_update(&t, p + off, piece) != 0)
+                tagging = 0;
+        }
         left -= take;
         skip = 0;
     }
     it->hash = XXH3_64bits_digest(st);
     it->hashed = 1;
+    uint8_t tag[DP_TAG_BYTES];
+    if (t.ctx && dp_tag_end(&t, tag) == 0 && tagging)
+        it->tag = CRYPTO_memcmp(tag, head + DP_TAG_HEAD, DP_TAG_BYTES) == 0 ? 1 : -1;
 }
 
 int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t depth,
-                int direct)
+                int direct, const uint8_t *secret, uint32_t secret_len)
 {
     if ((n && !items) || depth == 0 || depth > 4096)
         return -EINVAL;
@@ -214,6 +234,7 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
         it->stage = DP_SIO_OK;
         it->got = 0;
         it->hashed = 0;
+        it->tag = 0;
     }
     if (n == 0)
         return 0;
@@ -318,7 +339,7 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
             }
             if (!more) {
                 if (!it->err)
-                    hash_item(hst, it);
+                    hash_item(hst, it, secret, secret_len);
                 close(f->fd);
                 free_slots[nfree++] = s;
                 inflight--;

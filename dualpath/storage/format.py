@@ -4,9 +4,9 @@ A block file is a 4096-byte header followed by the Full Block payload, nothing e
 
     offset  size  field
     0       8     magic            b"DPKVBLK\\0"
-    8       2     format version   1
+    8       2     format version   2
     10      2     header bytes     4096 (payload offset; keeps the payload O_DIRECT-aligned)
-    12      4     flags            bit 0: TAGGED (an integrity tag follows the hash)
+    12      4     flags            bit 0: TAGGED (a nonce and an integrity tag follow)
     16      32    profile name     UTF-8, NUL padded (e.g. "ds660b")
     48      4     layers           \\
     52      4     tokens            > the block layout (dualpath.kv.layout.BlockLayout)
@@ -16,12 +16,14 @@ A block file is a 4096-byte header followed by the Full Block payload, nothing e
     72      8     payload hash     XXH3-64 (seed 0) of the payload
     80      16    block key        the chained prefix key (dualpath.kv.prefix)
     96      8     header hash      XXH3-64 (seed 0) of bytes 0..95
-    104     32    integrity tag    TAGGED only: keyed BLAKE2b-256 (the cluster key) of
-                                   bytes 0..103 and the payload; else zero
+    104     16    nonce            TAGGED only: random, drawn for every write; else zero
+    120     16    integrity tag    TAGGED only: Poly1305 of bytes 0..119 and the payload
+                                   under BLAKE2b-256(cluster key, label || nonce); else zero
     136..4095     zero
 
 All integers are little-endian. A reader accepts a file only when every field matches
 what it expects, both hashes match and the file is exactly header + payload bytes long.
+Format 1 (a keyed BLAKE2b tag at 104) is read as corrupt: a miss, computed again.
 
 Why XXH3-64 and not zlib's CRC-32: the check runs on every block read, and a node reads
 at its storage NICs' speed. On one core XXH3 hashes tens of GB/s and zlib.crc32 a few
@@ -30,40 +32,50 @@ check costs a sliver of a core instead of limiting the read.
 
 The XXH3 digests catch accidents, not an adversary: anyone who can write the shared
 mount can forge a block whose hashes match. With a cluster key (storage.integrity_key_
-file) every block carries a keyed BLAKE2b tag over its header and payload, which only
-a holder of the key can make; a reader with the key accepts only tagged blocks whose tag
-verifies. BLAKE2b (hashlib, releases the GIL) hashes ~1 GB/s per core: the price of
-integrity against writers of the mount, paid only where a key is configured.
+file) every block carries a keyed tag over its header and payload, which only a holder
+of the key can make; a reader with the key accepts only tagged blocks whose tag
+verifies. The tag is Poly1305 under a one-time key derived from the cluster key and the
+block's own random nonce (csrc/block_tag.c): each one-time key authenticates the one
+write that drew its nonce, as Poly1305 requires, and libcrypto runs it at several GB/s
+per core (keyed BLAKE2b, format 1's tag, ran at ~1 and cost a core per GB read). The
+batched read path (csrc/store_io.c) checks it in the same pass as the XXH3 digest.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
+import os
 import struct
 
 import xxhash
 
+from dualpath._native import ffi, lib
 from dualpath.kv.layout import BlockLayout
 
 MAGIC = b"DPKVBLK\0"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 4096
 _FIELDS = struct.Struct("<8sHHI32sIIIIQQ16s")
 _HASH = struct.Struct("<Q")
 PROFILE_NAME_BYTES = 32
 FLAG_TAGGED = 1
-TAG_OFFSET, TAG_BYTES = 104, 32
+NONCE_OFFSET, NONCE_BYTES = 104, lib.DP_TAG_NONCE
+TAG_OFFSET, TAG_BYTES = lib.DP_TAG_HEAD, lib.DP_TAG_BYTES
 MIN_KEY_BYTES = 32
 
 payload_hash = xxhash.xxh3_64_intdigest   # (buffer) -> int; releases the GIL on big inputs
 
 
 def integrity_tag(secret: bytes, head: bytes, payload) -> bytes:
-    """Keyed BLAKE2b-256 of a header's first 104 bytes and the payload."""
-    h = hashlib.blake2b(head[:TAG_OFFSET], key=secret[:64], digest_size=TAG_BYTES)
-    h.update(payload)
-    return h.digest()
+    """The tag of a header's first 120 bytes (its nonce included) and the payload
+    (csrc/block_tag.c; the GIL is released while it runs)."""
+    out = ffi.new("uint8_t[]", TAG_BYTES)
+    view = memoryview(payload).cast("B")
+    rc = lib.dp_block_tag(secret, len(secret), ffi.from_buffer(head[:TAG_OFFSET]),
+                          ffi.from_buffer(view), view.nbytes, out)
+    if rc:
+        raise OSError(-rc, f"block tag: {os.strerror(-rc)}")
+    return bytes(ffi.buffer(out))
 
 
 def pack_header(profile: str, layout: BlockLayout, key: bytes, payload_digest: int,
@@ -79,19 +91,22 @@ def pack_header(profile: str, layout: BlockLayout, key: bytes, payload_digest: i
                           payload_digest, key)
     head = fields + _HASH.pack(payload_hash(fields))
     if secret is not None:
+        head += os.urandom(NONCE_BYTES)
         head += integrity_tag(secret, head, payload)
     return head + bytes(HEADER_BYTES - len(head))
 
 
-def check_tag(buf, secret: bytes, payload) -> str | None:
-    """None when the header is TAGGED and its tag verifies under ``secret``."""
+def check_tag(buf, secret: bytes, payload, checked: int = 0) -> str | None:
+    """None when the header is TAGGED and its tag verifies under ``secret``.
+    ``checked``: the read loop's verdict when it computed the tag (1 equal, -1 not;
+    0: compute it here)."""
     head = bytes(buf[:TAG_OFFSET + TAG_BYTES])
     (flags,) = struct.unpack_from("<I", head, 12)
     if not flags & FLAG_TAGGED:
         return "no integrity tag (written without the cluster key)"
-    if not hmac.compare_digest(head[TAG_OFFSET:], integrity_tag(secret, head, payload)):
-        return "integrity tag mismatch (not written with this cluster key)"
-    return None
+    ok = checked > 0 if checked else hmac.compare_digest(
+        head[TAG_OFFSET:], integrity_tag(secret, head, payload))
+    return None if ok else "integrity tag mismatch (not written with this cluster key)"
 
 
 def check_header(buf, profile: str, layout: BlockLayout, key: bytes) -> tuple[str | None, int]:

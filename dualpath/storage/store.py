@@ -404,8 +404,10 @@ class BlockStore:
             pages = self._scratch.pages_for(2 * len(batch))
             items, paths = self._sio_items([keys[i] for i in batch],
                                            [dsts[i][:cut] for i in batch], pages)
+            key = self.integrity_key
             rc = lib.dp_sio_read(self._root_fd, items, len(batch), self.read_batch_depth,
-                                 int(direct))
+                                 int(direct), key if key is not None else ffi.NULL,
+                                 len(key or b""))
             del paths                          # kept alive through the call
             if rc in (-_errno.ENOSYS, -_errno.EPERM):
                 self._no_batches(rc)
@@ -419,7 +421,7 @@ class BlockStore:
                     self._count(reads=1)
                     problem = self._check_file(keys[i], dsts[i], it.got, pages[2 * j],
                                                dsts[i], pages[2 * j + 1], direct,
-                                               it.hash if it.hashed else None)
+                                               it.hash if it.hashed else None, it.tag)
                     out[i] = self._outcome(keys[i], dsts[i], problem)
                 elif direct and it.err == _errno.EINVAL and it.stage in (
                         lib.DP_SIO_DIRECT, lib.DP_SIO_READ):
@@ -452,7 +454,7 @@ class BlockStore:
                 it.bufs[k] = ffi.cast("void *", b.ctypes.data)
                 it.lens[k] = b.size
             it.nbufs = len(bufs)
-            if self.verify_checksum:
+            if self.verify_checksum or self.integrity_key is not None:
                 it.hash_skip, it.hash_len = HEADER_BYTES, self.layout.full_bytes
         return items, paths
 
@@ -580,11 +582,12 @@ class BlockStore:
 
     def _check_file(self, key: bytes, dst: np.ndarray, got: int, header: np.ndarray,
                     body: np.ndarray, tail: np.ndarray, direct: bool,
-                    digest_read: int | None = None) -> str | None:
+                    digest_read: int | None = None, tag_read: int = 0) -> str | None:
         """Check a file read as [header, body[:cut], tail] and put its payload in
         ``dst`` (from ``body`` when that was a bounce buffer, and the unaligned rest
         from ``tail``): the problem found, or None when good. ``digest_read``: the
-        payload's XXH3-64 when the read already computed it (the C read loop)."""
+        payload's XXH3-64 and ``tag_read`` its tag's verdict (1 equal, -1 not, 0 not
+        computed) when the read already computed them (the C read loop)."""
         full = dst.size
         cut = full - full % ALIGN if direct else full
         if got != HEADER_BYTES + full:
@@ -600,7 +603,7 @@ class BlockStore:
                                      else digest_read) != digest:
             return "payload hash mismatch"
         if self.integrity_key is not None:
-            return check_tag(header, self.integrity_key, dst)
+            return check_tag(header, self.integrity_key, dst, tag_read)
         return None
 
     def _open_for_read(self, key: bytes, direct: bool) -> int:

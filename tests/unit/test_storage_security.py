@@ -45,6 +45,57 @@ def test_a_block_planted_without_the_cluster_key_is_a_miss(tmp_path):
         assert _read(good, KEYS[0])[0] is False
 
 
+
+def _reseal(data: bytearray, payload_len: int) -> None:
+    """Re-seal a block file's XXH3 payload hash and header hash after an edit (what a
+    writer of the mount can do without the key)."""
+    import struct
+
+    import xxhash
+
+    from dualpath.storage.format import HEADER_BYTES
+    struct.pack_into("<Q", data, 72, xxhash.xxh3_64_intdigest(
+        bytes(data[HEADER_BYTES:HEADER_BYTES + payload_len])))
+    struct.pack_into("<Q", data, 96, xxhash.xxh3_64_intdigest(bytes(data[:96])))
+
+
+def test_a_genuine_header_spliced_onto_other_kv_is_a_miss(tmp_path):
+    # The attacker keeps a genuine block's header (its nonce and tag) and swaps in other
+    # KV, or moves one block's nonce and tag onto another: the one-time key of a nonce
+    # authenticates only the write that drew it.
+    from dualpath.storage.format import HEADER_BYTES, NONCE_OFFSET, TAG_BYTES, TAG_OFFSET
+    with BlockStore(tmp_path, PROFILE, integrity_key=SECRET) as good:
+        n = good.layout.full_bytes
+        for k in KEYS[:3]:
+            _put(good, k)
+        a, b = (bytearray(good.path_of(k).read_bytes()) for k in KEYS[:2])
+        c = bytearray(good.path_of(KEYS[2]).read_bytes())
+        a[HEADER_BYTES:] = b[HEADER_BYTES:]                  # KEYS[1]'s KV, KEYS[0]'s tag
+        _reseal(a, n)
+        good.path_of(KEYS[0]).write_bytes(bytes(a))
+        c[NONCE_OFFSET:TAG_OFFSET + TAG_BYTES] = b[NONCE_OFFSET:TAG_OFFSET + TAG_BYTES]
+        good.path_of(KEYS[2]).write_bytes(bytes(c))          # KEYS[1]'s nonce and tag
+        assert _read(good, KEYS[0])[0] is False
+        assert _read(good, KEYS[2])[0] is False
+        assert _read(good, KEYS[1])[0] is True
+        assert good.stats.corrupt_blocks == 2
+
+
+def test_every_write_draws_its_own_nonce(tmp_path):
+    # Poly1305 is a one-time authenticator: two writes of the same block (same key, same
+    # KV) must not share a one-time key, so they carry different nonces and tags.
+    from dualpath.storage.format import NONCE_OFFSET, TAG_BYTES, TAG_OFFSET
+    with BlockStore(tmp_path, PROFILE, integrity_key=SECRET) as good:
+        buf = _put(good, KEYS[0])
+        first = good.path_of(KEYS[0]).read_bytes()
+        assert good.write(KEYS[0], buf, overwrite=True)
+        second = good.path_of(KEYS[0]).read_bytes()
+        assert first[NONCE_OFFSET:TAG_OFFSET] != second[NONCE_OFFSET:TAG_OFFSET]
+        assert first[TAG_OFFSET:TAG_OFFSET + TAG_BYTES] != second[
+            TAG_OFFSET:TAG_OFFSET + TAG_BYTES]
+        assert any(first[NONCE_OFFSET:TAG_OFFSET])
+        assert _read(good, KEYS[0])[0] is True
+
 def test_block_paths_never_follow_a_symlink_out_of_the_store(tmp_path):
     outside = tmp_path / "outside"
     with BlockStore(outside, PROFILE) as elsewhere:

@@ -19,6 +19,7 @@ from dualpath.kv.profiles import get_profile
 from dualpath.kv.synth import SyntheticKV
 from dualpath.storage import BlockStore, StorageError
 from dualpath.storage.format import HEADER_BYTES, MAGIC
+from dualpath.storage.format import VERSION as FORMAT_VERSION
 from dualpath.storage.store import aligned_bytes
 
 # demo with 4-token blocks: 8 layers x 4 x 2048 = 64 KiB, a whole number of pages.
@@ -197,7 +198,8 @@ def _flip(offset):
     pytest.param(lambda d: d[:100], id="truncated-in-header"),
     pytest.param(lambda d: d + b"x", id="trailing-byte"),
     pytest.param(lambda d: _rewrite_header(d, magic=b"NOTKVBLK"), id="wrong-magic"),
-    pytest.param(lambda d: _rewrite_header(d, version=2), id="wrong-version"),
+    pytest.param(lambda d: _rewrite_header(d, version=FORMAT_VERSION + 1), id="wrong-version"),
+    pytest.param(lambda d: _rewrite_header(d, version=1), id="format-1"),
     pytest.param(lambda d: _rewrite_header(d, profile=b"qwen32b"), id="wrong-profile"),
     pytest.param(lambda d: _rewrite_header(d, tokens=8), id="wrong-layout"),
     pytest.param(lambda d: _rewrite_header(d, key=KEYS[1]), id="wrong-key"),

@@ -4,9 +4,9 @@
  * block's own random nonce,
  *
  *     otk = BLAKE2b-256(key = secret[:64], "dualpath block tag 2" || nonce)
- *     tag = Poly1305(otk, header bytes [0, 120) || payload)
+ *     tag = Poly1305(otk, header bytes [0, 128) || payload)
  *
- * (the nonce is header bytes [104, 120), so the tag covers it). Every write draws a
+ * (the nonce is header bytes [112, 128), so the tag covers it). Every write draws a
  * fresh nonce, so each one-time key authenticates one message, as Poly1305 requires;
  * without the cluster key the one-time keys are unpredictable. libcrypto's Poly1305
  * runs at several GB/s per core where keyed BLAKE2b runs at ~1, so the tag no longer

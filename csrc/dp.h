@@ -432,8 +432,8 @@ struct dp_sio_item {
     uint64_t lens[3];
     uint32_t nbufs;        /* 1..3 */
     uint64_t hash_skip;    /* XXH3-64 of file bytes [hash_skip, hash_skip + hash_len), */
-    uint64_t hash_len;     /*   computed as the file lands (0: none) ... */
-    uint64_t hash;         /* out: ... here, when all of those bytes were read */
+    uint64_t hash_len;     /*   computed as the file lands (0: none; with a secret the */
+    uint64_t hash;         /*   tag below instead) ... out: here, when all were read */
     int32_t err;           /* out: 0 or errno */
     int32_t stage;         /* out: enum dp_sio_stage where err was raised */
     int32_t hashed;        /* out: 1 when `hash` holds the digest */
@@ -472,8 +472,10 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
  * bytes (the nonce is their last DP_TAG_NONCE) and the payload. */
 enum dp_tag_sizes {
     DP_TAG_BYTES = 16,     /* the tag, stored at header bytes [DP_TAG_HEAD, +16) */
-    DP_TAG_NONCE = 16,     /* the per-write random nonce, header bytes [104, 120) */
-    DP_TAG_HEAD = 120      /* header bytes the tag covers */
+    DP_TAG_NONCE = 16,     /* the per-write random nonce, header bytes [112, 128) */
+    DP_TAG_HEAD = 128      /* header bytes the tag covers: a multiple of Poly1305's 16-byte
+                            * block, so the payload is fed on the block boundary (off it,
+                            * libcrypto's Poly1305 runs at half speed) */
 };
 
 /* [int] The tag of `head` (>= DP_TAG_HEAD bytes) and `payload` into `out`

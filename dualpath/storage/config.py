@@ -33,7 +33,9 @@ class StorageConfig:
     write_workers: int = key(2, "Concurrent block writes per node (worker threads).",
                              min=1, max=64)
     verify_checksum: bool = key(True, "Check each block's payload hash (XXH3-64) on read (a block "
-                                "that fails is counted, quarantined and read as a miss).")
+                                "that fails is counted, quarantined and read as a miss). "
+                                "With integrity_key_file the keyed tag is checked instead, "
+                                "always: it catches what the hash would.")
     fsync: bool = key(True, "fsync each block and its directory before it counts as "
                       "written. Turning it off gives up crash safety; for throwaway benches.")
     snic_gbit_per_s: float = key(0.0, "Emulated storage-NIC bandwidth of each node in Gbit/s "

@@ -16,10 +16,11 @@ A block file is a 4096-byte header followed by the Full Block payload, nothing e
     72      8     payload hash     XXH3-64 (seed 0) of the payload
     80      16    block key        the chained prefix key (dualpath.kv.prefix)
     96      8     header hash      XXH3-64 (seed 0) of bytes 0..95
-    104     16    nonce            TAGGED only: random, drawn for every write; else zero
-    120     16    integrity tag    TAGGED only: Poly1305 of bytes 0..119 and the payload
+    104     8     reserved         0
+    112     16    nonce            TAGGED only: random, drawn for every write; else zero
+    128     16    integrity tag    TAGGED only: Poly1305 of bytes 0..127 and the payload
                                    under BLAKE2b-256(cluster key, label || nonce); else zero
-    136..4095     zero
+    144..4095     zero
 
 All integers are little-endian. A reader accepts a file only when every field matches
 what it expects, both hashes match and the file is exactly header + payload bytes long.
@@ -59,15 +60,16 @@ _FIELDS = struct.Struct("<8sHHI32sIIIIQQ16s")
 _HASH = struct.Struct("<Q")
 PROFILE_NAME_BYTES = 32
 FLAG_TAGGED = 1
-NONCE_OFFSET, NONCE_BYTES = 104, lib.DP_TAG_NONCE
+NONCE_BYTES = lib.DP_TAG_NONCE
 TAG_OFFSET, TAG_BYTES = lib.DP_TAG_HEAD, lib.DP_TAG_BYTES
+NONCE_OFFSET = TAG_OFFSET - NONCE_BYTES
 MIN_KEY_BYTES = 32
 
 payload_hash = xxhash.xxh3_64_intdigest   # (buffer) -> int; releases the GIL on big inputs
 
 
 def integrity_tag(secret: bytes, head: bytes, payload) -> bytes:
-    """The tag of a header's first 120 bytes (its nonce included) and the payload
+    """The tag of a header's first 128 bytes (its nonce included) and the payload
     (csrc/block_tag.c; the GIL is released while it runs)."""
     out = ffi.new("uint8_t[]", TAG_BYTES)
     view = memoryview(payload).cast("B")
@@ -91,7 +93,7 @@ def pack_header(profile: str, layout: BlockLayout, key: bytes, payload_digest: i
                           payload_digest, key)
     head = fields + _HASH.pack(payload_hash(fields))
     if secret is not None:
-        head += os.urandom(NONCE_BYTES)
+        head += bytes(NONCE_OFFSET - len(head)) + os.urandom(NONCE_BYTES)
         head += integrity_tag(secret, head, payload)
     return head + bytes(HEADER_BYTES - len(head))
 

@@ -81,6 +81,20 @@ def test_a_genuine_header_spliced_onto_other_kv_is_a_miss(tmp_path):
         assert good.stats.corrupt_blocks == 2
 
 
+
+def test_with_a_key_the_tag_alone_catches_a_flipped_byte(tmp_path):
+    # Keyed reads check the tag instead of the XXH3 digest (one pass, not two): an
+    # accident in the payload must still be caught, on both read paths.
+    from dualpath.storage.format import HEADER_BYTES
+    with BlockStore(tmp_path, PROFILE, integrity_key=SECRET) as good:
+        _put(good, KEYS[0])
+        path = good.path_of(KEYS[0])
+        data = bytearray(path.read_bytes())
+        data[HEADER_BYTES + 12345] ^= 0x01
+        path.write_bytes(bytes(data))
+        assert _read(good, KEYS[0])[0] is False
+        assert good.stats.corrupt_blocks == 1
+
 def test_every_write_draws_its_own_nonce(tmp_path):
     # Poly1305 is a one-time authenticator: two writes of the same block (same key, same
     # KV) must not share a one-time key, so they carry different nonces and tags.

@@ -44,6 +44,11 @@ class EngineConfig:
                                        "layers interleave on its emulated GPU).", min=1)
     fetch_interval_ms: int = key(0, "Leader fetch period; 0 = what the scheduler suggests.",
                                  min=0)
+    verify_fraction: float = key(1.0, "Emulated engine, decode node: the fraction of "
+                                 "requests whose prompt KV is checked byte by byte against "
+                                 "the generator (chosen by a hash of the request id; the "
+                                 "rest are counted unverified). 1 = all (tests); benchmarks "
+                                 "of the data path may sample.", min=0.0, max=1.0)
     layerwise: bool = key(True, "Default for layerwise prefill (transfers of layer l+1 "
                           "overlap compute of layer l); a request's payload may override.")
 

@@ -399,9 +399,11 @@ class DecodePath:
         T = self.space.fmt.block_tokens
         hbm = None
         try:
-            if not p.oracle:
+            nbytes = prompt * self.space.layout.layers * self.space.layout.token_bytes
+            if not p.oracle and not eng.verifies(rid):
+                n.metrics.unverified.inc(nbytes)       # sampled out (engine.verify_fraction)
+            elif not p.oracle:
                 bad = await asyncio.to_thread(self._verify, st)
-                nbytes = prompt * self.space.layout.layers * self.space.layout.token_bytes
                 if bad is not None:
                     n.metrics.mismatched.inc(nbytes)
                     timings.bytes_mismatched = nbytes
@@ -460,6 +462,10 @@ class DecodePath:
     def _verify(self, st: DecodeState) -> str | None:
         """Every byte of the assembled prompt KV against the generator; the first bad
         place as text, or None. Runs on a worker thread (numpy releases the GIL)."""
+        with self.engine.spent("verify"):
+            return self._first_mismatch(st)
+
+    def _first_mismatch(self, st: DecodeState) -> str | None:
         layout, synth = self.space.layout, self.engine.synth
         LB, TB = layout.layer_bytes, layout.token_bytes
         for i, span in enumerate(st.spans):

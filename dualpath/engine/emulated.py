@@ -17,6 +17,10 @@ Threads: the node's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,11 +60,35 @@ class EmulatedEngine:
 
     kind = "emulated"
 
-    def __init__(self, profile: ModelProfile, speed_scale: float):
+    def __init__(self, profile: ModelProfile, speed_scale: float,
+                 verify_fraction: float = 1.0):
         self.profile = profile
         self.speed_scale = speed_scale
+        self.verify_fraction = verify_fraction
         self.synth: SyntheticKV | None = None
         self.fmt: KvFormat | None = None
+        #: A counter labelled by work ("synth", "verify") the emulator's CPU seconds go
+        #: to (the node's metrics), or None.
+        self.cpu_counter = None
+
+    def verifies(self, request_id: str) -> bool:
+        """Whether the DE checks this request's prompt KV byte by byte: all of them at
+        ``verify_fraction`` 1, else those whose id hashes below the fraction (the same
+        choice on every run)."""
+        if self.verify_fraction >= 1.0:
+            return True
+        h = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+        return int.from_bytes(h, "little") < self.verify_fraction * 2.0 ** 64
+
+    @contextlib.contextmanager
+    def spent(self, work: str) -> Iterator[None]:
+        """Count the calling thread's CPU time inside the block as emulator ``work``."""
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            if self.cpu_counter is not None:
+                self.cpu_counter.labels(work).inc(time.thread_time() - t0)
 
     def bind(self, fmt: KvFormat, synth: SyntheticKV) -> None:
         self.fmt, self.synth = fmt, synth
@@ -88,9 +116,10 @@ class EmulatedEngine:
                  stop: int) -> None:
         lay = self.synth.layout
         LB, TB = lay.layer_bytes, lay.token_bytes
-        for b, s0, s1 in layer_runs(first, stop, lay.tokens):
-            view = res.flat(b)[layer * LB + s0 * TB: layer * LB + s1 * TB]
-            self.synth.fill_layer(view, spans[b].key, layer, s0)
+        with self.spent("synth"):
+            for b, s0, s1 in layer_runs(first, stop, lay.tokens):
+                view = res.flat(b)[layer * LB + s0 * TB: layer * LB + s1 * TB]
+                self.synth.fill_layer(view, spans[b].key, layer, s0)
 
     # ------------------------------------------------------------ decode
 
@@ -100,4 +129,5 @@ class EmulatedEngine:
 
     def fill_block(self, out: np.ndarray, key: bytes) -> None:
         """A block the generated tokens completed: the model's (synthetic) KV for it."""
-        self.synth.fill_full(out, key)
+        with self.spent("synth"):
+            self.synth.fill_full(out, key)

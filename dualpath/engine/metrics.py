@@ -23,6 +23,14 @@ class NodeMetrics:
                                   "Prompt KV bytes the DE verified against the generator.")
         self.mismatched = m.counter(registry, "dualpath_node_kv_mismatched_bytes_total",
                                     "Prompt KV bytes in requests that failed verification.")
+        self.unverified = m.counter(registry, "dualpath_node_kv_unverified_bytes_total",
+                                    "Prompt KV bytes the DE received and did not verify "
+                                    "(engine.verify_fraction < 1).")
+        self.emulator_cpu = m.counter(
+            registry, "dualpath_node_emulator_cpu_seconds_total",
+            "CPU seconds of the emulated engine's own work, by kind: 'synth' (the "
+            "synthetic KV it computes) and 'verify' (the DE's byte check); not data-path "
+            "work.", ("work",))
         self.persisted = m.counter(registry, "dualpath_node_blocks_persisted_total",
                                    "Full Blocks of new KV written to storage.")
         self.written_bytes = m.counter(

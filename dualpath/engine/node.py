@@ -218,8 +218,9 @@ class NodeDaemon:
         pool = BlockPool(buf_name, self.buffer.array, layout, region_addr=self.buffer.addr)
         self.space = KvSpace.for_store(store, read_queue, pool, buf_name)
         self.profile = profile
-        engine = EmulatedEngine(profile, ecfg.speed_scale)
+        engine = EmulatedEngine(profile, ecfg.speed_scale, ecfg.verify_fraction)
         engine.bind(self.space.fmt, SyntheticKV(layout))
+        engine.cpu_counter = self.metrics.emulator_cpu
         self.engine = engine
         hbm_mib = ecfg.prefill_hbm_mib if self.role == PREFILL else ecfg.decode_hbm_mib
         for rank in range(ecfg.engines_per_node):

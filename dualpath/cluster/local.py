@@ -99,6 +99,15 @@ class LocalCluster:
     #: node id -> config sections merged over ``settings`` for that node only (e.g. a
     #: vLLM node's fixed control_listen and the vllm_url of its instance).
     node_settings: dict = field(default_factory=dict)
+    #: The address the scheduler (and its /metrics) listens on: loopback, or a bridge's
+    #: address that nodes in other network namespaces reach (bench/pipeline.py).
+    host: str = "127.0.0.1"
+    #: node id -> the command prefix of that node instead of ``launcher`` (e.g.
+    #: ``ip netns exec NS``: each node in a network namespace of its own).
+    node_launchers: dict = field(default_factory=dict)
+    #: More IP addresses the cluster's certificates are valid at (the nodes' own, when
+    #: they listen beyond loopback).
+    tls_ips: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
@@ -132,18 +141,20 @@ class LocalCluster:
                   *(f"node/{n}" for n in self.node_ids_planned())]
         if given:
             return {i: dict(given) for i in idents}
-        self.pki = tls.make_cluster_pki(self.dir / "tls", idents)
+        self.pki = tls.make_cluster_pki(
+            self.dir / "tls", idents,
+            ips=tuple(dict.fromkeys(("127.0.0.1", "::1", self.host, *self.tls_ips))))
         return {i: self.pki.section(i) for i in idents}
 
     def config_data(self, port: int) -> dict[str, dict]:
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         data: dict[str, dict] = {
             # /metrics on free ports (each process logs its URL).
-            "scheduler": {"listen": f"127.0.0.1:{port}", "model_profile": "demo",
+            "scheduler": {"listen": f"{self.host}:{port}", "model_profile": "demo",
                           "lease_ms": 2000, "fetch_interval_ms": 5,
-                          "metrics_listen": "127.0.0.1:0",
+                          "metrics_listen": f"{self.host}:0",
                           "journal_file": str(self.dir / "scheduler.sqlite")},
-            "scheduler_client": {"address": f"127.0.0.1:{port}"},
+            "scheduler_client": {"address": f"{self.host}:{port}"},
             "storage": {"dir": str(self.dir / "kv"), "fsync": False, "direct_io": "off"},
             # Pinning needs RLIMIT_MEMLOCK; a local cluster runs where it is small.
             "buffers": {"mlock": soft == resource.RLIM_INFINITY, "pe_buffer_mib": 512,
@@ -170,8 +181,8 @@ class LocalCluster:
         return data
 
     # ------------------------------------------------------------ processes
-    def _spawn(self, name: str, argv: list[str], extra_env: dict | None = None
-               ) -> tuple[subprocess.Popen, Path]:
+    def _spawn(self, name: str, argv: list[str], extra_env: dict | None = None,
+               launcher: list[str] | None = None) -> tuple[subprocess.Popen, Path]:
         path = self.dir / "logs" / f"{name}.log"
         fh = open(path, "ab")  # noqa: SIM115 - the child owns it; closed below
         env = child_env()       # it dies with this process (PR_SET_PDEATHSIG)
@@ -179,7 +190,8 @@ class LocalCluster:
         env.setdefault("DUALPATH_LOG", "INFO")
         try:
             # Its own session, hence its own process group: what it starts dies with it.
-            proc = subprocess.Popen([*self.launcher, sys.executable, "-m", "dualpath.cli",
+            prefix = self.launcher if launcher is None else launcher
+            proc = subprocess.Popen([*prefix, sys.executable, "-m", "dualpath.cli",
                                      *argv],
                                     stdout=fh, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
@@ -195,10 +207,10 @@ class LocalCluster:
         return path
 
     def start(self) -> Self:
-        port = free_port()
+        port = free_port(self.host)
         data = self.config_data(port)
         sections = self._tls_sections()
-        self.scheduler_address = f"127.0.0.1:{port}"
+        self.scheduler_address = f"{self.host}:{port}"
         self._sched_config = self._write_config("scheduler", data,
                                                 sections["scheduler/scheduler"])
         self._write_config("admin", data, sections["admin/operator"])
@@ -274,7 +286,8 @@ class LocalCluster:
         cfg = self.dir / f"node-{node_id}.toml"   # written by start(), with its identity
         proc, path = self._spawn(node_id, [
             "node", "--role", role, "--node-id", node_id, "--scheduler",
-            self.scheduler_address, "--config", str(cfg), "--ready-file", str(ready)], env)
+            self.scheduler_address, "--config", str(cfg), "--ready-file", str(ready)], env,
+            self.node_launchers.get(node_id))
         n = NodeProc(node_id, role, proc, path)
         self.nodes.append(n)
         return n

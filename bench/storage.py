@@ -10,7 +10,8 @@ Method
      (blocks queued behind a reader's go with it as one batch to the C read loop:
      openat2 + io_uring, storage.read_batch_depth = 8 in flight per batch), checking
      header and payload hash (XXH3-64); then with the cluster key, as a node reads
-     (the block tag checked in the same pass); then with the payload hash off; and with
+     (the block tag checked in the read's pass, in place of the hash); then with the
+     payload hash off; and with
      batches off (read_batch_depth 0: one preadv per block on --workers threads, the
      store's fallback without io_uring).
   3. fio reads the SAME files with O_DIRECT, bs = file size (header + payload, rounded
@@ -279,7 +280,8 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
     big = work / "big.file"
     make_big_file(big, len(keys) * file_bytes)
     meta["huge_pages_reserved"] = huge
-    with BlockStore(work / "files", profile, read_workers=args.workers) as store:
+    with BlockStore(work / "files", profile, read_workers=args.workers,
+                    read_batch_depth=args.batch_depth) as store:
         per_job = link_per_job(store.dir, work / "fio", args.workers)
         region, meta["buffers"] = pinned(args.workers * 4 * slot_stride(layout))
         pool = BlockPool("bench", region.array, layout, region_addr=region.addr)
@@ -287,7 +289,7 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
         threads = BlockStore(work / "files", profile, read_workers=args.workers,
                              read_batch_depth=0)
         keyed = BlockStore(work / "files", profile, read_workers=args.workers,
-                           integrity_key=KEY)
+                           read_batch_depth=args.batch_depth, integrity_key=KEY)
         meta["store_batched"] = store.batched
         for _ in range(args.rounds):
             for verify in (True, False):
@@ -299,8 +301,9 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
                         else ", worker threads"),
                      n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
             n, sec, cpu = timed_reads(keyed, keys, pool, args)
-            keep("read: store, ReadQueue, O_DIRECT, header + payload hash + block tag (cluster "
-                 f"key), io_uring batches of {keyed.read_batch_depth}", n * file_bytes, sec, n,
+            keep("read: store, ReadQueue, O_DIRECT, header + block tag (cluster key; in place "
+                 f"of the payload hash), io_uring batches of {keyed.read_batch_depth}",
+                 n * file_bytes, sec, n,
                  cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
             n, sec, cpu = timed_reads(threads, keys, pool, args)
             keep(f"read: store, ReadQueue, O_DIRECT, header + payload hash, {args.workers} "
@@ -335,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--gib", type=float, default=1.0, help="size of the file set (GiB)")
     ap.add_argument("--workers", type=int, default=8, help="store read workers = fio depth")
+    ap.add_argument("--batch-depth", type=int, default=8,
+                    help="the store's storage.read_batch_depth (reads in flight per batch)")
     ap.add_argument("--seconds", type=float, default=2.0, help="per read measurement")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved store/fio rounds")
     ap.add_argument("--allow-tmpfs", action="store_true", help="bench a RAM filesystem anyway")

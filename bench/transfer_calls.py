@@ -16,7 +16,9 @@ per request-layer; the data-path threads' idle waits count too (a wait that retu
 nothing is one call of each kind), so the figures are upper bounds. The ratio of the
 count at 64 blocks to the count at 1 block is the figure: independent of the block count
 means <= 1.1. The bench also prints wall and process CPU time per request-layer with
-the hook off (TCP loopback moves the bytes: kernel copies count; not a verbs figure).
+the hook off (TCP loopback moves the bytes: kernel copies count; not a verbs figure), and
+the user part of that CPU (the posting, polling and Python; the kernel's copies are
+system time). bench/pipeline.py projects verbs posting cost from it.
 
 Prints a table and writes the same record as JSON (--json) with a ``summary``:
 python_calls_per_request_layer_64_over_1_blocks (py_calls + c_calls),
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import sys
 import threading
 import time
@@ -91,15 +94,18 @@ async def run(args, blocks: int, counter: Counter | None) -> dict:
             counter.reset()
             counter.on = True
         c0, t0 = time.process_time(), time.perf_counter()
+        u0 = resource.getrusage(resource.RUSAGE_SELF).ru_utime
         for _ in range(args.requests):
             await request()
         cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        user = resource.getrusage(resource.RUSAGE_SELF).ru_utime - u0
         if counter is not None:
             counter.on = False
         n = args.requests * layout.layers
         out = {"blocks": blocks, "request_layers": n,
                "wall_us_per_request_layer": 1e6 * wall / n,
                "cpu_us_per_request_layer": 1e6 * cpu / n,
+               "user_cpu_us_per_request_layer": 1e6 * user / n,
                "kv_mbytes_per_request_layer": blocks * layout.layer_bytes / 1e6}
         if counter is not None:
             out.update({f"{k}s_per_request_layer": v / n for k, v in counter.counts.items()})
@@ -128,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.setprofile(None)
             threading.setprofile(None)
         timed = asyncio.run(run(args, blocks, None))
-        rows.append({**counted, "wall_us_per_request_layer": timed["wall_us_per_request_layer"],
-                     "cpu_us_per_request_layer": timed["cpu_us_per_request_layer"]})
+        rows.append({**counted, **{k: timed[k] for k in (
+            "wall_us_per_request_layer", "cpu_us_per_request_layer",
+            "user_cpu_us_per_request_layer")}})
     one, many = rows
     print(f"transfer path per request-layer ({args.profile}, TCP loopback, "
           f"{args.requests} requests x every layer)")

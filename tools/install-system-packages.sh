@@ -8,7 +8,7 @@ PKGS=(
   libxxhash-dev                                    # XXH3 of blocks read (csrc/store_io.c)
   python3-pyverbs                                  # rdma-core's own bindings: our cross-check
   qemu-system-x86 busybox-static kmod              # the SoftRoCE guest (tools/vm)
-  perftest ucx-utils fio tcpdump iproute2          # peers for the benches, packet capture
+  perftest ucx-utils fio iperf3 tcpdump iproute2   # peers for the benches, packet capture
   openssl libcap2-bin                              # test PKI (TLS tests), capsh (memlock test)
   systemd                                          # systemd-analyze verify (the units' test)
   prometheus                                       # scrape + promtool (the monitoring test)

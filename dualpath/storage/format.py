@@ -23,7 +23,9 @@ A block file is a 4096-byte header followed by the Full Block payload, nothing e
     144..4095     zero
 
 All integers are little-endian. A reader accepts a file only when every field matches
-what it expects, both hashes match and the file is exactly header + payload bytes long.
+what it expects, both hashes match (with a cluster key: the header hash and the tag, which
+checks the payload in place of its hash) and the file is exactly header + payload bytes
+long.
 Format 1 (a keyed BLAKE2b tag at 104) is read as corrupt: a miss, computed again.
 
 Why XXH3-64 and not zlib's CRC-32: the check runs on every block read, and a node reads
@@ -38,8 +40,10 @@ of the key can make; a reader with the key accepts only tagged blocks whose tag
 verifies. The tag is Poly1305 under a one-time key derived from the cluster key and the
 block's own random nonce (csrc/block_tag.c): each one-time key authenticates the one
 write that drew its nonce, as Poly1305 requires, and libcrypto runs it at several GB/s
-per core (keyed BLAKE2b, format 1's tag, ran at ~1 and cost a core per GB read). The
-batched read path (csrc/store_io.c) checks it in the same pass as the XXH3 digest.
+per core (keyed BLAKE2b, format 1's tag, ran at ~1 and cost a core per GB read). A
+keyed reader checks the tag instead of the payload's XXH3 digest: it catches every
+accident the digest would, in one pass over the bytes; the batched read path
+(csrc/store_io.c) checks it as each block lands.
 """
 
 from __future__ import annotations

@@ -366,14 +366,12 @@ def netns_cluster(args, work: Path) -> Iterator[tuple[LocalCluster, Namespaces, 
         nets.close()
 
 
-def replay_modes(cluster: LocalCluster, nets: Namespaces, trace: Trace, warmup: int,
-                 seed: int) -> dict:
+def replay_modes(cluster: LocalCluster, nets: Namespaces, trace: Trace, seed: int) -> dict:
     report, _ = run_modes(cluster.scheduler_address, cluster.node_ids(), 1, trace,
                           ("dualpath",), ReplayOptions(progress=False, seed=seed,
                                                        sink_listen=f"{nets.bridge_ip}:0"),
                           snic_gbit_per_s=0.0, tls_config=cluster.client_tls,
-                          node_tls=cluster.node_tls, node_addresses=cluster.addresses(),
-                          warmup_agents=warmup)
+                          node_tls=cluster.node_tls, node_addresses=cluster.addresses())
     return report
 
 
@@ -401,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls-requests", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if not 0.0 <= args.verify_fraction <= 1.0 or min(args.agents, args.rounds, args.small,
+                                                      args.proj_blocks, args.proj_context) < 1:
+        ap.error("--verify-fraction must be in [0, 1]; --agents, --rounds, --small, "
+                 "--proj-blocks and --proj-context at least 1")
     if os.geteuid() != 0:
         print("bench/pipeline.py needs root (network namespaces, huge pages)", file=sys.stderr)
         return 2
@@ -430,19 +432,19 @@ def main(argv: list[str] | None = None) -> int:
             trace = make_trace(args.agents, context_scale=args.context_scale,
                                max_rounds=args.rounds, seed=args.seed)
             print(f"throughput: {args.agents} agents x {args.rounds} rounds ...", flush=True)
-            # Warm-up inside run_modes (2 agents' first rounds), then the measured replay:
-            # the meter brackets the whole call, so the warm-up is run first on its own.
+            # A warm-up (2 other agents, 2 rounds: first connections, handshakes, reads)
+            # on its own, then the measured replay, which the meter brackets.
             replay_modes(cluster, nets, make_trace(2, context_scale=args.context_scale,
-                                                   max_rounds=2, seed=args.seed + 1000), 0,
+                                                   max_rounds=2, seed=args.seed + 1000),
                          args.seed)
             a = meter.snapshot()
-            report = replay_modes(cluster, nets, trace, 0, args.seed)
+            report = replay_modes(cluster, nets, trace, args.seed)
             b = meter.snapshot()
             thr = Meter.delta(a, b)
             dp = report["modes"]["dualpath"]
             print(f"small requests: {args.small} x 2 rounds ...", flush=True)
             a = meter.snapshot()
-            small = replay_modes(cluster, nets, small_trace(args.small), 0, args.seed)
+            small = replay_modes(cluster, nets, small_trace(args.small), args.seed)
             b = meter.snapshot()
             sm = Meter.delta(a, b)
             print(f"idle: {args.idle_seconds:g} s ...", flush=True)

@@ -45,7 +45,8 @@ class StorageConfig:
     integrity_key_file: str = key("", "File holding the cluster's block integrity key (at "
                                   "least 32 bytes, e.g. `head -c 32 /dev/urandom`; not "
                                   "readable by every user). Set: blocks are written with a "
-                                  "keyed BLAKE2b tag and only blocks whose tag verifies are "
+                                  "keyed tag (Poly1305 under a per-write one-time key) and "
+                                  "only blocks whose tag verifies are "
                                   "read (a writer of the shared mount without the key cannot "
                                   "plant blocks). Empty = no tags.")
 

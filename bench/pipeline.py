@@ -84,7 +84,6 @@ from dualpath.storage.store import aligned_bytes
 from dualpath.trace.model import Round, Trace, Trajectory
 
 REPO = Path(__file__).resolve().parents[1]
-TICK = os.sysconf("SC_CLK_TCK")
 METRICS_PORT = 9464
 NIC_GBYTES = 50.0                  # the projection's storage NIC (GB/s)
 
@@ -98,6 +97,7 @@ def _bench(name: str):
 
 
 storage_bench = _bench("storage")
+proc_cpu_s = _bench("scheduler").cpu_seconds      # utime + stime of a process (seconds)
 
 
 # ------------------------------------------------------------------ network
@@ -214,13 +214,6 @@ def disk_limit(work: Path, gib: float, seconds: float) -> dict:
 
 
 # ------------------------------------------------------------------ CPU and metrics
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a live process, all its threads (seconds)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()

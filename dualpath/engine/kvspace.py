@@ -29,7 +29,8 @@ from dualpath.storage.store import BlockStore
 @dataclass(frozen=True)
 class ReadOutcome:
     """What one request's hit read brought: ``usable`` leading blocks arrived intact (the
-    rest are missing or corrupt: recompute them), ``nbytes`` read, the wall-clock span."""
+    rest are missing or corrupt: recompute them), ``nbytes`` read from storage (blocks
+    found missing, or skipped past the first miss, read nothing), the wall-clock span."""
 
     usable: int
     blocks: int
@@ -88,7 +89,7 @@ class KvSpace:
         got = await self.read_queue.read(keys, [res.flat(i) for i in slots],
                                          request_id=request_id)
         usable = got.hit_tokens // self.layout.tokens
-        return ReadOutcome(usable, len(keys), len(keys) * self.layout.full_bytes,
+        return ReadOutcome(usable, len(keys), got.read_blocks * self.layout.full_bytes,
                            (t0, time.time()))
 
     async def close(self) -> None:

@@ -15,7 +15,11 @@ short: :meth:`ReadQueue.expect` counts a request's tokens until its ``read()`` q
 them (or :meth:`ReadQueue.forget` drops them), so ``read_q_tokens`` holds both.
 
 Request lifecycle: ``read()`` enqueues blocks -> readers take them FIFO -> each block
-lands (hit or miss) -> ``read()`` returns. If the caller is cancelled or a block fails
+lands (hit or miss) -> ``read()`` returns. Only a request's leading intact blocks are
+usable, so once one of its blocks is a miss its blocks still queued are not read (they
+report misses); under a storage-NIC limit a block is looked up before its bytes are
+taken from the limiter, so a block that is not there costs the NIC nothing (a block
+still in write-back elsewhere, say). If the caller is cancelled or a block fails
 with an error, the request's queued blocks are dropped and ``read()`` waits for its
 in-flight blocks before returning: once it returns, nothing writes to its buffers.
 """
@@ -33,20 +37,39 @@ from dualpath.storage.store import BlockStore
 
 
 @dataclass
+class _Request:
+    """One ``read()``'s blocks: where its first miss is, and how many were read."""
+
+    hole: int = 1 << 62                 # index of its first block found missing or bad
+    read_blocks: int = 0                # blocks whose bytes were read (hit or corrupt)
+
+    def landed(self, index: int, ok: bool) -> None:
+        if not ok:
+            self.hole = min(self.hole, index)
+
+
+@dataclass
 class _Job:
     key: bytes
     out: object
     result: asyncio.Future
     finished: asyncio.Future
+    request: _Request
+    index: int
     running: bool = False
+
+    def useless(self) -> bool:
+        """Cancelled, or past its request's first miss (never usable)."""
+        return self.result.cancelled() or self.index > self.request.hole
 
 
 @dataclass(frozen=True)
 class ReadResult:
     """Per-block outcome of one request's read, in block order."""
 
-    hits: list[bool]
+    hits: list[bool]                    # past the first miss: False (maybe unread)
     block_tokens: int
+    read_blocks: int = 0                # blocks whose bytes came off storage
 
     @property
     def hit_tokens(self) -> int:
@@ -113,7 +136,9 @@ class ReadQueue:
         self.forget(request_id)
         self._start()
         loop = asyncio.get_running_loop()
-        jobs = [_Job(k, o, loop.create_future(), loop.create_future()) for k, o in zip(keys, outs)]
+        req = _Request()
+        jobs = [_Job(k, o, loop.create_future(), loop.create_future(), req, i)
+                for i, (k, o) in enumerate(zip(keys, outs))]
         self._tokens += len(jobs) * self.block_tokens
         self._blocks += len(jobs)
         for job in jobs:
@@ -127,7 +152,7 @@ class ReadQueue:
             if running:
                 await asyncio.wait(running)
             raise
-        return ReadResult(list(hits), self.block_tokens)
+        return ReadResult(list(hits), self.block_tokens, req.read_blocks)
 
     def _start(self) -> None:
         if self._queue is None:
@@ -145,15 +170,20 @@ class ReadQueue:
                 self.limiter is None or self.limiter.unlimited) else 1
             while len(jobs) < limit and not self._queue.empty():
                 jobs.append(self._queue.get_nowait())
-            live = [j for j in jobs if not j.result.cancelled()]
             try:
+                live = self._skip(jobs)
                 if not live:
                     continue
                 for j in live:
                     j.running = True
                 try:
-                    if self.limiter is not None:
+                    if self.limiter is not None and not self.limiter.unlimited:
+                        live = await self._present(live)
+                        if not live:
+                            continue
                         await self.limiter.acquire(self.file_bytes * len(live))
+                    for j in live:
+                        j.request.read_blocks += 1
                     if len(live) == 1:
                         oks = [await self.store.aread(live[0].key, live[0].out)]
                     else:
@@ -165,6 +195,7 @@ class ReadQueue:
                             j.result.set_exception(e)
                 else:
                     for j, ok in zip(live, oks):
+                        j.request.landed(j.index, ok)
                         if not j.result.done():
                             j.result.set_result(ok)
             finally:
@@ -172,6 +203,30 @@ class ReadQueue:
                     self._tokens -= self.block_tokens
                     self._blocks -= 1
                     j.finished.set_result(None)
+
+    @staticmethod
+    def _skip(jobs: list[_Job]) -> list[_Job]:
+        """The jobs worth reading; those past their request's first miss report a miss
+        unread."""
+        live = []
+        for j in jobs:
+            if not j.useless():
+                live.append(j)
+            elif not j.result.done():
+                j.result.set_result(False)
+        return live
+
+    async def _present(self, jobs: list[_Job]) -> list[_Job]:
+        """The jobs whose block is there; the others are misses, found without taking
+        their bytes from the limiter (a later read of a block removed meanwhile is an
+        ordinary miss)."""
+        found = await asyncio.to_thread(lambda: [self.store.contains(j.key) for j in jobs])
+        for j, ok in zip(jobs, found):
+            if not ok:
+                j.request.landed(j.index, False)
+                if not j.result.done():
+                    j.result.set_result(False)
+        return [j for j, ok in zip(jobs, found) if ok]
 
     async def close(self) -> None:
         """Stop the readers (idempotent); call when no ``read()`` is pending."""

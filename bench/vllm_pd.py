@@ -32,7 +32,8 @@ Method
   up a request; each mode's write-back is drained before the next mode starts.
   Figures: medians over --reps of JCT; TTFT / TPOT p50 and p99 over all rounds of all
   repetitions; each node's storage-NIC bytes read and bytes written (from the node's
-  /metrics); its load, the busier of the two directions of the full-duplex NIC
+  /metrics) and the hit blocks the nodes found missing and computed instead (a block
+  still in write-back when its agent's next round reads it); its load, the busier of the two directions of the full-duplex NIC
   (storage/ratelimit.py), its utilisation (load / (limit x JCT)), and max/avg of the
   load over the three nodes (io_bound_snic_max_avg; reads alone:
   io_bound_snic_read_max_avg);
@@ -79,6 +80,7 @@ def _trace(args, rep: int) -> Trace:
 NODES = ("p0", "d0", "d1")
 READ, WRITTEN = "dualpath_node_storage_read_bytes_total", \
     "dualpath_node_storage_written_bytes_total"
+RECOMPUTED = "dualpath_node_hit_blocks_recomputed_total"
 
 
 async def _run(gen: Generator, trace: Trace, mode: str, vocab: int, tag: str):
@@ -95,12 +97,13 @@ async def _run(gen: Generator, trace: Trace, mode: str, vocab: int, tag: str):
                             concurrency=64)
 
 
-def _io_bytes(pd: VllmPdCluster) -> dict[str, tuple[float, float]]:
-    """node -> (bytes read, bytes written) through its storage NIC so far."""
+def _io_bytes(pd: VllmPdCluster) -> dict[str, tuple[float, float, float]]:
+    """node -> (bytes read, bytes written) through its storage NIC so far, and the hit
+    blocks it found missing and computed instead."""
     out = {}
     for n in NODES:
         m = pd.node_metrics(n)
-        out[n] = (m.get(READ, 0.0), m.get(WRITTEN, 0.0))
+        out[n] = (m.get(READ, 0.0), m.get(WRITTEN, 0.0), m.get(RECOMPUTED, 0.0))
     return out
 
 
@@ -151,15 +154,16 @@ def case(args, model: Path, vocab: int, snic: float, modes: list[str], work: Pat
                 drain = pd.wait_written()
                 after = _io_bytes(pd)
                 _empty_store(pd)
-                io_ = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1])
-                       for n in NODES}
+                io_ = {n: tuple(a - b for a, b in zip(after[n], before[n])) for n in NODES}
                 if rep >= args.warmup:
                     runs[m].append((recs, io_, drain))
                 print(f"  {'warm-up' if rep < args.warmup else f'rep {rep - args.warmup}'}"
                       f" {m}: JCT {summary(recs)['jct_s']:.2f} s, write-back drained "
                       f"{drain:.1f} s later, MB read/written "
                       + ", ".join(f"{n} {r / 1e6:.0f}/{w / 1e6:.0f}"
-                                  for n, (r, w) in io_.items()), file=sys.stderr)
+                                  for n, (r, w, _) in io_.items())
+                      + f", hit blocks recomputed {sum(x[2] for x in io_.values()):.0f}",
+                      file=sys.stderr)
     finally:
         for g in gens.values():
             loop.run_until_complete(g.close())
@@ -174,7 +178,7 @@ def case(args, model: Path, vocab: int, snic: float, modes: list[str], work: Pat
         # A storage NIC is full duplex (storage/ratelimit.py): reads come in and
         # write-back goes out, each at the limit. Its load is its busier direction, and
         # its utilisation that load over the mode's JCT at the limit.
-        load = {n: statistics.median(max(io_[n]) for _, io_, _ in reps) for n in NODES}
+        load = {n: statistics.median(max(io_[n][:2]) for _, io_, _ in reps) for n in NODES}
         reads = {n: statistics.median(io_[n][0] for _, io_, _ in reps) for n in NODES}
         jct = statistics.median(x["jct_s"] for x in s)
         avg = sum(load.values()) / len(load)
@@ -186,6 +190,8 @@ def case(args, model: Path, vocab: int, snic: float, modes: list[str], work: Pat
                   "write_back_drain_s": statistics.median(d for _, _, d in reps),
                   "snic_read_mb": _median_mb(reps, 0),
                   "snic_written_mb": _median_mb(reps, 1),
+                  "hit_blocks_recomputed": statistics.median(
+                      sum(x[2] for x in io_.values()) for _, io_, _ in reps),
                   "snic_utilisation": {n: load[n] / (rate * jct) for n in NODES} if rate
                   else {},
                   "snic_max_avg": max(load.values()) / avg if avg else None,
@@ -250,8 +256,8 @@ def main(argv=None) -> int:
           f"medians of {args.reps} alternated repetitions)")
     print("| case | mode | JCT (s) | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | storage NIC "
           "p0 / d0 / d1 (MB read+written, utilisation of the busier direction) | write-back drained after (s) "
-          "| tokens mismatched |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| hit blocks recomputed | tokens mismatched |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, res in ((f"I/O-bound ({args.snic_gbit:g} Gbit/s)", io), ("compute-bound", cb)):
         for m, r in res.items():
             u = r["snic_utilisation"]
@@ -260,7 +266,7 @@ def main(argv=None) -> int:
             print(f"| {name} | {m} | {r['jct_s']:.2f} | {r['ttft_p50_s']:.3f} / "
                   f"{r['ttft_p99_s']:.3f} | {1e3 * r['tpot_p50_s']:.1f} / "
                   f"{1e3 * r['tpot_p99_s']:.1f} | {nic} | {r['write_back_drain_s']:.1f} "
-                  f"| {r.get('tokens_mismatched', '-')} |")
+                  f"| {r['hit_blocks_recomputed']:.0f} | {r.get('tokens_mismatched', '-')} |")
 
     def ratio(a: dict, b: dict) -> float | None:
         return a["jct_s"] / b["jct_s"] if a and b else None

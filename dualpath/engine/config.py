@@ -26,8 +26,8 @@ class EngineConfig:
                              "scheduler.model_profile (checked at registration).",
                              choices=tuple(sorted(PROFILES)))
     speed_scale: float = key(1.0, "Emulated GPU speed relative to the profile's (prefill "
-                             "FLOP/s x scale, decode step / scale). Model execution is "
-                             "emulated by the cost model.", min=1e-6)
+                             "FLOP/s and HBM bandwidth x scale, decode step / scale). Model "
+                             "execution is emulated by the cost model.", min=1e-6)
     control_listen: str = key("127.0.0.1:0", "gRPC address of this node's Engine and Node "
                               "services (port 0 = any free port).")
     advertise: str = key("", "host peers and the scheduler use to reach control_listen; "

@@ -6,9 +6,12 @@ side the PE's LOAD_HIT_KV order reads the hit blocks from storage into the DE bu
 writes them, layer by layer, into the PE's engine memory (:meth:`DecodePath.load_hit_kv`,
 the order's target placement); PrefillDone starts decode: every byte of the assembled
 prompt KV is verified against the generator (a mismatch fails the request loudly and is
-counted) -> DE buffer -> DE HBM, DRAM released -> tokens at the cost model's decode rate
--> every new full block persisted (a block that cannot be written is skipped and counted,
-never failing the request) -> DECODE_DONE reported; the timings go to the replay
+counted) -> DE buffer -> DE HBM, DRAM released -> the tokens after the prefill's first
+from the engine's decode batch (engine/decode_batch.py: every request of the engine joins
+every step, a step's time grows with the batch's KV) -> every new full block persisted as
+it fills, through the storage NIC's write direction, the request's last token timed
+before its last blocks are on disk (a block that cannot be written is skipped and
+counted, never failing the request) -> DECODE_DONE reported; the timings go to the replay
 client's sink only once the scheduler recorded that DECODE_DONE (:meth:`DecodePath.
 send_result`, called by the leader), so a result is never reported twice.
 
@@ -37,6 +40,7 @@ import numpy as np
 
 from dualpath import clock
 from dualpath.buffers.pool import Reservation
+from dualpath.engine.decode_batch import DecodeBatch
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.errors import RequestFailed, StaleAttempt
 from dualpath.engine.kvio import write_layers
@@ -140,6 +144,7 @@ class DecodePath:
         self.assigned: dict[str, int] = {}      # request -> its DE-only assignment's attempt
         self.results: dict[str, _Result] = {}   # waiting for the scheduler's record
         self.reports: set[asyncio.Task] = set()  # sink reports on their way
+        self.batches: dict[str, DecodeBatch] = {}  # engine -> its decode batch (emulated)
 
     def assign(self, e: EngineRank, a) -> None:
         """Count assignment ``a`` on engine ``e`` (tokens, HBM promised) until it ends; a
@@ -361,7 +366,7 @@ class DecodePath:
                 await self.decoder.run(st, done, timings)
             else:
                 await self._decode_emulated(st, done, timings)
-            timings.finish_unix_s = clock.unix_now()
+            timings.finish_unix_s = timings.finish_unix_s or clock.unix_now()
             n.metrics.requests.labels("done").inc()
             n.metrics.phase_s.labels("decode").observe(time.monotonic() - t0)
             stage, error = scheduler_pb2.COMPLETION_STAGE_DECODE_DONE, ""
@@ -390,14 +395,18 @@ class DecodePath:
 
     async def _decode_emulated(self, st: DecodeState, done: PrefillReport,
                                timings: Timings) -> None:
-        """Verify every prompt byte, DE buffer -> DE HBM, tokens at the cost model's
-        rate, every new full block persisted."""
+        """Verify every prompt byte, DE buffer -> DE HBM, then the tokens after the
+        prefill's first from this engine's decode batch (one per step, a step as long as
+        the cost model says for the whole batch). Every new full block goes to storage as
+        it fills, through the storage NIC's write direction; the last token is timed
+        before the last blocks' write-back ends (outside the request's latency), and the
+        request completes after it (the agent's next round finds its KV stored)."""
         n, eng = self.node, self.engine
         e, p = st.engine, st.payload
         rid = st.request_id
         prompt, gen = p.prompt_tokens, p.gen_tokens
         T = self.space.fmt.block_tokens
-        hbm = None
+        hbm = writer = None
         try:
             nbytes = prompt * self.space.layout.layers * self.space.layout.token_bytes
             if not p.oracle and not eng.verifies(rid):
@@ -419,20 +428,46 @@ class DecodePath:
                         np.copyto(hbm.flat(i), buf.flat(i))
                 await _off_loop(copy_in)
                 self._release(st)
-            step = eng.decode_s(1)
-            await asyncio.sleep(step)
-            timings.first_token_unix_s = clock.unix_now()
-            if gen >= 2:
-                await asyncio.sleep(step)
-                timings.second_token_unix_s = clock.unix_now()
-            if gen > 2:
-                await asyncio.sleep(eng.decode_s(gen - 2))
-            if not p.oracle:
-                await self._persist(st, hbm, min(done.computed_from_tokens, p.hit_tokens),
-                                    prompt, gen)
+            # Every full block from the first token the PE computed (past the hit, or
+            # from its first missing or corrupt block: cached again).
+            keys = [] if p.oracle else block_keys(p.token_ids(prompt + gen, n.tokens), T)
+            full: asyncio.Queue[int | None] = asyncio.Queue()
+            nxt = min(done.computed_from_tokens, p.hit_tokens) // T
+            writer = asyncio.ensure_future(self._write_back(st, hbm, keys, prompt, full))
+
+            def filled(tokens: int) -> None:        # blocks whose every token's KV exists
+                nonlocal nxt
+                while nxt < len(keys) and (nxt + 1) * T <= tokens:
+                    full.put_nowait(nxt)
+                    nxt += 1
+
+            def on_token(k: int) -> None:
+                if k == 1:
+                    timings.second_token_unix_s = clock.unix_now()
+                filled(prompt + k)
+
+            filled(prompt)
+            # The prefill made the first token (its last layer's output), as a P/D
+            # prefill instance does; the decode steps make the rest.
+            timings.first_token_unix_s = done.done_unix_s or clock.unix_now()
+            await self._batch(e).generate(prompt, gen - 1, on_token)
+            timings.finish_unix_s = clock.unix_now()
+            filled(len(keys) * T)
+            full.put_nowait(None)
+            await writer
         finally:
+            if writer is not None and not writer.done():
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
             if hbm is not None:
                 hbm.release()
+
+    def _batch(self, e: EngineRank) -> DecodeBatch:
+        """Engine ``e``'s decode batch (made on first use)."""
+        b = self.batches.get(e.engine_id)
+        if b is None:
+            b = self.batches[e.engine_id] = DecodeBatch(self.engine.decode_step_s)
+        return b
 
     def send_result(self, rid: str, attempt: int) -> None:
         """The scheduler recorded ``attempt`` of ``rid`` (its completion was accepted):
@@ -482,21 +517,21 @@ class DecodePath:
                     return f"block {i} (partial, {span.tokens} tokens): {m}"
         return None
 
-    async def _persist(self, st: DecodeState, hbm: Reservation, first_token: int,
-                       prompt: int, gen: int) -> None:
-        """Every full block from the first token the PE computed (past the hit, or from
-        its first missing or corrupt block: cached again): prompt blocks as verified,
-        blocks that generated tokens complete as the emulated model's KV. A block that
-        cannot be written (disk full, I/O error) is skipped and counted: the request's
-        tokens are produced, only that block is not cached."""
+    async def _write_back(self, st: DecodeState, hbm: Reservation, keys: list[bytes],
+                          prompt: int, full: asyncio.Queue) -> None:
+        """Persist the blocks of ``hbm`` whose indices arrive on ``full`` (None ends), in
+        order: prompt blocks as verified, blocks that generated tokens complete as the
+        emulated model's KV; each takes its bytes from the storage NIC's write direction
+        first. A block that cannot be written (disk full, I/O error) is skipped and
+        counted: the request's tokens are produced, only that block is not cached."""
         T = self.space.fmt.block_tokens
-        p = st.payload
         m = self.node.metrics
-        keys = block_keys(p.token_ids(prompt + gen, self.node.tokens), T)
+        nbytes = self.space.layout.full_bytes
         failed = 0
-        for b in range(first_token // T, len(keys)):
+        while (b := await full.get()) is not None:
             if (b + 1) * T > prompt:
                 self.engine.fill_block(hbm.flat(b), keys[b])
+            await self.node.limiter.acquire_write(nbytes)
             try:
                 await self.space.store.awrite(keys[b], hbm.flat(b))
             except OSError as err:        # StorageError is one; the next block may fit
@@ -506,6 +541,6 @@ class DecodePath:
                     log.warning("%s: not caching block %d: %s", st.request_id, b, err)
                 continue
             m.persisted.inc()
-            m.written_bytes.inc(self.space.layout.full_bytes)
+            m.written_bytes.inc(nbytes)
         if failed > 1:
             log.warning("%s: %d blocks not cached (persist failures)", st.request_id, failed)

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,9 +123,9 @@ class EmulatedEngine:
 
     # ------------------------------------------------------------ decode
 
-    def decode_s(self, tokens: int) -> float:
-        """Seconds to generate ``tokens`` tokens for one request (batched decode)."""
-        return cost.decode_s(self.profile, tokens)
+    def decode_step_s(self, contexts: Sequence[int]) -> float:
+        """Seconds of one decode step of a batch holding ``contexts`` tokens per request."""
+        return cost.decode_step_s(self.profile, contexts)
 
     def fill_block(self, out: np.ndarray, key: bytes) -> None:
         """A block the generated tokens completed: the model's (synthetic) KV for it."""

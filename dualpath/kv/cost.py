@@ -58,10 +58,21 @@ def request_prefill_s(profile: ModelProfile, cached: int, bsz: int) -> float:
     return prefill_s(profile, ((cached, bsz),))
 
 
-def decode_s(profile: ModelProfile, tokens: int) -> float:
-    """Predicted seconds to generate ``tokens`` tokens for one request (batched decode:
-    one step per token, a step's time independent of the batch at the sizes we emulate)."""
-    return tokens * profile.decode_s_per_token
+def decode_step_s(profile: ModelProfile, contexts: Iterable[int]) -> float:
+    """Predicted seconds of one decode step of a batch whose requests hold ``contexts``
+    tokens each (one new token per request). Decode is memory-bound: a pass over the
+    weights (``decode_s_per_token``, the step of a lone short request) plus reading the
+    keys each request attends (all of its context, or ``attn_key_cap`` of them under
+    sparse attention) from HBM at ``hbm_bytes_per_s``."""
+    if profile.hbm_bytes_per_s <= 0:
+        return profile.decode_s_per_token
+    cap = profile.attn_key_cap
+    keys = 0
+    for c in contexts:
+        if c < 0:
+            raise UsageError(f"decode_step_s: a context of {c} tokens")
+        keys += min(c, cap) if cap > 0 else c
+    return profile.decode_s_per_token + keys * profile.kv_bytes_per_token / profile.hbm_bytes_per_s
 
 
 def prompt_tokens_per_s(profile: ModelProfile, context_tokens: int, append_tokens: int) -> float:

@@ -29,6 +29,9 @@ class ModelProfile:
     hbm_bytes: int                       # HBM one engine can devote to KV
     block_tokens: int = 64               # tokens per KV block (paper §4.1: "e.g., 64")
     context_tokens: int = 131072         # longest prompt + generation the model takes
+    # HBM bandwidth a decode step reads its batch's KV at (decode is memory-bound: a
+    # step's time grows with the keys its batch attends); 0: the batch costs nothing.
+    hbm_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("layers", "kv_bytes_per_token_layer", "block_tokens", "context_tokens"):
@@ -60,12 +63,15 @@ class ModelProfile:
     def scaled(self, speed_scale: float) -> ModelProfile:
         """The same model on a GPU ``speed_scale`` times as fast (e.g. 0.01 for 2 CPUs)."""
         return replace(self, gpu_flops_per_s=self.gpu_flops_per_s * speed_scale,
-                       decode_s_per_token=self.decode_s_per_token / speed_scale)
+                       decode_s_per_token=self.decode_s_per_token / speed_scale,
+                       hbm_bytes_per_s=self.hbm_bytes_per_s * speed_scale)
 
 
 GiB = 1 << 30
 # Effective GPU throughput assumed for Hopper (H800): ~40% of ~990 dense TFLOP/s.
 _HOPPER_EFFECTIVE = 0.4 * 990e12
+# Effective HBM3 bandwidth of the same GPU: ~80% of 3.35 TB/s.
+_HOPPER_HBM = 0.8 * 3.35e12
 
 PROFILES: dict[str, ModelProfile] = {
     # Contexts: 128K tokens (DeepSeek-V3.2's; Qwen2.5-32B's with YaRN; the DS 27B of
@@ -74,20 +80,24 @@ PROFILES: dict[str, ModelProfile] = {
     # 656 B/token/layer (paper appendix). 37B active params -> 2*37e9/61 FLOPs/token/layer.
     # MLA absorbed: 128 heads x (576 qk + 512 v) x 2 FLOPs per pair; DSA attends top 2048.
     "ds660b": ModelProfile("ds660b", 61, 656, "fp8", 2 * 37e9 / 61, 2 * 128 * (576 + 512),
-                           2048, _HOPPER_EFFECTIVE, 0.030, 40 * GiB),
+                           2048, _HOPPER_EFFECTIVE, 0.030, 40 * GiB,
+                           hbm_bytes_per_s=_HOPPER_HBM),
     # DS 27B (paper §7: hidden 2560, 30 layers, 32 heads, MoE 72 routed/6 active/2 shared;
     # same per-layer KV size as V3.2). ~2.5B active params estimated.
     "ds27b": ModelProfile("ds27b", 30, 656, "fp8", 2 * 2.5e9 / 30, 2 * 32 * (576 + 512),
-                          1024, _HOPPER_EFFECTIVE, 0.015, 40 * GiB),
+                          1024, _HOPPER_EFFECTIVE, 0.015, 40 * GiB,
+                          hbm_bytes_per_s=_HOPPER_HBM),
     # Qwen2.5-32B (dense GQA): 64 layers, 8 KV heads x 128 dims x (K,V) x FP16 = 4096
     # B/token/layer; 40 query heads x 128 dims x (QK + PV) x 2 FLOPs per pair.
     "qwen32b": ModelProfile("qwen32b", 64, 4096, "fp16", 2 * 32e9 / 64, 2 * 40 * 128 * 2,
-                            0, _HOPPER_EFFECTIVE, 0.025, 40 * GiB),
+                            0, _HOPPER_EFFECTIVE, 0.025, 40 * GiB,
+                            hbm_bytes_per_s=_HOPPER_HBM),
     # A small model sized for a 2-core machine: 8 layers x 2 KiB/token/layer, so a Full
     # Block of 64 tokens is 1 MiB and a Layer Block 128 KiB. Compute is emulated. Its
-    # context is what one engine's 1 GiB of HBM holds (16 KiB of KV per token).
+    # context is what one engine's 1 GiB of HBM holds (16 KiB of KV per token); a decode
+    # step over 32K tokens of a batch's KV (512 MiB) takes 2 ms more than a lone one's.
     "demo": ModelProfile("demo", 8, 2048, "fp16", 2e6, 4096, 0, 1e12, 0.002, 1 * GiB,
-                         context_tokens=65536),
+                         context_tokens=65536, hbm_bytes_per_s=256e9),
 }
 
 

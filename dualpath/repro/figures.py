@@ -3,8 +3,8 @@ real processes, real KV bytes moved and verified, model execution emulated by th
 model — at a stated scale, and returns a record: the scale, the points measured, a
 ``summary`` of headline figures and the paper's own headline beside them.
 
-Figures built so far (the others need the engine model of "The paper, all of it":
-forward batches, per-layer HBM, batched decode):
+Figures built so far (the others need the rest of the engine model of "The paper, all of
+it": forward batches and per-layer HBM on the PE):
 
 - ``fig7``: offline JCT of basic, dualpath and oracle as the agent count grows (1P2D).
 - ``fig8``: P/D shapes 1P1D, 1P2D and 2P1D under basic and dualpath, the paper's

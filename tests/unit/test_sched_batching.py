@@ -35,9 +35,26 @@ def test_prefill_seconds_by_hand():
     assert cost.prefill_s(p, [(10, 2)]) == pytest.approx(8 * 4_094_208 / 1e12)
     assert cost.prefill_s(p, [(10, 2), (0, 1)]) == pytest.approx(
         cost.request_prefill_s(p, 10, 2) + cost.request_prefill_s(p, 0, 1))
-    assert cost.decode_s(p, 50) == pytest.approx(50 * p.decode_s_per_token)
     with pytest.raises(UsageError):
         cost.attention_pairs(-1, 1)
+
+
+def test_a_decode_step_grows_with_the_keys_its_batch_attends():
+    # demo: 2 ms per step alone, 16 KiB of KV per token read at 256 GB/s: a batch holding
+    # 32K tokens reads 512 MiB, 2.097 ms more.
+    p = get_profile("demo")
+    assert cost.decode_step_s(p, []) == pytest.approx(p.decode_s_per_token)
+    assert cost.decode_step_s(p, [16384, 16384]) == pytest.approx(
+        0.002 + 32768 * 16384 / 256e9)
+    # Sparse attention reads at most attn_key_cap keys per request (ds660b: 2048).
+    d = get_profile("ds660b")
+    assert cost.decode_step_s(d, [100_000]) == cost.decode_step_s(d, [2048])
+    assert cost.decode_step_s(d, [2048] * 64) > cost.decode_step_s(d, [2048] * 8)
+    # A GPU 10x slower is 10x slower at both.
+    assert cost.decode_step_s(p.scaled(0.1), [16384]) == pytest.approx(
+        10 * cost.decode_step_s(p, [16384]))
+    with pytest.raises(UsageError):
+        cost.decode_step_s(p, [-1])
 
 
 def test_sparse_attention_caps_the_cost_of_long_contexts():

@@ -12,6 +12,8 @@ it": forward batches and per-layer HBM on the PE):
   bottleneck-free P/D range for the paper's hardware.
 - ``fig9``: dualpath's speedup over basic with the mean append or generation length
   halved or doubled (1P2D).
+- ``fig10``: online capacity: each mode's highest Poisson agent rate within the paper's
+  SLO (bisection), with TTFT, TTST and TPOT at every rate probed (1P2D).
 - ``fig11``: average trajectory completion time of basic and dualpath as agents arrive
   faster (online, Poisson arrivals).
 - ``fig12``: the ablation (its right half): basic without layerwise prefill, then with
@@ -25,15 +27,17 @@ Pure orchestration over :func:`dualpath.cluster.run.run_modes`; plotting is in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.replay import ReplayOptions
 from dualpath.cluster.run import first_rounds, make_trace, run_modes
+from dualpath.errors import UsageError
 from dualpath.planning.capacity import Hardware, bottleneck_free_range
 from dualpath.trace.generator import PARAMS, generate
 from dualpath.trace.model import Trace, trace_stats
+from dualpath.trace.report import summarize
 
 EMULATED = "model execution emulated (cost model); KV bytes moved and verified for real"
 
@@ -49,6 +53,12 @@ class Scale:
     snic_gbit_per_s: float
     table: str = "32k"
     seed: int = 7
+    # fig10: the rates searched (agents per second), the bisection's steps, and the SLO
+    # as a multiple of the paper's: the paper's online TTFT (1.7-1.8 s, Table 3) is
+    # ~0.45 of its 4 s limit; the emulated 1P2D's unloaded TTFT here is ~0.45 s.
+    aps_range: tuple[float, float] = (0.5, 16.0)
+    search_steps: int = 3
+    slo_scale: float = 0.25
 
     def describe(self) -> str:
         return (f"{self.agents} agents x {self.rounds} rounds, Table 2 '{self.table}' row "
@@ -180,6 +190,82 @@ def fig8(scale: Scale) -> dict:
         "bottleneck_free_pd_range_paper_hardware": "1/7 <= P/D <= 7/2 (§4.2)"})
 
 
+#: Fig. 10: a rate is within the SLO when this fraction of its requests met the paper's
+#: SLO (TTFT <= 4 s and TPOT <= 50 ms, trace/report.py) times the scale's ``slo_scale``.
+CAPACITY_ATTAINMENT = 0.9
+
+
+def capacity_search(lo: float, hi: float, steps: int
+                    ) -> Generator[float, bool, float | None]:
+    """The highest rate in ``[lo, hi]`` found within the SLO, as a generator: it yields
+    a rate to probe and is sent whether that rate was within; it returns ``hi`` if that
+    was, None if ``lo`` was not, else the end of a bisection on a log scale of
+    ``steps`` steps (within assumed to hold below some rate and fail above it). Pure:
+    the probes are the caller's (so several searches can take turns)."""
+    if not 0 < lo < hi or steps < 0:
+        raise UsageError(f"capacity_search: need 0 < lo < hi and steps >= 0, got "
+                         f"{lo}, {hi}, {steps}")
+    if (yield hi):
+        return hi
+    if not (yield lo):
+        return None
+    for _ in range(steps):
+        mid = (lo * hi) ** 0.5
+        if (yield mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def fig10(scale: Scale) -> dict:
+    """Online capacity (Fig. 10): each mode's highest agent arrival rate (Poisson APS)
+    at which at least CAPACITY_ATTAINMENT of the requests meet the paper's SLO, found by
+    bisection between the scale's rates; TTFT, TTST and TPOT at every rate probed. One
+    1P2D cluster, the same trajectories at every rate, the two searches taking turns
+    (a warm-up replay before the first probe)."""
+    trace = scale_trace(scale)
+    lo, hi = scale.aps_range
+    points: list[dict] = []
+    searches = {m: capacity_search(lo, hi, scale.search_steps) for m in ("basic", "dualpath")}
+    cap: dict[str, float | None] = {}
+    with cluster(scale) as c:
+        rates = {m: next(g) for m, g in searches.items()}
+        while rates:
+            for mode in list(rates):
+                aps = rates[mode]
+                _, runs = replay_on(c, scale, trace, (mode,), ReplayOptions(
+                    replay_mode="online", aps=aps, seed=scale.seed), warmup=not points)
+                s = summarize(runs[mode].records, slo_scale=scale.slo_scale)
+                points.append({"mode": mode, "aps": aps,
+                               "slo_attainment": s["slo"]["attainment"],
+                               "ttft_p50_s": s["ttft_s"]["p50"],
+                               "ttft_p99_s": s["ttft_s"]["p99"],
+                               "ttst_p50_s": s["ttst_s"]["p50"],
+                               "tpot_p50_s": s["tpot_s"]["p50"],
+                               "tpot_p99_s": s["tpot_s"]["p99"]})
+                try:
+                    rates[mode] = searches[mode].send(
+                        s["slo"]["attainment"] >= CAPACITY_ATTAINMENT)
+                except StopIteration as done:
+                    cap[mode] = done.value
+                    del rates[mode]
+    ratio = (cap["dualpath"] / cap["basic"]) if cap["basic"] and cap["dualpath"] else None
+    # A mode within the SLO at the top of the range has a capacity of at least that (its
+    # agents all arrive at once there: the finite trace's offline burst).
+    open_ended = [m for m, c in cap.items() if c == hi]
+    return _record("fig10", "Online capacity within the SLO (1P2D)", scale, points, {
+        "capacity_aps_basic": cap["basic"], "capacity_aps_dualpath": cap["dualpath"],
+        "capacity_ratio_dualpath_vs_basic": ratio,
+        "capacity_at_least_range_top": open_ended,
+        "slo": f"TTFT <= {4 * scale.slo_scale:g} s and TPOT <= "
+               f"{50 * scale.slo_scale:g} ms (the paper's x {scale.slo_scale:g}) for >= "
+               f"{CAPACITY_ATTAINMENT:.0%} of requests; rates searched {lo:g}..{hi:g} APS "
+               f"({scale.search_steps} bisection steps)",
+    }, {"capacity_ratio_dualpath_vs_basic": "1.67 (DS 27B), 2.25 (DS 660B)",
+        "slo": "TTFT <= 4 s, TPOT <= 50 ms"})
+
+
 def fig11(scale: Scale) -> dict:
     """Online (Fig. 11): the average trajectory completion time of basic and dualpath as
     agents arrive faster (Poisson at 0.5 to 8 agents/s; one 1P2D cluster, the same
@@ -271,5 +357,5 @@ def fig13(scale: Scale) -> dict:
 
 
 FIGURES: dict[str, Callable[[Scale], dict]] = {"fig7": fig7, "fig8": fig8, "fig9": fig9,
-                                               "fig11": fig11, "fig12": fig12,
-                                               "fig13": fig13}
+                                               "fig10": fig10, "fig11": fig11,
+                                               "fig12": fig12, "fig13": fig13}

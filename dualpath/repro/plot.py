@@ -41,6 +41,18 @@ def write(record: Mapping, path: str) -> None:
         ax.set_xlabel("agents per second (Poisson arrivals)")
         ax.set_ylabel("average trajectory completion (s)")
         ax.legend()
+    elif name == "fig10":
+        for mode in dict.fromkeys(p["mode"] for p in pts):
+            mine = sorted((p for p in pts if p["mode"] == mode), key=lambda p: p["aps"])
+            line, = ax.plot([p["aps"] for p in mine], [p["slo_attainment"] for p in mine],
+                            "o-", label=mode)
+            cap = record["summary"].get(f"capacity_aps_{mode}")
+            if cap:
+                ax.axvline(cap, color=line.get_color(), linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("agents per second (Poisson arrivals); dotted: capacity")
+        ax.set_ylabel("requests within the SLO (fraction)")
+        ax.legend()
     elif name == "fig12":
         _bars(ax, [p["step"] for p in pts], {"JCT": [p["jct_s"] for p in pts]}, "JCT (s)")
     elif name == "fig9":

@@ -9,9 +9,9 @@ prompt KV is verified against the generator (a mismatch fails the request loudly
 counted) -> DE buffer -> DE HBM, DRAM released -> the tokens after the prefill's first
 from the engine's decode batch (engine/decode_batch.py: every request of the engine joins
 every step, a step's time grows with the batch's KV) -> every new full block persisted as
-it fills, through the storage NIC's write direction, the request's last token timed
-before its last blocks are on disk (a block that cannot be written is skipped and
-counted, never failing the request) -> DECODE_DONE reported; the timings go to the replay
+it fills, the request's last token timed before its last blocks are on disk (a block
+that cannot be written is skipped and counted, never failing the request) ->
+DECODE_DONE reported; the timings go to the replay
 client's sink only once the scheduler recorded that DECODE_DONE (:meth:`DecodePath.
 send_result`, called by the leader), so a result is never reported twice.
 
@@ -398,9 +398,12 @@ class DecodePath:
         """Verify every prompt byte, DE buffer -> DE HBM, then the tokens after the
         prefill's first from this engine's decode batch (one per step, a step as long as
         the cost model says for the whole batch). Every new full block goes to storage as
-        it fills, through the storage NIC's write direction; the last token is timed
-        before the last blocks' write-back ends (outside the request's latency), and the
-        request completes after it (the agent's next round finds its KV stored)."""
+        it fills; the last token is timed before the last blocks' write-back ends
+        (outside the request's latency), and the request completes after it (the
+        agent's next round finds its KV stored). The writes are not paced by the
+        storage NIC's write direction: the next round waits for them, so a paced
+        first round's whole prompt (e2e's I/O-bound case: ~10 s per decode node) would
+        hold every agent up; see docs/e2e.md."""
         n, eng = self.node, self.engine
         e, p = st.engine, st.payload
         rid = st.request_id
@@ -521,8 +524,7 @@ class DecodePath:
                           prompt: int, full: asyncio.Queue) -> None:
         """Persist the blocks of ``hbm`` whose indices arrive on ``full`` (None ends), in
         order: prompt blocks as verified, blocks that generated tokens complete as the
-        emulated model's KV; each takes its bytes from the storage NIC's write direction
-        first. A block that cannot be written (disk full, I/O error) is skipped and
+        emulated model's KV. A block that cannot be written (disk full, I/O error) is skipped and
         counted: the request's tokens are produced, only that block is not cached."""
         T = self.space.fmt.block_tokens
         m = self.node.metrics
@@ -531,7 +533,6 @@ class DecodePath:
         while (b := await full.get()) is not None:
             if (b + 1) * T > prompt:
                 self.engine.fill_block(hbm.flat(b), keys[b])
-            await self.node.limiter.acquire_write(nbytes)
             try:
                 await self.space.store.awrite(keys[b], hbm.flat(b))
             except OSError as err:        # StorageError is one; the next block may fit

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class _Member:
     context: int                    # tokens whose KV the request holds
-    left: int                       # tokens still to generate
+    tokens: int                     # tokens to generate
     on_token: Callable[[int], None] | None
     done: asyncio.Future
-    made: int = 0
+    made: int = 0                   # tokens generated so far
 
 
 class DecodeBatch:
@@ -79,10 +79,9 @@ class DecodeBatch:
                         continue
                     m.context += 1
                     m.made += 1
-                    m.left -= 1
                     if m.on_token is not None:
                         m.on_token(m.made)
-                    if m.left == 0:
+                    if m.made == m.tokens:
                         m.done.set_result(None)
         finally:
             for m in self._members.values():

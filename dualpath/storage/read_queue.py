@@ -220,7 +220,7 @@ class ReadQueue:
         """The jobs whose block is there; the others are misses, found without taking
         their bytes from the limiter (a later read of a block removed meanwhile is an
         ordinary miss)."""
-        found = await asyncio.to_thread(lambda: [self.store.contains(j.key) for j in jobs])
+        found = await self.store.arun(lambda: [self.store.contains(j.key) for j in jobs])
         for j, ok in zip(jobs, found):
             if not ok:
                 j.request.landed(j.index, False)

@@ -45,6 +45,9 @@ class GatedStore:
     def contains(self, key):
         return self.hits.get(key, True) is not False
 
+    async def arun(self, fn, *args):
+        return fn(*args)
+
 
 async def _settle():
     for _ in range(10):

@@ -11,13 +11,22 @@ computes ``bsz`` new tokens in this batch:
   (query, key) pair costs ``attn_flops_per_pair_layer``.
 
 Seconds = FLOPs / ``gpu_flops_per_s`` (the linear fit through the origin; the profile's
-rate is an effective, not peak, figure). All functions are pure and cheap enough to run
-inside the scheduler's binary search (closed forms, no loops over tokens).
+rate is an effective, not peak, figure) for a batch large enough to fill the GPU
+(:func:`prefill_s`, the scheduler's throughput figures). What the emulated engine
+spends on a forward batch (:func:`forward_time`, :func:`group_layer_time`) is that times
+the batch factor ``1 + batch_half_tokens / n`` for a batch of ``n`` new tokens: small
+batches leave the GPU partly idle (the paper's Fig. 3 right, which the profiles'
+``batch_half_tokens`` is fitted to). A PE does not use these formulas to pack its
+batches: it fits its own estimator by profiling the engine (scheduler/core/batching.py).
+
+All functions are pure and cheap enough to run inside the scheduler's binary search
+(closed forms, no loops over tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from dualpath.errors import UsageError
 from dualpath.kv.profiles import ModelProfile
@@ -46,6 +55,61 @@ def prefill_layer_flops(profile: ModelProfile, pairs: Iterable[tuple[int, int]])
     for cached, bsz in pairs:
         total += bsz * lin + attention_pairs(cached, bsz, cap) * att
     return total
+
+
+def attention_layer_flops(profile: ModelProfile, pairs: Iterable[tuple[int, int]]) -> float:
+    """Attention FLOPs of one layer for a batch of ``(cached, bsz)`` pairs."""
+    cap = profile.attn_key_cap
+    return float(sum(attention_pairs(c, b, cap) for c, b in pairs)) * \
+        profile.attn_flops_per_pair_layer
+
+
+def batch_factor(profile: ModelProfile, new_tokens: float) -> float:
+    """How many times its FLOPs at the full rate a forward batch of ``new_tokens`` new
+    tokens takes (>= 1; 1 for an empty batch)."""
+    if new_tokens < 0:
+        raise UsageError(f"batch_factor: {new_tokens} new tokens")
+    return 1.0 + profile.batch_half_tokens / new_tokens if new_tokens > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class ForwardTime:
+    """What one forward pass (all layers) of a batch costs one engine, in seconds."""
+
+    attention_s: float
+    linear_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.attention_s + self.linear_s
+
+
+def forward_time(profile: ModelProfile, pairs: Sequence[tuple[int, int]]) -> ForwardTime:
+    """The emulated engine's time for one forward pass of a batch of ``(cached, bsz)``
+    pairs: its attention and its linear FLOPs at the GPU's rate, each times the batch
+    factor of the batch's new tokens."""
+    rate = profile.gpu_flops_per_s
+    m = batch_factor(profile, sum(b for _, b in pairs)) * profile.layers / rate
+    lin = sum(b for _, b in pairs) * profile.linear_flops_per_token_layer
+    return ForwardTime(attention_layer_flops(profile, pairs) * m, lin * m)
+
+
+def group_layer_time(profile: ModelProfile, batches: Sequence[Sequence[tuple[int, int]]]
+                     ) -> tuple[float, list[float]]:
+    """One layer of one forward step of an engine group that runs expert parallel, as
+    the paper's does (§6.2): every engine computes attention over its own batch, the
+    group synchronises, and the FFN/MoE then spreads every engine's tokens over all
+    of them. Returns (the layer's seconds, each engine's attention seconds): the slowest
+    attention holds every engine up, which is what the compute quota balances."""
+    if not batches:
+        return 0.0, []
+    rate, L = profile.gpu_flops_per_s, profile.layers
+    attn = [forward_time(profile, b).attention_s / L for b in batches]
+    tokens = sum(bsz for b in batches for _, bsz in b)
+    per_engine = tokens / len(batches)
+    ffn = (tokens * profile.linear_flops_per_token_layer / len(batches) / rate
+           * batch_factor(profile, per_engine))
+    return max(attn) + ffn, attn
 
 
 def prefill_s(profile: ModelProfile, pairs: Iterable[tuple[int, int]]) -> float:

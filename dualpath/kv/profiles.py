@@ -32,11 +32,20 @@ class ModelProfile:
     # HBM bandwidth a decode step reads its batch's KV at (decode is memory-bound: a
     # step's time grows with the keys its batch attends); 0: the batch costs nothing.
     hbm_bytes_per_s: float = 0.0
+    # A forward batch's efficiency: its time is its FLOPs at ``gpu_flops_per_s`` times
+    # (1 + batch_half_tokens / new tokens in the batch), so a batch of n new tokens runs
+    # at n / (n + batch_half_tokens) of the GPU's rate (kernels fill the GPU as batches
+    # grow; dualpath/kv/cost.py). 800 fits the paper's Fig. 3 right: requests of 30K
+    # context with 300 new tokens get 2.9x the token throughput at a batch of 10 than
+    # alone. 0: every batch at the full rate.
+    batch_half_tokens: int = 800
 
     def __post_init__(self) -> None:
         for f in ("layers", "kv_bytes_per_token_layer", "block_tokens", "context_tokens"):
             if getattr(self, f) <= 0:
                 raise UsageError(f"model profile {self.name}: {f} must be > 0")
+        if self.batch_half_tokens < 0:
+            raise UsageError(f"model profile {self.name}: batch_half_tokens must be >= 0")
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -10,9 +10,13 @@ from dualpath.errors import UsageError
 from dualpath.kv import cost
 from dualpath.kv.profiles import PROFILES, get_profile
 from dualpath.scheduler.core.batching import (
+    AttentionFit,
+    HbmBudget,
     PrefillWork,
+    ProfileEstimate,
     advance,
     batch_seconds,
+    fit_attention,
     pack_batch,
 )
 
@@ -71,12 +75,12 @@ def test_whole_requests_fit_fifo_and_an_overflowing_one_is_chunked():
     quota = 2.5 * one
     q = [PrefillWork("a", 0, 1000), PrefillWork("b", 0, 1000), PrefillWork("c", 0, 1000),
          PrefillWork("d", 0, 10)]
-    batch = pack_batch(q, p, quota, min_chunk_tokens=1)
+    batch = pack_batch(q, ProfileEstimate(p), quota, min_chunk_tokens=1)
     assert [s.request_id for s in batch] == ["a", "b", "c"]  # FIFO; d waits behind c
     assert batch[0].tokens == batch[1].tokens == 1000
     c = batch[2].tokens
     assert 0 < c < 1000
-    assert batch_seconds(p, batch) <= quota
+    assert batch_seconds(ProfileEstimate(p), batch) <= quota
     # Binary search found the largest chunk: one more token would overflow.
     assert 2 * one + cost.request_prefill_s(p, 0, c + 1) > quota
 
@@ -88,8 +92,8 @@ def test_chunks_continue_from_their_cached_tokens():
     total = 0
     rounds = 0
     while q:
-        batch = pack_batch(q, p, quota, min_chunk_tokens=64)
-        assert batch_seconds(p, batch) <= quota or len(batch) == 1
+        batch = pack_batch(q, ProfileEstimate(p), quota, min_chunk_tokens=64)
+        assert batch_seconds(ProfileEstimate(p), batch) <= quota or len(batch) == 1
         total += sum(s.tokens for s in batch)
         advance(q, batch)
         rounds += 1
@@ -99,13 +103,13 @@ def test_chunks_continue_from_their_cached_tokens():
 
 def test_a_request_bigger_than_the_quota_still_progresses_by_one_minimal_chunk():
     p = get_profile("ds660b")
-    batch = pack_batch([PrefillWork("huge", 0, 100_000)], p, quota_s=1e-9,
+    batch = pack_batch([PrefillWork("huge", 0, 100_000)], ProfileEstimate(p), quota_s=1e-9,
                        min_chunk_tokens=64)
     assert [(s.request_id, s.tokens) for s in batch] == [("huge", 64)]
     # A small chunk is not started behind other work: the batch just ends.
     q = [PrefillWork("a", 0, 10), PrefillWork("b", 0, 100_000)]
     quota = cost.request_prefill_s(p, 0, 10) + cost.request_prefill_s(p, 0, 30)
-    assert [(s.request_id, s.tokens) for s in pack_batch(q, p, quota, 64)] == [("a", 10)]
+    assert [(s.request_id, s.tokens) for s in pack_batch(q, ProfileEstimate(p), quota, 64)] == [("a", 10)]
 
 
 @settings(max_examples=150, deadline=None)
@@ -121,13 +125,72 @@ def test_quota_is_never_exceeded_except_by_one_minimal_chunk(profile, works, quo
     p = get_profile(profile)
     quota = quota_ms / 1000
     q = [PrefillWork(f"r{i}", c, n) for i, (c, n) in enumerate(works)]
-    batch = pack_batch(q, p, quota, min_chunk)
+    batch = pack_batch(q, ProfileEstimate(p), quota, min_chunk)
     assert batch, "a non-empty queue always yields work"
     # FIFO: the batch is a prefix of the queue, every slice whole except maybe the last.
     assert [s.request_id for s in batch] == [w.request_id for w in q[:len(batch)]]
     for s, w in zip(batch[:-1], q, strict=False):
         assert s.tokens == w.remaining_tokens and s.cached_tokens == w.cached_tokens
-    t = batch_seconds(p, batch)
+    t = batch_seconds(ProfileEstimate(p), batch)
     if t > quota * (1 + 1e-9):
         first = q[0]
         assert len(batch) == 1 and batch[0].tokens == min(min_chunk, first.remaining_tokens)
+
+
+def test_a_batch_factor_makes_small_batches_dearer_per_token_as_fig3_right_says():
+    p = get_profile("ds660b")
+    one = cost.forward_time(p, [(30_000, 300)]).total_s
+    ten = cost.forward_time(p, [(30_000, 300)] * 10).total_s
+    # The paper's Fig. 3 right: token throughput at a batch of 10 is ~2.9x that of one.
+    assert 10 * one / ten == pytest.approx(2.9, abs=0.05)
+    # At the full rate (no batch factor) the two would be equal per token.
+    assert cost.prefill_s(p, [(30_000, 300)] * 10) == pytest.approx(
+        10 * cost.prefill_s(p, [(30_000, 300)]))
+    assert cost.batch_factor(p, 0) == 1.0
+
+
+def test_a_group_layer_waits_for_its_slowest_attention_and_shares_the_ffn():
+    p = get_profile("demo")
+    light, heavy = [(1000, 64)], [(8000, 64)] * 4
+    t, attn = cost.group_layer_time(p, [light, heavy])
+    assert attn[1] > attn[0]
+    ffn = t - max(attn)
+    assert ffn > 0
+    # Alone, each engine pays its own attention and its own FFN.
+    t_heavy, _ = cost.group_layer_time(p, [heavy])
+    assert t_heavy == pytest.approx(cost.forward_time(p, heavy).total_s / p.layers)
+    assert t >= max(attn) and t < attn[0] + attn[1] + ffn * 2
+
+
+def test_the_fitted_estimator_tracks_the_engine_it_profiled():
+    p = get_profile("demo")
+
+    def engine(batch):
+        return cost.forward_time(p, batch).attention_s
+    fit = fit_attention(p, engine)
+    assert isinstance(fit, AttentionFit) and fit.s_per_flop > 0
+    # Close on batches like the profiled ones, and not the engine's formula itself: a
+    # lone small request is dearer than the fit's line says (the batch factor).
+    for batch in ([(4096, 256)] * 8, [(1024, 1024)] * 4, [(16384, 64)] * 16):
+        f = sum(fit.flops(c, b) for c, b in batch)
+        assert fit.seconds(f) == pytest.approx(engine(batch), rel=0.35)
+    lone = [(1024, 64)]
+    assert engine(lone) > fit.seconds(sum(fit.flops(c, b) for c, b in lone))
+    with pytest.raises(UsageError, match="usable samples"):
+        fit_attention(p, lambda batch: 0.0)
+
+
+def test_hbm_ends_a_batch_fifo_and_cuts_a_chunk_to_what_fits():
+    p = get_profile("demo")
+    T = p.block_tokens
+
+    def need(w, tokens):
+        return -(-tokens // T)          # one slot per block of context
+    q = [PrefillWork("a", 0, 4 * T), PrefillWork("b", 0, 4 * T), PrefillWork("c", 0, T)]
+    quota = 1e9                          # only memory binds
+    batch = pack_batch(q, ProfileEstimate(p), quota, min_chunk_tokens=1,
+                       hbm=HbmBudget(6, need))
+    # a fits (4 slots); b gets the 2 blocks left as a chunk; c waits behind it (FIFO).
+    assert [(s.request_id, s.tokens) for s in batch] == [("a", 4 * T), ("b", 2 * T)]
+    # Nothing fits: the batch is empty, even where the quota would allow a minimal chunk.
+    assert pack_batch(q, ProfileEstimate(p), 1e-9, hbm=HbmBudget(0, need)) == []

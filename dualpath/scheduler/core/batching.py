@@ -6,19 +6,32 @@ search on its new-token count finds the largest chunk that still fits, and it is
 in pieces (chunked prefill) — the rest stays at the head for the next batch. A DE needs
 none of this: all its requests join every decode step.
 
-[ours] The quota bounds the predicted time of the whole forward pass (all layers; see
-dualpath.kv.cost). The paper says "attention-layer time"; per-layer time is the forward
-time divided by the layer count, so the two differ by a constant factor. A chunk below
+The prediction is an :class:`Estimator`: FLOPs per request, added up over the batch, then
+converted to seconds. As in the paper, a PE converts with a fit it profiled in advance
+(:func:`fit_attention`: the batch's attention FLOPs -> the engine's attention time, "as
+PrefillOnly and Sarathi-Serve do"), not with the engine's own formula;
+:class:`ProfileEstimate` (the cost model's whole forward at the full rate) is the
+formula, for planning and tests.
+
+[ours] The quota bounds the predicted attention time of the whole forward pass (all
+layers). The paper says "attention-layer time"; per-layer time is the forward's divided
+by the layer count, so the two differ by a constant factor. A chunk below
 ``min_chunk_tokens`` is not worth a kernel launch and ends the batch instead — except when
 the batch would otherwise be empty, where one minimal chunk runs even over the quota so
 that a request too large for the quota still makes progress.
+
+Memory: a batch also needs HBM for every member's KV while it computes
+(:class:`HbmBudget`: a layer at a time with layerwise prefill, all layers without). A
+request whose KV does not fit ends the batch (FIFO: nobody overtakes it); a chunk is cut
+to what fits, as to what the quota allows.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from dualpath.errors import UsageError
 from dualpath.kv import cost
@@ -44,51 +57,160 @@ class BatchSlice:
     tokens: int
 
 
-def pack_batch(queue: Iterable[PrefillWork], profile: ModelProfile, quota_s: float,
-               min_chunk_tokens: int = 64) -> list[BatchSlice]:
+class Estimator(Protocol):
+    """A forward batch's predicted seconds: ``seconds(sum of flops(cached, bsz))``, with
+    ``flops`` additive over the batch's requests and ``seconds`` non-decreasing."""
+
+    def flops(self, cached: int, bsz: int) -> float: ...
+
+    def seconds(self, flops: float) -> float: ...
+
+
+@dataclass(frozen=True)
+class ProfileEstimate:
+    """The cost model's own prediction: a whole forward's FLOPs at the GPU's full rate."""
+
+    profile: ModelProfile
+
+    def flops(self, cached: int, bsz: int) -> float:
+        return self.profile.layers * cost.prefill_layer_flops(self.profile, ((cached, bsz),))
+
+    def seconds(self, flops: float) -> float:
+        return flops / self.profile.gpu_flops_per_s
+
+
+@dataclass(frozen=True)
+class AttentionFit:
+    """Predicted attention seconds of a forward: ``intercept_s + s_per_flop * FLOPs``
+    over its attention FLOPs (all layers), a fit profiled on an engine
+    (:func:`fit_attention`). An empty batch costs nothing."""
+
+    profile: ModelProfile
+    intercept_s: float
+    s_per_flop: float
+
+    def flops(self, cached: int, bsz: int) -> float:
+        return self.profile.layers * cost.attention_layer_flops(self.profile, ((cached, bsz),))
+
+    def seconds(self, flops: float) -> float:
+        return self.intercept_s + self.s_per_flop * flops if flops > 0 else 0.0
+
+    def describe(self) -> str:
+        return (f"attention s = {self.intercept_s * 1e3:.3g} ms + FLOPs / "
+                f"{1 / self.s_per_flop:.3g} FLOP/s" if self.s_per_flop > 0 else
+                f"attention s = {self.intercept_s * 1e3:.3g} ms")
+
+
+def profiling_batches(profile: ModelProfile) -> list[list[tuple[int, int]]]:
+    """The batches a PE times to fit its estimator: 1 to 16 like requests of short to
+    long contexts (up to a quarter of the model's), each appending 64 to 1024 tokens."""
+    ctx = profile.context_tokens
+    out = []
+    for n in (1, 2, 4, 8, 16):
+        for cached in (0, ctx // 64, ctx // 16, ctx // 4):
+            for bsz in (64, 256, 1024):
+                out.append([(cached, bsz)] * n)
+    return out
+
+
+def fit_attention(profile: ModelProfile,
+                  measure: Callable[[Sequence[tuple[int, int]]], float],
+                  batches: Iterable[Sequence[tuple[int, int]]] | None = None
+                  ) -> AttentionFit:
+    """Fit predicted attention seconds to a batch's attention FLOPs: ``measure(batch)``
+    is the engine's attention time of one forward of ``batch`` (the paper profiles the
+    engine in advance); least squares on the relative error (weights 1/t^2), so short
+    and long batches count alike. The engine's time need not be linear in FLOPs (a
+    batch's efficiency depends on its token count): the fit is what the PE knows."""
+    probe = AttentionFit(profile, 0.0, 0.0)
+    xs, ys = [], []
+    for batch in (profiling_batches(profile) if batches is None else batches):
+        f = sum(probe.flops(c, b) for c, b in batch)
+        t = measure(batch)
+        if f > 0 and t > 0:
+            xs.append(f)
+            ys.append(t)
+    if len(xs) < 2:
+        raise UsageError(f"fit_attention: {len(xs)} usable samples for {profile.name} "
+                         "(its attention costs nothing?)")
+    # Minimise sum(((a + b x - y) / y)^2): the normal equations of the weighted fit.
+    w = [1.0 / (y * y) for y in ys]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, xs))
+    sy = sum(wi * y for wi, y in zip(w, ys))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    det = sw * sxx - sx * sx
+    if det <= 0:
+        raise UsageError(f"fit_attention: degenerate samples for {profile.name}")
+    b = (sw * sxy - sx * sy) / det
+    a = (sy - b * sx) / sw
+    if b <= 0:
+        raise UsageError(f"fit_attention: time does not grow with FLOPs for {profile.name}")
+    return AttentionFit(profile, max(a, 0.0), b)
+
+
+@dataclass(frozen=True)
+class HbmBudget:
+    """HBM a batch may use: ``free`` units, request ``w`` needing ``need(w, tokens)`` of
+    them to compute up to ``tokens`` tokens of context (more tokens, no fewer units)."""
+
+    free: int
+    need: Callable[[PrefillWork, int], int]
+
+
+def pack_batch(queue: Iterable[PrefillWork], estimate: Estimator, quota_s: float,
+               min_chunk_tokens: int = 64, hbm: HbmBudget | None = None
+               ) -> list[BatchSlice]:
     """The next forward batch for ``queue`` (not modified; see :func:`advance`)."""
     if quota_s <= 0 or min_chunk_tokens <= 0:
         raise UsageError(f"pack_batch: quota_s ({quota_s}) and min_chunk_tokens "
                          f"({min_chunk_tokens}) must be > 0")
-    def seconds(cached: int, bsz: int) -> float:
-        return cost.request_prefill_s(profile, cached, bsz)
-
     batch: list[BatchSlice] = []
-    used = 0.0
+    used = 0.0                           # FLOPs of the batch so far
+    held = 0                             # HBM units of the batch so far
+
+    def fits(w: PrefillWork, c: int, *, timed: bool = True) -> bool:
+        if hbm is not None and held + hbm.need(w, w.cached_tokens + c) > hbm.free:
+            return False
+        return not timed or estimate.seconds(used + estimate.flops(w.cached_tokens, c)) \
+            <= quota_s
+
     for w in queue:
         if w.remaining_tokens <= 0:
             continue
-        t = seconds(w.cached_tokens, w.remaining_tokens)
-        if used + t <= quota_s:
+        if fits(w, w.remaining_tokens):
             batch.append(BatchSlice(w.request_id, w.cached_tokens, w.remaining_tokens))
-            used += t
+            used += estimate.flops(w.cached_tokens, w.remaining_tokens)
+            held += hbm.need(w, w.cached_tokens + w.remaining_tokens) if hbm else 0
             continue
-        # Largest chunk c in [0, remaining) with used + seconds(cached, c) <= quota:
-        # seconds() grows with c, so bisect. Invariant: lo fits, hi does not.
+        # Largest chunk c in [0, remaining) that fits: time and memory grow with c, so
+        # bisect. Invariant: lo fits (0 trivially), hi does not.
         lo, hi = 0, w.remaining_tokens
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if used + seconds(w.cached_tokens, mid) <= quota_s:
+            if fits(w, mid):
                 lo = mid
             else:
                 hi = mid
         if lo >= min_chunk_tokens:
             batch.append(BatchSlice(w.request_id, w.cached_tokens, lo))
         elif not batch:
-            batch.append(BatchSlice(w.request_id, w.cached_tokens,
-                                    min(min_chunk_tokens, w.remaining_tokens)))
+            c = min(min_chunk_tokens, w.remaining_tokens)
+            if fits(w, c, timed=False):         # over the quota, never over memory
+                batch.append(BatchSlice(w.request_id, w.cached_tokens, c))
         break
     return batch
 
 
-def batch_seconds(profile: ModelProfile, batch: Iterable[BatchSlice]) -> float:
-    """Predicted forward time of a batch (the quantity the quota bounds)."""
-    return cost.prefill_s(profile, ((s.cached_tokens, s.tokens) for s in batch))
+def batch_seconds(estimate: Estimator, batch: Iterable[BatchSlice]) -> float:
+    """Predicted time of a batch (the quantity the quota bounds)."""
+    return estimate.seconds(sum(estimate.flops(s.cached_tokens, s.tokens) for s in batch))
 
 
 def advance(queue: deque[PrefillWork], batch: list[BatchSlice]) -> list[str]:
     """Account a finished batch: chunks become cached tokens; returns the ids whose
-    prefill is complete (removed from the head of ``queue``)."""
+    prefill is complete (removed from ``queue``)."""
     done = []
     for s in batch:
         w = queue[0] if queue and queue[0].request_id == s.request_id else None

@@ -72,11 +72,16 @@ def gauge(reg: CollectorRegistry, name: str, doc: str, labels: tuple[str, ...] =
     return Gauge(_name(name), doc, labels, registry=reg)
 
 
+#: What a histogram's name may end in: its base unit.
+HISTOGRAM_UNITS = ("_seconds", "_ratio", "_tokens", "_requests")
+
+
 def histogram(reg: CollectorRegistry, name: str, doc: str, labels: tuple[str, ...] = (),
               buckets: tuple[float, ...] = LATENCY_BUCKETS_S) -> Histogram:
-    """A latency histogram; ``name`` ends in ``_seconds`` (base unit)."""
-    if not name.endswith("_seconds"):
-        raise UsageError(f"histogram {name!r} must end in _seconds")
+    """A histogram (latencies by default); ``name`` ends in its base unit
+    (:data:`HISTOGRAM_UNITS`)."""
+    if not name.endswith(HISTOGRAM_UNITS):
+        raise UsageError(f"histogram {name!r} must end in one of {', '.join(HISTOGRAM_UNITS)}")
     return Histogram(_name(name), doc, labels, registry=reg, buckets=buckets)
 
 

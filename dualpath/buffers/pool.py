@@ -49,6 +49,7 @@ class Reservation:
         self.pool = pool
         self.slots = tuple(slots)
         self._released = False
+        self._handed: set[int] = set()    # blocks moved to reservations of their own
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -68,6 +69,8 @@ class Reservation:
     def flat(self, i: int) -> np.ndarray:
         """Block ``i``'s Full Block bytes as a flat uint8 view."""
         self._check_live()
+        if i in self._handed:
+            raise UsageError(f"block {i} was handed over to a reservation of its own")
         s = self.slots[i] * self.pool.stride
         return self.pool.memory[s:s + self.pool.layout.full_bytes]
 
@@ -78,11 +81,23 @@ class Reservation:
     def blocks(self) -> list[np.ndarray]:
         return [self.block(i) for i in range(len(self.slots))]
 
+    def hand_over(self, blocks) -> list[Reservation]:
+        """Move ``blocks`` (indices) each into a one-slot reservation of its own (its new
+        owner releases it); this one keeps and later releases the rest."""
+        self._check_live()
+        out = []
+        for i in blocks:
+            if i in self._handed or not 0 <= i < len(self.slots):
+                raise UsageError(f"block {i} cannot be handed over")
+            self._handed.add(i)
+            out.append(Reservation(self.pool, [self.slots[i]]))
+        return out
+
     def release(self) -> None:
         """Give the slots back (idempotent); waiting reservations may then proceed."""
         if not self._released:
             self._released = True
-            self.pool._free(self.slots)
+            self.pool._free([s for i, s in enumerate(self.slots) if i not in self._handed])
 
     def _check_live(self) -> None:
         if self._released:

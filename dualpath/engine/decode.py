@@ -360,7 +360,8 @@ class DecodePath:
         timings = Timings(rid, e.engine_id, done.prefill_node_id, n.node_id,
                           prefill_read_bytes=done.read_bytes, decode_read_bytes=st.read_bytes,
                           read_span=(min(s[0] for s in spans), max(s[1] for s in spans))
-                          if spans else (0.0, 0.0), attempt=st.attempt)
+                          if spans else (0.0, 0.0), attempt=st.attempt,
+                          phases=done.phases)
         try:
             if self.decoder is not None:
                 await self.decoder.run(st, done, timings)
@@ -397,19 +398,20 @@ class DecodePath:
                                timings: Timings) -> None:
         """Verify every prompt byte, DE buffer -> DE HBM, then the tokens after the
         prefill's first from this engine's decode batch (one per step, a step as long as
-        the cost model says for the whole batch). Every new full block goes to storage as
-        it fills; the last token is timed before the last blocks' write-back ends
-        (outside the request's latency), and the request completes after it (the
-        agent's next round finds its KV stored). The writes are not paced by the
-        storage NIC's write direction: the next round waits for them, so a paced
-        first round's whole prompt (e2e's I/O-bound case: ~10 s per decode node) would
-        hold every agent up; see docs/e2e.md."""
+        the cost model says for the whole batch). Every new full block goes to the
+        node's write-back (engine/writeback.py: storage at the storage NIC's write
+        pace) as it fills: the prompt's from their DE-buffer slots, the generated ones
+        copied into slots of their own. The last token is timed at once, and the
+        request completes once its blocks are handed over, not written: the writes are
+        outside its latency and its agent's next round (this node's reads find them in
+        the write-back; another node's find them missing and compute them)."""
         n, eng = self.node, self.engine
         e, p = st.engine, st.payload
         rid = st.request_id
         prompt, gen = p.prompt_tokens, p.gen_tokens
         T = self.space.fmt.block_tokens
-        hbm = writer = None
+        wb = self.space.writeback
+        hbm = stager = None
         try:
             nbytes = prompt * self.space.layout.layers * self.space.layout.token_bytes
             if not p.oracle and not eng.verifies(rid):
@@ -423,6 +425,11 @@ class DecodePath:
                 n.metrics.verified.inc(nbytes)
                 timings.bytes_verified = nbytes
             hbm = await e.hbm.reserve(blocks_for(prompt + gen, T))
+            # Every full block from the first token the PE computed (past the hit, or
+            # from its first missing or corrupt block: cached again).
+            keys = [] if p.oracle or wb is None else \
+                block_keys(p.token_ids(prompt + gen, n.tokens), T)
+            nxt = min(done.computed_from_tokens, p.hit_tokens) // T
             if st.buffer is not None:
                 buf, spans = st.buffer, len(st.spans)
 
@@ -430,13 +437,14 @@ class DecodePath:
                     for i in range(spans):
                         np.copyto(hbm.flat(i), buf.flat(i))
                 await _off_loop(copy_in)
+                # The prompt's own full blocks persist from where they are.
+                whole = range(nxt, min(prompt // T, len(keys)))
+                for i, slot in zip(whole, buf.hand_over(whole)):
+                    wb.add(keys[i], slot)
+                nxt = max(nxt, whole.stop)
                 self._release(st)
-            # Every full block from the first token the PE computed (past the hit, or
-            # from its first missing or corrupt block: cached again).
-            keys = [] if p.oracle else block_keys(p.token_ids(prompt + gen, n.tokens), T)
             full: asyncio.Queue[int | None] = asyncio.Queue()
-            nxt = min(done.computed_from_tokens, p.hit_tokens) // T
-            writer = asyncio.ensure_future(self._write_back(st, hbm, keys, prompt, full))
+            stager = asyncio.ensure_future(self._stage_blocks(hbm, keys, full))
 
             def filled(tokens: int) -> None:        # blocks whose every token's KV exists
                 nonlocal nxt
@@ -457,11 +465,11 @@ class DecodePath:
             timings.finish_unix_s = clock.unix_now()
             filled(len(keys) * T)
             full.put_nowait(None)
-            await writer
+            await stager
         finally:
-            if writer is not None and not writer.done():
-                writer.cancel()
-                await asyncio.gather(writer, return_exceptions=True)
+            if stager is not None and not stager.done():
+                stager.cancel()
+                await asyncio.gather(stager, return_exceptions=True)
             if hbm is not None:
                 hbm.release()
 
@@ -520,28 +528,15 @@ class DecodePath:
                     return f"block {i} (partial, {span.tokens} tokens): {m}"
         return None
 
-    async def _write_back(self, st: DecodeState, hbm: Reservation, keys: list[bytes],
-                          prompt: int, full: asyncio.Queue) -> None:
-        """Persist the blocks of ``hbm`` whose indices arrive on ``full`` (None ends), in
-        order: prompt blocks as verified, blocks that generated tokens complete as the
-        emulated model's KV. A block that cannot be written (disk full, I/O error) is skipped and
-        counted: the request's tokens are produced, only that block is not cached."""
-        T = self.space.fmt.block_tokens
-        m = self.node.metrics
-        nbytes = self.space.layout.full_bytes
-        failed = 0
+    async def _stage_blocks(self, hbm: Reservation, keys: list[bytes],
+                            full: asyncio.Queue) -> None:
+        """Blocks of ``hbm`` whose indices arrive on ``full`` (None ends), completed by
+        generated tokens: the emulated model's KV for each, copied into a DE-buffer slot
+        of its own and handed to the write-back (waiting for a slot, never for the
+        disk or the storage NIC)."""
+        wb, pool = self.space.writeback, self.space.pool
         while (b := await full.get()) is not None:
-            if (b + 1) * T > prompt:
-                self.engine.fill_block(hbm.flat(b), keys[b])
-            try:
-                await self.space.store.awrite(keys[b], hbm.flat(b))
-            except OSError as err:        # StorageError is one; the next block may fit
-                failed += 1
-                m.persist_failed.inc()
-                if failed == 1:
-                    log.warning("%s: not caching block %d: %s", st.request_id, b, err)
-                continue
-            m.persisted.inc()
-            m.written_bytes.inc(nbytes)
-        if failed > 1:
-            log.warning("%s: %d blocks not cached (persist failures)", st.request_id, failed)
+            self.engine.fill_block(hbm.flat(b), keys[b])
+            slot = await pool.reserve(1)
+            np.copyto(slot.flat(0), hbm.flat(b))
+            wb.add(keys[b], slot)

@@ -2,10 +2,12 @@
 
 Kept for benchmarks at scale, where a real engine cannot run (and labelled emulated
 wherever it reports). Each engine rank has an "HBM" region of the node's pinned memory,
-registered with the node's transfer engine as ``hbm<rank>`` and cut into Full Block
-slots (its placement is :meth:`EngineRank.placement`); compute is the cost model's time
-(dualpath/kv/cost.py) spent holding the rank's GPU lock, and computed KV is the
-deterministic synthetic KV of dualpath/kv/synth.py, so the DE can verify every byte.
+registered with the node's transfer engine as ``hbm<rank>`` and cut into slots (its
+placement is :meth:`EngineRank.placement`): Layer Block slots on a PE, whose forward
+allocates HBM a layer at a time (engine/forward.py), Full Block slots on a DE. Compute
+is the cost model's time (dualpath/kv/cost.py: a PE's forward steps, a DE's decode
+steps), and computed KV is the deterministic synthetic KV of dualpath/kv/synth.py, so
+the DE can verify every byte.
 
 The real engine (vLLM) is dualpath/engine/vllm_engine.py: its ranks' memory belongs to
 its worker processes and its compute is the model's. Both are seen by the paths through
@@ -42,13 +44,16 @@ class EngineRank:
     rank: int
     region: str                          # its KV memory's registered region
     hbm: BlockPool
-    gpu: asyncio.Lock = field(default_factory=asyncio.Lock)
     tokens: dict[str, int] = field(default_factory=dict)           # request -> prompt tokens
     reserved_blocks: dict[str, int] = field(default_factory=dict)  # DE: HBM promised
     slots: asyncio.Semaphore | None = None                         # PE: concurrent prefills
 
     def placement(self, fmt: KvFormat) -> KvPlacement:
-        """Its HBM slots as a placement (Full Block slots, one unit each)."""
+        """Its HBM slots as a placement: Full Block slots (a DE's), or Layer Block slots
+        (a PE's, allocated a layer at a time: engine/forward.py)."""
+        if self.hbm.layout.layers == 1 < fmt.layers:
+            return KvPlacement.layer_slots(fmt, self.region, self.hbm.stride,
+                                           self.hbm.capacity)
         return KvPlacement.full_blocks(fmt, self.region, self.hbm.stride, self.hbm.capacity)
 
     def units(self, fmt: KvFormat, res: Reservation) -> list[int]:
@@ -98,27 +103,20 @@ class EmulatedEngine:
 
     # ------------------------------------------------------------ prefill
 
-    def prefill_layer_s(self, hit: int, miss: int) -> float:
-        """Seconds one layer of a prefill of ``miss`` tokens after ``hit`` takes."""
-        return cost.request_prefill_s(self.profile, hit, miss) / self.profile.layers
+    def attention_s(self, batch: Sequence[tuple[int, int]]) -> float:
+        """Seconds one forward pass of ``batch`` ((cached, new) token pairs) spends in
+        attention on one engine: what a PE times when it profiles its engine."""
+        return cost.forward_time(self.profile, batch).attention_s
 
-    async def forward_layer(self, e: EngineRank, seconds: float, res: Reservation | None,
-                            spans: list[BlockSpan], layer: int, first: int, stop: int
-                            ) -> None:
-        """Compute layer ``layer`` of tokens ``[first, stop)`` on ``e``: hold its GPU for
-        ``seconds`` and write their (synthetic) KV into the request's HBM ``res``."""
-        async with e.gpu:
-            await asyncio.sleep(seconds)
-            if res is not None:
-                self.write_kv(res, spans, layer, first, stop)
-
-    def write_kv(self, res: Reservation, spans: list[BlockSpan], layer: int, first: int,
-                 stop: int) -> None:
+    def write_layer_kv(self, res: Reservation, slots: Sequence[int],
+                       spans: list[BlockSpan], layer: int, first: int, stop: int) -> None:
+        """The (synthetic) KV layer ``layer`` computed for tokens ``[first, stop)``,
+        into Layer Block slots: block ``b`` in ``res.flat(slots[b])``."""
         lay = self.synth.layout
-        LB, TB = lay.layer_bytes, lay.token_bytes
+        TB = lay.token_bytes
         with self.spent("synth"):
             for b, s0, s1 in layer_runs(first, stop, lay.tokens):
-                view = res.flat(b)[layer * LB + s0 * TB: layer * LB + s1 * TB]
+                view = res.flat(slots[b])[s0 * TB: s1 * TB]
                 self.synth.fill_layer(view, spans[b].key, layer, s0)
 
     # ------------------------------------------------------------ decode

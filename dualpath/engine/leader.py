@@ -76,7 +76,8 @@ class Leader:
                  profile_name: str | None,
                  block_bytes: int, storage_read_bytes_per_s: int, fetch_interval_ms: int = 0,
                  results=None, status: Callable[[str], None] = lambda text: None,
-                 available: Callable[[], bool] = lambda: True):
+                 available: Callable[[], bool] = lambda: True,
+                 quota: Callable[[float], None] | None = None):
         self.node_id, self.role, self.address = node_id, role, address
         self.scheduler_address = scheduler
         self.tls_config = tls_config
@@ -88,6 +89,9 @@ class Leader:
         self.read_q_tokens = read_q_tokens
         self.metrics = metrics
         self.profile_name = profile_name
+        # An emulated PE's forward takes the compute quota every answer carries (§6.2);
+        # a vLLM instance batches by its own scheduler and has none.
+        self.quota = quota
         self.block_bytes = block_bytes
         self.storage_read_bytes_per_s = storage_read_bytes_per_s
         self.fetch_interval_ms = fetch_interval_ms
@@ -202,6 +206,7 @@ class Leader:
                               f"this node runs {self.profile_name!r}")
         self.lease_id = r.lease_id
         self.registrations += 1
+        self._take_quota(r.compute_quota_ms)
         refused = set(r.cancelled_request_ids)
         kept = {c.request_id for c in claims} - refused
         # Completions of what was not kept name an attempt the scheduler gave up; a
@@ -248,6 +253,7 @@ class Leader:
             self.completions[:0] = done     # reports are idempotent: resend next time
             raise
         self._settle(done, set(r.ignored_request_ids))
+        self._take_quota(r.compute_quota_ms)
         for rid in r.cancelled_request_ids:
             self._drop(rid)
         if len(self.attempts) > MAX_ATTEMPTS_KEPT:   # ended without a report: forget them
@@ -269,6 +275,10 @@ class Leader:
             self.path.assign(e, a)
         if self.unconfirmed:
             await self._confirm()
+
+    def _take_quota(self, ms: int) -> None:
+        if self.quota is not None and ms:
+            self.quota(ms / 1000.0)
 
     def _settle(self, done: list[scheduler_pb2.Completion], ignored: set[str]) -> None:
         """Delivered completions: the recorded ones' results go to the sink; an ignored

@@ -59,6 +59,25 @@ class NodeMetrics:
             registry, "dualpath_node_layer_wait_seconds",
             "Time a PE's forward pass waited for one layer's hit KV to be in place "
             "(requests with a hit only; without layerwise loading one sample: all of it).")
+        # A PE's forward steps (the emulated engine: engine/forward.py).
+        self.forward_steps = m.counter(registry, "dualpath_node_forward_steps_total",
+                                       "Forward steps the PE's engines took together.")
+        self.attention_s = m.counter(
+            registry, "dualpath_node_attention_seconds_total",
+            "Seconds each PE engine spent in attention (emulated).", ("engine",))
+        self.attention_max_avg = m.histogram(
+            registry, "dualpath_node_attention_max_over_avg_ratio",
+            "Per forward step, the slowest engine's attention time over the engines' mean "
+            "(1 = balanced; the paper's Fig. 14).",
+            buckets=(1.0, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0, 4.0, 8.0))
+        self.batch_requests = m.histogram(
+            registry, "dualpath_node_forward_batch_requests",
+            "Requests in one PE engine's forward batch.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self.batch_tokens = m.histogram(
+            registry, "dualpath_node_forward_batch_tokens",
+            "New tokens in one PE engine's forward batch.",
+            buckets=(64, 256, 1024, 4096, 16384, 65536))
         self.phase_s = m.histogram(registry, "dualpath_node_request_phase_seconds",
                                    "Time per request phase (prefill on PEs, decode on DEs).",
                                    ("phase",))

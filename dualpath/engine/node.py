@@ -47,6 +47,7 @@ from dualpath.engine.decode import DecodePath
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.errors import PeerUnavailable
 from dualpath.engine.fence import Fences
+from dualpath.engine.forward import PrefillForward
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.leader import Leader
 from dualpath.engine.metrics import CountingLimiter, NodeMetrics, OwnedCounters
@@ -66,11 +67,13 @@ from dualpath.engine.vllm_decode import VllmDecoder
 from dualpath.engine.vllm_engine import VllmEngine
 from dualpath.engine.vllm_instance import VllmInstance
 from dualpath.engine.vllm_prefill import VllmPrefillPath
+from dualpath.engine.writeback import WriteBack
 from dualpath.errors import ConfigError, UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import get_profile
 from dualpath.kv.synth import SyntheticKV
 from dualpath.lane import describe as describe_lane
+from dualpath.scheduler.core.batching import fit_attention
 from dualpath.sdnotify import Notifier
 from dualpath.storage.ratelimit import gbit_to_bytes_per_s
 from dualpath.storage.read_queue import ReadQueue
@@ -223,22 +226,36 @@ class NodeDaemon:
         engine.cpu_counter = self.metrics.emulator_cpu
         self.engine = engine
         hbm_mib = ecfg.prefill_hbm_mib if self.role == PREFILL else ecfg.decode_hbm_mib
+        # A PE's HBM is allocated a Layer Block at a time (engine/forward.py), a DE's a
+        # Full Block per block of a request it decodes.
+        hbm_layout = layout.one_layer() if self.role == PREFILL else layout
         for rank in range(ecfg.engines_per_node):
             name = f"hbm{rank}"
             region = self._region(name, hbm_mib)
             e = EngineRank(f"{self.node_id}/e{rank}", rank, name,
-                           BlockPool(name, region.array, layout, region_addr=region.addr))
+                           BlockPool(name, region.array, hbm_layout, region_addr=region.addr))
             if self.role == PREFILL:
                 e.slots = asyncio.Semaphore(ecfg.max_prefills_per_engine)
             self.ranks.append(e)
         ranks = {e.engine_id: e for e in self.ranks}
         decode = None
         if self.role == PREFILL:
-            self.path = PrefillPath(self.resources, self.space, engine)
+            # The packer's estimator, fitted by profiling the engine (paper §6.2).
+            fit = fit_attention(profile, engine.attention_s)
+            forward = PrefillForward(profile, self.space.fmt, self.ranks, fit,
+                                     metrics=self.metrics)
+            self._stack.push_async_callback(forward.close)
+            log.info("%s: forward batches packed by %s (profiled)", self.node_id,
+                     fit.describe())
+            self.path = PrefillPath(self.resources, self.space, engine, forward)
         else:
+            # New KV goes to storage from DE-buffer slots at the storage NIC's pace.
+            self.space.writeback = WriteBack(store, self.limiter, self.metrics)
+            self._stack.push_async_callback(self.space.writeback.close)
             self.path = decode = DecodePath(self.resources, self.space, engine, ranks)
         return engine_services(self.callers, self.oob, self.transfer, decode,
-                               self.stop_request, self.limiter)
+                               self.stop_request, self.limiter,
+                               self.path.forward if self.role == PREFILL else None)
 
     def _start_vllm(self, buf_name: str) -> list:
         offer = BufferOffer(self.buffer.fd, self.buffer.nbytes, f"node {self.node_id}")
@@ -283,7 +300,9 @@ class NodeDaemon:
                       fetch_interval_ms=self.cfg.engine.fetch_interval_ms,
                       results=self.path if isinstance(self.path, DecodePath) else None,
                       status=self.notifier.status,
-                      available=(lambda: self.instance.up) if vllm else (lambda: True))
+                      available=(lambda: self.instance.up) if vllm else (lambda: True),
+                      quota=None if vllm or self.role != PREFILL
+                      else self.path.forward.set_quota)
 
     def _store_stats(self) -> dict[str, int]:
         """The block store's counters (a vLLM node opens its store when its worker first

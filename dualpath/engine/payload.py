@@ -26,6 +26,8 @@ MODES = ("basic", "dualpath", "oracle")
 # "decode" and "split" force the DE read and (vLLM prefills) a real split read, for tests.
 READ_POLICIES = ("scheduler", "prefill", "decode", "split", "round_robin", "none")
 MODE_READ_POLICY = {"basic": "prefill", "dualpath": "scheduler", "oracle": "none"}
+# Whether a mode prefills layerwise unless told: the paper's Basic does not.
+MODE_LAYERWISE = {"basic": False, "dualpath": True, "oracle": True}
 
 
 @dataclass(frozen=True)

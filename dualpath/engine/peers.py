@@ -84,6 +84,9 @@ class PrefillReport:
     kv_blocks: int = 0              # vLLM: leading prompt blocks complete in the DE buffer
     # vLLM: the prefill's token, its logprob, whether it ended the answer
     first_token: tuple[int, float, bool] | None = None
+    # When the PE fetched it, when its buffers were allocated (the DE's and the PE's),
+    # and when its hit was staged (read): the TTFT breakdown (paper Fig. 12 left).
+    phases: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 @dataclass
@@ -107,6 +110,7 @@ class Timings:
     attempt: int = 0
     output_token_ids: tuple[int, ...] = ()     # a real engine's generated tokens
     output_logprobs: tuple[float, ...] = ()
+    phases: tuple[float, float, float] = (0.0, 0.0, 0.0)   # PrefillReport.phases
 
 
 class PeerClient:
@@ -166,7 +170,9 @@ class PeerClient:
                 has_first_token=r.first_token is not None,
                 first_token_id=r.first_token[0] if r.first_token else 0,
                 first_token_logprob=r.first_token[1] if r.first_token else 0.0,
-                first_token_stops=bool(r.first_token and r.first_token[2])),
+                first_token_stops=bool(r.first_token and r.first_token[2]),
+                assigned_unix_s=r.phases[0], allocated_unix_s=r.phases[1],
+                staged_unix_s=r.phases[2]),
             timeout=self.timeout_s))
 
     async def stop(self, peer: str, request_id: str, attempt: int,
@@ -211,5 +217,7 @@ class PeerClient:
                                  read_start_unix_s=t.read_span[0],
                                  read_end_unix_s=t.read_span[1], attempt=t.attempt,
                                  output_token_ids=list(t.output_token_ids),
-                                 output_logprobs=list(t.output_logprobs)),
+                                 output_logprobs=list(t.output_logprobs),
+                                 assigned_unix_s=t.phases[0], allocated_unix_s=t.phases[1],
+                                 staged_unix_s=t.phases[2]),
                              timeout=self.timeout_s))

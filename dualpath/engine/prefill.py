@@ -1,18 +1,26 @@
 """The PE side of a node: one prefill per assigned request (paper Fig. 4a/4b).
 
     assigned -> DE prepared (PeerClient.prepare: DE-buffer slots and their placement)
-      read side PREFILL: hit Full Blocks storage -> PE buffer; per layer PE buffer -> the
-                         engine's memory (a WRITE over the node's loopback connection),
-                         announced by a LocalArrivals layer source
-      read side DECODE:  a LOAD_HIT_KV order: the DE writes each layer's hit blocks into
-                         the engine's memory, followed by a RemoteWatch layer source
-      per layer: ``await source.ready(l)`` -> compute (the engine's time; miss-token KV
-        into the engine's memory) -> WRITE that layer's KV (PE read: hit and miss; DE
-        read: miss only) into the DE buffer; with layerwise prefill the next layer's
-        transfers run while this layer computes
+      -> a PE-buffer reservation for every prompt block, and the hit staged in it:
+      read side PREFILL: this node reads its hit Full Blocks from storage into it
+      read side DECODE:  a LOAD_HIT_KV order: the DE reads them into its buffer and
+                         WRITEs each layer here (a RemoteWatch follows it)
+      (split: both, each its part; the paper's PE reads the hit into its buffer before
+      the request joins a forward batch, Fig. 4 steps 1-2)
+    -> the PE's forward (engine/forward.py): batches under the compute quota, layer by
+       layer: the layer's context moved PE buffer -> HBM (a WRITE over the node's own
+       connection) -> compute (the engine's time; the miss tokens' KV written) -> the
+       layer's KV on to the DE buffer (PE read: hit and miss; DE read: miss only, the
+       DE keeps what it read) and, between chunks of a chunked prefill, back into the PE
+       buffer
     -> PrefillDone -> PREFILL_DONE reported (FAILED on any error: requeued, with the
        error and the engine to blame: the DE for what it or the way to it did, this
        engine for the rest)
+
+Why a DE's part lands in the PE buffer and not in HBM: HBM is allocated a layer at a
+time while the request computes, and a DE cannot know when layer l's HBM exists (the
+paper's PE reads layer l from the DE buffer then; our data plane offers WRITE only). A
+vLLM prefill node stages the same way (engine/vllm_stage.py).
 
 Degrade, don't fail: hit blocks missing or corrupt in storage (either read side) are
 computed here like miss tokens, from the first bad block on; PrefillDone tells the DE
@@ -21,8 +29,8 @@ where computing began (``computed_from_tokens``) so it caches those blocks again
 Attempts (docs/reliability.md): every message to the DE names the assignment's attempt;
 a newer attempt of a request running here starts once the old one's task ended. A
 prefill that ends without PrefillDone tells the DE (Engine.CancelRequest), after its own
-writes ended; its engine memory, if a LOAD_HIT_KV order may still be writing into it,
-goes back only when the DE answered that (engine/fence.py).
+writes ended; its PE-buffer slots, if a LOAD_HIT_KV order may still be writing into
+them, go back only when the DE answered that (engine/fence.py).
 
 Every WRITE comes from a :class:`~dualpath.engine.kvplan.Route` between two placements.
 Threads: the node's event loop only.
@@ -34,19 +42,22 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from dualpath import clock
+from dualpath.buffers.pool import Reservation
 from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.errors import PeerUnavailable
-from dualpath.engine.kvio import write_layers, write_rows
-from dualpath.engine.kvplan import Route, block_spans
+from dualpath.engine.forward import PrefillForward
+from dualpath.engine.kvio import write_rows
+from dualpath.engine.kvplan import BlockSpan, Route, block_spans
 from dualpath.engine.kvspace import KvSpace
-from dualpath.engine.layers import AllReady, BothReady, LayerSource, LocalArrivals
 from dualpath.engine.peers import LoadOrder, PrefillReport, PrepareJob
 from dualpath.engine.resources import NodeResources
 from dualpath.errors import TransferError
+from dualpath.kv.placement import KvPlacement
 from dualpath.v1 import scheduler_pb2
 
 log = logging.getLogger("dualpath.engine")
@@ -56,10 +67,12 @@ class PrefillPath:
     """The prefills running on a PE node: one task per (request, attempt); the newest
     attempt of each request is ``tasks[rid]``."""
 
-    def __init__(self, node: NodeResources, space: KvSpace, engine: EmulatedEngine):
+    def __init__(self, node: NodeResources, space: KvSpace, engine: EmulatedEngine,
+                 forward: PrefillForward | None = None):
         self.node = node
         self.space = space
         self.engine = engine
+        self.forward = forward         # the emulated engine's (a vLLM instance batches itself)
         self.tasks: dict[str, asyncio.Task] = {}    # request -> its newest prefill
         self.current: dict[str, tuple[int, EngineRank]] = {}   # request -> attempt, engine
         self.runs: dict[tuple[str, int], asyncio.Task] = {}    # every live prefill
@@ -155,7 +168,7 @@ class PrefillPath:
         """Prefill ``a`` on ``e`` (see the module docstring); raises on failure, after
         every WRITE it started has finished (none still reads or writes its memory, or
         the memory is fenced until the DE says its writes ended)."""
-        n, space, eng = self.node, self.space, self.engine
+        n, space = self.node, self.space
         fmt = space.fmt
         p = a.payload
         local, remote = self._parts(a)
@@ -172,129 +185,77 @@ class PrefillPath:
         spans = block_spans(p.token_ids(prompt, n.tokens), T)
         keys = [s.key for s in spans]
         nb, hit_blocks = len(spans), local + remote
-        prep = watch = None
-        hbm = pebuf = None
-        source: LayerSource = AllReady()
-        loading: asyncio.Future | None = None
-        pushes: list[asyncio.Future] = []      # engine memory -> DE buffer, per layer
-        finished = False                       # PrefillDone answered
+        layerwise = p.layerwise and n.cfg.engine.layerwise
+        assigned = clock.unix_now()
+        prep = watch = pebuf = None
+        finished = False
         try:
             prep = await n.peers.prepare(de, PrepareJob(rid, a.decode_engine_id, n.address,
                                                         prompt, hit, side_of(local, remote),
                                                         a.payload_bytes, a.attempt,
                                                         remote * T))
-            layer_s = eng.prefill_layer_s(hit, prompt - hit)
-            layerwise = p.layerwise and n.cfg.engine.layerwise
             report = PrefillReport(rid, e.engine_id, n.node_id, 0.0, 0, (0.0, 0.0),
                                    a.attempt, hit)
-            if p.oracle:
-                for layer in range(L):
-                    await eng.forward_layer(e, layer_s, None, spans, layer, 0, 0)
-                await self._done(de, report)
+            if p.oracle:                       # the hit is "in HBM": nothing moves
+                staged = clock.unix_now()
+                await self.forward.compute(e, _OracleJob(rid, prompt), hit, layerwise)
+                await self._done(de, replace(report, phases=(assigned, staged, staged)))
                 finished = True
                 return
             if prep.buffer is None or len(prep.slots) != nb:
                 raise PeerUnavailable(f"{rid}: the DE prepared {len(prep.slots)} blocks, "
                                       f"{nb} needed")
-            hbm = await e.hbm.reserve(nb)
-            units = e.units(fmt, hbm)
-            to_de = Route(e.placement(fmt), units, prep.buffer,
-                          prep.buffer.units_of_slots(prep.slots))
-            # Tokens before it come from storage: whole blocks only (a hit's tail short
-            # of a block, or a "none" policy's hit, is computed).
-            computed_from = hit_blocks * T
-            report = replace(report, computed_from_tokens=computed_from)
-            sources: list[LayerSource] = []
+            # Every prompt block: the hit staged here, and a chunked prefill's KV kept
+            # between its chunks.
+            pebuf = await space.pool.reserve(nb)
+            allocated = clock.unix_now()
+            own = local                        # our part's leading intact blocks
             if remote:                         # the DE's part: blocks [local, hit)
                 await n.transfer.connect(de)
                 watch = n.peers.watch(de, rid, a.attempt)
                 await n.peers.order_load(de, LoadOrder(
                     rid, a.decode_engine_id, e.engine_id, keys[local:hit_blocks],
-                    n.address, e.placement(fmt), units[local * k:hit_blocks * k],
-                    a.attempt, first_block=local))
-            own = local                        # our part's leading intact blocks
+                    n.address, space.buffer,
+                    space.buffer_units(pebuf)[local * k:hit_blocks * k], a.attempt,
+                    first_block=local))
             if local:                          # ours: blocks [0, local), meanwhile
-                pebuf = await space.pool.reserve(local)
                 got = await space.read(rid, keys[:local], pebuf)
                 n.metrics.read_bytes.inc(got.nbytes)
                 own = min(got.usable, local)
-                report = PrefillReport(rid, e.engine_id, n.node_id, 0.0, got.nbytes,
-                                       got.span, a.attempt, hit)
-                arrivals = LocalArrivals()
-                loading = asyncio.ensure_future(write_layers(
-                    n.transfer, n.address, space.buffer, space.buffer_units(pebuf),
-                    e.placement(fmt), units, 0, own * T, on_layer=arrivals.landed))
-                loading.add_done_callback(
-                    lambda f: f.cancelled() or f.exception() is None
-                    or arrivals.failed(str(f.exception())))
-                sources.append(arrivals)
-            if watch is not None:
-                sources.append(watch)
-                # Layer 0 tells how many blocks the DE read intact; when our own part
-                # ended short, its writes end before we compute over the blocks it wrote.
-                await watch.ready(L - 1 if own < local or not layerwise else 0)
+                report = replace(report, read_bytes=got.nbytes, read_span=got.span)
+            if watch is not None:              # every layer of its part staged here
+                await watch.ready(L - 1)
+            # Tokens before it come from storage: whole blocks only (a hit's tail short
+            # of a block, or a "none" policy's hit, is computed).
+            computed_from = hit_blocks * T
             if hit_blocks:
                 intact = own if own < local or not remote else local + watch.loaded_blocks
                 computed_from = self._usable(rid, intact, hit_blocks, T)
-                report = replace(report, computed_from_tokens=computed_from)
-            source = (BothReady(sources) if len(sources) > 1 else
-                      sources[0] if sources else AllReady())
-            # Hit KV to wait for: timed once (all of it) without layerwise loading, per
-            # layer with it; a request with nothing to load is not a sample.
-            waited = n.metrics.layer_wait_s if sources else None
-            if not layerwise:
-                t = time.monotonic()
-                await source.ready(L - 1)
-                if waited is not None:
-                    waited.observe(time.monotonic() - t)
-                waited = None
-            if computed_from != hit:
-                layer_s = eng.prefill_layer_s(computed_from, prompt - computed_from)
+            staged = clock.unix_now()
             # The DE holds the blocks it read intact in its own buffer (when they are
             # used); every other prompt block goes to it from here.
-            sent = ([(0, local * T), (computed_from, prompt)]
-                    if remote and computed_from >= local * T else [(0, prompt)])
-            for layer in range(L):
-                t = time.monotonic()
-                await source.ready(layer)
-                if waited is not None:
-                    waited.observe(time.monotonic() - t)
-                await eng.forward_layer(e, layer_s, hbm, spans, layer, computed_from, prompt)
-                _raise_failed(pushes, de)      # an earlier layer's push failed: stop here
-                push = self._push(de, *to_de.arrays(layer, sent), layer)
-                if layerwise:
-                    pushes.append(asyncio.ensure_future(push))
-                else:
-                    await push
-            if pushes:
-                await asyncio.gather(*pushes)
-            await self._done(de, report)
+            lacks = (0, local * T) if remote and computed_from >= local * T \
+                else (0, computed_from)
+            job = _Job(self, e, rid, prompt, spans, pebuf, de,
+                       prep.buffer, prep.buffer.units_of_slots(prep.slots), lacks,
+                       computed_from)
+            await self.forward.compute(e, job, computed_from, layerwise)
+            await self._done(de, replace(report, computed_from_tokens=computed_from,
+                                         phases=(assigned, allocated, staged)))
             finished = True
         finally:
-            source.close()
-            if watch is not None:              # before it joined ``source``, too
+            if watch is not None:
                 watch.close()
-            # On a failure part way, writes of earlier layers may still read from the
-            # engine's memory (pushes) or land in it (the local load): let each finish or
-            # fail (bounded by transfer.timeout_s) before those slots go to another request.
-            pending = [f for f in (loading, *pushes) if f is not None and not f.done()]
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
-            for f in pushes:
-                if f.done() and not f.cancelled():
-                    f.exception()              # retrieved (raised above, or moot)
             told = True
             if prep is not None and not finished:
                 # The DE drops its state (its slots: our writes ended) and its load into
                 # our memory, answering once that load ended.
                 told = await n.peers.cancel(de, rid, a.attempt)
-            if hbm is not None:
-                if watch is not None and not watch.complete and not told:
-                    n.fences.hold(de, rid, a.attempt, hbm)
-                else:
-                    hbm.release()
             if pebuf is not None:
-                pebuf.release()
+                if watch is not None and not watch.complete and not told:
+                    n.fences.hold(de, rid, a.attempt, pebuf)
+                else:
+                    pebuf.release()
 
     def _usable(self, rid: str, usable: int, hit_blocks: int, T: int) -> int:
         """The first token to compute: the hit, or where its first bad block begins."""
@@ -304,12 +265,6 @@ class PrefillPath:
                         "them", rid, hit_blocks - usable, hit_blocks)
             self.node.metrics.recomputed_blocks.inc(hit_blocks - usable)
         return usable * T
-
-    async def _push(self, de: str, src: str, dst: str, rows, layer: int) -> int:
-        try:
-            return await write_rows(self.node.transfer, de, src, dst, rows)
-        except TransferError as e:
-            raise PeerUnavailable(f"push of layer {layer} to {de}: {e}") from e
 
     async def _done(self, de: str, r: PrefillReport) -> None:
         await self.node.peers.prefill_done(de, replace(r, done_unix_s=clock.unix_now()))
@@ -322,7 +277,68 @@ def _cancel_once(t: asyncio.Task) -> None:
         t.cancel()
 
 
-def _raise_failed(pushes: list[asyncio.Future], de: str) -> None:
-    for f in pushes:
-        if f.done() and not f.cancelled() and f.exception() is not None:
-            raise f.exception()
+@dataclass(frozen=True)
+class _OracleJob:
+    """An oracle request in the forward: computed, nothing moved (the paper's Oracle
+    bypasses every read and transfer)."""
+
+    request_id: str
+    prompt_tokens: int
+    moves_kv = False
+
+    async def load(self, layer, window, stop) -> None:
+        return
+
+    def write(self, layer, window, first, stop, blocks) -> None:
+        return
+
+    async def send(self, layer, window, first, stop, last) -> None:
+        return
+
+
+class _Job:
+    """One request's KV in the forward (engine/forward.py's ForwardJob): its context in
+    PE-buffer slots ``pebuf`` (block i in slot i), its computed KV from the engine's
+    HBM windows to the DE buffer ``de_units`` (and back to the PE buffer between
+    chunks). ``lacks``: the span of hit tokens the DE does not hold and is sent with
+    the first chunk; ``first``: the first token computed."""
+
+    moves_kv = True
+
+    def __init__(self, path: PrefillPath, e: EngineRank, rid: str, prompt: int,
+                 spans: list[BlockSpan], pebuf: Reservation, de: str,
+                 de_buffer: KvPlacement, de_units: Sequence[int],
+                 lacks: tuple[int, int], first: int):
+        self.path, self.e = path, e
+        self.request_id, self.prompt_tokens = rid, prompt
+        self.spans, self.pebuf, self.de = spans, pebuf, de
+        space = path.space
+        self.buf = space.buffer
+        self.buf_units = space.buffer_units(pebuf)
+        self.hbm = e.placement(space.fmt)
+        self.de_buffer, self.de_units = de_buffer, de_units
+        self.lacks, self.first = lacks, first
+
+    async def load(self, layer: int, window: Sequence[int], stop: int) -> None:
+        n = self.path.node
+        await write_rows(n.transfer, n.address, *Route(
+            self.buf, self.buf_units, self.hbm, window).arrays(layer, [(0, stop)]))
+
+    def write(self, layer: int, window: Reservation, first: int, stop: int,
+              blocks: Sequence[int]) -> None:
+        self.path.engine.write_layer_kv(window, blocks, self.spans, layer, first, stop)
+
+    async def send(self, layer: int, window: Sequence[int], first: int, stop: int,
+                   last: bool) -> None:
+        n = self.path.node
+        spans = [(first, stop)]
+        if first == self.first:                # the first chunk: the hit the DE lacks
+            spans.insert(0, self.lacks)
+        try:
+            await write_rows(n.transfer, self.de, *Route(
+                self.hbm, window, self.de_buffer, self.de_units).arrays(layer, spans))
+        except TransferError as err:
+            raise PeerUnavailable(f"push of layer {layer} to {self.de}: {err}") from err
+        if not last:                           # the next chunk loads it from here
+            await write_rows(n.transfer, n.address, *Route(
+                self.hbm, window, self.buf, self.buf_units).arrays(layer, [(first, stop)]))

@@ -8,6 +8,7 @@ ABORTED (the scheduler gave that execution up; docs/reliability.md); one for a r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -17,6 +18,7 @@ from dualpath import rpc
 from dualpath.engine.auth import Callers
 from dualpath.engine.decode import DecodePath, NotYours, PrepareCall
 from dualpath.engine.errors import RequestFailed, StaleAttempt
+from dualpath.engine.forward import STEPS_PER_ANSWER, PrefillForward
 from dualpath.engine.payload import Payload
 from dualpath.engine.peers import LoadOrder, PrefillReport
 from dualpath.engine.vllm_engine import BufferBusy, FormatConflict, NotAttached, VllmEngine, Worker
@@ -59,12 +61,12 @@ Stop = Callable[[str, int, object], Awaitable[bool]]
 
 
 def engine_services(callers: Callers, oob, transfer, decode: DecodePath | None,
-                    stop: Stop, limiter) -> list:
+                    stop: Stop, limiter, forward: PrefillForward | None = None) -> list:
     """The Engine and Node services of a node."""
     return [(engine_pb2_grpc.add_EngineServicer_to_server,
              EngineServicer(callers, oob, transfer, decode, stop)),
             (node_pb2_grpc.add_NodeServicer_to_server,
-             NodeServicer(callers, limiter, decode))]
+             NodeServicer(callers, limiter, decode, forward))]
 
 
 async def _no_decode(context, decode):
@@ -166,11 +168,28 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 class NodeServicer(node_pb2_grpc.NodeServicer):
     """PrepareRequest and PrefillDone: cluster nodes, on their own requests;
-    StorageReads (figures): any cluster identity."""
+    StorageReads and ForwardSteps (figures): any cluster identity."""
 
-    def __init__(self, callers: Callers, limiter, decode: DecodePath | None):
+    def __init__(self, callers: Callers, limiter, decode: DecodePath | None,
+                 forward: PrefillForward | None = None):
         self.callers, self.node_id = callers, callers.node_id
-        self.limiter, self.decode = limiter, decode
+        self.limiter, self.decode, self.forward = limiter, decode, forward
+
+    async def ForwardSteps(self, request, context):
+        await self.callers.require(context, ("node", "admin", "client"))
+        fw = self.forward
+        if fw is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "no forward steps here (not an emulated prefill node)")
+        return node_pb2.ForwardStepsResponse(
+            node_id=self.node_id, engine_ids=[e.engine_id for e in fw.ranks],
+            steps=[node_pb2.ForwardStep(start_unix_s=s.start_unix_s,
+                                        duration_s=s.duration_s,
+                                        attention_s=list(s.attention_s),
+                                        requests=list(s.requests), tokens=list(s.tokens))
+                   for s in itertools.islice((s for s in fw.steps
+                                              if s.start_unix_s >= request.since_unix_s),
+                                             STEPS_PER_ANSWER)])
 
     async def PrepareRequest(self, request, context):
         ident = await self.callers.require(context)
@@ -213,7 +232,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             (request.read_start_unix_s, request.read_end_unix_s), request.attempt,
             int(request.computed_from_tokens), int(request.kv_blocks),
             (int(request.first_token_id), float(request.first_token_logprob),
-             bool(request.first_token_stops)) if request.has_first_token else None))
+             bool(request.first_token_stops)) if request.has_first_token else None,
+            (request.assigned_unix_s, request.allocated_unix_s, request.staged_unix_s)))
         return node_pb2.PrefillDoneResponse()
 
 

@@ -39,6 +39,10 @@ class BlockLayout:
     def of(cls, profile: ModelProfile) -> BlockLayout:
         return cls(profile.layers, profile.block_tokens, profile.kv_bytes_per_token_layer)
 
+    def one_layer(self) -> BlockLayout:
+        """A Layer Block's geometry (slots allocated a layer at a time)."""
+        return BlockLayout(1, self.tokens, self.token_bytes)
+
     @property
     def layer_bytes(self) -> int:
         """Bytes of one Layer Block."""

@@ -148,19 +148,38 @@ class KvPlacement:
         lb = fmt.units * fmt.unit_bytes
         if slot_stride < fmt.layers * lb:
             raise UsageError(f"slot stride {slot_stride} < a Full Block ({fmt.layers * lb})")
-        offs, acc = [], 0
-        for r in fmt.row_bytes:
-            offs.append(acc)
-            acc += r * fmt.unit_tokens
         return cls(fmt, (region,) * fmt.layers,
                    tuple((base + layer * lb,) for layer in range(fmt.layers)),
-                   (0,) * len(fmt.row_bytes), tuple(offs), fmt.unit_bytes,
+                   (0,) * len(fmt.row_bytes), _row_offsets(fmt), fmt.unit_bytes,
+                   slots * fmt.units, group=fmt.units, group_stride=slot_stride)
+
+    @classmethod
+    def layer_slots(cls, fmt: KvFormat, region: str, slot_stride: int, slots: int
+                    ) -> KvPlacement:
+        """Slots of one Layer Block each (the emulated PE's HBM, allocated a layer at a
+        time): every layer's planes start at 0, so which slots hold a request's layer
+        is the caller's choice of units, layer by layer (slot ``i`` holds units
+        ``i*units .. i*units+units-1`` of whatever layer it holds)."""
+        lb = fmt.units * fmt.unit_bytes
+        if slot_stride < lb:
+            raise UsageError(f"slot stride {slot_stride} < a Layer Block ({lb})")
+        return cls(fmt, (region,) * fmt.layers, ((0,),) * fmt.layers,
+                   (0,) * len(fmt.row_bytes), _row_offsets(fmt), fmt.unit_bytes,
                    slots * fmt.units, group=fmt.units, group_stride=slot_stride)
 
     def units_of_slots(self, slots: Sequence[int]) -> list[int]:
         """The unit ids of Full Block slots ``slots`` (a :meth:`full_blocks` placement)."""
         k = self.group
         return [s * k + j for s in slots for j in range(k)]
+
+
+def _row_offsets(fmt: KvFormat) -> tuple[int, ...]:
+    """Each segment's offset inside a unit of DualPath's own slots: segments end to end."""
+    offs, acc = [], 0
+    for r in fmt.row_bytes:
+        offs.append(acc)
+        acc += r * fmt.unit_tokens
+    return tuple(offs)
 
 
 def _check_layer_move(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,

@@ -1,8 +1,8 @@
 """A prefill that fails part way must not hand its HBM slots back while writes of earlier
 layers still read from them: the next request would get those slots and the old writes
 would carry its bytes into another request's DE buffer. The path is built from its
-seams (NodeResources, a KV space, an engine) with small fakes that record the order of
-events; the failure is injected at layer 1's compute."""
+seams (NodeResources, a KV space, an engine, the PE's forward) with small fakes that
+record the order of events; the failure is injected at layer 1's compute."""
 
 import asyncio
 import types
@@ -13,6 +13,7 @@ import pytest
 from dualpath.buffers.pool import BlockPool
 from dualpath.engine.assignment import Assignment
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
+from dualpath.engine.forward import PrefillForward
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.payload import Payload
 from dualpath.engine.peers import Prepared
@@ -20,7 +21,9 @@ from dualpath.engine.prefill import PrefillPath
 from dualpath.engine.resources import NodeResources
 from dualpath.engine.roles import RS_NONE
 from dualpath.kv.layout import BlockLayout
+from dualpath.kv.placement import KvFormat
 from dualpath.kv.profiles import get_profile
+from dualpath.scheduler.core.batching import ProfileEstimate
 from dualpath.trace.model import trajectory_token_ids
 
 LAYOUT = BlockLayout(layers=4, tokens=8, token_bytes=16)
@@ -51,7 +54,7 @@ class SlowTransfer:
 
 
 class FailingEngine(EmulatedEngine):
-    async def forward_layer(self, e, seconds, res, spans, layer, first, stop):
+    def write_layer_kv(self, res, slots, spans, layer, first, stop):
         if layer == 1:
             raise RuntimeError("injected failure at layer 1")
 
@@ -61,7 +64,7 @@ def test_failed_prefill_waits_for_in_flight_pushes_before_releasing_hbm():
 
     async def main():
         mem = np.zeros(1 << 16, np.uint8)
-        hbm = RecordingPool(events, "hbm0", mem, LAYOUT)
+        hbm = RecordingPool(events, "hbm0", mem, LAYOUT.one_layer())
         de_pool = BlockPool("de_buffer", np.zeros(1 << 16, np.uint8), LAYOUT)
         de_space = KvSpace.for_store(None, None, de_pool, "de_buffer")
         pe_space = KvSpace.for_store(None, types.SimpleNamespace(
@@ -83,16 +86,21 @@ def test_failed_prefill_waits_for_in_flight_pushes_before_releasing_hbm():
             engine=types.SimpleNamespace(layerwise=True)), SlowTransfer(events), Peers(),
             None, None, trajectory_token_ids, asyncio.ensure_future, lambda *a, **kw: None,
             None)
-        engine = FailingEngine(get_profile("demo"), 1.0)
-        path = PrefillPath(node, pe_space, engine)
+        profile = get_profile("demo")
+        engine = FailingEngine(profile, 1.0)
         e = EngineRank("p0/e0", 0, "hbm0", hbm)
+        forward = PrefillForward(profile, KvFormat.flat(LAYOUT), [e],
+                                 ProfileEstimate(profile))
+        path = PrefillPath(node, pe_space, engine, forward)
         payload = Payload("t0", 0, prompt_tokens=8, hit_tokens=0, gen_tokens=1)
         a = Assignment("r1", "p0/e0", "d0/e0", RS_NONE, 8, 0, 1, 0, 0, "de:1", payload,
                        payload.encode())
         with pytest.raises(RuntimeError, match="injected"):
             await path.prefill(e, a)
+        await forward.close()
 
     asyncio.run(main())
-    # Layer 0's push was in flight when layer 1 failed; it must end before the DE is told
-    # the attempt is over and before the release, and a failed prefill never reports done.
-    assert events == ["push 0 done", "DE told", "hbm released"], events
+    # Layer 0's push was in flight when layer 1 failed; it must end before its HBM goes
+    # back and before the DE is told the attempt is over, and a failed prefill never
+    # reports done.
+    assert events == ["push 0 done", "hbm released", "DE told"], events

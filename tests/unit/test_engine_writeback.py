@@ -1,0 +1,97 @@
+"""A DE's write-back (engine/writeback.py): blocks reach storage through the storage NIC's
+write direction, this node's reads find them meanwhile (KvSpace.read), and a stop leaves
+no slot behind. A real BlockStore in a temporary directory; the limiter records what it
+was asked."""
+
+import asyncio
+
+import numpy as np
+
+from dualpath.buffers.pool import BlockPool
+from dualpath.engine.kvspace import KvSpace
+from dualpath.engine.writeback import WriteBack
+from dualpath.kv.layout import BlockLayout
+from dualpath.kv.prefix import block_keys
+from dualpath.kv.profiles import get_profile
+from dualpath.storage import BlockStore
+from dualpath.storage.format import HEADER_BYTES
+from dualpath.storage.read_queue import ReadQueue
+
+PROFILE = get_profile("demo", 4)
+LAYOUT = BlockLayout.of(PROFILE)
+KEYS = block_keys(list(range(40)), 4)
+
+
+class GatedLimiter:
+    """A write direction that lets a write through only when the test says so."""
+
+    unlimited = False
+
+    def __init__(self):
+        self.asked = []
+        self.gate = asyncio.Event()
+
+    async def acquire_write(self, nbytes):
+        self.asked.append(nbytes)
+        await self.gate.wait()
+
+    async def acquire(self, nbytes):
+        raise AssertionError("a block in the write-back was read from storage")
+
+
+def _setup(tmp_path, limiter):
+    store = BlockStore(tmp_path, PROFILE, read_workers=2)
+    pool = BlockPool("de_buffer", np.zeros(16 << 20, np.uint8), LAYOUT)
+    space = KvSpace.for_store(store, ReadQueue(store, limiter), pool, "de_buffer")
+    space.writeback = WriteBack(store, limiter)
+    return store, pool, space
+
+
+def _slot(pool, fill):
+    res = pool.try_reserve(1)
+    res.flat(0)[:] = fill
+    return res
+
+
+def test_blocks_wait_for_the_write_direction_and_reads_here_find_them_meanwhile(tmp_path):
+    async def main():
+        lim = GatedLimiter()
+        store, pool, space = _setup(tmp_path, lim)
+        wb = space.writeback
+        for i in range(3):
+            wb.add(KEYS[i], _slot(pool, i + 1))
+        await asyncio.sleep(0.05)
+        assert len(wb) == 3 and not any(store.contains(k) for k in KEYS[:3])
+        assert lim.asked and set(lim.asked) == {HEADER_BYTES + LAYOUT.full_bytes}
+        # This node's read: copied from the write-back, no storage read (GatedLimiter
+        # fails any read acquire), all three usable.
+        out = await pool.reserve(3)
+        got = await space.read("r", KEYS[:3], out)
+        assert got.usable == 3 and got.nbytes == 0
+        assert [int(out.flat(i)[0]) for i in range(3)] == [1, 2, 3]
+        out.release()
+        lim.gate.set()
+        assert await wb.drain(5.0)
+        assert len(wb) == 0 and all(store.contains(k) for k in KEYS[:3])
+        assert pool.free == pool.capacity           # every slot went back
+        await wb.close()
+        await space.close()
+
+    asyncio.run(main())
+
+
+def test_a_stop_gives_pending_slots_back_unwritten_after_a_bounded_wait(tmp_path):
+    async def main():
+        lim = GatedLimiter()
+        store, pool, space = _setup(tmp_path, lim)
+        wb = space.writeback
+        wb.add(KEYS[0], _slot(pool, 7))
+        wb.add(KEYS[0], _slot(pool, 8))              # the same block again: dropped
+        assert pool.free == pool.capacity - 1
+        await wb.close(drain_s=0.05)
+        assert pool.free == pool.capacity and not store.contains(KEYS[0])
+        wb.add(KEYS[1], _slot(pool, 9))              # after the stop: not taken
+        assert pool.free == pool.capacity and len(wb) == 0
+        await space.close()
+
+    asyncio.run(main())

@@ -64,7 +64,8 @@ def register(sub) -> None:
     mo.add_argument("--online", action="store_true", help="Poisson arrivals (needs --aps)")
     mo.add_argument("--aps", type=float, help="agents per second (online)")
     mo.add_argument("--no-layerwise", action="store_true", help="ablation: no layerwise "
-                    "prefill (all transfers of a request, then all its compute)")
+                    "prefill in any mode (a request's HBM for all layers and all its "
+                    "transfers before its compute; basic has none anyway)")
     mo.add_argument("--read-policy", default="", choices=("", "scheduler", "prefill",
                                                            "round_robin"),
                     help="ablation: override how the read side is chosen "
@@ -360,7 +361,8 @@ def _replay(args) -> int:
         raise UsageError(f"--trace {args.trace}: cannot read ({e.strerror})") from None
     opts = ReplayOptions(replay_mode="online" if args.online else "offline",
                          aps=args.aps if args.online else None,
-                         layerwise=not args.no_layerwise, read_policy=args.read_policy,
+                         layerwise=False if args.no_layerwise else None,
+                         read_policy=args.read_policy,
                          seed=args.seed, timeout_s=args.timeout,
                          progress=not args.no_progress, give_up_s=args.give_up_after,
                          sink_listen=args.report_listen, sink_host=args.report_host)

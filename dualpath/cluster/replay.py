@@ -46,12 +46,17 @@ from dataclasses import dataclass, field
 import grpc
 
 from dualpath import rpc, tls
-from dualpath.engine.payload import MODE_READ_POLICY, Payload, encode_token_ids
+from dualpath.engine.payload import (
+    MODE_LAYERWISE,
+    MODE_READ_POLICY,
+    Payload,
+    encode_token_ids,
+)
 from dualpath.errors import DualPathError, RemoteUnavailable
 from dualpath.trace.arrivals import ReplaySchedule, arrival_times
 from dualpath.trace.model import Trace, stream_token_ids
 from dualpath.trace.progress import Progress
-from dualpath.trace.report import ModeResult, RequestRecord, io_lower_bound_s
+from dualpath.trace.report import ModeResult, RequestRecord, io_lower_bound_s, ttft_breakdown
 from dualpath.v1 import node_pb2, node_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("dualpath.replay")
@@ -89,7 +94,7 @@ class ReplayOptions:
     mode: str = "dualpath"              # basic | dualpath | oracle
     replay_mode: str = "offline"        # offline | online
     aps: float | None = None            # online: agents per second
-    layerwise: bool = True
+    layerwise: bool | None = None       # None = the mode's (payload.MODE_LAYERWISE)
     read_policy: str = ""               # "" = the mode's (payload.MODE_READ_POLICY)
     seed: int = 0
     timeout_s: float = 600.0
@@ -141,7 +146,11 @@ class ReplayRun:
                  "requests_duplicated": self.requests_duplicated,
                  "requests_lost": self.requests_lost, "reexecutions": self.reexecutions,
                  "submit_retries": self.submit_retries,
-                 "results_without_timings": self.results_without_timings, **self.extra}
+                 "results_without_timings": self.results_without_timings,
+                 "ttft_breakdown_s": ttft_breakdown(
+                     (r.submit_s, t.assigned_unix_s, t.allocated_unix_s, t.staged_unix_s,
+                      r.first_token_s) for r, t in zip(self.records, self.timings)),
+                 **self.extra}
         if self.partial:
             extra["partial"] = self.partial
         return ModeResult(self.mode, self.records, self.snic_bytes, self.snic_windows, lb,
@@ -223,6 +232,29 @@ async def node_windows(addresses: dict[str, str], t0: float, t1: float, width: f
     return [out[w] for w in sorted(out)]
 
 
+async def forward_steps(addresses: dict[str, str], t0: float, t1: float,
+                        node_tls: tls.TlsConfig) -> dict[str, list[node_pb2.ForwardStep]]:
+    """Each prefill node's forward steps that began in ``[t0, t1)`` (Node.ForwardSteps,
+    paged): node id -> its steps, oldest first."""
+    out: dict[str, list[node_pb2.ForwardStep]] = {}
+    for node, addr in addresses.items():
+        steps: list[node_pb2.ForwardStep] = []
+        since = t0
+        async with tls.channel(addr, node_tls) as ch:
+            stub = node_pb2_grpc.NodeStub(ch)
+            while True:
+                r = await stub.ForwardSteps(node_pb2.ForwardStepsRequest(since_unix_s=since),
+                                            timeout=10)
+                page = [s for s in r.steps if s.start_unix_s < t1 and
+                        (not steps or s.start_unix_s > steps[-1].start_unix_s)]
+                steps += page
+                if len(page) < len(r.steps) or not page:
+                    break
+                since = page[-1].start_unix_s
+        out[node] = steps
+    return out
+
+
 def replay_local(cluster, trace: Trace, profile, **opts) -> ReplayRun:
     """:func:`replay` of ``trace`` on a LocalCluster (its scheduler, nodes and TLS),
     blocking; ``profile`` gives the block size and KV bytes per token, ``opts`` are
@@ -251,6 +283,7 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
     sched = ReplaySchedule(trajs, arrivals, block_tokens=block_tokens)
     tag = f"{o.mode}-{uuid.uuid4().hex[:8]}"
     policy = o.read_policy or MODE_READ_POLICY[o.mode]
+    layerwise = MODE_LAYERWISE[o.mode] if o.layerwise is None else o.layerwise
     sink = _Sink()
     server = grpc.aio.server(options=list(rpc.SERVER_KEEPALIVE))
     node_pb2_grpc.add_ReplaySinkServicer_to_server(sink, server)
@@ -289,7 +322,7 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
                     hit -= hit % block_tokens
                     p = Payload(f"{tag}/{req.trajectory.id}", plan.index, plan.prompt_tokens,
                                 hit, plan.gen_tokens, mode=o.mode, sink=sink_addr,
-                                layerwise=o.layerwise, read_policy=policy, token_ids_b64=ids)
+                                layerwise=layerwise, read_policy=policy, token_ids_b64=ids)
                     spec = scheduler_pb2.RequestSpec(
                         request_id=rid, prompt_tokens=plan.prompt_tokens, hit_tokens=hit,
                         max_new_tokens=plan.gen_tokens, payload=p.encode())

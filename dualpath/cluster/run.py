@@ -113,7 +113,8 @@ def _report(runs: dict[str, ReplayRun], nodes: Sequence[str], prefill_nodes: int
                           trace=trace_stats(trace.trajectories).as_dict(),
                           start_s=None)
     report["settings"]["snic_gbit_per_s"] = snic_gbit_per_s or "unlimited"
-    report["settings"]["layerwise"] = opts.layerwise
+    report["settings"]["layerwise"] = ("per mode (basic off)" if opts.layerwise is None
+                                       else opts.layerwise)
     report["settings"]["read_policy"] = opts.read_policy or "per mode"
     report["settings"]["nodes"] = list(nodes)
     if trace.meta.get("max_rounds"):

@@ -35,9 +35,10 @@ def format_record(rec: dict) -> str:
     from dualpath.scheduler.cli import table
 
     pts = rec["points"]
-    cols = list(pts[0])
+    cols = list(dict.fromkeys(c for p in pts for c in p))   # points may differ in kind
     lines = [f"{rec['figure']}: {rec['title']}", f"scale: {rec['scale']['described']}",
-             table([c.upper() for c in cols], [[_cell(p[c]) for c in cols] for p in pts]),
+             table([c.upper() for c in cols],
+                   [[_cell(p.get(c, "-")) for c in cols] for p in pts]),
              "", table(["HEADLINE", "OURS", "PAPER"],
                        [[k, _cell(v), _cell(rec["paper"].get(k, "-"))]
                         for k, v in rec["summary"].items()])]

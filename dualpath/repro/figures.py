@@ -3,8 +3,7 @@ real processes, real KV bytes moved and verified, model execution emulated by th
 model — at a stated scale, and returns a record: the scale, the points measured, a
 ``summary`` of headline figures and the paper's own headline beside them.
 
-Figures built so far (the others need the rest of the engine model of "The paper, all of
-it": forward batches and per-layer HBM on the PE):
+The figures:
 
 - ``fig7``: offline JCT of basic, dualpath and oracle as the agent count grows (1P2D).
 - ``fig8``: P/D shapes 1P1D, 1P2D and 2P1D under basic and dualpath, the paper's
@@ -16,10 +15,13 @@ it": forward batches and per-layer HBM on the PE):
   SLO (bisection), with TTFT, TTST and TPOT at every rate probed (1P2D).
 - ``fig11``: average trajectory completion time of basic and dualpath as agents arrive
   faster (online, Poisson arrivals).
-- ``fig12``: the ablation (its right half): basic without layerwise prefill, then with
-  it, then both read paths with sides round-robin, then DualPath's scheduler.
+- ``fig12``: the TTFT breakdown (its left half: scheduling, allocating, reading,
+  prefill, online) and the ablation (its right half): basic without layerwise prefill,
+  then with it, then both read paths with sides round-robin, then DualPath's scheduler.
 - ``fig13``: storage-NIC balance (max/avg over the three nodes in small windows) of
   dualpath's scheduler against reading sides chosen round-robin.
+- ``fig14``: attention balance across a PE node's engines, with the scheduler's compute
+  quota and without.
 
 Pure orchestration over :func:`dualpath.cluster.run.run_modes`; plotting is in
 :mod:`dualpath.repro.plot`.
@@ -27,17 +29,20 @@ Pure orchestration over :func:`dualpath.cluster.run.run_modes`; plotting is in
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from dualpath.cluster.local import LocalCluster
-from dualpath.cluster.replay import ReplayOptions
+from dualpath.cluster.replay import ReplayOptions, forward_steps
 from dualpath.cluster.run import first_rounds, make_trace, run_modes
 from dualpath.errors import UsageError
 from dualpath.planning.capacity import Hardware, bottleneck_free_range
 from dualpath.trace.generator import PARAMS, generate
 from dualpath.trace.model import Trace, trace_stats
-from dualpath.trace.report import summarize
+from dualpath.trace.report import TTFT_PARTS, attention_balance, summarize
+from dualpath.v1 import admin_pb2
 
 EMULATED = "model execution emulated (cost model); KV bytes moved and verified for real"
 
@@ -59,6 +64,12 @@ class Scale:
     aps_range: tuple[float, float] = (0.5, 16.0)
     search_steps: int = 3
     slo_scale: float = 0.25
+    # fig14: engines per node (the PE's expert-parallel group) and the emulated GPU's
+    # speed (slowed so that every PE engine has a queue: the balance is about compute).
+    engines: int = 4
+    compute_speed: float = 0.05
+    # fig12's left half: the online rates its TTFT breakdown is measured at.
+    breakdown_aps: tuple[float, ...] = (0.5, 2.0, 8.0)
 
     def describe(self) -> str:
         return (f"{self.agents} agents x {self.rounds} rounds, Table 2 '{self.table}' row "
@@ -308,9 +319,10 @@ ABLATION = (("basic", "basic", "", False),
 
 
 def fig12(scale: Scale) -> dict:
-    """The ablation (Fig. 12 right), on one 1P2D cluster: basic without layerwise prefill,
-    then layerwise prefill, then both read paths (sides round-robin), then DualPath's
-    scheduler choosing the sides. Each step's throughput gain over the step before."""
+    """Both halves of Fig. 12. Right, the ablation, on one 1P2D cluster: basic (no
+    layerwise prefill), then layerwise prefill, then both read paths (sides
+    round-robin), then DualPath's scheduler choosing the sides; each step's throughput
+    gain over the step before. Left: :func:`fig12_breakdown`."""
     trace = scale_trace(scale)
     points = []
     with cluster(scale) as c:
@@ -318,21 +330,100 @@ def fig12(scale: Scale) -> dict:
             report, _ = replay_on(c, scale, trace, (mode,),
                                   ReplayOptions(read_policy=policy, layerwise=layerwise),
                                   warmup=i == 0)
-            points.append({"step": label, "jct_s": report["modes"][mode]["jct_s"]})
+            points.append({"half": "right", "step": label,
+                           "jct_s": report["modes"][mode]["jct_s"]})
     jct = [p["jct_s"] for p in points]
     for p in points:
         p["jct_vs_basic"] = p["jct_s"] / jct[0] - 1.0
     gains = [jct[i - 1] / jct[i] - 1.0 for i in range(1, len(jct))]
-    return _record("fig12", "Ablation: layerwise prefill, dual-path loading, scheduling "
-                   "(1P2D)", scale, points, {
+    left = fig12_breakdown(scale)
+    return _record("fig12", "TTFT breakdown vs APS (left) and the ablation (right), 1P2D",
+                   scale, left + points, {
                        "ablation_gain_layerwise": gains[0],
                        "ablation_gain_dualpath": gains[1],
                        "ablation_gain_sched": gains[2],
                        "jct_vs_basic_by_step": {p["step"]: p["jct_vs_basic"] for p in points},
+                       "ttft_breakdown_s": {f"{p['mode']} @ {p['aps']:g} APS":
+                                            {k: p[f"{k}_s"] for k in TTFT_PARTS}
+                                            for p in left},
                    }, {"ablation_gain_layerwise": 0.208, "ablation_gain_dualpath": 0.339,
                        "ablation_gain_sched": 0.137,   # from its JCTs below, step on step
                        "jct_vs_basic_by_step": "layerwise -17.21%, + dual-path -38.19%, "
-                       "+ scheduling -45.62% (DS 660B, 64K)"})
+                       "+ scheduling -45.62% (DS 660B, 64K)",
+                       "ttft_breakdown_s": "basic's queueing grows with APS; dualpath's "
+                       "parts stay stable"})
+
+
+def fig12_breakdown(scale: Scale) -> list[dict]:
+    """Fig. 12 left: TTFT's parts (scheduling, allocating, reading KV, prefill) of
+    basic and dualpath as agents arrive faster (online, Poisson; one 1P2D cluster, the
+    same trajectories at every rate, the modes alternated)."""
+    trace = scale_trace(scale)
+    points = []
+    with cluster(scale) as c:
+        for i, aps in enumerate(scale.breakdown_aps):
+            for mode in ("basic", "dualpath"):
+                report, _ = replay_on(c, scale, trace, (mode,), ReplayOptions(
+                    replay_mode="online", aps=aps, seed=scale.seed), warmup=i == 0)
+                m = report["modes"][mode]
+                parts = m.get("ttft_breakdown_s") or dict.fromkeys(TTFT_PARTS, 0.0)
+                points.append({"half": "left", "aps": aps, "mode": mode,
+                               "ttft_mean_s": m["ttft_s"]["mean"],
+                               **{f"{k}_s": parts[k] for k in TTFT_PARTS}})
+    return points
+
+
+def fig14(scale: Scale) -> dict:
+    """Attention balance across the engines of a PE node (Fig. 14): one 1P2D cluster
+    whose nodes have ``scale.engines`` engines each, compute-bound (no storage-NIC
+    limit, the emulated GPU at ``scale.compute_speed``) so that every PE engine has a
+    queue; dualpath replayed with the scheduler's compute quota, then with none (a
+    quota of an hour: every queued request that fits the HBM joins a batch). Per
+    forward step, the slowest engine's attention time over the engines' mean."""
+    trace = scale_trace(scale)
+    points = []
+    settings = {"engine": {"speed_scale": scale.compute_speed}}
+    with LocalCluster(1, 2, engines_per_node=scale.engines, settings=settings) as c:
+        stub, ch = c.admin()
+        try:
+            for i, (label, quota_ms) in enumerate(QUOTAS):
+                stub.SetParams(admin_pb2.SetParamsRequest(compute_quota_ms=quota_ms),
+                               timeout=10)
+                t0 = time.time()
+                report, _ = run_modes(
+                    c.scheduler_address, c.node_ids(), c.prefill_nodes, trace,
+                    ("dualpath",), ReplayOptions(), snic_gbit_per_s=0.0,
+                    tls_config=c.client_tls, node_tls=c.node_tls,
+                    node_addresses=c.addresses(), warmup_agents=int(i == 0))
+                pes = {n: a for n, a in c.addresses().items() if n.startswith("p")}
+                got = asyncio.run(forward_steps(pes, t0, time.time(), c.node_tls))
+                steps = [(s.duration_s, list(s.attention_s)) for v in got.values()
+                         for s in v]
+                bal = attention_balance(steps) or {}
+                reqs = [r for v in got.values() for s in v for r in s.requests if r]
+                points.append({"quota": label, "quota_ms": quota_ms,
+                               "jct_s": report["modes"]["dualpath"]["jct_s"],
+                               "steps": bal.get("steps", 0),
+                               "attention_max_avg_mean": bal.get("max_avg_mean"),
+                               "attention_max_avg_p90": bal.get("max_avg_p90"),
+                               "batch_requests_mean": sum(reqs) / len(reqs) if reqs
+                               else 0.0})
+        finally:
+            ch.close()
+    by = {p["quota"]: p for p in points}
+    return _record("fig14", f"Attention balance across {scale.engines} PE engines "
+                   "(max/avg per forward step, 1P2D)", scale, points, {
+                       "attention_max_avg_with_quota": by["quota"]["attention_max_avg_mean"],
+                       "attention_max_avg_without_quota":
+                           by["no quota"]["attention_max_avg_mean"],
+                       "engines_per_node": scale.engines,
+                       "compute_speed": scale.compute_speed,
+                   }, {"attention_max_avg_with_quota": 1.06,
+                       "attention_max_avg_without_quota": "not given"})
+
+
+#: fig14's runs: with the scheduler's default quota (A.4), and with none.
+QUOTAS = (("quota", 300), ("no quota", 3_600_000))
 
 
 def fig13(scale: Scale) -> dict:
@@ -358,4 +449,5 @@ def fig13(scale: Scale) -> dict:
 
 FIGURES: dict[str, Callable[[Scale], dict]] = {"fig7": fig7, "fig8": fig8, "fig9": fig9,
                                                "fig10": fig10, "fig11": fig11,
-                                               "fig12": fig12, "fig13": fig13}
+                                               "fig12": fig12, "fig13": fig13,
+                                               "fig14": fig14}

@@ -9,13 +9,13 @@ from collections.abc import Mapping
 import numpy as np
 
 
-def _canvas(width: float = 7.0):
+def _canvas(width: float = 7.0, panels: int = 1):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, 4), dpi=100)
     FigureCanvasAgg(fig)
-    return fig, fig.subplots(1, 1)
+    return fig, fig.subplots(1, panels)
 
 
 def _bars(ax, groups: list[str], series: Mapping[str, list[float]], ylabel: str) -> None:
@@ -54,7 +54,25 @@ def write(record: Mapping, path: str) -> None:
         ax.set_ylabel("requests within the SLO (fraction)")
         ax.legend()
     elif name == "fig12":
-        _bars(ax, [p["step"] for p in pts], {"JCT": [p["jct_s"] for p in pts]}, "JCT (s)")
+        fig, (left, ax) = _canvas(11.0, panels=2)
+        br = [p for p in pts if p.get("half") == "left"]
+        groups = [f"{p['mode']}\n{p['aps']:g} APS" for p in br]
+        bottom = np.zeros(len(br))
+        for part in ("scheduling", "allocating", "reading", "prefill"):
+            v = np.array([p[f"{part}_s"] for p in br])
+            left.bar(groups, v, bottom=bottom, label=part)
+            bottom += v
+        left.set_ylabel("mean TTFT (s), by part")
+        left.tick_params(axis="x", labelsize=7)
+        left.legend(fontsize=7)
+        ab = [p for p in pts if p.get("half") == "right"]
+        _bars(ax, [p["step"] for p in ab], {"JCT": [p["jct_s"] for p in ab]}, "JCT (s)")
+        ax.tick_params(axis="x", labelsize=7)
+    elif name == "fig14":
+        _bars(ax, [p["quota"] for p in pts],
+              {"mean": [p["attention_max_avg_mean"] or 0 for p in pts],
+               "p90": [p["attention_max_avg_p90"] or 0 for p in pts]},
+              "attention time max/avg over engines, per step")
     elif name == "fig9":
         _bars(ax, [p["scaled"] for p in pts], {"dualpath / basic": [p["speedup"] for p in pts]},
               "speedup (JCT basic / dualpath)")

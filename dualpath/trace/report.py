@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -162,6 +162,52 @@ def snic_usage(node_bytes: Mapping[str, int], *, rate_bytes_per_s: float,
             out["window_max_avg_bytes_weighted"] = (
                 sum(r * b for r, b in busy) / sum(b for _, b in busy))
     return out
+
+
+#: The parts of TTFT (the paper's Fig. 12 left), in order.
+TTFT_PARTS = ("scheduling", "allocating", "reading", "prefill")
+
+
+def ttft_breakdown(rows: Iterable[tuple[float, float, float, float, float]]) -> dict | None:
+    """Mean seconds of each part of TTFT over ``(submit, assigned, allocated, staged,
+    first_token)`` times, one row per request: scheduling (submitted -> its PE fetched
+    it), allocating (-> its DE's and PE's buffers held), reading (-> its hit staged in
+    the PE buffer, whichever side read it), prefill (-> its first token: the forward's
+    queue and compute). Rows without a breakdown (assigned 0) are left out; None when
+    none has one."""
+    sums = [0.0] * len(TTFT_PARTS)
+    n = 0
+    for submit, assigned, allocated, staged, first in rows:
+        if not assigned:
+            continue
+        marks = [submit, assigned, allocated, staged, first]
+        for i in range(len(TTFT_PARTS)):
+            sums[i] += max(0.0, marks[i + 1] - marks[i])
+        n += 1
+    return {k: v / n for k, v in zip(TTFT_PARTS, sums)} if n else None
+
+
+def attention_balance(steps: Iterable[tuple[float, Sequence[float]]]) -> dict | None:
+    """The attention balance across one node's engines (the paper's Fig. 14), over
+    forward steps given as ``(duration_s, attention seconds per engine)``: per step the
+    slowest engine's attention over the engines' mean (an engine without work counts
+    as 0: the others wait for it at the step's synchronisation), then the mean over
+    steps weighted by step time, the median and the 90th percentile. Steps with no
+    attention at all are left out; None when none is left."""
+    rows = []
+    for dur, attn in steps:
+        mean = sum(attn) / len(attn) if attn else 0.0
+        if mean > 0:
+            rows.append((max(attn) / mean, dur))
+    if not rows:
+        return None
+    ratios = sorted(r for r, _ in rows)
+    total = sum(d for _, d in rows)
+    return {"steps": len(rows),
+            "max_avg_mean": (sum(r * d for r, d in rows) / total if total > 0
+                             else sum(ratios) / len(ratios)),
+            "max_avg_p50": ratios[len(ratios) // 2],
+            "max_avg_p90": ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))]}
 
 
 def io_lower_bound_s(hit_bytes: int, snic_nodes: int, rate_bytes_per_s: float) -> float:

@@ -11,6 +11,7 @@ from dualpath.trace.progress import Progress
 from dualpath.trace.report import (
     ModeResult,
     RequestRecord,
+    attention_balance,
     build_report,
     compare,
     format_table,
@@ -18,6 +19,7 @@ from dualpath.trace.report import (
     snic_usage,
     summarize,
     to_json,
+    ttft_breakdown,
     write_plot,
 )
 
@@ -194,3 +196,24 @@ def test_progress_draws_on_a_tty_and_is_silent_otherwise():
     with Progress(4, stream=off, enabled=False) as bar:
         bar.advance(4)
     assert off.getvalue() == ""
+
+
+def test_ttft_breakdown_splits_the_wait_at_each_mark_and_skips_rows_without_one():
+    rows = [(10.0, 10.5, 10.6, 12.6, 13.0),      # 0.5 scheduling, 0.1, 2.0 reading, 0.4
+            (20.0, 21.5, 21.6, 21.6, 22.0),      # 1.5, 0.1, 0.0, 0.4
+            (30.0, 0.0, 0.0, 0.0, 31.0)]         # a vLLM prefill: no breakdown
+    b = ttft_breakdown(rows)
+    assert b == pytest.approx({"scheduling": 1.0, "allocating": 0.1, "reading": 1.0,
+                               "prefill": 0.4})
+    assert ttft_breakdown(rows[2:]) is None
+
+
+def test_attention_balance_weights_steps_by_time_and_counts_an_idle_engine():
+    steps = [(1.0, [1.0, 1.0]),                  # balanced
+             (3.0, [2.0, 0.0]),                  # one engine idle: max/avg 2
+             (1.0, [0.0, 0.0])]                  # no attention: left out
+    b = attention_balance(steps)
+    assert b["steps"] == 2
+    assert b["max_avg_mean"] == pytest.approx((1.0 * 1 + 2.0 * 3) / 4)
+    assert b["max_avg_p90"] == 2.0
+    assert attention_balance([(1.0, [0.0])]) is None

@@ -33,15 +33,17 @@ class EngineConfig:
     advertise: str = key("", "host peers and the scheduler use to reach control_listen; "
                          "empty = its host.")
     metrics_listen: str = key("", "Prometheus /metrics host:port; empty = off.")
-    hbm: str = key("auto", "Where engine 'HBM' lives: 'cupy' GPU memory, 'host' memory, or "
-                   "'auto' (cupy when it imports and sees a GPU, else host).",
-                   choices=("auto", "cupy", "host"))
+    hbm: str = key("auto", "Where the emulated engine's 'HBM' lives: 'host' memory; "
+                   "'auto' is host in this build; 'cupy' (GPU memory) is refused at start "
+                   "(it needs GPUDirect RDMA registration of the emulated HBM, which this "
+                   "build does not do).", choices=("auto", "cupy", "host"))
     prefill_hbm_mib: int = key(512, "HBM per PE engine for the prompts it prefills (MiB).",
                                min=1, max=1 << 24)
     decode_hbm_mib: int = key(256, "HBM per DE engine for the requests it decodes (MiB); "
                               "reported to the scheduler as hbm_bytes.", min=1, max=1 << 24)
-    max_prefills_per_engine: int = key(16, "Requests one PE engine works on at once (their "
-                                       "layers interleave on its emulated GPU).", min=1)
+    max_prefills_per_engine: int = key(16, "Requests one PE engine works on at once "
+                                       "(staging their hit in the PE buffer, or queued "
+                                       "for and in its forward batches).", min=1)
     fetch_interval_ms: int = key(0, "Leader fetch period; 0 = what the scheduler suggests.",
                                  min=0)
     verify_fraction: float = key(1.0, "Emulated engine, decode node: the fraction of "
@@ -49,8 +51,9 @@ class EngineConfig:
                                  "the generator (chosen by a hash of the request id; the "
                                  "rest are counted unverified). 1 = all (tests); benchmarks "
                                  "of the data path may sample.", min=0.0, max=1.0)
-    layerwise: bool = key(True, "Default for layerwise prefill (transfers of layer l+1 "
-                          "overlap compute of layer l); a request's payload may override.")
+    layerwise: bool = key(True, "Layerwise prefill on this node (HBM a layer at a time, "
+                          "layer l+1 moving in while layer l computes) for requests whose "
+                          "payload asks for it (every mode but basic); false: none.")
 
     vllm_url: str = key("", "engine.kind = 'vllm', role prefill or decode: the OpenAI "
                         "HTTP address of the vLLM instance this node drives (its "

@@ -399,12 +399,13 @@ class DecodePath:
         """Verify every prompt byte, DE buffer -> DE HBM, then the tokens after the
         prefill's first from this engine's decode batch (one per step, a step as long as
         the cost model says for the whole batch). Every new full block goes to the
-        node's write-back (engine/writeback.py: storage at the storage NIC's write
-        pace) as it fills: the prompt's from their DE-buffer slots, the generated ones
-        copied into slots of their own. The last token is timed at once, and the
-        request completes once its blocks are handed over, not written: the writes are
-        outside its latency and its agent's next round (this node's reads find them in
-        the write-back; another node's find them missing and compute them)."""
+        node's write-back (engine/writeback.py) as it fills: the prompt's from their
+        DE-buffer slots, the generated ones copied into slots of their own. The last
+        token is timed at once (the writes are outside the request's latency), and the
+        request completes once its blocks are written, so its agent's next round finds
+        them stored. The emulated DE's write-back is not paced by the storage NIC
+        (node.py): with the next round waiting for it, pacing would put a first round's
+        whole prompt in front of every agent's second round (docs/e2e.md)."""
         n, eng = self.node, self.engine
         e, p = st.engine, st.payload
         rid = st.request_id
@@ -412,6 +413,7 @@ class DecodePath:
         T = self.space.fmt.block_tokens
         wb = self.space.writeback
         hbm = stager = None
+        written: list[asyncio.Future] = []      # this request's blocks, once on disk
         try:
             nbytes = prompt * self.space.layout.layers * self.space.layout.token_bytes
             if not p.oracle and not eng.verifies(rid):
@@ -440,11 +442,11 @@ class DecodePath:
                 # The prompt's own full blocks persist from where they are.
                 whole = range(nxt, min(prompt // T, len(keys)))
                 for i, slot in zip(whole, buf.hand_over(whole)):
-                    wb.add(keys[i], slot)
+                    written.append(wb.add(keys[i], slot))
                 nxt = max(nxt, whole.stop)
                 self._release(st)
             full: asyncio.Queue[int | None] = asyncio.Queue()
-            stager = asyncio.ensure_future(self._stage_blocks(hbm, keys, full))
+            stager = asyncio.ensure_future(self._stage_blocks(hbm, keys, full, written))
 
             def filled(tokens: int) -> None:        # blocks whose every token's KV exists
                 nonlocal nxt
@@ -466,6 +468,9 @@ class DecodePath:
             filled(len(keys) * T)
             full.put_nowait(None)
             await stager
+            hbm.release()
+            # The agent's next round reads this KV: the request ends once it is stored.
+            await asyncio.gather(*written)
         finally:
             if stager is not None and not stager.done():
                 stager.cancel()
@@ -529,7 +534,7 @@ class DecodePath:
         return None
 
     async def _stage_blocks(self, hbm: Reservation, keys: list[bytes],
-                            full: asyncio.Queue) -> None:
+                            full: asyncio.Queue, written: list[asyncio.Future]) -> None:
         """Blocks of ``hbm`` whose indices arrive on ``full`` (None ends), completed by
         generated tokens: the emulated model's KV for each, copied into a DE-buffer slot
         of its own and handed to the write-back (waiting for a slot, never for the
@@ -539,4 +544,4 @@ class DecodePath:
             self.engine.fill_block(hbm.flat(b), keys[b])
             slot = await pool.reserve(1)
             np.copyto(slot.flat(0), hbm.flat(b))
-            wb.add(keys[b], slot)
+            written.append(wb.add(keys[b], slot))

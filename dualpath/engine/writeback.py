@@ -1,6 +1,7 @@
-"""A DE node's write-back: new KV blocks on their way to storage at the storage NIC's pace
-(the emulated engine's one persistence path; paper §2: the decoding engines "store their
-KV-Cache in distributed storage to enable reuse across turns").
+"""A DE node's write-back: new KV blocks on their way to storage, paced by the storage
+NIC's write direction when given a limiter (the emulated engine's one persistence path;
+paper §2: the decoding engines "store their KV-Cache in distributed storage to enable
+reuse across turns"). The emulated DE gives it none today (docs/e2e.md says why).
 
 A block comes in with the DE-buffer slot that holds it (its owner hands the slot over)
 and goes out once written, in order, through the write direction of the node's
@@ -47,6 +48,7 @@ class WriteBack:
         self.metrics = metrics
         self.file_bytes = HEADER_BYTES + store.layout.full_bytes
         self._pending: OrderedDict[bytes, Reservation] = OrderedDict()
+        self._done: dict[bytes, asyncio.Future] = {}
         self._queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._writers = writers
         self._tasks: list[asyncio.Task] = []
@@ -58,17 +60,24 @@ class WriteBack:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, key: bytes, slot: Reservation) -> None:
-        """Persist the block in ``slot`` (one slot, ownership passes here) under ``key``."""
-        if key in self._pending or self._closed:   # the same block again, or stopping
+    def add(self, key: bytes, slot: Reservation) -> asyncio.Future:
+        """Persist the block in ``slot`` (one slot, ownership passes here) under ``key``;
+        the future resolves once it is written or skipped."""
+        done = self._done.get(key)
+        if done is not None or self._closed:      # the same block again, or stopping
             slot.release()
-            return
+            if done is None:
+                done = asyncio.get_running_loop().create_future()
+                done.set_result(None)
+            return done
+        done = self._done[key] = asyncio.get_running_loop().create_future()
         self._pending[key] = slot
         self._queue.put_nowait(key)
         self._idle.clear()
         if not self._tasks:
             self._tasks = [asyncio.ensure_future(self._write())
                            for _ in range(self._writers)]
+        return done
 
     def get(self, key: bytes) -> np.ndarray | None:
         """The bytes of ``key`` while it waits to be written (a view: copy it before
@@ -111,6 +120,9 @@ class WriteBack:
                 if slot is not None and self._pending.get(key) is slot:
                     del self._pending[key]
                     slot.release()
+                    done = self._done.pop(key, None)
+                    if done is not None and not done.done():
+                        done.set_result(None)
                 if not self._pending:
                     self._idle.set()
 
@@ -137,4 +149,8 @@ class WriteBack:
         for slot in self._pending.values():
             slot.release()
         self._pending.clear()
+        for done in self._done.values():
+            if not done.done():
+                done.set_result(None)
+        self._done.clear()
         self._idle.set()

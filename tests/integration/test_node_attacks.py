@@ -6,7 +6,8 @@ node's.
 
 - Without a cluster certificate nothing completes: ExchangeEndpoint (which hands out
   region keys and data-plane credentials) and PrepareRequest fail at the handshake.
-- A client identity may read StorageReads, nothing node-to-node (PERMISSION_DENIED).
+- A client identity may read StorageReads and ForwardSteps, nothing node-to-node
+  (PERMISSION_DENIED).
 - A request prepared by node p0 cannot be ordered, watched, finished or cancelled by
   node p1, nor prepared again by it (PERMISSION_DENIED).
 - 2,000 idle connections to the node's data port keep its descriptors bounded and its
@@ -74,6 +75,8 @@ out["watch"] = call("watch", lambda: list(eng.WatchTransfers(
 out["cancel"] = call("cancel", lambda: eng.CancelRequest(
     engine_pb2.CancelRequestRequest(request_id=rid), timeout=10))
 out["reads"] = call("reads", lambda: node.StorageReads(node_pb2.StorageReadsRequest(),
+                                                       timeout=10))
+out["steps"] = call("steps", lambda: node.ForwardSteps(node_pb2.ForwardStepsRequest(),
                                                        timeout=10))
 print(json.dumps(out))
 '''
@@ -145,13 +148,15 @@ def _attack(ns, victim, who: str | None, request: str = "r-attack",
 @pytest.mark.parametrize("who", [None, "other:node/p0"])
 def test_no_cluster_certificate_gets_nothing(ns, victim, who):
     out = _attack(ns, victim, who)
-    for call in ("exchange", "prepare", "done", "watch", "cancel", "reads"):
+    for call in ("exchange", "prepare", "done", "watch", "cancel", "reads", "steps"):
         assert out[call]["ok"] is False and out[call]["code"] == "UNAVAILABLE", (call, out)
 
 
 def test_a_client_identity_reads_figures_but_calls_nothing_node_to_node(ns, victim):
     out = _attack(ns, victim, "client/c")
     assert out["reads"]["ok"] is True
+    # Past the identity check: a decode node has no forward steps to give.
+    assert out["steps"]["code"] == "FAILED_PRECONDITION", out
     for call in ("exchange", "prepare", "done", "watch", "cancel"):
         assert out[call]["code"] == "PERMISSION_DENIED", (call, out)
 

@@ -101,7 +101,7 @@ class LoadStep:
     hold_ms: int = 0
 
 
-@dataclass
+@dataclass(eq=False)              # one object per save: hashed by identity (close())
 class _Save:
     save_id: int
     worker: str
@@ -113,6 +113,22 @@ class _Save:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     stage: Stage | None = None       # a P/D prefill's save: its blocks go to the DE
     held: bool = False               # adopted DE-buffer blocks: kept until released
+
+
+class _PendingBlocks:
+    """The committed blocks not on disk yet, as KvSpace.read looks them up (the
+    interface of engine/writeback.py's WriteBack): ``len()`` and ``get(key)``, a view of
+    the block's slot (copied before anything awaits, so the save cannot let it go)."""
+
+    def __init__(self, pending: dict[bytes, tuple[_Save, int]]):
+        self._pending = pending
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        held = self._pending.get(key)
+        return held[0].res.flat(held[1]) if held is not None else None
 
 
 class VllmEngine:
@@ -178,6 +194,9 @@ class VllmEngine:
         self.model_id = model_id
         self.space = KvSpace.open(self.storage, self.namespace, fmt, region=self.region,
                                   region_name=self.region_name, limiter=self.limiter)
+        # The DE read path's LOAD_HIT_KV reads (KvSpace.read) copy blocks still in this
+        # node's write-back from DRAM, as the instance's own loads do.
+        self.space.writeback = _PendingBlocks(self._pending)
         manifest = self.space.store.dir / MANIFEST
         if not manifest.exists():
             tmp = manifest.with_suffix(".tmp")

@@ -95,3 +95,43 @@ def test_a_stop_gives_pending_slots_back_unwritten_after_a_bounded_wait(tmp_path
         await space.close()
 
     asyncio.run(main())
+
+
+def test_a_vllm_decode_nodes_reads_find_its_own_blocks_still_in_write_back(tmp_path):
+    """The DE read path's LOAD_HIT_KV reads go through KvSpace.read: a block the node's
+    vLLM write-back still holds (an agent's previous round, decoded here) is copied from
+    DRAM, not found missing and recomputed."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from dualpath.buffers.region import PinnedRegion
+    from dualpath.engine.metrics import NodeMetrics
+    from dualpath.engine.vllm_engine import VllmEngine
+    from dualpath.kv.placement import KvFormat
+    from dualpath.storage.config import StorageConfig
+
+    async def main():
+        lim = GatedLimiter()
+        region = PinnedRegion(8 << 20, huge_pages="off", lock=False)
+        eng = VllmEngine(node_id="d0", storage=StorageConfig(dir=str(tmp_path)),
+                         transfer=SimpleNamespace(), region=region, region_name="de_buffer",
+                         limiter=lim, metrics=NodeMetrics(CollectorRegistry(), "decode"))
+        eng._open_space("m", KvFormat(2, 4, (64,)))
+        space = eng.space
+        held = space.pool.try_reserve(2)
+        for i in range(2):
+            held.flat(i)[:] = i + 7
+        eng.release_adopted(eng.adopt("prev", KEYS[:2], held))
+        await asyncio.sleep(0.05)
+        assert lim.asked and not space.store.contains(KEYS[0])     # not written yet
+        out = await space.pool.reserve(2)
+        got = await space.read("next", KEYS[:2], out)
+        assert got.usable == 2 and got.nbytes == 0                 # no storage read
+        assert [int(out.flat(i)[0]) for i in range(2)] == [7, 8]
+        out.release()
+        lim.gate.set()
+        await eng.close()
+        region.close()
+
+    asyncio.run(main())

@@ -34,7 +34,7 @@ import secrets
 import time
 
 from dualpath.buffers.pool import Reservation
-from dualpath.engine.assignment import Assignment, side_of
+from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EngineRank
 from dualpath.engine.errors import PeerUnavailable
 from dualpath.engine.kvio import write_layers
@@ -42,6 +42,7 @@ from dualpath.engine.kvplan import block_spans
 from dualpath.engine.layers import BothReady, LayerSource, LocalArrivals, RemoteWatch
 from dualpath.engine.peers import LoadOrder, PrefillReport, PrepareJob
 from dualpath.engine.prefill import PrefillPath
+from dualpath.engine.roles import RS_SPLIT
 from dualpath.engine.vllm_engine import VllmEngine
 from dualpath.engine.vllm_instance import InstanceError, VllmInstance
 from dualpath.engine.vllm_stage import AllAtOnce, Stage
@@ -71,6 +72,9 @@ class VllmPrefillPath(PrefillPath):
         spans = block_spans(ids, T)
         keys = [s.key for s in spans[:prompt // T]]         # the full blocks
         local, remote = self._parts(a)
+        planned = local + remote
+        if local and remote:
+            local, remote = await self._split_stored(keys[:planned], local, remote)
         hit = local + remote
         prep = stage = res = reader = out = None
         watch: RemoteWatch | None = None
@@ -140,8 +144,8 @@ class VllmPrefillPath(PrefillPath):
             if remote:                  # what the DE read intact is in its buffer already
                 out.arrived(local, usable - local)
             read_span = (t_read, read_end[0] or time.time()) if local else (0.0, 0.0)
-            if usable < hit:
-                self._usable(rid, usable, hit, T)
+            if usable < planned:
+                self._usable(rid, usable, planned, T)
             report = PrefillReport(rid, e.engine_id, n.node_id, 0.0,
                                    min(local, usable) * space.layout.full_bytes, read_span,
                                    a.attempt, usable * T, out.whole_prefix(),
@@ -175,6 +179,22 @@ class VllmPrefillPath(PrefillPath):
                     release(res)
             elif stage is not None:
                 stage.unref()
+
+
+    async def _split_stored(self, keys: list[bytes], local: int, remote: int
+                            ) -> tuple[int, int]:
+        """A split read's (local, remote) parts over the leading ``keys`` stored now, in
+        the scheduler's proportions. The newest blocks of a hit (the tail: the DE's part)
+        may still be in a decode node's write-back; a DE that found them missing would
+        read less than its share and leave this node the busiest storage NIC. The blocks
+        cut off are computed, as a missing block always is."""
+        store = self.space.store
+        stored = await store.arun(
+            lambda: next((i for i, key in enumerate(keys) if not store.contains(key)),
+                         len(keys)))
+        if stored == len(keys):
+            return local, remote
+        return split_blocks("scheduler", RS_SPLIT, stored, local, remote, 1)
 
 
 class _ToDecode:

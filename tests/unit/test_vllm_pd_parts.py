@@ -12,6 +12,7 @@ from dualpath.engine.assignment import split_blocks
 from dualpath.engine.layers import BothReady, LocalArrivals
 from dualpath.engine.roles import RS_DECODE, RS_PREFILL, RS_SPLIT
 from dualpath.engine.vllm_engine import VllmEngine
+from dualpath.engine.vllm_prefill import VllmPrefillPath
 from dualpath.engine.vllm_stage import Stage
 from dualpath.vllm.scheduler_side import dualpath_params
 
@@ -28,6 +29,35 @@ from dualpath.vllm.scheduler_side import dualpath_params
 def test_the_read_side_becomes_blocks_per_side(policy, side, pe, de, want):
     assert split_blocks(policy, side, 10, pe, de, 128) == want
     assert sum(split_blocks(policy, side, 0, pe, de, 128)) == 0
+
+
+class _Store:
+    """Blocks stored: the first ``n`` of a request's keys."""
+
+    def __init__(self, keys, n):
+        self.stored = set(keys[:n])
+
+    def contains(self, key):
+        return key in self.stored
+
+    async def arun(self, fn):
+        return fn()
+
+
+@pytest.mark.parametrize("stored, want", [
+    (10, (3, 7)),          # all stored: the scheduler's split as it came
+    (5, (2, 3)),           # the tail in a DE's write-back: both parts shrink
+    (1, (0, 1)),
+    (0, (0, 0)),           # nothing stored: nothing read, all computed
+])
+def test_a_split_keeps_its_proportions_over_the_blocks_stored_now(stored, want):
+    """The newest blocks of a hit (the DE's part, the tail) may still be in a decode
+    node's write-back: the DE must not be planned to read them, or the prefill node reads
+    all its share while the DE reads less (the busiest storage NIC, bench/vllm_pd.py)."""
+    keys = [bytes([i]) * 16 for i in range(10)]
+    path = SimpleNamespace(space=SimpleNamespace(store=_Store(keys, stored)))
+    got = asyncio.run(VllmPrefillPath._split_stored(path, keys, 3, 7))
+    assert got == want and sum(got) == min(stored, 10)
 
 
 class _Res:

@@ -124,6 +124,36 @@ def test_split_read_drains_both_queues_together():
     assert a / pe.read_tokens_per_s == b / de.read_tokens_per_s  # drain together
 
 
+def test_a_split_gives_each_role_its_share_of_the_cluster():
+    """1P2D: the PE node's NIC serves both decode nodes' requests, so with the queues
+    equal it reads a third of a hit (the two nodes alone would split it in half)."""
+    pe, de = Node("p", 100.0), Node("d", 100.0)
+    assert policy.choose_read_side(3072, pe, de, True, 64, 0.0, (1, 2)) == \
+        (ReadSide.SPLIT, 1024, 2048)
+    # 2P1D: the DE node is the shared one.
+    assert policy.choose_read_side(3072, pe, de, True, 64, 0.0, (2, 1)) == \
+        (ReadSide.SPLIT, 2048, 1024)
+    # Queues still count: (q_p + x) / (1 * 100) = (q_d + hit - x) / (2 * 100).
+    pe.read_q = 1024
+    assert policy.choose_read_side(3072, pe, de, True, 64, 0.0, (1, 2)) == \
+        (ReadSide.SPLIT, 320, 2752)
+
+
+def test_split_reads_balance_a_1p2d_cluster_however_requests_arrive():
+    """Requests that each find the read queues empty (they arrive apart): every node
+    ends up reading a third of all. Weighing the two nodes alone, the PE node read half."""
+    def run(shares):
+        p = Node("p0", 100.0)
+        ds = [Node("d0", 100.0), Node("d1", 100.0)]
+        for i in range(12):
+            _, a, b = policy.choose_read_side(3072, p, ds[i % 2], True, 64, 0.0, shares)
+            p.read_tokens_total += a
+            ds[i % 2].read_tokens_total += b
+        return [n.read_tokens_total for n in (p, *ds)]
+    assert run((1, 2)) == [12 * 1024, 6 * 2048, 6 * 2048]
+    assert run((1, 1)) == [12 * 1536, 6 * 1536, 6 * 1536]
+
+
 def test_a_split_that_saves_less_than_the_minimum_is_one_sided():
     # Equal rates, empty queues, hit 2048 at 100 tok/s: one side ends in 20.48 s, a split
     # in 10.24 s; it splits when 10.24 s is worth it, not when more is asked.
@@ -218,3 +248,23 @@ def test_alpha_and_beta_derive_from_rates():
     assert policy.derive_beta(prof, 5.0) == int(5.0 * 32721 / t)
     assert policy.derive_beta(prof, 10.0) == pytest.approx(2 * policy.derive_beta(prof, 5.0),
                                                            abs=1)
+
+
+def test_the_scheduler_weighs_a_split_by_the_up_nodes_of_each_role():
+    """Wired through a fetch: a 1P2D cluster's PE node reads a third of a hit that finds
+    the queues empty; with one DE group down (1P1D now), half."""
+    from dualpath.scheduler.core import RequestSpec
+    from tests.unit.test_sched_reliability import cluster, run_to_pe
+
+    s, gs = cluster(split_read=True, split_align_tokens=64)
+    s.submit([RequestSpec(4000, 3072, 10, "a")])
+    (r,) = run_to_pe(s, gs, 1.0)
+    assert (r.read_side, r.prefill_read_tokens, r.decode_read_tokens) == \
+        (ReadSide.SPLIT, 1024, 2048)
+    s.release_group("d1", gs["d1"].lease_id, 1.5)
+    s.submit([RequestSpec(4000, 3072, 10, "b")])
+    for g in s.groups.values():      # the queues are empty again (the nodes' reports)
+        for e in g.engines:
+            e.node.read_q = 0
+    got = [x for x in run_to_pe(s, gs, 2.0) if x.request_id == "b"]
+    assert (got[0].prefill_read_tokens, got[0].decode_read_tokens) == (1536, 1536)

@@ -64,13 +64,14 @@ def avoids(r: Request, g: Group, now: float) -> bool:
 
 
 def assign_prefill(queue: deque[Request], engines: list[Engine], params: Params,
-                   limit: int, group: Group | None = None, now: float = 0.0
-                   ) -> list[Request]:
+                   limit: int, group: Group | None = None, now: float = 0.0,
+                   shares: tuple[int, int] = (1, 1)) -> list[Request]:
     """Pop requests FIFO from ``queue`` and give each a PE and a read side, updating tok_e,
     seq_e and the read queues after each one so that categories are re-evaluated. A
     request that avoids ``group`` is passed over and keeps its place for other groups.
     Stops at ``limit`` requests or when the next would take the reply past
-    ``params.max_fetch_reply_bytes``."""
+    ``params.max_fetch_reply_bytes``. ``shares``: the up (PE nodes, DE nodes), which
+    weigh a split (:func:`choose_read_side`)."""
     out: list[Request] = []
     alpha, beta = params.alpha_tokens, params.beta_tokens
     split, align = params.split_read, params.split_align_tokens
@@ -93,7 +94,7 @@ def assign_prefill(queue: deque[Request], engines: list[Engine], params: Params,
         r.stage = Stage.PREFILLING
         de_node = r.de.node  # type: ignore[union-attr]  # DE is chosen before the PE
         side, pe_part, de_part = choose_read_side(r.hit_tokens, e.node, de_node, split, align,
-                                                  saving)
+                                                  saving, shares)
         e.node.read_q += pe_part
         de_node.read_q += de_part
         e.node.read_tokens_total += pe_part
@@ -109,23 +110,32 @@ def assign_prefill(queue: deque[Request], engines: list[Engine], params: Params,
 
 
 def choose_read_side(hit: int, pe_node: Node, de_node: Node, split: bool,
-                     align: int, min_saving_s: float = 0.0) -> tuple[ReadSide, int, int]:
+                     align: int, min_saving_s: float = 0.0,
+                     shares: tuple[int, int] = (1, 1)) -> tuple[ReadSide, int, int]:
     """Which node reads ``hit`` tokens: ``(side, prefill_part, decode_part)``.
 
     Paper §6.1: the node with the shorter read queue (a tie goes to the PE [ours]: the
-    PE read path needs no extra PE<-DE hop). With ``split`` (the paper's future work) the
-    hit is divided so that both queues drain at the same moment given each node's read
-    rate: (q_p + x) / r_p = (q_d + hit - x) / r_d, x rounded to a multiple of ``align``
-    (a KV block); a part that rounds to nothing makes it a one-sided read, and so does a
-    split that would end the reads less than ``min_saving_s`` sooner than the better
-    one side [ours]: a split costs a second set of reads and a PE<-DE hop, which an
-    idle, fast storage NIC (a compute-bound cluster) never pays back."""
+    PE read path needs no extra PE<-DE hop). With ``split`` (the paper's future work,
+    [ours]) the hit is divided so that both queues would drain together if each node's
+    read rate counted its role's share of the cluster: with ``shares`` = (P, D) up PE
+    and DE nodes, (q_p + x) / (P r_p) = (q_d + hit - x) / (D r_d). A PE node's NIC
+    serves the requests of D/P decode nodes (and a DE node's those of P/D prefill
+    nodes), so where the queues are equal each role reads its share of the hit: in
+    1P2D the PE node a third, and each node a third of all, however requests arrive.
+    (Weighing the two nodes alone gave the PE node half of every hit that found the
+    queues empty, 36-42% of all reads in bench/vllm_pd.py's 1P2D.) x is rounded to a
+    multiple of ``align`` (a KV block); a part that rounds to nothing makes it a
+    one-sided read, and so does a split that would end the reads less than
+    ``min_saving_s`` sooner than the better one side [ours]: a split costs a second
+    set of reads and a PE<-DE hop, which an idle, fast storage NIC (a compute-bound
+    cluster) never pays back."""
     if hit <= 0:
         return ReadSide.NONE, 0, 0
     qp, qd = pe_node.read_q, de_node.read_q
     if split:
         rp, rd = pe_node.read_tokens_per_s, de_node.read_tokens_per_s
-        x = (rp * (qd + hit) - rd * qp) / (rp + rd)
+        wp, wd = rp * max(1, shares[0]), rd * max(1, shares[1])
+        x = (wp * (qd + hit) - wd * qp) / (wp + wd)
         x = round(x / align) * align
         if x <= 0:
             return ReadSide.DECODE, 0, hit

@@ -150,6 +150,7 @@ class Scheduler:
         self.held_bytes = 0   # live requests' bytes (ids, payloads, bookkeeping)
         self._prefilling = 0  # requests in stage PREFILLING, kept so stats are O(groups)
         self._decode_groups: list[Group] | None = None  # up DE groups with a usable engine
+        self._shares: tuple[int, int] | None = None     # up (PE nodes, DE nodes)
 
     def _log(self, *event: Any) -> None:
         if self.journal is not None:
@@ -241,7 +242,7 @@ class Scheduler:
             g.engines.append(e)
             self.engines[e.engine_id] = e
         self.groups[group_id] = g
-        self._decode_groups = None
+        self._decode_groups = self._shares = None
         g.pending_cancel = list(dict.fromkeys(carried))
         for c in claims:
             self._claim(g, c, kept, now)
@@ -424,7 +425,8 @@ class Scheduler:
             p.max_assignments_per_fetch
         self.counters.fetches += 1
         if g.role is Role.PREFILL:
-            out = policy.assign_prefill(self.prefill_queue, g.engines, p, limit, g, now)
+            out = policy.assign_prefill(self.prefill_queue, g.engines, p, limit, g, now,
+                                        self._role_shares() if p.split_read else (1, 1))
             self._prefilling += len(out)
             by_side = self.counters.by_read_side
             for r in out:
@@ -598,7 +600,7 @@ class Scheduler:
         for g in groups:
             g.up = False
             g.pending_cancel.clear()
-        self._decode_groups = None
+        self._decode_groups = self._shares = None
         held = [r for r in self.requests.values() if r.request_id not in keep and (
             r.de_group in down or (r.stage is Stage.PREFILLING and r.pe.group in down))]  # type: ignore[union-attr]
         for g in groups:
@@ -699,6 +701,16 @@ class Scheduler:
                 last = kept.popitem(last=False)[1].finish_seq
             self._log("trim", last)
 
+    def _role_shares(self) -> tuple[int, int]:
+        """(PE nodes, DE nodes) of the up groups: a split's weights (policy)."""
+        if self._shares is None:
+            nodes: dict[Role, set[str]] = {Role.PREFILL: set(), Role.DECODE: set()}
+            for g in self.groups.values():
+                if g.up:
+                    nodes[g.role].update(e.node.node_id for e in g.engines)
+            self._shares = (len(nodes[Role.PREFILL]) or 1, len(nodes[Role.DECODE]) or 1)
+        return self._shares
+
     def _up_decode_groups(self) -> list[Group]:
         if self._decode_groups is None:
             self._decode_groups = [g for g in self.groups.values()
@@ -756,7 +768,7 @@ class Scheduler:
         if e is None:
             raise NotFound(f"engine {engine_id} is not registered")
         e.drained = not undo
-        self._decode_groups = None
+        self._decode_groups = self._shares = None
         return e
 
     def set_params(self, **changes: Any) -> Params:

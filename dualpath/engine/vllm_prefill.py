@@ -180,7 +180,6 @@ class VllmPrefillPath(PrefillPath):
             elif stage is not None:
                 stage.unref()
 
-
     async def _split_stored(self, keys: list[bytes], local: int, remote: int
                             ) -> tuple[int, int]:
         """A split read's (local, remote) parts over the leading ``keys`` stored now, in
@@ -194,6 +193,8 @@ class VllmPrefillPath(PrefillPath):
                          len(keys)))
         if stored == len(keys):
             return local, remote
+        # The scheduler's split of ``stored`` blocks, as _parts cut the whole hit (the
+        # parts, in blocks, are the ratio; the rounding is the same).
         return split_blocks("scheduler", RS_SPLIT, stored, local, remote, 1)
 
 

@@ -115,9 +115,16 @@ int tcp_srv_handshake(dp_tcp *eng, struct tcp_srv_conn *c)
     uint8_t welcome[TCP_MAC];
     tcp_auth_mac(secret, 'T', c->nonce, c->hello.nonce, id, welcome);
     memset(secret, 0, sizeof secret);
+    /* Counted before the welcome leaves: a peer that has read it must see itself in the
+     * stats (counted after, a stats() call racing the send missed it). A welcome that
+     * can't be sent takes the count back; the caller then closes the connection as
+     * refused (still pending: admitted is set only once the welcome is out). */
+    TCP_STAT_ADD(eng, conns_admitted, 1);
     if (send(c->fd, welcome, sizeof welcome, MSG_DONTWAIT | MSG_NOSIGNAL) !=
-        (ssize_t)sizeof welcome)
+        (ssize_t)sizeof welcome) {
+        TCP_STAT_ADD(eng, conns_admitted, -1);
         return -1;
+    }
     c->admitted = 1;
     c->peer = peer;
     return 1;

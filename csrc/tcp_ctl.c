@@ -270,8 +270,7 @@ static void *server_main(void *arg)
                 if (h < 0) {
                     srv_close(eng, c, &dead);
                 } else if (h > 0) {
-                    pend_del(eng, c);
-                    TCP_STAT_ADD(eng, conns_admitted, 1);
+                    pend_del(eng, c);    /* counted admitted by the handshake */
                 }
                 continue;
             }

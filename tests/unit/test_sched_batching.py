@@ -168,16 +168,47 @@ def test_the_fitted_estimator_tracks_the_engine_it_profiled():
     def engine(batch):
         return cost.forward_time(p, batch).attention_s
     fit = fit_attention(p, engine)
-    assert isinstance(fit, AttentionFit) and fit.s_per_flop > 0
-    # Close on batches like the profiled ones, and not the engine's formula itself: a
-    # lone small request is dearer than the fit's line says (the batch factor).
-    for batch in ([(4096, 256)] * 8, [(1024, 1024)] * 4, [(16384, 64)] * 16):
+    assert isinstance(fit, AttentionFit) and fit.s_per_flop > 0 and fit.s_per_flop_token > 0
+    # Batches unlike the profiled ones, a lone small one and a mixed one among them: the
+    # batch's size is in the fit, so a small chunk of a long context is priced as dear
+    # as the engine makes it (FLOPs alone put it at a quarter of that).
+    for batch in ([(4096, 256)] * 8, [(1024, 1024)] * 4, [(16384, 64)] * 16,
+                  [(1024, 64)], [(30_000, 150)], [(3000, 150), (100, 2000)]):
         f = sum(fit.flops(c, b) for c, b in batch)
-        assert fit.seconds(f) == pytest.approx(engine(batch), rel=0.35)
-    lone = [(1024, 64)]
-    assert engine(lone) > fit.seconds(sum(fit.flops(c, b) for c, b in lone))
+        assert fit.seconds(f, sum(b for _, b in batch)) == pytest.approx(engine(batch),
+                                                                       rel=0.02)
     with pytest.raises(UsageError, match="usable samples"):
         fit_attention(p, lambda batch: 0.0)
+
+
+def test_a_fit_drops_a_term_the_engine_does_not_have():
+    p = get_profile("demo")
+    probe = AttentionFit(p, 0.0, 0.0)
+
+    def flat(batch):                      # time follows FLOPs whatever the batch's size
+        return 0.002 + sum(probe.flops(c, b) for c, b in batch) / 1e12
+    fit = fit_attention(p, flat)
+    assert fit.s_per_flop == pytest.approx(1e-12, rel=0.01)
+    assert fit.intercept_s == pytest.approx(0.002, rel=0.05)
+    assert fit.s_per_flop_token == pytest.approx(0.0, abs=1e-15)
+    with pytest.raises(UsageError, match="does not grow"):
+        fit_attention(p, lambda batch: 0.5)
+
+
+def test_a_chunk_of_a_long_context_stays_within_the_quota_on_the_engine():
+    # Fig. 14's imbalance in stop 25: the packer cut a request of a long context to a
+    # chunk its FLOPs-only fit put at the quota, and the engine spent ~4x that.
+    p = get_profile("demo")
+
+    def engine(batch):
+        return cost.forward_time(p, batch).attention_s
+    fit = fit_attention(p, engine)
+    work = [PrefillWork("long", p.context_tokens // 2, 4096)]
+    quota = engine([(p.context_tokens // 2, 4096)]) / 3
+    batch = pack_batch(work, fit, quota)
+    assert len(batch) == 1 and 64 <= batch[0].tokens < 4096
+    spent = engine([(s.cached_tokens, s.tokens) for s in batch])
+    assert 0.8 * quota <= spent <= quota * 1.02
 
 
 def test_hbm_ends_a_batch_fifo_and_cuts_a_chunk_to_what_fits():

@@ -7,11 +7,17 @@ in pieces (chunked prefill) — the rest stays at the head for the next batch. A
 none of this: all its requests join every decode step.
 
 The prediction is an :class:`Estimator`: FLOPs per request, added up over the batch, then
-converted to seconds. As in the paper, a PE converts with a fit it profiled in advance
-(:func:`fit_attention`: the batch's attention FLOPs -> the engine's attention time, "as
-PrefillOnly and Sarathi-Serve do"), not with the engine's own formula;
-:class:`ProfileEstimate` (the cost model's whole forward at the full rate) is the
-formula, for planning and tests.
+converted to seconds at the batch's size (its new tokens). As in the paper, a PE converts
+with a fit it profiled in advance (:func:`fit_attention`: the batch's attention FLOPs ->
+the engine's attention time, "as PrefillOnly and Sarathi-Serve do"), not with the
+engine's own formula; :class:`ProfileEstimate` (the cost model's whole forward at the
+full rate) is the formula, for planning and tests.
+
+[ours] The fit has two terms, the batch's FLOPs and its FLOPs per new token. The paper
+gives neither its features nor its fit; FLOPs alone cannot say that a small chunk of a
+long context is slow (a batch of few new tokens leaves the GPU partly idle, the paper's
+Fig. 3 right): with FLOPs alone a 150-token chunk over a long context ran at 4x the
+quota, and the engines' attention was never balanced (docs/reproduction.md, fig14).
 
 [ours] The quota bounds the predicted attention time of the whole forward pass (all
 layers). The paper says "attention-layer time"; per-layer time is the forward's divided
@@ -32,6 +38,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from dualpath.errors import UsageError
 from dualpath.kv import cost
@@ -58,12 +66,13 @@ class BatchSlice:
 
 
 class Estimator(Protocol):
-    """A forward batch's predicted seconds: ``seconds(sum of flops(cached, bsz))``, with
-    ``flops`` additive over the batch's requests and ``seconds`` non-decreasing."""
+    """A forward batch's predicted seconds: ``seconds(sum of flops(cached, bsz), sum of
+    bsz)``, with ``flops`` additive over the batch's requests and ``seconds``
+    non-decreasing in its FLOPs."""
 
     def flops(self, cached: int, bsz: int) -> float: ...
 
-    def seconds(self, flops: float) -> float: ...
+    def seconds(self, flops: float, tokens: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -75,30 +84,34 @@ class ProfileEstimate:
     def flops(self, cached: int, bsz: int) -> float:
         return self.profile.layers * cost.prefill_layer_flops(self.profile, ((cached, bsz),))
 
-    def seconds(self, flops: float) -> float:
-        return flops / self.profile.gpu_flops_per_s
+    def seconds(self, flops: float, tokens: int) -> float:
+        return flops / self.profile.gpu_flops_per_s    # the full rate: any batch size
 
 
 @dataclass(frozen=True)
 class AttentionFit:
-    """Predicted attention seconds of a forward: ``intercept_s + s_per_flop * FLOPs``
-    over its attention FLOPs (all layers), a fit profiled on an engine
-    (:func:`fit_attention`). An empty batch costs nothing."""
+    """Predicted attention seconds of a forward over its attention FLOPs F (all layers)
+    and new tokens n: ``intercept_s + s_per_flop * F + s_per_flop_token * F / n``, a
+    fit profiled on an engine (:func:`fit_attention`). An empty batch costs nothing."""
 
     profile: ModelProfile
     intercept_s: float
     s_per_flop: float
+    s_per_flop_token: float = 0.0     # seconds per (FLOP per new token)
 
     def flops(self, cached: int, bsz: int) -> float:
         return self.profile.layers * cost.attention_layer_flops(self.profile, ((cached, bsz),))
 
-    def seconds(self, flops: float) -> float:
-        return self.intercept_s + self.s_per_flop * flops if flops > 0 else 0.0
+    def seconds(self, flops: float, tokens: int) -> float:
+        if flops <= 0:
+            return 0.0
+        return (self.intercept_s + self.s_per_flop * flops
+                + self.s_per_flop_token * flops / max(tokens, 1))
 
     def describe(self) -> str:
-        return (f"attention s = {self.intercept_s * 1e3:.3g} ms + FLOPs / "
-                f"{1 / self.s_per_flop:.3g} FLOP/s" if self.s_per_flop > 0 else
-                f"attention s = {self.intercept_s * 1e3:.3g} ms")
+        rate = f"FLOPs / {1 / self.s_per_flop:.3g} FLOP/s" if self.s_per_flop > 0 else "0"
+        return (f"attention s = {self.intercept_s * 1e3:.3g} ms + {rate} + "
+                f"(FLOPs per new token) x {self.s_per_flop_token:.3g} s")
 
 
 def profiling_batches(profile: ModelProfile) -> list[list[tuple[int, int]]]:
@@ -117,37 +130,41 @@ def fit_attention(profile: ModelProfile,
                   measure: Callable[[Sequence[tuple[int, int]]], float],
                   batches: Iterable[Sequence[tuple[int, int]]] | None = None
                   ) -> AttentionFit:
-    """Fit predicted attention seconds to a batch's attention FLOPs: ``measure(batch)``
-    is the engine's attention time of one forward of ``batch`` (the paper profiles the
-    engine in advance); least squares on the relative error (weights 1/t^2), so short
-    and long batches count alike. The engine's time need not be linear in FLOPs (a
-    batch's efficiency depends on its token count): the fit is what the PE knows."""
+    """Fit predicted attention seconds to a batch's attention FLOPs and its FLOPs per new
+    token: ``measure(batch)`` is the engine's attention time of one forward of ``batch``
+    (the paper profiles the engine in advance); least squares on the relative error
+    (weights 1/t^2), so short and long batches count alike. The engine's time need not
+    have the fit's form: the fit is what the PE knows. A term that comes out negative
+    (the samples say it does not matter) is left out and the rest fitted again."""
     probe = AttentionFit(profile, 0.0, 0.0)
-    xs, ys = [], []
+    rows, ys = [], []
     for batch in (profiling_batches(profile) if batches is None else batches):
         f = sum(probe.flops(c, b) for c, b in batch)
+        n = sum(b for _, b in batch)
         t = measure(batch)
         if f > 0 and t > 0:
-            xs.append(f)
+            rows.append((1.0, f, f / max(n, 1)))
             ys.append(t)
-    if len(xs) < 2:
-        raise UsageError(f"fit_attention: {len(xs)} usable samples for {profile.name} "
+    if len(ys) < 2:
+        raise UsageError(f"fit_attention: {len(ys)} usable samples for {profile.name} "
                          "(its attention costs nothing?)")
-    # Minimise sum(((a + b x - y) / y)^2): the normal equations of the weighted fit.
-    w = [1.0 / (y * y) for y in ys]
-    sw = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, xs))
-    sy = sum(wi * y for wi, y in zip(w, ys))
-    sxx = sum(wi * x * x for wi, x in zip(w, xs))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
-    det = sw * sxx - sx * sx
-    if det <= 0:
-        raise UsageError(f"fit_attention: degenerate samples for {profile.name}")
-    b = (sw * sxy - sx * sy) / det
-    a = (sy - b * sx) / sw
-    if b <= 0:
+    x = np.array(rows)
+    y = np.array(ys)
+    terms = [0, 1, 2]                    # intercept, FLOPs, FLOPs per new token
+    while True:
+        scale = x[:, terms].max(axis=0)          # conditioning: every column ~1
+        a = x[:, terms] / scale / y[:, None]     # rows weighted by 1/t
+        if np.linalg.matrix_rank(a) < len(terms):
+            raise UsageError(f"fit_attention: degenerate samples for {profile.name}")
+        coef = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)[0] / scale
+        bad = [t for t, c in zip(terms, coef) if c < 0 and t != 1]
+        if not bad:
+            break
+        terms.remove(bad[-1])
+    got = dict(zip(terms, coef.tolist()))
+    if got.get(1, 0.0) <= 0:
         raise UsageError(f"fit_attention: time does not grow with FLOPs for {profile.name}")
-    return AttentionFit(profile, max(a, 0.0), b)
+    return AttentionFit(profile, got.get(0, 0.0), got[1], got.get(2, 0.0))
 
 
 @dataclass(frozen=True)
@@ -168,13 +185,14 @@ def pack_batch(queue: Iterable[PrefillWork], estimate: Estimator, quota_s: float
                          f"({min_chunk_tokens}) must be > 0")
     batch: list[BatchSlice] = []
     used = 0.0                           # FLOPs of the batch so far
+    used_tokens = 0                      # and its new tokens
     held = 0                             # HBM units of the batch so far
 
     def fits(w: PrefillWork, c: int, *, timed: bool = True) -> bool:
         if hbm is not None and held + hbm.need(w, w.cached_tokens + c) > hbm.free:
             return False
-        return not timed or estimate.seconds(used + estimate.flops(w.cached_tokens, c)) \
-            <= quota_s
+        return not timed or estimate.seconds(used + estimate.flops(w.cached_tokens, c),
+                                             used_tokens + c) <= quota_s
 
     for w in queue:
         if w.remaining_tokens <= 0:
@@ -182,6 +200,7 @@ def pack_batch(queue: Iterable[PrefillWork], estimate: Estimator, quota_s: float
         if fits(w, w.remaining_tokens):
             batch.append(BatchSlice(w.request_id, w.cached_tokens, w.remaining_tokens))
             used += estimate.flops(w.cached_tokens, w.remaining_tokens)
+            used_tokens += w.remaining_tokens
             held += hbm.need(w, w.cached_tokens + w.remaining_tokens) if hbm else 0
             continue
         # Largest chunk c in [0, remaining) that fits: time and memory grow with c, so
@@ -205,7 +224,9 @@ def pack_batch(queue: Iterable[PrefillWork], estimate: Estimator, quota_s: float
 
 def batch_seconds(estimate: Estimator, batch: Iterable[BatchSlice]) -> float:
     """Predicted time of a batch (the quantity the quota bounds)."""
-    return estimate.seconds(sum(estimate.flops(s.cached_tokens, s.tokens) for s in batch))
+    batch = list(batch)
+    return estimate.seconds(sum(estimate.flops(s.cached_tokens, s.tokens) for s in batch),
+                            sum(s.tokens for s in batch))
 
 
 def advance(queue: deque[PrefillWork], batch: list[BatchSlice]) -> list[str]:

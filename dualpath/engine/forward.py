@@ -29,8 +29,9 @@ without it. A job withdrawn (its request cancelled) leaves at the next layer, on
 moves it started ended.
 
 Every step is recorded (:class:`StepRecord`: each engine's attention seconds, requests and
-tokens; Node.ForwardSteps) so the attention balance across engines (the paper's Fig. 14)
-can be measured.
+tokens, and the tokens its batch left queued; Node.ForwardSteps) so the attention balance
+across engines (the paper's Fig. 14) can be measured, over all steps and over the steps
+whose every batch was full.
 
 Threads: the node's event loop.
 """
@@ -104,6 +105,8 @@ class StepRecord:
     attention_s: tuple[float, ...]       # per engine (rank order), all layers
     requests: tuple[int, ...]
     tokens: tuple[int, ...]              # new tokens per engine
+    left_tokens: tuple[int, ...] = ()    # per engine, new tokens queued that its batch
+                                         # left for later (> 0: the batch was full)
 
 
 @dataclass
@@ -275,17 +278,20 @@ class PrefillForward:
     async def _run(self) -> None:
         while self.entries:
             self._wake.clear()
-            plan = self._pack()
+            plan, left = self._pack()
             if not any(plan.values()):
                 self._fail_unfittable()
                 if not self.entries:
                     break
                 await self._wake.wait()       # a submit, a release of HBM, a withdraw
                 continue
-            await self._step(plan)
+            await self._step(plan, left)
 
-    def _pack(self) -> dict[str, list[_Member]]:
+    def _pack(self) -> tuple[dict[str, list[_Member]], dict[str, int]]:
+        """Each engine's members of the next step, and the new tokens its queue holds
+        beyond them (what the quota or the HBM left for later)."""
         plan: dict[str, list[_Member]] = {}
+        left: dict[str, int] = {}
         for e in self.ranks:
             q = self.queues[e.engine_id]
             if not q:
@@ -311,7 +317,9 @@ class PrefillForward:
                                        placement.units_of_slots))
                 x.in_step = True
             plan[e.engine_id] = members
-        return plan
+            left[e.engine_id] = (sum(x.work.remaining_tokens for x in q)
+                                 - sum(m.slice.tokens for m in members))
+        return plan, left
 
     def _fail_unfittable(self) -> None:
         """A queue's head that cannot fit even an empty engine's HBM never will."""
@@ -325,7 +333,7 @@ class PrefillForward:
                     f"{x.work.request_id}: its next chunk does not fit {e.engine_id}'s "
                     f"HBM ({e.hbm.capacity} Layer Block slots)"))
 
-    async def _step(self, plan: dict[str, list[_Member]]) -> None:
+    async def _step(self, plan: dict[str, list[_Member]], left: dict[str, int]) -> None:
         L = self.fmt.layers
         members = [m for ms in plan.values() for m in ms]
         t0, w0 = time.monotonic(), clock.unix_now()
@@ -369,7 +377,7 @@ class PrefillForward:
                         m.error = err
                         continue
                 m.sends[layer] = asyncio.ensure_future(self._send(m, layer))
-        self._record(plan, attention, w0, time.monotonic() - t0)
+        self._record(plan, left, attention, w0, time.monotonic() - t0)
         for eid, ms in plan.items():
             q = self.queues[eid]
             works = deque(x.work for x in q)
@@ -420,12 +428,13 @@ class PrefillForward:
         else:
             self._kick()
 
-    def _record(self, plan: dict[str, list[_Member]], attention: dict[str, float],
-                start_unix_s: float, duration_s: float) -> None:
+    def _record(self, plan: dict[str, list[_Member]], left: dict[str, int],
+                attention: dict[str, float], start_unix_s: float, duration_s: float) -> None:
         ids = [e.engine_id for e in self.ranks]
         rec = StepRecord(start_unix_s, duration_s, tuple(attention[i] for i in ids),
                          tuple(len(plan.get(i, ())) for i in ids),
-                         tuple(sum(m.slice.tokens for m in plan.get(i, ())) for i in ids))
+                         tuple(sum(m.slice.tokens for m in plan.get(i, ())) for i in ids),
+                         tuple(left.get(i, 0) for i in ids))
         self.steps.append(rec)
         mt = self.metrics
         if mt is None:

@@ -186,7 +186,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             steps=[node_pb2.ForwardStep(start_unix_s=s.start_unix_s,
                                         duration_s=s.duration_s,
                                         attention_s=list(s.attention_s),
-                                        requests=list(s.requests), tokens=list(s.tokens))
+                                        requests=list(s.requests), tokens=list(s.tokens),
+                                        left_tokens=list(s.left_tokens))
                    for s in itertools.islice((s for s in fw.steps
                                               if s.start_unix_s >= request.since_unix_s),
                                              STEPS_PER_ANSWER)])

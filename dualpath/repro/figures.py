@@ -64,8 +64,9 @@ class Scale:
     aps_range: tuple[float, float] = (0.5, 16.0)
     search_steps: int = 3
     slo_scale: float = 0.25
-    # fig14: engines per node (the PE's expert-parallel group) and the emulated GPU's
-    # speed (slowed so that every PE engine has a queue: the balance is about compute).
+    # fig14: engines per node (the PE's expert-parallel group) and the PE's emulated GPU
+    # speed (slowed so that every PE engine has a queue: the balance is about compute;
+    # the decode nodes run at full speed, so agents come back to the PE at once).
     engines: int = 4
     compute_speed: float = 0.05
     # fig12's left half: the online rates its TTFT breakdown is measured at.
@@ -376,14 +377,16 @@ def fig12_breakdown(scale: Scale) -> list[dict]:
 def fig14(scale: Scale) -> dict:
     """Attention balance across the engines of a PE node (Fig. 14): one 1P2D cluster
     whose nodes have ``scale.engines`` engines each, compute-bound (no storage-NIC
-    limit, the emulated GPU at ``scale.compute_speed``) so that every PE engine has a
-    queue; dualpath replayed with the scheduler's compute quota, then with none (a
+    limit, the PE's emulated GPU at ``scale.compute_speed``) so that every PE engine has
+    a queue; dualpath replayed with the scheduler's compute quota, then with none (a
     quota of an hour: every queued request that fits the HBM joins a batch). Per
-    forward step, the slowest engine's attention time over the engines' mean."""
+    forward step, the slowest engine's attention time over the engines' mean: over all
+    steps, and over the full ones (every engine's batch left work queued: the load
+    the quota is for)."""
     trace = scale_trace(scale)
     points = []
-    settings = {"engine": {"speed_scale": scale.compute_speed}}
-    with LocalCluster(1, 2, engines_per_node=scale.engines, settings=settings) as c:
+    pe = {"engine": {"speed_scale": scale.compute_speed}}
+    with LocalCluster(1, 2, engines_per_node=scale.engines, node_settings={"p0": pe}) as c:
         stub, ch = c.admin()
         try:
             for i, (label, quota_ms) in enumerate(QUOTAS):
@@ -397,15 +400,22 @@ def fig14(scale: Scale) -> dict:
                     node_addresses=c.addresses(), warmup_agents=int(i == 0))
                 pes = {n: a for n, a in c.addresses().items() if n.startswith("p")}
                 got = asyncio.run(forward_steps(pes, t0, time.time(), c.node_tls))
-                steps = [(s.duration_s, list(s.attention_s)) for v in got.values()
-                         for s in v]
-                bal = attention_balance(steps) or {}
+                steps = [s for v in got.values() for s in v]
+                bal = attention_balance((s.duration_s, list(s.attention_s))
+                                        for s in steps) or {}
+                full = attention_balance((s.duration_s, list(s.attention_s))
+                                         for s in steps if all(s.left_tokens)) or {}
                 reqs = [r for v in got.values() for s in v for r in s.requests if r]
                 points.append({"quota": label, "quota_ms": quota_ms,
                                "jct_s": report["modes"]["dualpath"]["jct_s"],
                                "steps": bal.get("steps", 0),
                                "attention_max_avg_mean": bal.get("max_avg_mean"),
                                "attention_max_avg_p90": bal.get("max_avg_p90"),
+                               "full_steps": full.get("steps", 0),
+                               "full_step_time_fraction":
+                                   sum(s.duration_s for s in steps if all(s.left_tokens))
+                                   / max(sum(s.duration_s for s in steps), 1e-9),
+                               "attention_max_avg_full_steps": full.get("max_avg_mean"),
                                "batch_requests_mean": sum(reqs) / len(reqs) if reqs
                                else 0.0})
         finally:
@@ -416,6 +426,10 @@ def fig14(scale: Scale) -> dict:
                        "attention_max_avg_with_quota": by["quota"]["attention_max_avg_mean"],
                        "attention_max_avg_without_quota":
                            by["no quota"]["attention_max_avg_mean"],
+                       "attention_max_avg_with_quota_full_steps":
+                           by["quota"]["attention_max_avg_full_steps"],
+                       "full_step_time_fraction_with_quota":
+                           by["quota"]["full_step_time_fraction"],
                        "engines_per_node": scale.engines,
                        "compute_speed": scale.compute_speed,
                    }, {"attention_max_avg_with_quota": 1.06,

@@ -132,6 +132,8 @@ def test_hbm_bounds_the_batch_and_the_rest_waits_fifo():
         return fw
     fw = run(main())
     assert [s.requests for s in fw.steps] == [(3,), (2,)]
+    # The first batch was full (two requests' T new tokens left queued), the last not.
+    assert [s.left_tokens for s in fw.steps] == [(2 * T,), (0,)]
 
 
 def test_a_request_over_the_quota_is_chunked_and_each_chunk_loads_the_last():
@@ -146,6 +148,11 @@ def test_a_request_over_the_quota_is_chunked_and_each_chunk_loads_the_last():
         return fw, j
     fw, j = run(main())
     assert len(fw.steps) >= 3
+    # Every chunk's step but the last left the rest of the request queued.
+    steps = list(fw.steps)
+    assert [s.left_tokens[0] for s in steps] == \
+        [1000 - sum(x.tokens[0] for x in steps[:i + 1]) for i in range(len(steps))]
+    assert fw.steps[-1].left_tokens == (0,)
     spans = j.written[0]
     assert spans[0][0] == 0 and spans[-1][1] == 1000
     assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))   # each token once

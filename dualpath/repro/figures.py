@@ -64,11 +64,20 @@ class Scale:
     aps_range: tuple[float, float] = (0.5, 16.0)
     search_steps: int = 3
     slo_scale: float = 0.25
-    # fig14: engines per node (the PE's expert-parallel group) and the PE's emulated GPU
-    # speed (slowed so that every PE engine has a queue: the balance is about compute;
-    # the decode nodes run at full speed, so agents come back to the PE at once).
+    # fig14: engines per node (the PE's expert-parallel group), the PE's emulated GPU
+    # speed (slowed so that the PE is the bottleneck: the decode nodes run at full
+    # speed, so agents come back to the PE at once), its own agents and rounds (oracle:
+    # nothing is read or moved, so the host can offer the PE the queues of hundreds of
+    # agents), and the quotas it runs, in ms of the slowed clock (the first is the
+    # headline; None: no quota). A quota binds only if every engine's queue holds more
+    # than it: at x0.1, 1,500 ms (150 ms at the emulated GPU's full speed) holds ~30
+    # of these requests (~60 new tokens over ~1,700 of context), 3,000 ms ~75.
     engines: int = 4
-    compute_speed: float = 0.05
+    compute_speed: float = 0.1
+    fig14_agents: int = 800
+    fig14_rounds: int = 6
+    fig14_quotas_ms: tuple[int | None, ...] = (1500, 3000, None)
+    fig14_decode_hbm_mib: int = 1024      # per DE engine: room for most agents' KV
     # fig12's left half: the online rates its TTFT breakdown is measured at.
     breakdown_aps: tuple[float, ...] = (0.5, 2.0, 8.0)
 
@@ -79,7 +88,9 @@ class Scale:
 
 
 # FULL is bench/e2e.py's I/O-bound case (its storage NICs are the bottleneck).
-QUICK = Scale(agents=8, rounds=3, context_scale=0.1, snic_gbit_per_s=0.25)
+QUICK = Scale(agents=8, rounds=3, context_scale=0.1, snic_gbit_per_s=0.25,
+              fig14_agents=160, fig14_rounds=3, fig14_quotas_ms=(1500, None),
+              fig14_decode_hbm_mib=256)
 FULL = Scale(agents=24, rounds=4, context_scale=0.1, snic_gbit_per_s=0.25)
 
 
@@ -117,9 +128,9 @@ def run_shape(prefill: int, decode: int, scale: Scale, modes: Sequence[str], *,
 
 
 def _record(name: str, title: str, scale: Scale, points: list[dict], summary: dict,
-            paper: dict) -> dict:
-    return {"figure": name, "title": title, "scale": {**asdict(scale),
-                                                      "described": scale.describe()},
+            paper: dict, described: str | None = None) -> dict:
+    return {"figure": name, "title": title,
+            "scale": {**asdict(scale), "described": described or scale.describe()},
             "model_execution": "emulated (cost model)", "points": points,
             "summary": summary, "paper": paper}
 
@@ -376,68 +387,87 @@ def fig12_breakdown(scale: Scale) -> list[dict]:
 
 def fig14(scale: Scale) -> dict:
     """Attention balance across the engines of a PE node (Fig. 14): one 1P2D cluster
-    whose nodes have ``scale.engines`` engines each, compute-bound (no storage-NIC
-    limit, the PE's emulated GPU at ``scale.compute_speed``) so that every PE engine has
-    a queue; dualpath replayed with the scheduler's compute quota, then with none (a
-    quota of an hour: every queued request that fits the HBM joins a batch). Per
-    forward step, the slowest engine's attention time over the engines' mean: over all
-    steps, and over the full ones (every engine's batch left work queued: the load
-    the quota is for)."""
-    trace = scale_trace(scale)
+    whose nodes have ``scale.engines`` engines each, the PE compute-bound (its emulated
+    GPU at ``scale.compute_speed``, the decode nodes at full speed), replaying
+    ``scale.fig14_agents`` agents offline in oracle mode (the PE's forward and its
+    batches as in dualpath; no KV read or moved, so that this host can keep hundreds of
+    agents queued at the PE), at each of ``scale.fig14_quotas_ms`` (None: no quota, an
+    hour: every queued request joins a batch). Per forward step, the slowest engine's
+    attention time over the engines' mean (an idle engine counts 0), time-weighted: over
+    all steps (the headline), and over the full ones (every engine's batch left work
+    queued: the load the quota is for)."""
+    trace = scale_trace(replace(scale, rounds=scale.fig14_rounds), scale.fig14_agents)
     points = []
-    pe = {"engine": {"speed_scale": scale.compute_speed}}
-    with LocalCluster(1, 2, engines_per_node=scale.engines, node_settings={"p0": pe}) as c:
+    pe = {"engine": {"speed_scale": scale.compute_speed,
+                     # Above an engine's share of the agents: the queue is the trace's.
+                     "max_prefills_per_engine": max(16, 2 * scale.fig14_agents
+                                                    // scale.engines)}}
+    de = {"engine": {"decode_hbm_mib": scale.fig14_decode_hbm_mib}}
+    with LocalCluster(1, 2, engines_per_node=scale.engines,
+                      node_settings={"p0": pe, "d0": de, "d1": de}) as c:
         stub, ch = c.admin()
         try:
-            for i, (label, quota_ms) in enumerate(QUOTAS):
-                stub.SetParams(admin_pb2.SetParamsRequest(compute_quota_ms=quota_ms),
-                               timeout=10)
+            for i, quota_ms in enumerate(scale.fig14_quotas_ms):
+                stub.SetParams(admin_pb2.SetParamsRequest(
+                    compute_quota_ms=quota_ms or NO_QUOTA_MS), timeout=10)
                 t0 = time.time()
                 report, _ = run_modes(
                     c.scheduler_address, c.node_ids(), c.prefill_nodes, trace,
-                    ("dualpath",), ReplayOptions(), snic_gbit_per_s=0.0,
+                    ("oracle",), ReplayOptions(), snic_gbit_per_s=0.0,
                     tls_config=c.client_tls, node_tls=c.node_tls,
                     node_addresses=c.addresses(), warmup_agents=int(i == 0))
                 pes = {n: a for n, a in c.addresses().items() if n.startswith("p")}
                 got = asyncio.run(forward_steps(pes, t0, time.time(), c.node_tls))
-                steps = [s for v in got.values() for s in v]
-                bal = attention_balance((s.duration_s, list(s.attention_s))
-                                        for s in steps) or {}
-                full = attention_balance((s.duration_s, list(s.attention_s))
-                                         for s in steps if all(s.left_tokens)) or {}
-                reqs = [r for v in got.values() for s in v for r in s.requests if r]
-                points.append({"quota": label, "quota_ms": quota_ms,
-                               "jct_s": report["modes"]["dualpath"]["jct_s"],
-                               "steps": bal.get("steps", 0),
-                               "attention_max_avg_mean": bal.get("max_avg_mean"),
-                               "attention_max_avg_p90": bal.get("max_avg_p90"),
-                               "full_steps": full.get("steps", 0),
-                               "full_step_time_fraction":
-                                   sum(s.duration_s for s in steps if all(s.left_tokens))
-                                   / max(sum(s.duration_s for s in steps), 1e-9),
-                               "attention_max_avg_full_steps": full.get("max_avg_mean"),
-                               "batch_requests_mean": sum(reqs) / len(reqs) if reqs
-                               else 0.0})
+                points.append({"quota": f"{quota_ms} ms" if quota_ms else "no quota",
+                               "quota_ms": quota_ms or NO_QUOTA_MS,
+                               "jct_s": report["modes"]["oracle"]["jct_s"],
+                               **step_balance([s for v in got.values() for s in v])})
         finally:
             ch.close()
-    by = {p["quota"]: p for p in points}
+    head = points[0]
+    none = next((p for p in points if p["quota"] == "no quota"), {})
     return _record("fig14", f"Attention balance across {scale.engines} PE engines "
-                   "(max/avg per forward step, 1P2D)", scale, points, {
-                       "attention_max_avg_with_quota": by["quota"]["attention_max_avg_mean"],
+                   f"(max/avg per forward step, 1P2D, {scale.fig14_agents} agents x "
+                   f"{scale.fig14_rounds} rounds offline, oracle, PE at "
+                   f"x{scale.compute_speed:g})", scale, points, {
+                       "attention_max_avg_with_quota": head["attention_max_avg_mean"],
                        "attention_max_avg_without_quota":
-                           by["no quota"]["attention_max_avg_mean"],
+                           none.get("attention_max_avg_mean"),
                        "attention_max_avg_with_quota_full_steps":
-                           by["quota"]["attention_max_avg_full_steps"],
-                       "full_step_time_fraction_with_quota":
-                           by["quota"]["full_step_time_fraction"],
+                           head["attention_max_avg_full_steps"],
+                       "full_step_time_fraction_with_quota": head["full_step_time_fraction"],
+                       "quota_ms": head["quota_ms"],
+                       "quota_ms_at_full_speed": head["quota_ms"] * scale.compute_speed,
+                       "agents": scale.fig14_agents,
+                       "rounds": scale.fig14_rounds,
                        "engines_per_node": scale.engines,
                        "compute_speed": scale.compute_speed,
                    }, {"attention_max_avg_with_quota": 1.06,
-                       "attention_max_avg_without_quota": "not given"})
+                       "attention_max_avg_without_quota": "not given"},
+                   f"{scale.fig14_agents} agents x {scale.fig14_rounds} rounds, Table 2 "
+                   f"'{scale.table}' row at context_scale {scale.context_scale:g}, oracle "
+                   "(no KV read or moved), the PE's emulated GPU at "
+                   f"x{scale.compute_speed:g}; model execution emulated (cost model)")
 
 
-#: fig14's runs: with the scheduler's default quota (A.4), and with none.
-QUOTAS = (("quota", 300), ("no quota", 3_600_000))
+#: fig14's "no quota": an hour (every queued request that fits the HBM joins a batch).
+NO_QUOTA_MS = 3_600_000
+
+
+def step_balance(steps: Sequence) -> dict:
+    """fig14's figures over one run's forward steps (Node.ForwardSteps records)."""
+    bal = attention_balance((s.duration_s, list(s.attention_s)) for s in steps) or {}
+    full = [s for s in steps if all(s.left_tokens)]
+    fbal = attention_balance((s.duration_s, list(s.attention_s)) for s in full) or {}
+    reqs = [r for s in steps for r in s.requests if r]
+    return {"steps": bal.get("steps", 0),
+            "attention_max_avg_mean": bal.get("max_avg_mean"),
+            "attention_max_avg_p90": bal.get("max_avg_p90"),
+            "full_steps": fbal.get("steps", 0),
+            "full_step_time_fraction": sum(s.duration_s for s in full)
+            / max(sum(s.duration_s for s in steps), 1e-9),
+            "attention_max_avg_full_steps": fbal.get("max_avg_mean"),
+            "batch_requests_mean": sum(reqs) / len(reqs) if reqs else 0.0}
 
 
 def fig13(scale: Scale) -> dict:

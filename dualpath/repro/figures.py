@@ -38,7 +38,8 @@ from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.replay import ReplayOptions, forward_steps
 from dualpath.cluster.run import first_rounds, make_trace, run_modes
 from dualpath.errors import UsageError
-from dualpath.planning.capacity import Hardware, bottleneck_free_range
+from dualpath.kv.profiles import PROFILES
+from dualpath.planning.capacity import Hardware, bottleneck_free_range, working_set_bytes
 from dualpath.trace.generator import PARAMS, generate
 from dualpath.trace.model import Trace, trace_stats
 from dualpath.trace.report import TTFT_PARTS, attention_balance, summarize
@@ -181,10 +182,15 @@ def fig9(scale: Scale) -> dict:
 #: 400 Gbps storage NIC, ~500 GB/s of memory bandwidth).
 PAPER_HARDWARE = Hardware(gpus_per_node=8, cnic_bytes_per_s=50e9, snic_bytes_per_s=50e9,
                           mem_bytes_per_s=500e9)
+#: §8.2's working set for Table 3's largest offline run: 48K agents of the 64K trace
+#: (mean total 55,958 tokens, Table 2) all live: lambda = 48,000 / 3,201 s, T = its JCT.
+PAPER_OFFLINE_AT_SCALE = (48_000 / 3_201, 3_201.0, 55_958)
 
 
 def fig8(scale: Scale) -> dict:
-    """P/D shapes under basic and dualpath, and the paper's equivalences."""
+    """P/D shapes under basic and dualpath, the paper's equivalences, §4.2's
+    bottleneck-free range on the paper's hardware and §8.2's working set (of this trace,
+    and of Table 3's largest offline run on DS 660B)."""
     shapes = ((1, 1), (1, 2), (2, 1))
     points = []
     for p, d in shapes:
@@ -196,6 +202,12 @@ def fig8(scale: Scale) -> dict:
         return abs(jct[a] - jct[b]) / jct[b]
 
     rng = bottleneck_free_range(PAPER_HARDWARE)
+    # §8.2's working set, offline (every agent live at once: lambda T = the agents).
+    total = trace_stats(scale_trace(scale).trajectories).total
+    jct_1p2d = jct["1P2D", "dualpath"]
+    ours = working_set_bytes(scale.agents / jct_1p2d, jct_1p2d, total,
+                             PROFILES["demo"].kv_bytes_per_token)
+    paper = working_set_bytes(*PAPER_OFFLINE_AT_SCALE, PROFILES["ds660b"].kv_bytes_per_token)
     return _record("fig8", "P/D ratios (offline JCT)", scale, points, {
         "equivalence_rel_error_1p1d_vs_basic_2p1d": rel(("1P1D", "dualpath"),
                                                         ("2P1D", "basic")),
@@ -206,11 +218,15 @@ def fig8(scale: Scale) -> dict:
                                                                            "dualpath"]
                              for p, d in shapes},
         "bottleneck_free_pd_range_paper_hardware": rng.describe(),
+        "working_set_gb_this_trace": ours / 1e9,
+        "working_set_tb_paper_48p96d": paper / 1e12,
     }, {"equivalence_rel_error_1p1d_vs_basic_2p1d": "~0: dualpath 1P1D = basic 2P1D",
         "equivalence_rel_error_basic_1p1d_vs_1p2d": "~0: basic 1P1D = basic 1P2D",
         "equivalence_rel_error_dualpath_2p1d_vs_1p2d": "~0: dualpath 2P1D = dualpath 1P2D",
         "speedup_vs_basic": "1.64 on average, up to 2.46 (DS 27B)",
-        "bottleneck_free_pd_range_paper_hardware": "1/7 <= P/D <= 7/2 (§4.2)"})
+        "bottleneck_free_pd_range_paper_hardware": "1/7 <= P/D <= 7/2 (§4.2)",
+        "working_set_gb_this_trace": "-",
+        "working_set_tb_paper_48p96d": "not given (§8.2 gives the formula)"})
 
 
 #: Fig. 10: a rate is within the SLO when this fraction of its requests met the paper's

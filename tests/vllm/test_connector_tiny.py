@@ -183,9 +183,11 @@ def test_negative_controls_make_the_comparison_fail(rig, fault):
     conv.advance(a["token_ids"])
     rig.node.restart(env={"DUALPATH_FAULTS": fault})
     try:
-        # The first turn after a restart may find the channels still reconnecting (no
-        # hit, nothing to break): take the first turn that loaded.
-        for _ in range(3):
+        # The first turns after a restart may find the channels still reconnecting (no
+        # hit, nothing to break): take the first turn that loaded. The same liveness
+        # bound as the restart test's above (3 turns were once not enough in a loaded
+        # clean-clone run: the node's start and gRPC's 2 s backoff outlast short turns).
+        for _ in range(6):
             before = _loaded(rig)
             _, a, b = _turn(rig, conv)
             conv.advance(b["token_ids"])

@@ -202,10 +202,9 @@ def fig8(scale: Scale) -> dict:
         return abs(jct[a] - jct[b]) / jct[b]
 
     rng = bottleneck_free_range(PAPER_HARDWARE)
-    # §8.2's working set, offline (every agent live at once: lambda T = the agents).
+    # §8.2's working set, offline: every agent live at once (lambda T = the agents).
     total = trace_stats(scale_trace(scale).trajectories).total
-    jct_1p2d = jct["1P2D", "dualpath"]
-    ours = working_set_bytes(scale.agents / jct_1p2d, jct_1p2d, total,
+    ours = working_set_bytes(float(scale.agents), 1.0, total,
                              PROFILES["demo"].kv_bytes_per_token)
     paper = working_set_bytes(*PAPER_OFFLINE_AT_SCALE, PROFILES["ds660b"].kv_bytes_per_token)
     return _record("fig8", "P/D ratios (offline JCT)", scale, points, {

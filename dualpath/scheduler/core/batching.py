@@ -203,8 +203,10 @@ def pack_batch(queue: Iterable[PrefillWork], estimate: Estimator, quota_s: float
             used_tokens += w.remaining_tokens
             held += hbm.need(w, w.cached_tokens + w.remaining_tokens) if hbm else 0
             continue
-        # Largest chunk c in [0, remaining) that fits: time and memory grow with c, so
-        # bisect. Invariant: lo fits (0 trivially), hi does not.
+        # Largest chunk c in [0, remaining) that fits: memory grows with c, and so does
+        # the predicted time but for the per-new-token term, which can fall a little as
+        # c grows when earlier members have more FLOPs per token; bisect all the same
+        # (at worst a slightly smaller chunk). Invariant: lo fits (0 trivially), hi not.
         lo, hi = 0, w.remaining_tokens
         while hi - lo > 1:
             mid = (lo + hi) // 2

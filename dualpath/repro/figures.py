@@ -30,18 +30,21 @@ Pure orchestration over :func:`dualpath.cluster.run.run_modes`; plotting is in
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, replace
 
+from dualpath.buffers.pool import slot_stride
 from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.replay import ReplayOptions, forward_steps
 from dualpath.cluster.run import first_rounds, make_trace, run_modes
 from dualpath.errors import UsageError
-from dualpath.kv.profiles import PROFILES
+from dualpath.kv.layout import BlockLayout
+from dualpath.kv.profiles import PROFILES, get_profile
 from dualpath.planning.capacity import Hardware, bottleneck_free_range, working_set_bytes
 from dualpath.trace.generator import PARAMS, generate
-from dualpath.trace.model import Trace, trace_stats
+from dualpath.trace.model import Trace, plan_rounds, trace_stats
 from dualpath.trace.report import TTFT_PARTS, attention_balance, summarize
 from dualpath.v1 import admin_pb2
 
@@ -81,6 +84,18 @@ class Scale:
     fig14_decode_hbm_mib: int = 1024      # per DE engine: room for most agents' KV
     # fig12's left half: the online rates its TTFT breakdown is measured at.
     breakdown_aps: tuple[float, ...] = (0.5, 2.0, 8.0)
+    # fig12's ablation: the model profile (layerwise prefill holds DEPTH of a model's
+    # layers in HBM, so its gain grows with the layer count: the demo profile's 8 cap it
+    # at 8/3 more requests per batch, DS 27B's 30 at 10x), the PE's emulated GPU speed
+    # (slowed until the PE's batches matter beside its storage NIC), the compute quota
+    # in ms at the GPU's full speed (the paper's 300 ms; scaled by the slowdown), and
+    # the PE's HBM per engine as a multiple of the largest prompt's KV (all layers):
+    # without layerwise prefill it holds one or two prompts at once, as 64K contexts
+    # fill a real PE's HBM.
+    ablation_profile: str = "ds27b"
+    ablation_speed: float = 0.02
+    ablation_quota_ms: int = 300
+    ablation_hbm_over_prompt: float = 1.15
 
     def describe(self) -> str:
         return (f"{self.agents} agents x {self.rounds} rounds, Table 2 '{self.table}' row "
@@ -109,12 +124,12 @@ def cluster(scale: Scale, prefill: int = 1, decode: int = 2) -> LocalCluster:
 
 
 def replay_on(c: LocalCluster, scale: Scale, trace: Trace, modes: Sequence[str],
-              opts: ReplayOptions, *, warmup: bool = False):
+              opts: ReplayOptions, *, warmup: bool = False, model_profile: str = "demo"):
     """:func:`run_modes` on ``c`` (a warm-up first, unreported, with ``warmup``)."""
     return run_modes(c.scheduler_address, c.node_ids(), c.prefill_nodes, trace, modes, opts,
                      snic_gbit_per_s=scale.snic_gbit_per_s, tls_config=c.client_tls,
                      node_tls=c.node_tls, node_addresses=c.addresses(),
-                     warmup_agents=int(warmup))
+                     warmup_agents=int(warmup), model_profile=model_profile)
 
 
 def run_shape(prefill: int, decode: int, scale: Scale, modes: Sequence[str], *,
@@ -345,20 +360,57 @@ ABLATION = (("basic", "basic", "", False),
             ("+ scheduling", "dualpath", "", True))
 
 
-def fig12(scale: Scale) -> dict:
-    """Both halves of Fig. 12. Right, the ablation, on one 1P2D cluster: basic (no
-    layerwise prefill), then layerwise prefill, then both read paths (sides
-    round-robin), then DualPath's scheduler choosing the sides; each step's throughput
-    gain over the step before. Left: :func:`fig12_breakdown`."""
+def ablation_settings(scale: Scale, trace: Trace) -> tuple[dict, dict, int]:
+    """fig12's ablation cluster: its settings, the PE node's own, and the compute quota
+    in ms of the slowed clock (see :class:`Scale`). The PE's HBM is
+    ``ablation_hbm_over_prompt`` times the KV (all layers, whole blocks) of the trace's
+    largest prompt, so that every prompt fits without layerwise prefill."""
+    prof = get_profile(scale.ablation_profile)
+    largest = max(p.prompt_tokens for t in trace.trajectories
+                  for p in plan_rounds(t, prof.block_tokens))
+    # The PE's HBM is Layer Block slots (engine/node.py): every layer of the largest
+    # prompt's blocks, in slots as the pool lays them out.
+    slots = -(-largest // prof.block_tokens) * prof.layers
+    kv = slots * slot_stride(BlockLayout.of(prof).one_layer())
+    hbm_mib = math.ceil(kv * scale.ablation_hbm_over_prompt / 2**20)
+    settings = {"storage": {"snic_gbit_per_s": scale.snic_gbit_per_s},
+                "engine": {"model_profile": scale.ablation_profile}}
+    pe = {"engine": {"speed_scale": scale.ablation_speed, "prefill_hbm_mib": hbm_mib}}
+    return settings, pe, round(scale.ablation_quota_ms / scale.ablation_speed)
+
+
+def fig12_ablation(scale: Scale) -> tuple[list[dict], tuple[int, dict]]:
+    """Fig. 12 right: one 1P2D cluster of the ``ablation_profile`` model whose PE is
+    slowed and its HBM tight (:func:`ablation_settings`) runs basic (no layerwise
+    prefill), then layerwise prefill, then both read paths (sides round-robin), then
+    DualPath's scheduler choosing the sides. Returns the steps' points (JCT, storage-NIC
+    balance) and (the quota in ms, the PE's engine settings)."""
     trace = scale_trace(scale)
+    settings, pe, quota_ms = ablation_settings(scale, trace)
     points = []
-    with cluster(scale) as c:
+    with LocalCluster(1, 2, settings=settings, node_settings={"p0": pe}) as c:
+        stub, ch = c.admin()
+        try:
+            stub.SetParams(admin_pb2.SetParamsRequest(compute_quota_ms=quota_ms), timeout=10)
+        finally:
+            ch.close()
         for i, (label, mode, policy, layerwise) in enumerate(ABLATION):
             report, _ = replay_on(c, scale, trace, (mode,),
                                   ReplayOptions(read_policy=policy, layerwise=layerwise),
-                                  warmup=i == 0)
-            points.append({"half": "right", "step": label,
-                           "jct_s": report["modes"][mode]["jct_s"]})
+                                  warmup=i == 0, model_profile=scale.ablation_profile)
+            m = report["modes"][mode]
+            points.append({"half": "right", "step": label, "jct_s": m["jct_s"],
+                           "snic_window_max_avg":
+                               m["snic"]["window_max_avg_bytes_weighted"]})
+    return points, (quota_ms, pe["engine"])
+
+
+def fig12(scale: Scale) -> dict:
+    """Both halves of Fig. 12. Right, the ablation (:func:`fig12_ablation`); left,
+    the TTFT breakdown (:func:`fig12_breakdown`, the demo profile as every other
+    figure)."""
+    points, settings = fig12_ablation(scale)
+    quota_ms, eng = settings
     jct = [p["jct_s"] for p in points]
     for p in points:
         p["jct_vs_basic"] = p["jct_s"] / jct[0] - 1.0
@@ -370,6 +422,10 @@ def fig12(scale: Scale) -> dict:
                        "ablation_gain_dualpath": gains[1],
                        "ablation_gain_sched": gains[2],
                        "jct_vs_basic_by_step": {p["step"]: p["jct_vs_basic"] for p in points},
+                       "ablation_cluster": {"model_profile": scale.ablation_profile,
+                                            "pe_speed_scale": eng["speed_scale"],
+                                            "pe_hbm_mib": eng["prefill_hbm_mib"],
+                                            "compute_quota_ms": quota_ms},
                        "ttft_breakdown_s": {f"{p['mode']} @ {p['aps']:g} APS":
                                             {k: p[f"{k}_s"] for k in TTFT_PARTS}
                                             for p in left},
@@ -378,7 +434,11 @@ def fig12(scale: Scale) -> dict:
                        "jct_vs_basic_by_step": "layerwise -17.21%, + dual-path -38.19%, "
                        "+ scheduling -45.62% (DS 660B, 64K)",
                        "ttft_breakdown_s": "basic's queueing grows with APS; dualpath's "
-                       "parts stay stable"})
+                       "parts stay stable"},
+                   f"{scale.describe()}; the ablation (right): the "
+                   f"{scale.ablation_profile} profile, the PE's emulated GPU at "
+                   f"x{scale.ablation_speed:g} with {eng['prefill_hbm_mib']} MiB of HBM and "
+                   f"a {quota_ms} ms quota")
 
 
 def fig12_breakdown(scale: Scale) -> list[dict]:

@@ -16,8 +16,9 @@ The figures:
 - ``fig11``: average trajectory completion time of basic and dualpath as agents arrive
   faster (online, Poisson arrivals).
 - ``fig12``: the TTFT breakdown (its left half: scheduling, allocating, reading,
-  prefill, online) and the ablation (its right half): basic without layerwise prefill,
-  then with it, then both read paths with sides round-robin, then DualPath's scheduler.
+  prefill, online) and the ablation (its right half, on a cluster of its own where the
+  PE's HBM limits its batches): basic without layerwise prefill, then with it, then both
+  read paths with sides round-robin, then DualPath's scheduler.
 - ``fig13``: storage-NIC balance (max/avg over the three nodes in small windows) of
   dualpath's scheduler against reading sides chosen round-robin.
 - ``fig14``: attention balance across a PE node's engines, with the scheduler's compute

@@ -403,9 +403,9 @@ class DecodePath:
         DE-buffer slots, the generated ones copied into slots of their own. The last
         token is timed at once (the writes are outside the request's latency), and the
         request completes once its blocks are written, so its agent's next round finds
-        them stored. The emulated DE's write-back is not paced by the storage NIC
-        (node.py): with the next round waiting for it, pacing would put a first round's
-        whole prompt in front of every agent's second round (docs/e2e.md)."""
+        them stored. The write-back is paced by the storage NIC's write direction, a
+        request's blocks ranked by how many it writes (fewest first), so a first round's
+        whole prompt does not hold up other agents' next rounds (docs/e2e.md)."""
         n, eng = self.node, self.engine
         e, p = st.engine, st.payload
         rid = st.request_id
@@ -432,6 +432,7 @@ class DecodePath:
             keys = [] if p.oracle or wb is None else \
                 block_keys(p.token_ids(prompt + gen, n.tokens), T)
             nxt = min(done.computed_from_tokens, p.hit_tokens) // T
+            rank = max(len(keys) - nxt, 0)      # the blocks this request writes
             if st.buffer is not None:
                 buf, spans = st.buffer, len(st.spans)
 
@@ -442,11 +443,12 @@ class DecodePath:
                 # The prompt's own full blocks persist from where they are.
                 whole = range(nxt, min(prompt // T, len(keys)))
                 for i, slot in zip(whole, buf.hand_over(whole)):
-                    written.append(wb.add(keys[i], slot))
+                    written.append(wb.add(keys[i], slot, rank))
                 nxt = max(nxt, whole.stop)
                 self._release(st)
             full: asyncio.Queue[int | None] = asyncio.Queue()
-            stager = asyncio.ensure_future(self._stage_blocks(hbm, keys, full, written))
+            stager = asyncio.ensure_future(self._stage_blocks(hbm, keys, full, written,
+                                                               rank))
 
             def filled(tokens: int) -> None:        # blocks whose every token's KV exists
                 nonlocal nxt
@@ -534,7 +536,8 @@ class DecodePath:
         return None
 
     async def _stage_blocks(self, hbm: Reservation, keys: list[bytes],
-                            full: asyncio.Queue, written: list[asyncio.Future]) -> None:
+                            full: asyncio.Queue, written: list[asyncio.Future],
+                            rank: int) -> None:
         """Blocks of ``hbm`` whose indices arrive on ``full`` (None ends), completed by
         generated tokens: the emulated model's KV for each, copied into a DE-buffer slot
         of its own and handed to the write-back (waiting for a slot, never for the
@@ -544,4 +547,4 @@ class DecodePath:
             self.engine.fill_block(hbm.flat(b), keys[b])
             slot = await pool.reserve(1)
             np.copyto(slot.flat(0), hbm.flat(b))
-            written.append(wb.add(keys[b], slot))
+            written.append(wb.add(keys[b], slot, rank))

@@ -249,9 +249,9 @@ class NodeDaemon:
                      fit.describe())
             self.path = PrefillPath(self.resources, self.space, engine, forward)
         else:
-            # New KV goes to storage from DE-buffer slots, not paced by the storage NIC:
-            # each request waits for its own blocks (docs/e2e.md says why).
-            self.space.writeback = WriteBack(store, None, self.metrics)
+            # New KV goes to storage from DE-buffer slots through the storage NIC's write
+            # direction; each request waits for its own blocks (docs/e2e.md).
+            self.space.writeback = WriteBack(store, self.limiter, self.metrics)
             self._stack.push_async_callback(self.space.writeback.close)
             self.path = decode = DecodePath(self.resources, self.space, engine, ranks)
         return engine_services(self.callers, self.oob, self.transfer, decode,

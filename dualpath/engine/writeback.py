@@ -1,13 +1,16 @@
 """A DE node's write-back: new KV blocks on their way to storage, paced by the storage
 NIC's write direction when given a limiter (the emulated engine's one persistence path;
 paper §2: the decoding engines "store their KV-Cache in distributed storage to enable
-reuse across turns"). The emulated DE gives it none today (docs/e2e.md says why).
+reuse across turns"). Both engines' decode nodes give it the node's limiter.
 
 A block comes in with the DE-buffer slot that holds it (its owner hands the slot over)
 and goes out once written, in order, through the write direction of the node's
 storage-NIC limiter: writes never take the read direction's bandwidth (the NIC is full
 duplex, storage/ratelimit.py) and go on after the request's last token, outside its
-latency. Until a block is written this node's own reads find it here (read-your-writes:
+latency. A block's ``rank`` orders the queue (lower first, then in order of addition):
+the emulated DE ranks a request's blocks by how many it writes, so the few blocks of a
+later round are not queued behind a first round's whole prompt (shortest first, which
+lets the most agents' next rounds start soonest; docs/e2e.md). Until a block is written this node's own reads find it here (read-your-writes:
 :meth:`dualpath.engine.kvspace.KvSpace.read` copies it instead of reading storage);
 another node finds it missing and computes it (the degrade path of every read).
 
@@ -22,6 +25,7 @@ Threads: the node's event loop; the store writes on its own pool.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import OrderedDict
 
@@ -49,7 +53,8 @@ class WriteBack:
         self.file_bytes = HEADER_BYTES + store.layout.full_bytes
         self._pending: OrderedDict[bytes, Reservation] = OrderedDict()
         self._done: dict[bytes, asyncio.Future] = {}
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._queue: asyncio.PriorityQueue[tuple[int, int, bytes]] = asyncio.PriorityQueue()
+        self._seq = itertools.count()
         self._writers = writers
         self._tasks: list[asyncio.Task] = []
         self._idle = asyncio.Event()
@@ -60,9 +65,10 @@ class WriteBack:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, key: bytes, slot: Reservation) -> asyncio.Future:
+    def add(self, key: bytes, slot: Reservation, rank: int = 0) -> asyncio.Future:
         """Persist the block in ``slot`` (one slot, ownership passes here) under ``key``;
-        the future resolves once it is written or skipped."""
+        the future resolves once it is written or skipped. Blocks of a lower ``rank`` go
+        first, in order of addition within a rank."""
         done = self._done.get(key)
         if done is not None or self._closed:      # the same block again, or stopping
             slot.release()
@@ -72,7 +78,7 @@ class WriteBack:
             return done
         done = self._done[key] = asyncio.get_running_loop().create_future()
         self._pending[key] = slot
-        self._queue.put_nowait(key)
+        self._queue.put_nowait((rank, next(self._seq), key))
         self._idle.clear()
         if not self._tasks:
             self._tasks = [asyncio.ensure_future(self._write())
@@ -88,7 +94,7 @@ class WriteBack:
     async def _write(self) -> None:
         m = self.metrics
         while True:
-            key = await self._queue.get()
+            _, _, key = await self._queue.get()
             slot = self._pending.get(key)
             try:
                 if slot is None:

@@ -135,3 +135,33 @@ def test_a_vllm_decode_nodes_reads_find_its_own_blocks_still_in_write_back(tmp_p
         region.close()
 
     asyncio.run(main())
+
+
+def test_a_request_with_fewer_blocks_to_write_goes_first(tmp_path):
+    """The emulated DE ranks each request's blocks by how many it writes (engine/
+    decode.py): paced by the write direction, a first round's whole prompt does not
+    hold up the next rounds of agents that wrote one block (shortest first)."""
+    async def main():
+        lim = GatedLimiter()
+        store = BlockStore(tmp_path, PROFILE, read_workers=2)
+        pool = BlockPool("de_buffer", np.zeros(16 << 20, np.uint8), LAYOUT)
+        order = []
+        awrite = store.awrite
+
+        async def recorded(key, data):
+            order.append(KEYS.index(key))
+            return await awrite(key, data)
+        store.awrite = recorded
+        wb = WriteBack(store, lim, writers=1)
+        for i in range(4):                             # a first round: 4 blocks
+            wb.add(KEYS[i], _slot(pool, i + 1), rank=4)
+        await asyncio.sleep(0.05)                      # the writer holds KEYS[0]'s turn
+        wb.add(KEYS[9], _slot(pool, 10), rank=1)       # a later round's one block
+        lim.gate.set()
+        assert await wb.drain(5.0)
+        assert order == [0, 9, 1, 2, 3]
+        assert all(store.contains(KEYS[i]) for i in (0, 1, 2, 3, 9))
+        await wb.close()
+        store.close()
+
+    asyncio.run(main())

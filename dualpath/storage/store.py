@@ -36,7 +36,9 @@ not use its buffer after a miss.
 
 Threads: every public method may be called from any thread. Blocking calls run on the
 caller's thread; ``aread``/``awrite``/``read_many`` run on the store's bounded worker
-pools (``os.preadv``, ``os.fsync`` and the XXH3 hash release the GIL).
+pools (``os.preadv``, ``os.fsync`` and the XXH3 hash release the GIL); ``aread_many``
+hands its blocks to the store's ring reader, one thread that owns a persistent io_uring
+ring (csrc/store_io.c ``dp_sio_ring``) fed by every caller's batches.
 """
 
 from __future__ import annotations
@@ -48,11 +50,13 @@ import fcntl
 import logging
 import mmap
 import os
+import queue
 import stat
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Self
@@ -172,6 +176,8 @@ class BlockStore:
         self._read_pool = ThreadPoolExecutor(read_workers, thread_name_prefix="dp-store-read")
         self._write_pool = ThreadPoolExecutor(write_workers, thread_name_prefix="dp-store-write")
         self._closed = False
+        self._ring: _RingReader | None = None     # started by the first aread_many batch
+        self._ring_refused = False
         self._root_fd = -1
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -186,10 +192,14 @@ class BlockStore:
 
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for queued work and stop the worker pools (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+        """Wait for queued work, stop the ring reader and the worker pools (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
         if self._root_fd >= 0:
@@ -373,13 +383,48 @@ class BlockStore:
         return list(self._read_pool.map(self.read_into, keys, outs))
 
     async def aread_many(self, keys: Sequence[bytes], outs: Sequence) -> list[bool]:
-        """:meth:`read_many` off the event loop: one batch on a read-pool thread (or one
-        read per block on the pool without io_uring)."""
+        """:meth:`read_many` off the event loop: the blocks handed to the store's ring
+        reader (one thread, one io_uring ring of ``read_batch_depth`` reads in flight,
+        fed by every caller's batches and refilled as each read lands); one batch on a
+        read-pool thread where the ring cannot serve (O_DIRECT off, unaligned buffers);
+        one read per block on the pool without io_uring. Cancelling the caller does not
+        stop reads already handed over: it returns once they landed (they write into
+        ``outs`` until then)."""
         if len(keys) != len(outs):
             raise UsageError(f"{len(keys)} keys but {len(outs)} buffers")
         if not self.batched:
             return list(await asyncio.gather(*(self.aread(k, o) for k, o in zip(keys, outs))))
-        return await self.arun(self.read_batch, keys, outs)
+        dsts = [self._as_block(o, writable=True) for o in outs]
+        ring = self._ring_reader() if self.direct and not any(
+            d.ctypes.data % ALIGN for d in dsts) else None
+        if ring is None:
+            return await self.arun(self.read_batch, keys, outs)
+        fut = asyncio.wrap_future(ring.submit(keys, dsts))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+
+    def _ring_reader(self) -> _RingReader | None:
+        """The store's ring reader, started by the first batch; None when batches are off
+        (io_uring or openat2 missing: logged once) or the store is closed."""
+        with self._lock:
+            if self._ring is not None or self._closed or not self._batched or \
+                    self._ring_refused:
+                return self._ring
+            try:
+                self._ring = _RingReader(self, self.read_batch_depth)
+                return self._ring
+            except OSError as e:
+                err = e.errno or _errno.EIO
+                self._ring_refused = True
+        if err in (_errno.ENOSYS, _errno.EPERM):
+            self._no_batches(-err)
+        else:
+            log.warning("block store %s: no io_uring ring (%s); batches run one at a time",
+                        self.dir, os.strerror(err))
+        return None
 
     @property
     def batched(self) -> bool:
@@ -416,26 +461,35 @@ class BlockStore:
                 raise StorageError(-rc, "reading a batch of blocks from", self.dir)
             retry = []
             for j, i in enumerate(batch):
-                it = items[j]
-                if it.err == 0:
-                    self._count(reads=1)
-                    problem = self._check_file(keys[i], dsts[i], it.got, pages[2 * j],
-                                               dsts[i], pages[2 * j + 1], direct,
-                                               it.hash if it.hashed else None, it.tag)
-                    out[i] = self._outcome(keys[i], dsts[i], problem)
-                elif direct and it.err == _errno.EINVAL and it.stage in (
-                        lib.DP_SIO_DIRECT, lib.DP_SIO_READ):
-                    self._direct_unsupported(OSError(it.err, os.strerror(it.err)))
+                ok = self._sio_outcome(keys[i], dsts[i], items[j], pages[2 * j],
+                                       pages[2 * j + 1], direct)
+                if ok is None:
                     retry.append(i)                # buffered, by read_into
                 else:
-                    self._count(reads=1)
-                    self._missed(self.path_of(keys[i]), _sio_error(it))
+                    out[i] = ok
         else:
             retry = []
         in_batch = set(batch)
         for i in sorted(retry + [i for i in range(len(keys)) if i not in in_batch]):
             out[i] = self.read_into(keys[i], outs[i])
         return out
+
+    def _sio_outcome(self, key: bytes, dst: np.ndarray, it, header: np.ndarray,
+                     tail: np.ndarray, direct: bool) -> bool | None:
+        """Count and check one item the C read loop finished: True on a verified hit,
+        False on a miss; None when O_DIRECT was refused (now off: read it again)."""
+        if it.err == 0:
+            self._count(reads=1)
+            problem = self._check_file(key, dst, it.got, header, dst, tail, direct,
+                                       it.hash if it.hashed else None, it.tag)
+            return self._outcome(key, dst, problem)
+        if direct and it.err == _errno.EINVAL and it.stage in (lib.DP_SIO_DIRECT,
+                                                               lib.DP_SIO_READ):
+            self._direct_unsupported(OSError(it.err, os.strerror(it.err)))
+            return None
+        self._count(reads=1)
+        self._missed(self.path_of(key), _sio_error(it))
+        return False
 
     def _sio_items(self, keys: Sequence[bytes], bodies: Sequence[np.ndarray],
                    pages: np.ndarray):
@@ -750,6 +804,154 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             views = views[1:]
         if views and n:
             views = [views[0][n:], *views[1:]]
+
+
+class _RingBatch:
+    """One aread_many's blocks handed to the ring reader: their items (header and tail
+    pages of their own), outcomes, and the future the caller awaits."""
+
+    def __init__(self, store: BlockStore, keys: Sequence[bytes], dsts: Sequence[np.ndarray],
+                 pages: np.ndarray, cut: int):
+        self.keys, self.dsts, self.pages = keys, dsts, pages
+        self.items, self.paths = store._sio_items(keys, [d[:cut] for d in dsts], pages)
+        self.n = len(keys)
+        self.next = 0                       # items handed to the ring so far
+        self.left = self.n                  # items not yet done
+        self.out: list[bool | None] = [False] * self.n
+        self.error: BaseException | None = None
+        self.future: Future = Future()
+        base = int(ffi.cast("uintptr_t", self.items))
+        self.addrs = {base + j * _SIO_ITEM: j for j in range(self.n)}
+
+
+_SIO_ITEM = ffi.sizeof("struct dp_sio_item")
+
+
+class _RingReader:
+    """The store's streaming reader: one thread owns a ``dp_sio_ring`` and feeds it the
+    blocks of every batch handed over (:meth:`submit`), refilling each slot as its read
+    lands, so the disk never idles between batches or behind a batch's slowest read.
+
+    The thread: hands queued batches' items to the ring while it has slots, waits for a
+    landing only when nothing else can be handed over, checks each landed block as
+    :meth:`BlockStore.read_batch` does and completes a batch's future when its last
+    block is done. ``close()`` (idempotent) stops it once what was handed over has landed
+    and frees the ring. Threads: submit from any thread; close from one."""
+
+    def __init__(self, store: BlockStore, depth: int):
+        key = store.integrity_key
+        ring = lib.dp_sio_ring_create(store._root_fd, depth, 1,
+                                      key if key is not None else ffi.NULL, len(key or b""))
+        if ring == ffi.NULL:
+            err = ffi.errno
+            raise OSError(err, os.strerror(err))
+        self.store, self.depth, self._ring = store, depth, ring
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._spare: list[np.ndarray] = []          # header/tail pages of finished batches
+        self._spare_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="dp-store-ring", daemon=True)
+        self._thread.start()
+
+    def submit(self, keys: Sequence[bytes], dsts: Sequence[np.ndarray]) -> Future:
+        """Queue page-aligned block reads (O_DIRECT); a future of their outcomes."""
+        full = self.store.layout.full_bytes
+        b = _RingBatch(self.store, keys, dsts, self._pages(2 * len(keys)),
+                       full - full % ALIGN)
+        b.future.set_running_or_notify_cancel()     # it cannot be cancelled: the ring
+        self._queue.put(b)                          # writes into dsts until it is done
+        return b.future
+
+    def _pages(self, n: int) -> np.ndarray:
+        with self._spare_lock:
+            for i, p in enumerate(self._spare):
+                if len(p) >= n:
+                    return self._spare.pop(i)
+        return aligned_bytes(max(n, 16) * ALIGN).reshape(-1, ALIGN)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        lib.dp_sio_ring_destroy(self._ring)
+
+    def _run(self) -> None:
+        pending: deque[_RingBatch] = deque()        # batches with items not handed over
+        owner: dict[int, tuple[_RingBatch, int]] = {}
+        done = ffi.new("struct dp_sio_item *[]", self.depth + max(self.depth, 64))
+        taken = ffi.new("uint32_t *")
+        stopping = False
+        while True:
+            inflight = lib.dp_sio_ring_inflight(self._ring)
+            if not pending and not inflight:
+                if stopping:
+                    return
+                b = self._queue.get()
+                if b is None:
+                    return
+                pending.append(b)
+            while True:
+                try:
+                    b = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if b is None:
+                    stopping = True
+                else:
+                    pending.append(b)
+            head = pending[0] if pending else None
+            n = min(head.n - head.next, len(done) - self.depth) if head else 0
+            # Wait for a landing only when nothing more could be handed over now.
+            wait = int(not (len(pending) > 1 and n < self.depth - inflight))
+            items = head.items + head.next if head else ffi.NULL
+            got = lib.dp_sio_ring_step(self._ring, items, n, taken, done, len(done), wait)
+            if head is not None:
+                for j in range(head.next, head.next + taken[0]):
+                    owner[int(ffi.cast("uintptr_t", head.items + j))] = (head, j)
+                head.next += taken[0]
+                if head.next == head.n:
+                    pending.popleft()
+            if got < 0:
+                self._fail(pending, StorageError(-got, "reading blocks (io_uring) from",
+                                                 self.store.dir))
+                continue
+            for k in range(got):
+                b, j = owner.pop(int(ffi.cast("uintptr_t", done[k])))
+                self._landed(b, j)
+
+    def _fail(self, pending: deque[_RingBatch], e: BaseException) -> None:
+        """Give up on the items not handed over yet (the ring failed to enter)."""
+        log.error("%s", e)
+        while pending:
+            b = pending.popleft()
+            b.error = e
+            b.left -= b.n - b.next
+            b.next = b.n
+            self._finish(b)
+
+    def _landed(self, b: _RingBatch, j: int) -> None:
+        try:
+            ok = self.store._sio_outcome(b.keys[j], b.dsts[j], b.items[j],
+                                         b.pages[2 * j], b.pages[2 * j + 1], True)
+            if ok is None:                  # O_DIRECT refused: buffered, here
+                ok = self.store.read_into(b.keys[j], b.dsts[j])
+            b.out[j] = ok
+        except BaseException as e:          # noqa: BLE001 - handed to the batch's caller
+            b.error = b.error or e
+        b.left -= 1
+        self._finish(b)
+
+    def _finish(self, b: _RingBatch) -> None:
+        if b.left:
+            return
+        with self._spare_lock:
+            self._spare.append(b.pages)
+        if b.error is not None:
+            b.future.set_exception(b.error)
+        else:
+            b.future.set_result(b.out)
 
 
 class _Unsafe(Exception):

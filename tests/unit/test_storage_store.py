@@ -1,5 +1,6 @@
 """BlockStore: round trips, corruption handling, O_DIRECT fallback, write errors."""
 
+import asyncio
 import dataclasses
 import errno
 import fcntl
@@ -12,6 +13,7 @@ import sys
 import pytest
 import xxhash
 
+from dualpath._native import ffi, lib
 from dualpath.errors import DualPathError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.prefix import block_keys
@@ -42,11 +44,14 @@ def _put(store, key, fill=None):
     return buf
 
 
-# The two read paths: one block per call (Python, a worker thread's preadv) and a batch
-# (store_io.c: openat2 beneath the root, io_uring). Tests that use the `both_paths`
-# fixture run on each.
+# The read paths: one block per call (Python, a worker thread's preadv), a batch
+# (store_io.c: openat2 beneath the root, io_uring, one ring per call) and the store's
+# ring reader (the same C loop on a ring that outlives the call, fed from a thread of
+# its own: what the read queue uses). Tests that use the `both_paths` fixture run on
+# each.
 READERS = {"one": lambda s, k, out: s.read_into(k, out),
-           "batch": lambda s, k, out: s.read_batch([k], [out])[0]}
+           "batch": lambda s, k, out: s.read_batch([k], [out])[0],
+           "ring": lambda s, k, out: asyncio.run(s.aread_many([k], [out]))[0]}
 _reader = READERS["one"]
 
 
@@ -385,3 +390,92 @@ def test_sweep_removes_temp_files_of_dead_writers(store):
 
 def test_layout_geometry_from_profile(store):
     assert store.layout == BlockLayout.of(store.profile)
+
+
+# --- the ring reader (a dp_sio_ring fed by one thread): what the read queue uses -------
+
+def test_the_ring_reader_serves_concurrent_batches_each_block_into_its_buffer(store):
+    # More blocks in flight than the ring's depth, from several callers at once, misses
+    # among them: each caller gets its own outcomes and bytes, and the ring is idle after.
+    keys = block_keys(list(range(4 * 40)), 4)          # 40 keys
+    synth = SyntheticKV(store.layout)
+    present = set(keys[::3])
+    for k in present:
+        _put(store, k)
+    outs = [aligned_bytes(store.layout.full_bytes) for _ in keys]
+
+    async def main():
+        parts = [range(i, len(keys), 5) for i in range(5)]      # 5 callers, 8 each
+        return await asyncio.gather(*(store.aread_many([keys[i] for i in p],
+                                                       [outs[i] for i in p]) for p in parts)), parts
+
+    got, parts = asyncio.run(main())
+    for p, oks in zip(parts, got):
+        assert oks == [keys[i] in present for i in p]
+        assert all(synth.verify_full(outs[i], keys[i]) is None for i in p if keys[i] in present)
+    st = store.stats
+    assert (st.reads, st.hits, st.misses) == (40, len(present), 40 - len(present))
+    ring = store._ring
+    assert ring is not None and lib.dp_sio_ring_inflight(ring._ring) == 0
+    store.close()
+    assert not ring._thread.is_alive()
+    store.close()                                          # idempotent
+
+
+def test_a_cancelled_ring_read_returns_only_once_its_reads_landed(store):
+    # The ring writes into the caller's buffers until each read lands: a cancelled caller
+    # must not get them back before that (it would hand out slots still being written).
+    keys = block_keys(list(range(4 * 16)), 4)
+    for k in keys:
+        _put(store, k)
+    outs = [aligned_bytes(store.layout.full_bytes) for _ in keys]
+
+    async def main():
+        task = asyncio.create_task(store.aread_many(keys, outs))
+        await asyncio.sleep(0)                             # handed to the ring
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return lib.dp_sio_ring_inflight(store._ring._ring)
+
+    assert asyncio.run(main()) == 0
+    synth = SyntheticKV(store.layout)
+    assert all(synth.verify_full(o, k) is None for o, k in zip(outs, keys))
+
+
+def test_dp_sio_ring_takes_what_fits_and_hands_every_item_back_once(store):
+    # The C mechanism alone: a ring of depth 2 given 5 items takes 2 (the rest untouched,
+    # handed over again by the caller), refills as they land, returns each item once, and
+    # refuses to be destroyed while reads are in flight.
+    keys = block_keys(list(range(4 * 5)), 4)
+    for k in keys[:4]:
+        _put(store, k)                                     # keys[4] is missing
+    pages = aligned_bytes(10 * 4096).reshape(10, 4096)
+    bodies = [aligned_bytes(store.layout.full_bytes) for _ in keys]
+    cut = store.layout.full_bytes - store.layout.full_bytes % 4096
+    items, paths = store._sio_items(keys, [b[:cut] for b in bodies], pages)
+    ring = lib.dp_sio_ring_create(store._root_fd, 2, 1, ffi.NULL, 0)
+    assert ring != ffi.NULL
+    done = ffi.new("struct dp_sio_item *[]", 16)
+    taken = ffi.new("uint32_t *")
+    seen, nxt, first = [], 0, True
+    while len(seen) < 5:
+        got = lib.dp_sio_ring_step(ring, items + nxt, 5 - nxt, taken, done, 16, int(not first))
+        assert got >= 0
+        inflight = lib.dp_sio_ring_inflight(ring)
+        assert inflight <= 2 and taken[0] <= 2 + got      # never past the depth
+        if first:                     # no wait: what it took is in flight or done already
+            assert taken[0] == inflight + got and taken[0] >= 2
+            if inflight:
+                assert lib.dp_sio_ring_destroy(ring) == -errno.EBUSY
+            first = False
+        nxt += taken[0]
+        seen += [(int(ffi.cast("uintptr_t", done[k])) - int(ffi.cast("uintptr_t", items)))
+                 // ffi.sizeof("struct dp_sio_item") for k in range(got)]
+    assert sorted(seen) == [0, 1, 2, 3, 4]
+    assert [items[j].err for j in range(5)] == [0, 0, 0, 0, errno.ENOENT]
+    assert all(items[j].hashed and items[j].got == 4096 + store.layout.full_bytes
+               for j in range(4))
+    assert lib.dp_sio_ring_step(ring, ffi.NULL, 0, taken, done, 1, 1) == -errno.EINVAL
+    assert lib.dp_sio_ring_destroy(ring) == 0
+    del paths

@@ -466,35 +466,39 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
                 int direct, const uint8_t *secret, uint32_t secret_len);
 
 /* A read ring that outlives one batch, for a reader thread that streams block reads:
- * files are handed over as they come and each slot is refilled as its read lands, so
- * the disk never waits for a batch's slowest read nor for the caller between batches.
- * Same items, checks and hashing as dp_sio_read (which is built on it).
- * Threads: create and destroy on any thread; step on one thread at a time (the
- * ring's reader thread). An item handed to a step belongs to the ring until a step
- * returns it in `done`: keep it, its path and its buffers alive and untouched. */
+ * batches are pushed as they come into its backlog and each slot is refilled from it as
+ * its read lands, so the disk never waits for a batch's slowest read nor for the caller
+ * between batches. Same items, checks and hashing as dp_sio_read (built on it).
+ * Threads: create and destroy on any thread; push and step on one thread at a time (the
+ * ring's reader thread). An item pushed belongs to the ring until a step returns it in
+ * `done`: keep it, its path and its buffers alive and untouched until then. */
 typedef struct dp_sio_ring dp_sio_ring;
 
-/* [handle] A ring of `depth` (1..4096) reads in flight beneath `root_fd` (kept open by
- * the caller until destroy), O_DIRECT with `direct`, the block tag checked with `secret`
- * (copied; NULL = none). ENOSYS/EPERM when the kernel has no io_uring or openat2 for
- * us (a seccomp filter says EPERM): use a thread pool; EINVAL for bad arguments. */
-dp_sio_ring *dp_sio_ring_create(int root_fd, uint32_t depth, int direct,
+/* [handle] A ring of `depth` (1..4096) reads in flight and a backlog of `backlog` items
+ * pushed but not yet opened, beneath `root_fd` (kept open by the caller until destroy),
+ * O_DIRECT with `direct`, the block tag checked with `secret` (copied; NULL = none).
+ * ENOSYS/EPERM when the kernel has no io_uring or openat2 for us (a seccomp filter says
+ * EPERM; openat2 is probed here, before any file): use a thread pool; EINVAL for bad
+ * arguments. */
+dp_sio_ring *dp_sio_ring_create(int root_fd, uint32_t depth, uint32_t backlog, int direct,
                                 const uint8_t *secret, uint32_t secret_len);
-/* [int] Free the ring; -EBUSY while reads are in flight (step until none are). */
+/* [int] Free the ring; -EBUSY while items are queued or in flight (step until none). */
 int dp_sio_ring_destroy(dp_sio_ring *ring);
-/* [count] Reads in flight (handed over, not yet returned by a step). */
+/* [count] Append items[0..n) to the backlog, in order, as far as it has room: how many
+ * (the rest were not touched: push them again later). -EINVAL for a bad item (nothing
+ * pushed). No I/O. */
+int dp_sio_ring_push(dp_sio_ring *ring, struct dp_sio_item *items, uint32_t n);
+/* [count] Items pushed and not yet returned by a step (queued or in flight). */
 int dp_sio_ring_inflight(dp_sio_ring *ring);
-/* [count] One turn of the reader: open and queue items[0..n) while slots are free
- * (*taken = how many, in order; the rest were not touched: hand them over again), wait
- * for a landing when `wait` and nothing else is done, reap what landed, refill the slots
- * it freed from the remaining items and submit them, and only then hash the files that
+/* [count] One turn of the reader: open and queue backlog items while slots are free,
+ * wait for a landing when `wait` and nothing else is done, reap what landed, refill the
+ * slots it freed from the backlog and submit them, and only then hash the files that
  * landed (the disk reads the next files meanwhile). Returns how many items are done,
  * their pointers in done[0..count) (outcome in each item, as dp_sio_read; a file that
- * could not be opened is done at once); max_done >= depth + n. -EINVAL for bad
- * arguments (nothing taken); another -errno when io_uring_enter failed and nothing was
- * done (reads in flight stay in flight: step again). Blocking only with `wait`. */
-int dp_sio_ring_step(dp_sio_ring *ring, struct dp_sio_item *items, uint32_t n,
-                     uint32_t *taken, struct dp_sio_item **done, uint32_t max_done,
+ * could not be opened is done at once); max_done >= 2 * depth. -EINVAL for bad
+ * arguments; another -errno when io_uring_enter failed and nothing was done (reads in
+ * flight stay in flight: step again). Blocking only with `wait`. */
+int dp_sio_ring_step(dp_sio_ring *ring, struct dp_sio_item **done, uint32_t max_done,
                      int wait);
 
 /* ------------------------------------------------------------------ block tags */

@@ -235,7 +235,8 @@ static void hash_item(XXH3_state_t *st, struct dp_sio_item *it, const uint8_t *s
         it->tag = CRYPTO_memcmp(tag, head + DP_TAG_HEAD, DP_TAG_BYTES) == 0 ? 1 : -1;
 }
 
-/* A ring that outlives one batch (dp_sio_ring_*): its reads in flight, one slot each. */
+/* A ring that outlives one batch (dp_sio_ring_*): its reads in flight, one slot each,
+ * and the items handed over but not yet opened (a FIFO of `cap` pointers). */
 struct dp_sio_ring {
     struct ring r;
     int root_fd;
@@ -244,15 +245,18 @@ struct dp_sio_ring {
     uint32_t nfree, inflight;
     struct flight *fl;
     uint32_t *free_slots;
+    struct dp_sio_item **fifo;
+    uint32_t cap, first, queued;  /* fifo[first .. first + queued) mod cap */
     uint8_t *secret;              /* a copy, wiped at destroy */
     uint32_t secret_len;
     XXH3_state_t *hst;            /* opaque in the shared library's ABI */
 };
 
-dp_sio_ring *dp_sio_ring_create(int root_fd, uint32_t depth, int direct,
+dp_sio_ring *dp_sio_ring_create(int root_fd, uint32_t depth, uint32_t backlog, int direct,
                                 const uint8_t *secret, uint32_t secret_len)
 {
-    if (depth == 0 || depth > 4096 || (secret_len && !secret)) {
+    if (depth == 0 || depth > 4096 || backlog == 0 || backlog > (1u << 24) ||
+        (secret_len && !secret)) {
         errno = EINVAL;
         return NULL;
     }
@@ -283,8 +287,10 @@ dp_sio_ring *dp_sio_ring_create(int root_fd, uint32_t depth, int direct,
     g->root_fd = root_fd;
     g->direct = direct;
     g->depth = depth;
+    g->cap = backlog;
     g->fl = calloc(depth, sizeof(*g->fl));
     g->free_slots = calloc(depth, sizeof(*g->free_slots));
+    g->fifo = calloc(backlog, sizeof(*g->fifo));
     g->hst = XXH3_createState();
     if (secret_len) {
         g->secret = malloc(secret_len);
@@ -292,8 +298,7 @@ dp_sio_ring *dp_sio_ring_create(int root_fd, uint32_t depth, int direct,
             memcpy(g->secret, secret, secret_len);
         g->secret_len = secret_len;
     }
-    if (!g->fl || !g->free_slots || !g->hst || (secret_len && !g->secret)) {
-        g->inflight = 0;
+    if (!g->fl || !g->free_slots || !g->fifo || !g->hst || (secret_len && !g->secret)) {
         dp_sio_ring_destroy(g);
         errno = ENOMEM;
         return NULL;
@@ -308,11 +313,12 @@ int dp_sio_ring_destroy(dp_sio_ring *g)
 {
     if (!g)
         return 0;
-    if (g->inflight)
+    if (g->inflight || g->queued)
         return -EBUSY;
     ring_close(&g->r);
     free(g->fl);
     free(g->free_slots);
+    free(g->fifo);
     XXH3_freeState(g->hst);
     if (g->secret) {
         OPENSSL_cleanse(g->secret, g->secret_len);
@@ -322,20 +328,34 @@ int dp_sio_ring_destroy(dp_sio_ring *g)
     return 0;
 }
 
-int dp_sio_ring_inflight(dp_sio_ring *g)
+int dp_sio_ring_push(dp_sio_ring *g, struct dp_sio_item *items, uint32_t n)
 {
-    return (int)g->inflight;
+    if (!g || (n && !items))
+        return -EINVAL;
+    for (uint32_t i = 0; i < n; i++)
+        if (!items[i].path || items[i].nbufs < 1 || items[i].nbufs > 3)
+            return -EINVAL;
+    uint32_t take = g->cap - g->queued < n ? g->cap - g->queued : n;
+    for (uint32_t i = 0; i < take; i++)
+        g->fifo[(g->first + g->queued++) % g->cap] = &items[i];
+    return (int)take;
 }
 
-/* Open and queue items[*taken..n) while slots are free (a file that cannot be opened is
- * done at once, into done[]); the first read of an idle ring is submitted at once so
- * the disk starts on it while the next files are opened. */
-static void take(dp_sio_ring *g, struct dp_sio_item *items, uint32_t n, uint32_t *taken,
-                 struct dp_sio_item **done, uint32_t *ndone)
+int dp_sio_ring_inflight(dp_sio_ring *g)
+{
+    return (int)(g->inflight + g->queued);
+}
+
+/* Open and queue the FIFO's items while slots are free (a file that cannot be opened is
+ * done at once, into done[], while done[] has room for it beside a full reap). */
+static void take(dp_sio_ring *g, struct dp_sio_item **done, uint32_t *ndone,
+                 uint32_t max_done)
 {
     struct ring *r = &g->r;
-    while (g->nfree && *taken < n) {
-        struct dp_sio_item *it = &items[(*taken)++];
+    while (g->nfree && g->queued && *ndone + g->depth < max_done) {
+        struct dp_sio_item *it = g->fifo[g->first];
+        g->first = (g->first + 1) % g->cap;
+        g->queued--;
         it->err = 0;
         it->stage = DP_SIO_OK;
         it->got = 0;
@@ -356,8 +376,7 @@ static void take(dp_sio_ring *g, struct dp_sio_item *items, uint32_t n, uint32_t
             f->iov[k].iov_len = it->lens[k];
         }
         prep_readv(r, f, 0, s);
-        if (++g->inflight == 1)
-            syscall(__NR_io_uring_enter, r->fd, unsubmitted(r), 0, 0, NULL, 0);
+        g->inflight++;
     }
 }
 
@@ -400,20 +419,15 @@ static void reap(dp_sio_ring *g, struct dp_sio_item **done, uint32_t *ndone)
     __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
 }
 
-int dp_sio_ring_step(dp_sio_ring *g, struct dp_sio_item *items, uint32_t n,
-                     uint32_t *taken, struct dp_sio_item **done, uint32_t max_done,
-                     int wait)
+int dp_sio_ring_step(dp_sio_ring *g, struct dp_sio_item **done, uint32_t max_done, int wait)
 {
-    if (!g || !taken || !done || (n && !items) || max_done < g->depth + n)
+    if (!g || !done || max_done < 2 * g->depth)
         return -EINVAL;
-    for (uint32_t i = 0; i < n; i++)
-        if (!items[i].path || items[i].nbufs < 1 || items[i].nbufs > 3)
-            return -EINVAL;
     struct ring *r = &g->r;
     uint32_t ndone = 0;
-    *taken = 0;
-    take(g, items, n, taken, done, &ndone);
-    int block = wait && g->inflight && ndone == 0, err = 0;
+    int err = 0;
+    take(g, done, &ndone, max_done);
+    int block = wait && g->inflight && ndone == 0;
     if (block || unsubmitted(r)) {
         int got = (int)syscall(__NR_io_uring_enter, r->fd, unsubmitted(r), block ? 1 : 0,
                                block ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
@@ -426,8 +440,8 @@ int dp_sio_ring_step(dp_sio_ring *g, struct dp_sio_item *items, uint32_t n,
     /* Slots freed by this reap are refilled and submitted before the files that landed
      * are hashed: the disk reads the next files while this thread hashes (hashing first
      * left it idle for a hash per landing). */
-    if (ndone > first && *taken < n) {
-        take(g, items, n, taken, done, &ndone);
+    if (ndone > first && g->queued) {
+        take(g, done, &ndone, max_done);
         if (unsubmitted(r))
             syscall(__NR_io_uring_enter, r->fd, unsubmitted(r), 0, 0, NULL, 0);
     }
@@ -447,29 +461,31 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
             return -EINVAL;
     if (n == 0)
         return 0;
-    dp_sio_ring *g = dp_sio_ring_create(root_fd, depth > n ? n : depth, direct, secret,
+    dp_sio_ring *g = dp_sio_ring_create(root_fd, depth > n ? n : depth, n, direct, secret,
                                         secret_len);
     if (!g)
         return -errno;
-    struct dp_sio_item **done = malloc((g->depth + n) * sizeof(*done));
+    uint32_t max_done = g->depth + (n > g->depth ? n : g->depth);
+    struct dp_sio_item **done = malloc(max_done * sizeof(*done));
     if (!done) {
         dp_sio_ring_destroy(g);
         return -ENOMEM;
     }
-    uint32_t next = 0, landed = 0;
+    dp_sio_ring_push(g, items, n);
+    uint32_t landed = 0;
     int rc = 0;
     while (landed < n) {
-        uint32_t taken = 0;
-        int got = dp_sio_ring_step(g, items + next, n - next, &taken, done, g->depth + n, 1);
-        next += taken;
+        int got = dp_sio_ring_step(g, done, max_done, 1);
         if (got < 0) {
             /* Queue nothing more; the reads in flight still land in the callers'
              * buffers, so reap every one of them before returning. */
             if (rc == 0)
                 rc = got;
-            for (; next < n; next++, landed++) {
-                items[next].err = -rc;
-                items[next].stage = DP_SIO_READ;
+            for (; g->queued; g->queued--, landed++) {
+                struct dp_sio_item *it = g->fifo[g->first];
+                g->first = (g->first + 1) % g->cap;
+                it->err = -rc;
+                it->stage = DP_SIO_READ;
             }
             struct timespec ts = {0, 50000};
             nanosleep(&ts, NULL);

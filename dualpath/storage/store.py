@@ -815,13 +815,12 @@ class _RingBatch:
         self.keys, self.dsts, self.pages = keys, dsts, pages
         self.items, self.paths = store._sio_items(keys, [d[:cut] for d in dsts], pages)
         self.n = len(keys)
-        self.next = 0                       # items handed to the ring so far
+        self.next = 0                       # items pushed to the ring so far
         self.left = self.n                  # items not yet done
         self.out: list[bool | None] = [False] * self.n
         self.error: BaseException | None = None
         self.future: Future = Future()
-        base = int(ffi.cast("uintptr_t", self.items))
-        self.addrs = {base + j * _SIO_ITEM: j for j in range(self.n)}
+        self.base = int(ffi.cast("uintptr_t", self.items))
 
 
 _SIO_ITEM = ffi.sizeof("struct dp_sio_item")
@@ -838,9 +837,11 @@ class _RingReader:
     block is done. ``close()`` (idempotent) stops it once what was handed over has landed
     and frees the ring. Threads: submit from any thread; close from one."""
 
+    BACKLOG = 4096              # items pushed to the ring, not yet opened
+
     def __init__(self, store: BlockStore, depth: int):
         key = store.integrity_key
-        ring = lib.dp_sio_ring_create(store._root_fd, depth, 1,
+        ring = lib.dp_sio_ring_create(store._root_fd, depth, self.BACKLOG, 1,
                                       key if key is not None else ffi.NULL, len(key or b""))
         if ring == ffi.NULL:
             err = ffi.errno
@@ -878,20 +879,19 @@ class _RingReader:
         lib.dp_sio_ring_destroy(self._ring)
 
     def _run(self) -> None:
-        pending: deque[_RingBatch] = deque()        # batches with items not handed over
+        waiting: deque[_RingBatch] = deque()        # batches not wholly pushed yet
         owner: dict[int, tuple[_RingBatch, int]] = {}
-        done = ffi.new("struct dp_sio_item *[]", self.depth + max(self.depth, 64))
-        taken = ffi.new("uint32_t *")
+        done = ffi.new("struct dp_sio_item *[]", 2 * self.depth)
         stopping = False
         while True:
-            inflight = lib.dp_sio_ring_inflight(self._ring)
-            if not pending and not inflight:
+            busy = lib.dp_sio_ring_inflight(self._ring)
+            if not busy and not waiting:
                 if stopping:
                     return
-                b = self._queue.get()
+                b = self._queue.get()               # idle: sleep until a batch comes
                 if b is None:
                     return
-                pending.append(b)
+                waiting.append(b)
             while True:
                 try:
                     b = self._queue.get_nowait()
@@ -900,32 +900,36 @@ class _RingReader:
                 if b is None:
                     stopping = True
                 else:
-                    pending.append(b)
-            head = pending[0] if pending else None
-            n = min(head.n - head.next, len(done) - self.depth) if head else 0
-            # Wait for a landing only when nothing more could be handed over now.
-            wait = int(not (len(pending) > 1 and n < self.depth - inflight))
-            items = head.items + head.next if head else ffi.NULL
-            got = lib.dp_sio_ring_step(self._ring, items, n, taken, done, len(done), wait)
-            if head is not None:
-                for j in range(head.next, head.next + taken[0]):
-                    owner[int(ffi.cast("uintptr_t", head.items + j))] = (head, j)
-                head.next += taken[0]
-                if head.next == head.n:
-                    pending.popleft()
+                    waiting.append(b)
+            # Every batch goes to the ring's backlog at once: its slots are refilled
+            # from there as reads land, whoever's batch comes next.
+            while waiting:
+                b = waiting[0]
+                pushed = lib.dp_sio_ring_push(self._ring, b.items + b.next, b.n - b.next)
+                if pushed < 0:
+                    self._fail(waiting, StorageError(-pushed, "queueing block reads for",
+                                                     self.store.dir))
+                    break
+                for j in range(b.next, b.next + pushed):
+                    owner[b.base + j * _SIO_ITEM] = (b, j)
+                b.next += pushed
+                if b.next < b.n:
+                    break                           # the backlog is full
+                waiting.popleft()
+            got = lib.dp_sio_ring_step(self._ring, done, len(done), 1)
             if got < 0:
-                self._fail(pending, StorageError(-got, "reading blocks (io_uring) from",
-                                                 self.store.dir))
+                log.error("block store %s: io_uring_enter failed: %s", self.store.dir,
+                          os.strerror(-got))
                 continue
             for k in range(got):
                 b, j = owner.pop(int(ffi.cast("uintptr_t", done[k])))
                 self._landed(b, j)
 
-    def _fail(self, pending: deque[_RingBatch], e: BaseException) -> None:
-        """Give up on the items not handed over yet (the ring failed to enter)."""
+    def _fail(self, waiting: deque[_RingBatch], e: BaseException) -> None:
+        """Give up on the items not pushed yet (the ring refused them)."""
         log.error("%s", e)
-        while pending:
-            b = pending.popleft()
+        while waiting:
+            b = waiting.popleft()
             b.error = e
             b.left -= b.n - b.next
             b.next = b.n

@@ -443,10 +443,11 @@ def test_a_cancelled_ring_read_returns_only_once_its_reads_landed(store):
     assert all(synth.verify_full(o, k) is None for o, k in zip(outs, keys))
 
 
-def test_dp_sio_ring_takes_what_fits_and_hands_every_item_back_once(store):
-    # The C mechanism alone: a ring of depth 2 given 5 items takes 2 (the rest untouched,
-    # handed over again by the caller), refills as they land, returns each item once, and
-    # refuses to be destroyed while reads are in flight.
+def test_dp_sio_ring_keeps_its_depth_and_hands_every_item_back_once(store):
+    # The C mechanism alone: a ring of depth 2 with a backlog of 4 takes 4 of 5 items
+    # pushed (the last is pushed again once there is room), returns each item once with
+    # its outcome (a missing file too), and refuses to be destroyed while items are
+    # queued or in flight.
     keys = block_keys(list(range(4 * 5)), 4)
     for k in keys[:4]:
         _put(store, k)                                     # keys[4] is missing
@@ -454,28 +455,25 @@ def test_dp_sio_ring_takes_what_fits_and_hands_every_item_back_once(store):
     bodies = [aligned_bytes(store.layout.full_bytes) for _ in keys]
     cut = store.layout.full_bytes - store.layout.full_bytes % 4096
     items, paths = store._sio_items(keys, [b[:cut] for b in bodies], pages)
-    ring = lib.dp_sio_ring_create(store._root_fd, 2, 1, ffi.NULL, 0)
+    ring = lib.dp_sio_ring_create(store._root_fd, 2, 4, 1, ffi.NULL, 0)
     assert ring != ffi.NULL
-    done = ffi.new("struct dp_sio_item *[]", 16)
-    taken = ffi.new("uint32_t *")
-    seen, nxt, first = [], 0, True
+    assert lib.dp_sio_ring_push(ring, items, 5) == 4
+    assert lib.dp_sio_ring_inflight(ring) == 4
+    assert lib.dp_sio_ring_destroy(ring) == -errno.EBUSY
+    done = ffi.new("struct dp_sio_item *[]", 4)
+    assert lib.dp_sio_ring_step(ring, done, 3, 1) == -errno.EINVAL     # < 2 x depth
+    seen, pushed = [], 4
     while len(seen) < 5:
-        got = lib.dp_sio_ring_step(ring, items + nxt, 5 - nxt, taken, done, 16, int(not first))
-        assert got >= 0
-        inflight = lib.dp_sio_ring_inflight(ring)
-        assert inflight <= 2 and taken[0] <= 2 + got      # never past the depth
-        if first:                     # no wait: what it took is in flight or done already
-            assert taken[0] == inflight + got and taken[0] >= 2
-            if inflight:
-                assert lib.dp_sio_ring_destroy(ring) == -errno.EBUSY
-            first = False
-        nxt += taken[0]
+        if pushed < 5:
+            pushed += lib.dp_sio_ring_push(ring, items + pushed, 5 - pushed)
+        got = lib.dp_sio_ring_step(ring, done, 4, 1)
+        assert 0 < got <= 4
         seen += [(int(ffi.cast("uintptr_t", done[k])) - int(ffi.cast("uintptr_t", items)))
                  // ffi.sizeof("struct dp_sio_item") for k in range(got)]
+        assert lib.dp_sio_ring_inflight(ring) == pushed - len(seen)
     assert sorted(seen) == [0, 1, 2, 3, 4]
     assert [items[j].err for j in range(5)] == [0, 0, 0, 0, errno.ENOENT]
     assert all(items[j].hashed and items[j].got == 4096 + store.layout.full_bytes
                for j in range(4))
-    assert lib.dp_sio_ring_step(ring, ffi.NULL, 0, taken, done, 1, 1) == -errno.EINVAL
     assert lib.dp_sio_ring_destroy(ring) == 0
     del paths

@@ -7,8 +7,10 @@ Method
      disk (tmpfs refused: RAM would stand in for the disk).
   2. Read it for --seconds through the engines' path: requests reserve slots in a
      BlockPool, a ReadQueue of depth --workers reads blocks into them with O_DIRECT
-     (blocks queued behind a reader's go with it as one batch to the C read loop:
-     openat2 + io_uring, storage.read_batch_depth = 8 in flight per batch), checking
+     (blocks queued behind a reader's go with it as one batch to one of the store's
+     ring readers, taking turns: storage.read_rings = 2 threads, each with an io_uring
+     ring fed by the batches it is handed, openat2, storage.read_batch_depth =
+     --batch-depth reads in flight per ring), checking
      header and payload hash (XXH3-64); then with the cluster key, as a node reads
      (the block tag checked in the read's pass, in place of the hash); then with the
      payload hash off; and with
@@ -297,12 +299,13 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
                 n, sec, cpu = timed_reads(store, keys, pool, args)
                 keep("read: store, ReadQueue, O_DIRECT, "
                      + ("header + payload hash" if verify else "header only")
-                     + (f", io_uring batches of {store.read_batch_depth}" if store.batched
-                        else ", worker threads"),
+                     + (f", {store.read_rings} io_uring rings x {store.read_batch_depth} "
+                        "in flight" if store.batched else ", worker threads"),
                      n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
             n, sec, cpu = timed_reads(keyed, keys, pool, args)
             keep("read: store, ReadQueue, O_DIRECT, header + block tag (cluster key; in place "
-                 f"of the payload hash), io_uring batches of {keyed.read_batch_depth}",
+                 f"of the payload hash), {keyed.read_rings} io_uring rings x "
+                 f"{keyed.read_batch_depth} in flight",
                  n * file_bytes, sec, n,
                  cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
             n, sec, cpu = timed_reads(threads, keys, pool, args)
@@ -339,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gib", type=float, default=1.0, help="size of the file set (GiB)")
     ap.add_argument("--workers", type=int, default=8, help="store read workers = fio depth")
     ap.add_argument("--batch-depth", type=int, default=8,
-                    help="the store's storage.read_batch_depth (reads in flight per batch)")
+                    help="the store's storage.read_batch_depth (reads in flight per ring)")
     ap.add_argument("--seconds", type=float, default=2.0, help="per read measurement")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved store/fio rounds")
     ap.add_argument("--allow-tmpfs", action="store_true", help="bench a RAM filesystem anyway")

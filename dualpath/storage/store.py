@@ -145,7 +145,7 @@ class BlockStore:
 
     def __init__(self, root: str | os.PathLike, profile: ModelProfile, *,
                  read_workers: int = 8, write_workers: int = 2, direct_io: str = "auto",
-                 read_batch_depth: int = 8,
+                 read_batch_depth: int = 8, read_rings: int = 2,
                  verify_checksum: bool = True, fsync: bool = True,
                  integrity_key: bytes | None = None):
         if direct_io not in DIRECT_IO_MODES:
@@ -156,6 +156,8 @@ class BlockStore:
         self.integrity_key = integrity_key
         if read_workers < 1 or write_workers < 1:
             raise UsageError("read_workers and write_workers must be >= 1")
+        if not 1 <= read_rings <= 64:
+            raise UsageError(f"read_rings must be 1 to 64, got {read_rings}")
         if not 0 <= read_batch_depth <= 1024:
             raise UsageError(f"read_batch_depth must be 0 (off) to 1024, got "
                              f"{read_batch_depth}")
@@ -169,6 +171,7 @@ class BlockStore:
         self.fsync = fsync
         self.read_workers = read_workers
         self.read_batch_depth = read_batch_depth
+        self.read_rings = read_rings
         self._batched = read_batch_depth > 0
         self.stats = StoreStats()
         self._lock = threading.Lock()
@@ -176,7 +179,8 @@ class BlockStore:
         self._read_pool = ThreadPoolExecutor(read_workers, thread_name_prefix="dp-store-read")
         self._write_pool = ThreadPoolExecutor(write_workers, thread_name_prefix="dp-store-write")
         self._closed = False
-        self._ring: _RingReader | None = None     # started by the first aread_many batch
+        self._rings: list[_RingReader] = []       # started by the first aread_many batch
+        self._next_ring = 0
         self._ring_refused = False
         self._root_fd = -1
         try:
@@ -197,8 +201,8 @@ class BlockStore:
             if self._closed:
                 return
             self._closed = True
-            ring, self._ring = self._ring, None
-        if ring is not None:
+            rings, self._rings = self._rings, []
+        for ring in rings:
             ring.close()
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
@@ -407,18 +411,25 @@ class BlockStore:
             raise
 
     def _ring_reader(self) -> _RingReader | None:
-        """The store's ring reader, started by the first batch; None when batches are off
-        (io_uring or openat2 missing: logged once) or the store is closed."""
+        """The next of the store's ``read_rings`` ring readers (batches take turns), all
+        started by the first batch; None when batches are off (io_uring or openat2
+        missing: logged once) or the store is closed."""
         with self._lock:
-            if self._ring is not None or self._closed or not self._batched or \
-                    self._ring_refused:
-                return self._ring
+            if self._rings or self._closed or not self._batched or self._ring_refused:
+                if not self._rings:
+                    return None
+                self._next_ring = (self._next_ring + 1) % len(self._rings)
+                return self._rings[self._next_ring]
             try:
-                self._ring = _RingReader(self, self.read_batch_depth)
-                return self._ring
+                for _ in range(self.read_rings):
+                    self._rings.append(_RingReader(self, self.read_batch_depth))
+                return self._rings[0]
             except OSError as e:
                 err = e.errno or _errno.EIO
                 self._ring_refused = True
+                rings, self._rings = self._rings, []
+        for ring in rings:
+            ring.close()
         if err in (_errno.ENOSYS, _errno.EPERM):
             self._no_batches(-err)
         else:

@@ -415,10 +415,11 @@ def test_the_ring_reader_serves_concurrent_batches_each_block_into_its_buffer(st
         assert all(synth.verify_full(outs[i], keys[i]) is None for i in p if keys[i] in present)
     st = store.stats
     assert (st.reads, st.hits, st.misses) == (40, len(present), 40 - len(present))
-    ring = store._ring
-    assert ring is not None and lib.dp_sio_ring_inflight(ring._ring) == 0
+    rings = store._rings
+    assert len(rings) == store.read_rings == 2             # the default: two rings
+    assert all(lib.dp_sio_ring_inflight(r._ring) == 0 for r in rings)
     store.close()
-    assert not ring._thread.is_alive()
+    assert not any(r._thread.is_alive() for r in rings)
     store.close()                                          # idempotent
 
 
@@ -436,7 +437,7 @@ def test_a_cancelled_ring_read_returns_only_once_its_reads_landed(store):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return lib.dp_sio_ring_inflight(store._ring._ring)
+        return sum(lib.dp_sio_ring_inflight(r._ring) for r in store._rings)
 
     assert asyncio.run(main()) == 0
     synth = SyntheticKV(store.layout)

@@ -8,8 +8,8 @@ Method
   2. Read it for --seconds through the engines' path: requests reserve slots in a
      BlockPool, a ReadQueue of depth --workers reads blocks into them with O_DIRECT
      (blocks queued behind a reader's go with it as one batch to one of the store's
-     ring readers, taking turns: storage.read_rings = 2 threads, each with an io_uring
-     ring fed by the batches it is handed, openat2, storage.read_batch_depth =
+     ring readers, taking turns: storage.read_rings = --rings threads, each with an
+     io_uring ring fed by the batches it is handed, openat2, storage.read_batch_depth =
      --batch-depth reads in flight per ring), checking
      header and payload hash (XXH3-64); then with the cluster key, as a node reads
      (the block tag checked in the read's pass, in place of the hash); then with the
@@ -64,6 +64,7 @@ from dualpath.kv.prefix import block_keys
 from dualpath.kv.profiles import PROFILES, get_profile
 from dualpath.kv.synth import LABEL, SyntheticKV
 from dualpath.storage import BlockStore
+from dualpath.storage.config import StorageConfig
 from dualpath.storage.format import HEADER_BYTES, integrity_tag, payload_hash
 from dualpath.storage.read_queue import ReadQueue
 
@@ -283,7 +284,7 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
     make_big_file(big, len(keys) * file_bytes)
     meta["huge_pages_reserved"] = huge
     with BlockStore(work / "files", profile, read_workers=args.workers,
-                    read_batch_depth=args.batch_depth) as store:
+                    read_batch_depth=args.batch_depth, read_rings=args.rings) as store:
         per_job = link_per_job(store.dir, work / "fio", args.workers)
         region, meta["buffers"] = pinned(args.workers * 4 * slot_stride(layout))
         pool = BlockPool("bench", region.array, layout, region_addr=region.addr)
@@ -291,7 +292,8 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
         threads = BlockStore(work / "files", profile, read_workers=args.workers,
                              read_batch_depth=0)
         keyed = BlockStore(work / "files", profile, read_workers=args.workers,
-                           read_batch_depth=args.batch_depth, integrity_key=KEY)
+                           read_batch_depth=args.batch_depth, read_rings=args.rings,
+                           integrity_key=KEY)
         meta["store_batched"] = store.batched
         for _ in range(args.rounds):
             for verify in (True, False):
@@ -341,8 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--gib", type=float, default=1.0, help="size of the file set (GiB)")
     ap.add_argument("--workers", type=int, default=8, help="store read workers = fio depth")
-    ap.add_argument("--batch-depth", type=int, default=8,
-                    help="the store's storage.read_batch_depth (reads in flight per ring)")
+    ap.add_argument("--batch-depth", type=int, default=StorageConfig.read_batch_depth,
+                    help="the store's storage.read_batch_depth (reads in flight per ring; "
+                    "default %(default)s as shipped)")
+    ap.add_argument("--rings", type=int, default=StorageConfig.read_rings,
+                    help="the store's storage.read_rings (default %(default)s as shipped)")
     ap.add_argument("--seconds", type=float, default=2.0, help="per read measurement")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved store/fio rounds")
     ap.add_argument("--allow-tmpfs", action="store_true", help="bench a RAM filesystem anyway")

@@ -25,13 +25,13 @@ class StorageConfig:
                          "fails where unsupported; 'off' never uses it.", choices=DIRECT_IO_MODES)
     read_workers: int = key(8, "Concurrent block reads per node (worker threads; the "
                             "read queue's depth).", min=1, max=256)
-    read_batch_depth: int = key(8, "Block reads in flight on the store's io_uring ring, "
+    read_batch_depth: int = key(4, "Block reads in flight on each of the store's io_uring rings, "
                                 "which one reader thread feeds with every batch the read "
                                 "queue hands over (csrc/store_io.c; also the most blocks "
                                 "a queue reader takes as one batch); 0 = no batches: one "
                                 "read per worker thread. Without io_uring in the kernel, "
                                 "threads anyway (logged once).", min=0, max=1024)
-    read_rings: int = key(2, "io_uring rings of the store, each fed by a reader thread of "
+    read_rings: int = key(4, "io_uring rings of the store, each fed by a reader thread of "
                           "its own that also checks (hashes) what its reads bring in; the "
                           "read queue's batches take turns. More rings: more cores hashing "
                           "(a keyed read costs ~0.2 CPU s/GB here), read_batch_depth x "

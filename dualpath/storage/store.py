@@ -145,7 +145,7 @@ class BlockStore:
 
     def __init__(self, root: str | os.PathLike, profile: ModelProfile, *,
                  read_workers: int = 8, write_workers: int = 2, direct_io: str = "auto",
-                 read_batch_depth: int = 8, read_rings: int = 2,
+                 read_batch_depth: int = 4, read_rings: int = 4,
                  verify_checksum: bool = True, fsync: bool = True,
                  integrity_key: bytes | None = None):
         if direct_io not in DIRECT_IO_MODES:

@@ -416,7 +416,7 @@ def test_the_ring_reader_serves_concurrent_batches_each_block_into_its_buffer(st
     st = store.stats
     assert (st.reads, st.hits, st.misses) == (40, len(present), 40 - len(present))
     rings = store._rings
-    assert len(rings) == store.read_rings == 2             # the default: two rings
+    assert len(rings) == store.read_rings == 4             # the default: four rings
     assert all(lib.dp_sio_ring_inflight(r._ring) == 0 for r in rings)
     store.close()
     assert not any(r._thread.is_alive() for r in rings)

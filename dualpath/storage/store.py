@@ -11,7 +11,8 @@ levels of 256 subdirectories::
 Writes: temp file in the same directory, write, fsync, rename, fsync the directory.
 rename is atomic, so a reader sees either no block or the whole block, never a part.
 A written block's pages are dropped from the page cache (POSIX_FADV_DONTNEED after the
-fsync): reads bypass it anyway, and persisting KV must not evict the host's fresh data.
+fsync, or without fsync after a bounded write-back when reads use O_DIRECT): reads
+bypass it anyway, and persisting KV must not evict the host's fresh data.
 A crashed writer leaves only a ``.tmp`` file, which no reader opens; :meth:`sweep_temp`
 removes old ones.
 
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno as _errno
 import fcntl
 import logging
@@ -305,9 +307,13 @@ class BlockStore:
             _write_all(fd, [memoryview(header), memoryview(src)])
             if self.fsync:
                 os.fsync(fd)
+            elif self.direct:
+                _write_back(fd)
             # Reads use O_DIRECT: this block's pages would only push fresher data out of
-            # the page cache. Clean after the fsync, they are dropped now; without fsync
-            # this starts their write-back, so dirty KV never piles up in the cache.
+            # the page cache. Clean after the fsync (or, without fsync, after the bounded
+            # write-back above), they are dropped now. DONTNEED cannot drop dirty pages:
+            # without fsync and without O_DIRECT reads (which then use the cache) it only
+            # starts their write-back and the block stays cached.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
             fd = -1
@@ -807,6 +813,22 @@ def _read_all(fd: int, views: list[np.ndarray], want: int, direct: bool) -> int:
     return got
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_sync_file_range = getattr(_libc, "sync_file_range", None)
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+# SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
+_WRITE_AND_WAIT = 1 | 2 | 4
+
+
+def _write_back(fd: int) -> None:
+    """Write a file's dirty pages to the disk and wait for them, so they are clean and
+    can be dropped (bounded write-back: no metadata and no cache flush, so not durable,
+    as storage.fsync = false says); fdatasync where sync_file_range is missing."""
+    if _sync_file_range is None or _sync_file_range(fd, 0, 0, _WRITE_AND_WAIT) != 0:
+        os.fdatasync(fd)
+
+
 def _write_all(fd: int, views: list[memoryview]) -> None:
     while views:
         n = os.writev(fd, views)
@@ -838,15 +860,17 @@ _SIO_ITEM = ffi.sizeof("struct dp_sio_item")
 
 
 class _RingReader:
-    """The store's streaming reader: one thread owns a ``dp_sio_ring`` and feeds it the
-    blocks of every batch handed over (:meth:`submit`), refilling each slot as its read
-    lands, so the disk never idles between batches or behind a batch's slowest read.
+    """One of the store's ring readers: a thread that owns a ``dp_sio_ring`` and feeds it
+    the blocks of every batch handed to it (:meth:`submit`), each slot refilled from the
+    ring's backlog as its read lands, so the disk never idles between batches or behind
+    a batch's slowest read.
 
-    The thread: hands queued batches' items to the ring while it has slots, waits for a
-    landing only when nothing else can be handed over, checks each landed block as
-    :meth:`BlockStore.read_batch` does and completes a batch's future when its last
-    block is done. ``close()`` (idempotent) stops it once what was handed over has landed
-    and frees the ring. Threads: submit from any thread; close from one."""
+    The thread: pushes each batch that arrives into the ring's backlog, steps the ring
+    (wait for a landing, refill, hash what landed; a batch that arrives during the wait
+    is pushed after it), checks each landed block as :meth:`BlockStore.read_batch` does
+    and completes a batch's future when its last block is done. ``close()`` (idempotent)
+    stops it once what was handed over has landed and frees the ring.
+    Threads: submit from any thread; close from one."""
 
     BACKLOG = 4096              # items pushed to the ring, not yet opened
 

@@ -128,6 +128,19 @@ def test_a_written_block_leaves_the_page_cache(store):
     assert _cached_pages(store.path_of(KEYS[0])) > 0  # ... so the probe can see pages
 
 
+def test_a_block_written_without_fsync_leaves_the_page_cache_too(tmp_path):
+    # storage.fsync = false (benches) used to leave every written block cached: DONTNEED
+    # cannot drop dirty pages. With O_DIRECT reads the write is now written back (not
+    # durable) first, so its pages go.
+    with BlockStore(tmp_path, PROFILES[0], fsync=False) as s:
+        if subprocess.run(["stat", "-f", "-c", "%T", str(s.dir)], capture_output=True,
+                          check=False, text=True).stdout.strip() == "tmpfs":
+            pytest.skip("the store is on tmpfs, where the page cache is the storage")
+        _put(s, KEYS[0])
+        assert s.direct
+        assert _cached_pages(s.path_of(KEYS[0])) == 0
+
+
 def test_write_skips_existing_blocks_unless_overwrite(store):
     buf = _put(store, KEYS[0])
     assert not store.write(KEYS[0], buf)

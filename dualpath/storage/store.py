@@ -24,8 +24,9 @@ block cannot block a reader. A directory or any other non-regular file in place 
 block is a miss too; none of these says anything about O_DIRECT support.
 
 Integrity against writers of the mount: with ``integrity_key`` (the cluster key) every
-block written carries a keyed BLAKE2b tag (format.py) and only blocks whose tag verifies
-are hits; an untagged or forged block is corrupt (quarantined, a miss).
+block written carries a keyed tag (Poly1305 under a per-write key, format.py) and only
+blocks whose tag verifies are hits; an untagged or forged block is corrupt (quarantined,
+a miss).
 
 Reads: one ``preadv`` of header + payload straight into the caller's buffer, with
 O_DIRECT when the filesystem supports it (bypassing the page cache: reads run at the

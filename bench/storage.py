@@ -13,7 +13,8 @@ Method
      --batch-depth reads in flight per ring), checking
      header and payload hash (XXH3-64); then with the cluster key, as a node reads
      (the block tag checked in the read's pass, in place of the hash); then with the
-     payload hash off; and with
+     payload hash off; with no ring readers (read_rings 0: each batch one C call with a
+     ring of its own on a read-pool thread, the path before the ring readers); and with
      batches off (read_batch_depth 0: one preadv per block on --workers threads, the
      store's fallback without io_uring).
   3. fio reads the SAME files with O_DIRECT, bs = file size (header + payload, rounded
@@ -291,6 +292,8 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
         mems = (False, True) if huge else (False,)
         threads = BlockStore(work / "files", profile, read_workers=args.workers,
                              read_batch_depth=0)
+        per_batch = BlockStore(work / "files", profile, read_workers=args.workers,
+                               read_batch_depth=args.batch_depth, read_rings=0)
         keyed = BlockStore(work / "files", profile, read_workers=args.workers,
                            read_batch_depth=args.batch_depth, read_rings=args.rings,
                            integrity_key=KEY)
@@ -310,6 +313,10 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
                  f"{keyed.read_batch_depth} in flight",
                  n * file_bytes, sec, n,
                  cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
+            n, sec, cpu = timed_reads(per_batch, keys, pool, args)
+            keep(f"read: store, ReadQueue, O_DIRECT, header + payload hash, a ring of "
+                 f"{args.batch_depth} per batch on the read pool (read_rings 0)",
+                 n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
             n, sec, cpu = timed_reads(threads, keys, pool, args)
             keep(f"read: store, ReadQueue, O_DIRECT, header + payload hash, {args.workers} "
                  "worker threads (read_batch_depth 0)", n * file_bytes, sec, n,
@@ -329,6 +336,7 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
         meta["o_direct"] = store.direct
         meta["store_stats"] = store.stats_dict()
         threads.close()
+        per_batch.close()
         keyed.close()
         del pool
         region.close()
@@ -396,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
              "seconds": wsec, "ios": nblocks, "gbytes_per_s": nblocks * file_bytes / wsec / 1e9},
             *reads.values()]
     store_row = next(r for r in rows if "payload hash" in r["row"]
-                     and "read_batch_depth 0" not in r["row"] and "tag" not in r["row"])
+                     and "read_batch_depth 0" not in r["row"] and "tag" not in r["row"]
+                     and "read_rings 0" not in r["row"])
+    per_batch_row = next(r for r in rows if "read_rings 0" in r["row"])
     keyed_row = next(r for r in rows if "block tag" in r["row"])
     threads_row = next(r for r in rows if "read_batch_depth 0" in r["row"])
     bare_row = next(r for r in rows if "header only" in r["row"])
@@ -410,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         "store_read_no_hash_gbytes_per_s": round(bare_row["gbytes_per_s"], 3),
         "store_read_batched": meta["store_batched"],
         "store_read_threads_gbytes_per_s": round(threads_row["gbytes_per_s"], 3),
+        "store_read_ring_per_batch_gbytes_per_s": round(per_batch_row["gbytes_per_s"], 3),
+        "read_ring_per_batch_vs_fio_ratio": round(per_batch_row["gbytes_per_s"] / fio_best, 3),
         "store_read_cpu_s_per_gb": round(store_row["cpu_s_per_gb"], 3),
         "read_keyed_vs_fio_ratio": round(keyed_row["gbytes_per_s"] / fio_best, 3),
         "store_read_keyed_cpu_s_per_gb": round(keyed_row["cpu_s_per_gb"], 3),

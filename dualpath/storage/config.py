@@ -35,7 +35,9 @@ class StorageConfig:
                           "its own that also checks (hashes) what its reads bring in; the "
                           "read queue's batches take turns. More rings: more cores hashing "
                           "(a keyed read costs ~0.2 CPU s/GB here), read_batch_depth x "
-                          "read_rings reads in flight in all.", min=1, max=64)
+                          "read_rings reads in flight in all. 0 = no ring readers: each "
+                          "batch is one C call with a ring of its own on a read-pool "
+                          "thread.", min=0, max=64)
     write_workers: int = key(2, "Concurrent block writes per node (worker threads).",
                              min=1, max=64)
     verify_checksum: bool = key(True, "Check each block's payload hash (XXH3-64) on read (a block "

@@ -159,8 +159,8 @@ class BlockStore:
         self.integrity_key = integrity_key
         if read_workers < 1 or write_workers < 1:
             raise UsageError("read_workers and write_workers must be >= 1")
-        if not 1 <= read_rings <= 64:
-            raise UsageError(f"read_rings must be 1 to 64, got {read_rings}")
+        if not 0 <= read_rings <= 64:
+            raise UsageError(f"read_rings must be 0 to 64, got {read_rings}")
         if not 0 <= read_batch_depth <= 1024:
             raise UsageError(f"read_batch_depth must be 0 (off) to 1024, got "
                              f"{read_batch_depth}")
@@ -420,9 +420,11 @@ class BlockStore:
     def _ring_reader(self) -> _RingReader | None:
         """The next of the store's ``read_rings`` ring readers (batches take turns), all
         started by the first batch; None when batches are off (io_uring or openat2
-        missing: logged once) or the store is closed."""
+        missing: logged once), read_rings is 0 (a ring per batch on the read pool) or
+        the store is closed."""
         with self._lock:
-            if self._rings or self._closed or not self._batched or self._ring_refused:
+            if self._rings or self._closed or not self._batched or self._ring_refused or \
+                    not self.read_rings:
                 if not self._rings:
                     return None
                 self._next_ring = (self._next_ring + 1) % len(self._rings)

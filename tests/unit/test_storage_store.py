@@ -14,7 +14,7 @@ import pytest
 import xxhash
 
 from dualpath._native import ffi, lib
-from dualpath.errors import DualPathError
+from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.prefix import block_keys
 from dualpath.kv.profiles import get_profile
@@ -491,3 +491,17 @@ def test_dp_sio_ring_keeps_its_depth_and_hands_every_item_back_once(store):
                for j in range(4))
     assert lib.dp_sio_ring_destroy(ring) == 0
     del paths
+
+
+def test_read_rings_0_reads_each_batch_with_a_ring_of_its_own(tmp_path):
+    # storage.read_rings = 0: no ring reader threads; a batch is one C call on the read
+    # pool (the path before the ring readers, kept for comparison and as a fallback).
+    keys = block_keys(list(range(4 * 8)), 4)
+    with BlockStore(tmp_path, PROFILES[0], read_rings=0) as s:
+        for k in keys[:6]:
+            _put(s, k)
+        outs = [aligned_bytes(s.layout.full_bytes) for _ in keys]
+        assert asyncio.run(s.aread_many(keys, outs)) == [True] * 6 + [False] * 2
+        assert s._rings == [] and s.batched
+    with pytest.raises(UsageError, match="read_rings must be 0 to 64"):
+        BlockStore(tmp_path, PROFILES[0], read_rings=65)

@@ -455,8 +455,9 @@ enum dp_sio_stage {
 
 /* [int] Read a batch of `n` block files beneath `root_fd`: files opened in turn, their
  * reads submitted to one io_uring ring with at most `depth` in flight (refilled as they
- * complete), one io_uring_enter per refill; each file's hash range is hashed as soon as
- * it lands, while the others are still in flight. With `direct` each file is read with
+ * complete), one io_uring_enter per refill; each file's hash range is hashed once the
+ * slots its landing freed are refilled and submitted, while the others are in flight
+ * (a dp_sio_ring used once, below). With `direct` each file is read with
  * O_DIRECT (every buffer address and length must then be 4096-aligned). With `secret`
  * (the cluster key, or NULL) each file's block tag is checked in the same pass. Per-item
  * outcomes in the items; returns 0, or -ENOSYS/-EPERM when the kernel has no io_uring

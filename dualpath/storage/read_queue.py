@@ -6,8 +6,9 @@ block that is queued or in flight and drops them as each block lands. Reads are 
 FIFO by ``depth`` concurrent readers, each first taking the block's bytes from the
 node's storage-NIC limiter (when one is set), then reading through the BlockStore's
 worker pool. Without a limit, a reader takes the blocks queued behind its own as one
-batch for the store's ring reader (``BlockStore.aread_many``: one io_uring ring fed by
-every reader's batches, refilled as each read lands).
+batch for the store's ring readers (``BlockStore.aread_many``: io_uring rings that
+outlive the batches, the readers' batches taking turns, each ring refilled as its reads
+land).
 
 Threads: one asyncio loop owns a ReadQueue; call everything from that loop.
 The scheduler also needs reads that are certain but not queued yet (a request waiting
@@ -165,8 +166,8 @@ class ReadQueue:
         while True:
             jobs = [await self._queue.get()]
             # Blocks queued behind it go with it as one batch, up to the store's batch
-            # depth, to the store's ring reader (a lone block too: the ring keeps
-            # read_batch_depth reads in flight across every reader's batches). Under a
+            # depth, to the store's ring readers (a lone block too: each ring keeps
+            # read_batch_depth reads in flight across the batches it is handed). Under a
             # storage-NIC limit one at a time on the store's threads: a batch would wait
             # for all its bytes before its first block.
             limit = self.store.read_batch_depth if self.store.batched and (

@@ -7,11 +7,14 @@ Method
      disk (tmpfs refused: RAM would stand in for the disk).
   2. Read it for --seconds through the engines' path: requests reserve slots in a
      BlockPool, a ReadQueue of depth --workers reads blocks into them with O_DIRECT
-     (blocks queued behind a reader's go with it as one batch to the C read loop:
-     openat2 + io_uring, storage.read_batch_depth = 8 in flight per batch), checking
+     (blocks queued behind a reader's go with it as one batch to one of the store's
+     ring readers, taking turns: storage.read_rings = --rings threads, each with an
+     io_uring ring fed by the batches it is handed, openat2, storage.read_batch_depth =
+     --batch-depth reads in flight per ring), checking
      header and payload hash (XXH3-64); then with the cluster key, as a node reads
      (the block tag checked in the read's pass, in place of the hash); then with the
-     payload hash off; and with
+     payload hash off; with no ring readers (read_rings 0: each batch one C call with a
+     ring of its own on a read-pool thread, the path before the ring readers); and with
      batches off (read_batch_depth 0: one preadv per block on --workers threads, the
      store's fallback without io_uring).
   3. fio reads the SAME files with O_DIRECT, bs = file size (header + payload, rounded
@@ -62,6 +65,7 @@ from dualpath.kv.prefix import block_keys
 from dualpath.kv.profiles import PROFILES, get_profile
 from dualpath.kv.synth import LABEL, SyntheticKV
 from dualpath.storage import BlockStore
+from dualpath.storage.config import StorageConfig
 from dualpath.storage.format import HEADER_BYTES, integrity_tag, payload_hash
 from dualpath.storage.read_queue import ReadQueue
 
@@ -281,15 +285,18 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
     make_big_file(big, len(keys) * file_bytes)
     meta["huge_pages_reserved"] = huge
     with BlockStore(work / "files", profile, read_workers=args.workers,
-                    read_batch_depth=args.batch_depth) as store:
+                    read_batch_depth=args.batch_depth, read_rings=args.rings) as store:
         per_job = link_per_job(store.dir, work / "fio", args.workers)
         region, meta["buffers"] = pinned(args.workers * 4 * slot_stride(layout))
         pool = BlockPool("bench", region.array, layout, region_addr=region.addr)
         mems = (False, True) if huge else (False,)
         threads = BlockStore(work / "files", profile, read_workers=args.workers,
                              read_batch_depth=0)
+        per_batch = BlockStore(work / "files", profile, read_workers=args.workers,
+                               read_batch_depth=args.batch_depth, read_rings=0)
         keyed = BlockStore(work / "files", profile, read_workers=args.workers,
-                           read_batch_depth=args.batch_depth, integrity_key=KEY)
+                           read_batch_depth=args.batch_depth, read_rings=args.rings,
+                           integrity_key=KEY)
         meta["store_batched"] = store.batched
         for _ in range(args.rounds):
             for verify in (True, False):
@@ -297,14 +304,19 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
                 n, sec, cpu = timed_reads(store, keys, pool, args)
                 keep("read: store, ReadQueue, O_DIRECT, "
                      + ("header + payload hash" if verify else "header only")
-                     + (f", io_uring batches of {store.read_batch_depth}" if store.batched
-                        else ", worker threads"),
+                     + (f", {store.read_rings} io_uring rings x {store.read_batch_depth} "
+                        "in flight" if store.batched else ", worker threads"),
                      n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
             n, sec, cpu = timed_reads(keyed, keys, pool, args)
             keep("read: store, ReadQueue, O_DIRECT, header + block tag (cluster key; in place "
-                 f"of the payload hash), io_uring batches of {keyed.read_batch_depth}",
+                 f"of the payload hash), {keyed.read_rings} io_uring rings x "
+                 f"{keyed.read_batch_depth} in flight",
                  n * file_bytes, sec, n,
                  cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
+            n, sec, cpu = timed_reads(per_batch, keys, pool, args)
+            keep(f"read: store, ReadQueue, O_DIRECT, header + payload hash, a ring of "
+                 f"{args.batch_depth} per batch on the read pool (read_rings 0)",
+                 n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
             n, sec, cpu = timed_reads(threads, keys, pool, args)
             keep(f"read: store, ReadQueue, O_DIRECT, header + payload hash, {args.workers} "
                  "worker threads (read_batch_depth 0)", n * file_bytes, sec, n,
@@ -324,6 +336,7 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
         meta["o_direct"] = store.direct
         meta["store_stats"] = store.stats_dict()
         threads.close()
+        per_batch.close()
         keyed.close()
         del pool
         region.close()
@@ -338,8 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--gib", type=float, default=1.0, help="size of the file set (GiB)")
     ap.add_argument("--workers", type=int, default=8, help="store read workers = fio depth")
-    ap.add_argument("--batch-depth", type=int, default=8,
-                    help="the store's storage.read_batch_depth (reads in flight per batch)")
+    ap.add_argument("--batch-depth", type=int, default=StorageConfig.read_batch_depth,
+                    help="the store's storage.read_batch_depth (reads in flight per ring; "
+                    "default %(default)s as shipped)")
+    ap.add_argument("--rings", type=int, default=StorageConfig.read_rings,
+                    help="the store's storage.read_rings (default %(default)s as shipped)")
     ap.add_argument("--seconds", type=float, default=2.0, help="per read measurement")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved store/fio rounds")
     ap.add_argument("--allow-tmpfs", action="store_true", help="bench a RAM filesystem anyway")
@@ -388,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
              "seconds": wsec, "ios": nblocks, "gbytes_per_s": nblocks * file_bytes / wsec / 1e9},
             *reads.values()]
     store_row = next(r for r in rows if "payload hash" in r["row"]
-                     and "read_batch_depth 0" not in r["row"] and "tag" not in r["row"])
+                     and "read_batch_depth 0" not in r["row"] and "tag" not in r["row"]
+                     and "read_rings 0" not in r["row"])
+    per_batch_row = next(r for r in rows if "read_rings 0" in r["row"])
     keyed_row = next(r for r in rows if "block tag" in r["row"])
     threads_row = next(r for r in rows if "read_batch_depth 0" in r["row"])
     bare_row = next(r for r in rows if "header only" in r["row"])
@@ -402,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         "store_read_no_hash_gbytes_per_s": round(bare_row["gbytes_per_s"], 3),
         "store_read_batched": meta["store_batched"],
         "store_read_threads_gbytes_per_s": round(threads_row["gbytes_per_s"], 3),
+        "store_read_ring_per_batch_gbytes_per_s": round(per_batch_row["gbytes_per_s"], 3),
+        "read_ring_per_batch_vs_fio_ratio": round(per_batch_row["gbytes_per_s"] / fio_best, 3),
         "store_read_cpu_s_per_gb": round(store_row["cpu_s_per_gb"], 3),
         "read_keyed_vs_fio_ratio": round(keyed_row["gbytes_per_s"] / fio_best, 3),
         "store_read_keyed_cpu_s_per_gb": round(keyed_row["cpu_s_per_gb"], 3),

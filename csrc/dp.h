@@ -455,8 +455,9 @@ enum dp_sio_stage {
 
 /* [int] Read a batch of `n` block files beneath `root_fd`: files opened in turn, their
  * reads submitted to one io_uring ring with at most `depth` in flight (refilled as they
- * complete), one io_uring_enter per refill; each file's hash range is hashed as soon as
- * it lands, while the others are still in flight. With `direct` each file is read with
+ * complete), one io_uring_enter per refill; each file's hash range is hashed once the
+ * slots its landing freed are refilled and submitted, while the others are in flight
+ * (a dp_sio_ring used once, below). With `direct` each file is read with
  * O_DIRECT (every buffer address and length must then be 4096-aligned). With `secret`
  * (the cluster key, or NULL) each file's block tag is checked in the same pass. Per-item
  * outcomes in the items; returns 0, or -ENOSYS/-EPERM when the kernel has no io_uring
@@ -464,6 +465,42 @@ enum dp_sio_stage {
  * Blocking; any thread; no state kept between calls. */
 int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t depth,
                 int direct, const uint8_t *secret, uint32_t secret_len);
+
+/* A read ring that outlives one batch, for a reader thread that streams block reads:
+ * batches are pushed as they come into its backlog and each slot is refilled from it as
+ * its read lands, so the disk never waits for a batch's slowest read nor for the caller
+ * between batches. Same items, checks and hashing as dp_sio_read (built on it).
+ * Threads: create and destroy on any thread; push and step on one thread at a time (the
+ * ring's reader thread). An item pushed belongs to the ring until a step returns it in
+ * `done`: keep it, its path and its buffers alive and untouched until then. */
+typedef struct dp_sio_ring dp_sio_ring;
+
+/* [handle] A ring of `depth` (1..4096) reads in flight and a backlog of `backlog` items
+ * pushed but not yet opened, beneath `root_fd` (kept open by the caller until destroy),
+ * O_DIRECT with `direct`, the block tag checked with `secret` (copied; NULL = none).
+ * ENOSYS/EPERM when the kernel has no io_uring or openat2 for us (a seccomp filter says
+ * EPERM; openat2 is probed here, before any file): use a thread pool; EINVAL for bad
+ * arguments. */
+dp_sio_ring *dp_sio_ring_create(int root_fd, uint32_t depth, uint32_t backlog, int direct,
+                                const uint8_t *secret, uint32_t secret_len);
+/* [int] Free the ring; -EBUSY while items are queued or in flight (step until none). */
+int dp_sio_ring_destroy(dp_sio_ring *ring);
+/* [count] Append items[0..n) to the backlog, in order, as far as it has room: how many
+ * (the rest were not touched: push them again later). -EINVAL for a bad item (nothing
+ * pushed). No I/O. */
+int dp_sio_ring_push(dp_sio_ring *ring, struct dp_sio_item *items, uint32_t n);
+/* [count] Items pushed and not yet returned by a step (queued or in flight). */
+int dp_sio_ring_inflight(dp_sio_ring *ring);
+/* [count] One turn of the reader: open and queue backlog items while slots are free,
+ * wait for a landing when `wait` and nothing else is done, reap what landed, refill the
+ * slots it freed from the backlog and submit them, and only then hash the files that
+ * landed (the disk reads the next files meanwhile). Returns how many items are done,
+ * their pointers in done[0..count) (outcome in each item, as dp_sio_read; a file that
+ * could not be opened is done at once); max_done >= 2 * depth. -EINVAL for bad
+ * arguments; another -errno when io_uring_enter failed and nothing was done (reads in
+ * flight stay in flight: step again). Blocking only with `wait`. */
+int dp_sio_ring_step(dp_sio_ring *ring, struct dp_sio_item **done, uint32_t max_done,
+                     int wait);
 
 /* ------------------------------------------------------------------ block tags */
 

@@ -143,7 +143,7 @@ static int open_block(int root_fd, struct dp_sio_item *it, int direct)
 /* One file in flight: its descriptor and what is left of its scatter list. */
 struct flight {
     int fd;
-    uint32_t item;
+    struct dp_sio_item *item;
     struct iovec iov[3];
     uint32_t niov;
 };
@@ -235,136 +235,265 @@ static void hash_item(XXH3_state_t *st, struct dp_sio_item *it, const uint8_t *s
         it->tag = CRYPTO_memcmp(tag, head + DP_TAG_HEAD, DP_TAG_BYTES) == 0 ? 1 : -1;
 }
 
-int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t depth,
-                int direct, const uint8_t *secret, uint32_t secret_len)
+/* A ring that outlives one batch (dp_sio_ring_*): its reads in flight, one slot each,
+ * and the items handed over but not yet opened (a FIFO of `cap` pointers). */
+struct dp_sio_ring {
+    struct ring r;
+    int root_fd;
+    int direct;
+    uint32_t depth;
+    uint32_t nfree, inflight;
+    struct flight *fl;
+    uint32_t *free_slots;
+    struct dp_sio_item **fifo;
+    uint32_t cap, first, queued;  /* fifo[first .. first + queued) mod cap */
+    uint8_t *secret;              /* a copy, wiped at destroy */
+    uint32_t secret_len;
+    XXH3_state_t *hst;            /* opaque in the shared library's ABI */
+};
+
+dp_sio_ring *dp_sio_ring_create(int root_fd, uint32_t depth, uint32_t backlog, int direct,
+                                const uint8_t *secret, uint32_t secret_len)
 {
-    if ((n && !items) || depth == 0 || depth > 4096)
+    if (depth == 0 || depth > 4096 || backlog == 0 || backlog > (1u << 24) ||
+        (secret_len && !secret)) {
+        errno = EINVAL;
+        return NULL;
+    }
+    /* openat2 is probed here, not per file: a kernel without it (ENOSYS) or a seccomp
+     * filter that refuses it (EPERM) fails the create, before any file is touched. */
+    struct open_how how;
+    memset(&how, 0, sizeof(how));
+    how.flags = O_RDONLY | O_CLOEXEC | O_DIRECTORY;
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+    int probe = (int)syscall(__NR_openat2, root_fd, ".", &how, sizeof(how));
+    if (probe < 0)
+        return NULL;
+    close(probe);
+    dp_sio_ring *g = calloc(1, sizeof(*g));
+    if (!g) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    unsigned entries = 1;
+    while (entries < depth)
+        entries <<= 1;
+    int rc = ring_open(&g->r, entries);
+    if (rc < 0) {
+        free(g);
+        errno = -rc;
+        return NULL;
+    }
+    g->root_fd = root_fd;
+    g->direct = direct;
+    g->depth = depth;
+    g->cap = backlog;
+    g->fl = calloc(depth, sizeof(*g->fl));
+    g->free_slots = calloc(depth, sizeof(*g->free_slots));
+    g->fifo = calloc(backlog, sizeof(*g->fifo));
+    g->hst = XXH3_createState();
+    if (secret_len) {
+        g->secret = malloc(secret_len);
+        if (g->secret)
+            memcpy(g->secret, secret, secret_len);
+        g->secret_len = secret_len;
+    }
+    if (!g->fl || !g->free_slots || !g->fifo || !g->hst || (secret_len && !g->secret)) {
+        dp_sio_ring_destroy(g);
+        errno = ENOMEM;
+        return NULL;
+    }
+    for (uint32_t s = 0; s < depth; s++)
+        g->free_slots[s] = depth - 1 - s;
+    g->nfree = depth;
+    return g;
+}
+
+int dp_sio_ring_destroy(dp_sio_ring *g)
+{
+    if (!g)
+        return 0;
+    if (g->inflight || g->queued)
+        return -EBUSY;
+    ring_close(&g->r);
+    free(g->fl);
+    free(g->free_slots);
+    free(g->fifo);
+    XXH3_freeState(g->hst);
+    if (g->secret) {
+        OPENSSL_cleanse(g->secret, g->secret_len);
+        free(g->secret);
+    }
+    free(g);
+    return 0;
+}
+
+int dp_sio_ring_push(dp_sio_ring *g, struct dp_sio_item *items, uint32_t n)
+{
+    if (!g || (n && !items))
         return -EINVAL;
-    for (uint32_t i = 0; i < n; i++) {
-        struct dp_sio_item *it = &items[i];
-        if (!it->path || it->nbufs < 1 || it->nbufs > 3)
+    for (uint32_t i = 0; i < n; i++)
+        if (!items[i].path || items[i].nbufs < 1 || items[i].nbufs > 3)
             return -EINVAL;
+    uint32_t take = g->cap - g->queued < n ? g->cap - g->queued : n;
+    for (uint32_t i = 0; i < take; i++)
+        g->fifo[(g->first + g->queued++) % g->cap] = &items[i];
+    return (int)take;
+}
+
+int dp_sio_ring_inflight(dp_sio_ring *g)
+{
+    return (int)(g->inflight + g->queued);
+}
+
+/* Open and queue the FIFO's items while slots are free (a file that cannot be opened is
+ * done at once, into done[], while done[] has room for it beside a full reap). */
+static void take(dp_sio_ring *g, struct dp_sio_item **done, uint32_t *ndone,
+                 uint32_t max_done)
+{
+    struct ring *r = &g->r;
+    while (g->nfree && g->queued && *ndone + g->depth < max_done) {
+        struct dp_sio_item *it = g->fifo[g->first];
+        g->first = (g->first + 1) % g->cap;
+        g->queued--;
         it->err = 0;
         it->stage = DP_SIO_OK;
         it->got = 0;
         it->hashed = 0;
         it->tag = 0;
+        int fd = open_block(g->root_fd, it, g->direct);
+        if (fd < 0) {
+            done[(*ndone)++] = it;
+            continue;
+        }
+        uint32_t s = g->free_slots[--g->nfree];
+        struct flight *f = &g->fl[s];
+        f->fd = fd;
+        f->item = it;
+        f->niov = it->nbufs;
+        for (uint32_t k = 0; k < it->nbufs; k++) {
+            f->iov[k].iov_base = it->bufs[k];
+            f->iov[k].iov_len = it->lens[k];
+        }
+        prep_readv(r, f, 0, s);
+        g->inflight++;
     }
+}
+
+/* Reap the completions the ring holds: finished files into done[]; a short buffered
+ * read is queued again for its rest. */
+static void reap(dp_sio_ring *g, struct dp_sio_item **done, uint32_t *ndone)
+{
+    struct ring *r = &g->r;
+    unsigned head = *r->cq_head;
+    unsigned tail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
+    for (; head != tail; head++) {
+        struct io_uring_cqe *cqe = &r->cqes[head & *r->cq_mask];
+        uint32_t s = (uint32_t)cqe->user_data;
+        struct flight *f = &g->fl[s];
+        struct dp_sio_item *it = f->item;
+        int res = cqe->res;
+        int more = 0;
+        if (res < 0) {
+            it->err = -res;
+            it->stage = DP_SIO_READ;
+        } else if (res > 0) {
+            uint64_t asked = 0;
+            for (uint32_t k = 0; k < f->niov; k++)
+                asked += f->iov[k].iov_len;
+            it->got += res;
+            advance(f, (uint64_t)res);
+            /* Short: buffered, read the rest; O_DIRECT, the end of the file (the next
+             * offset would not be aligned anyway). */
+            more = f->niov > 0 && !(g->direct && (uint64_t)res < asked);
+        }                                          /* res == 0: end of file */
+        if (more) {
+            prep_readv(r, f, (uint64_t)it->got, s);   /* goes with the next enter */
+            continue;
+        }
+        close(f->fd);
+        done[(*ndone)++] = it;
+        g->free_slots[g->nfree++] = s;
+        g->inflight--;
+    }
+    __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
+}
+
+int dp_sio_ring_step(dp_sio_ring *g, struct dp_sio_item **done, uint32_t max_done, int wait)
+{
+    if (!g || !done || max_done < 2 * g->depth)
+        return -EINVAL;
+    struct ring *r = &g->r;
+    uint32_t ndone = 0;
+    int err = 0;
+    take(g, done, &ndone, max_done);
+    int block = wait && g->inflight && ndone == 0;
+    if (block || unsubmitted(r)) {
+        int got = (int)syscall(__NR_io_uring_enter, r->fd, unsubmitted(r), block ? 1 : 0,
+                               block ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
+        if (got < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY)
+            err = -errno;                 /* not expected of a valid ring; the reads in
+                                           * flight stay in flight: step again */
+    }
+    uint32_t first = ndone;
+    reap(g, done, &ndone);
+    /* Slots freed by this reap are refilled and submitted before the files that landed
+     * are hashed: the disk reads the next files while this thread hashes (hashing first
+     * left it idle for a hash per landing). */
+    if (ndone > first && g->queued) {
+        take(g, done, &ndone, max_done);
+        if (unsubmitted(r))
+            syscall(__NR_io_uring_enter, r->fd, unsubmitted(r), 0, 0, NULL, 0);
+    }
+    for (uint32_t k = 0; k < ndone; k++)
+        if (!done[k]->err)
+            hash_item(g->hst, done[k], g->secret, g->secret_len);
+    return ndone || !err ? (int)ndone : err;
+}
+
+int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t depth,
+                int direct, const uint8_t *secret, uint32_t secret_len)
+{
+    if ((n && !items) || depth == 0 || depth > 4096)
+        return -EINVAL;
+    for (uint32_t i = 0; i < n; i++)
+        if (!items[i].path || items[i].nbufs < 1 || items[i].nbufs > 3)
+            return -EINVAL;
     if (n == 0)
         return 0;
-    if (depth > n)
-        depth = n;
-    unsigned entries = 1;
-    while (entries < depth)
-        entries <<= 1;
-    struct ring r;
-    int rc = ring_open(&r, entries);
-    if (rc < 0)
-        return rc;
-    struct flight *fl = calloc(depth, sizeof(*fl));
-    uint32_t *free_slots = calloc(depth, sizeof(*free_slots));
-    XXH3_state_t *hst = XXH3_createState();    /* opaque in the shared library's ABI */
-    if (!fl || !free_slots || !hst) {
-        free(fl);
-        free(free_slots);
-        XXH3_freeState(hst);
-        ring_close(&r);
+    dp_sio_ring *g = dp_sio_ring_create(root_fd, depth > n ? n : depth, n, direct, secret,
+                                        secret_len);
+    if (!g)
+        return -errno;
+    uint32_t max_done = g->depth + (n > g->depth ? n : g->depth);
+    struct dp_sio_item **done = malloc(max_done * sizeof(*done));
+    if (!done) {
+        dp_sio_ring_destroy(g);
         return -ENOMEM;
     }
-    for (uint32_t s = 0; s < depth; s++)
-        free_slots[s] = depth - 1 - s;
-    uint32_t nfree = depth, next = 0, inflight = 0;
-    rc = 0;
-    while (next < n || inflight) {
-        while (nfree && next < n) {
-            struct dp_sio_item *it = &items[next];
-            int fd = open_block(root_fd, it, direct);
-            if (fd < 0) {
-                if (it->stage == DP_SIO_OPEN && (it->err == ENOSYS || it->err == EPERM) &&
-                    next == 0 && inflight == 0) {
-                    rc = -it->err;                 /* no openat2 for us (a seccomp filter
-                                                    * says EPERM): nothing was read */
-                    goto out;
-                }
-                next++;
-                continue;
-            }
-            uint32_t s = free_slots[--nfree];
-            struct flight *f = &fl[s];
-            f->fd = fd;
-            f->item = next++;
-            f->niov = it->nbufs;
-            for (uint32_t k = 0; k < it->nbufs; k++) {
-                f->iov[k].iov_base = it->bufs[k];
-                f->iov[k].iov_len = it->lens[k];
-            }
-            prep_readv(&r, f, 0, s);
-            inflight++;
-            /* An idle ring's first read goes at once: the disk starts on it while the
-             * next files are opened; the rest go with the next enter. */
-            if (inflight == 1)
-                syscall(__NR_io_uring_enter, r.fd, unsubmitted(&r), 0, 0, NULL, 0);
-        }
-        int got = (int)syscall(__NR_io_uring_enter, r.fd, unsubmitted(&r), inflight ? 1 : 0,
-                               inflight ? IORING_ENTER_GETEVENTS : 0, NULL, 0);
-        if (got < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY) {
-            /* Not expected of a valid ring. Queue nothing more; the reads in flight
-             * still land in the callers' buffers, so reap every one of them before
-             * returning (each syscall's return runs the ring's completion work). */
+    dp_sio_ring_push(g, items, n);
+    uint32_t landed = 0;
+    int rc = 0;
+    while (landed < n) {
+        int got = dp_sio_ring_step(g, done, max_done, 1);
+        if (got < 0) {
+            /* Queue nothing more; the reads in flight still land in the callers'
+             * buffers, so reap every one of them before returning. */
             if (rc == 0)
-                rc = -errno;
-            for (; next < n; next++) {
-                items[next].err = -rc;
-                items[next].stage = DP_SIO_READ;
-            }
-            if (inflight) {
-                struct timespec ts = {0, 50000};
-                nanosleep(&ts, NULL);
-            }
-        }
-        unsigned head = *r.cq_head;
-        unsigned tail = __atomic_load_n(r.cq_tail, __ATOMIC_ACQUIRE);
-        for (; head != tail; head++) {
-            struct io_uring_cqe *cqe = &r.cqes[head & *r.cq_mask];
-            uint32_t s = (uint32_t)cqe->user_data;
-            struct flight *f = &fl[s];
-            struct dp_sio_item *it = &items[f->item];
-            int res = cqe->res;
-            int more = 0;
-            if (res < 0) {
-                it->err = -res;
-                it->stage = DP_SIO_READ;
-            } else if (res > 0) {
-                uint64_t asked = 0;
-                for (uint32_t k = 0; k < f->niov; k++)
-                    asked += f->iov[k].iov_len;
-                it->got += res;
-                advance(f, (uint64_t)res);
-                /* Short: buffered, read the rest; O_DIRECT, the end of the file (the
-                 * next offset would not be aligned anyway). */
-                more = f->niov > 0 && !(direct && (uint64_t)res < asked);
-            }                                      /* res == 0: end of file */
-            if (more && rc == 0) {
-                prep_readv(&r, f, (uint64_t)it->got, s);   /* goes with the next enter */
-            } else if (more) {
+                rc = got;
+            for (; g->queued; g->queued--, landed++) {
+                struct dp_sio_item *it = g->fifo[g->first];
+                g->first = (g->first + 1) % g->cap;
                 it->err = -rc;
                 it->stage = DP_SIO_READ;
-                more = 0;
             }
-            if (!more) {
-                if (!it->err)
-                    hash_item(hst, it, secret, secret_len);
-                close(f->fd);
-                free_slots[nfree++] = s;
-                inflight--;
-            }
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+            continue;
         }
-        __atomic_store_n(r.cq_head, head, __ATOMIC_RELEASE);
+        landed += (uint32_t)got;
     }
-out:
-    ring_close(&r);
-    free(fl);
-    free(free_slots);
-    XXH3_freeState(hst);
+    free(done);
+    dp_sio_ring_destroy(g);
     return rc;
 }

@@ -61,6 +61,11 @@ def register(sub) -> None:
                     help="before measuring, every mode replays this many trajectories' "
                     "first 2 rounds, unreported, so no mode pays start-up costs for "
                     "another (0 = none)")
+    mo.add_argument("--repeats", type=int, default=1, metavar="N",
+                    help="measured passes over the modes, in alternating order (basic, "
+                    "dualpath, oracle, then oracle, dualpath, basic, ...); each mode "
+                    "reports its median pass by JCT, and every pass's JCT is in the "
+                    "report's settings.repeats")
     mo.add_argument("--online", action="store_true", help="Poisson arrivals (needs --aps)")
     mo.add_argument("--aps", type=float, help="agents per second (online)")
     mo.add_argument("--no-layerwise", action="store_true", help="ablation: no layerwise "
@@ -341,6 +346,8 @@ def _replay(args) -> int:
         raise UsageError(f"--timeout {args.timeout:g}: must be > 0 seconds")
     if args.warmup < 0:
         raise UsageError(f"--warmup {args.warmup}: must be >= 0 trajectories")
+    if args.repeats < 1:
+        raise UsageError(f"--repeats {args.repeats}: must be >= 1 passes")
     if args.give_up_after <= 0:
         raise UsageError(f"--give-up-after {args.give_up_after:g}: must be > 0 seconds")
     from dualpath.rpc import parse_listen
@@ -379,7 +386,7 @@ def _replay(args) -> int:
             report, _ = run_modes(args.scheduler, nodes, args.prefill_nodes, trace, modes,
                                   opts, snic_gbit_per_s=args.snic_gbit or 0.0,
                                   tls_config=cfg.tls, node_tls=cfg.tls,
-                                  warmup_agents=args.warmup)
+                                  warmup_agents=args.warmup, repeats=args.repeats)
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e, args.scheduler) from None
         except ReplayAborted as e:
@@ -396,7 +403,7 @@ def _replay(args) -> int:
                                       tls_config=cluster.client_tls,
                                       node_tls=cluster.node_tls,
                                       node_addresses=cluster.addresses(),
-                                      warmup_agents=args.warmup)
+                                      warmup_agents=args.warmup, repeats=args.repeats)
             except ReplayAborted as e:
                 return _partial(e, args)
             finally:
@@ -405,6 +412,9 @@ def _replay(args) -> int:
     _write_report(report, args)
     bad = {m: r for m, r in report["reliability"].items()
            if r["requests_failed"] or r["requests_duplicated"]}
+    every = (report["settings"].get("repeats") or {}).get("all_passes")
+    if every and (every["requests_failed"] or every["requests_duplicated"]):
+        bad["all passes"] = every                  # those of passes not reported too
     if bad:
         print("dualpath: error: requests failed or were reported twice: "
               + "; ".join(f"{m}: {r['requests_failed']} failed, {r['requests_duplicated']} "

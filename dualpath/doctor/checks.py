@@ -96,6 +96,25 @@ def huge_pages(cfg, role: str, f: Facts) -> Result:
                   f"sysctl vm.nr_hugepages={need} (plus what else uses them)")
 
 
+def startup_memory(cfg, role: str, f: Facts, ipc_lock: bool) -> tuple[bool, str]:
+    """The node's start-up line on its pinned memory, before it maps any: (short,
+    line). ``short`` when the memlock limit or the free huge pages fall short of what
+    the configuration pins (memlock() and huge_pages() above); the line names what is
+    short and the fix. ``ipc_lock``: the process holds CAP_IPC_LOCK, which lets mlock
+    pass any limit (root), so a low limit is stated but is not a shortfall."""
+    need = pinned_bytes(cfg, role)
+    lock, huge = memlock(cfg, role, f), huge_pages(cfg, role, f)
+    short = [r for r in (lock, huge) if r.status != OK and
+             not (r is lock and ipc_lock and cfg.buffers.mlock)]
+    parts = [f"{role} node pins {need >> 20} MiB (buffers.mlock = "
+             f"{str(cfg.buffers.mlock).lower()}, buffers.huge_pages = "
+             f"{cfg.buffers.huge_pages}); memlock: {lock.detail}"
+             + (" (CAP_IPC_LOCK: not enforced)" if ipc_lock and lock.status != OK else ""),
+             f"huge pages: {huge.detail}"]
+    fixes = [f"{r.check}: {r.fix}" for r in short if r.fix]
+    return bool(short), "; ".join(parts) + (". Short: " + "; ".join(fixes) if fixes else "")
+
+
 def rdma(cfg, f: Facts) -> list[Result]:
     kind = cfg.transport.kind
     want = cfg.transport.device

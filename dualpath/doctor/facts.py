@@ -19,9 +19,7 @@ from dualpath.rpc import parse_listen
 
 
 def gather(cfg, wanted_ports: list[str]) -> Facts:
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    f = Facts(memlock_bytes=None if soft == resource.RLIM_INFINITY else soft,
-              huge_pages_free=free_huge_pages())
+    f = memory_facts()
     f.rdma_ports, f.rdma_error = rdma_ports()
     store(cfg.storage.resolved_dir(), f)
     f.clock_synced = clock_synced()
@@ -30,6 +28,29 @@ def gather(cfg, wanted_ports: list[str]) -> Facts:
         f.tls_problems, f.tls_expires_days = tls_files(cfg.tls)
     f.gpus = gpus()
     return f
+
+
+def memory_facts() -> Facts:
+    """The memlock limit and the free huge pages (what the node checks at start-up)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return Facts(memlock_bytes=None if soft == resource.RLIM_INFINITY else soft,
+                 huge_pages_free=free_huge_pages())
+
+
+CAP_IPC_LOCK = 14
+
+
+def has_ipc_lock() -> bool:
+    """Whether this process may lock memory past RLIMIT_MEMLOCK (CAP_IPC_LOCK in its
+    effective set: root, or granted)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def rdma_ports() -> tuple[list[Port], str]:

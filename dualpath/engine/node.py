@@ -42,6 +42,8 @@ from dualpath import metrics as _metrics
 from dualpath.buffers.pool import BlockPool
 from dualpath.buffers.region import PinnedRegion
 from dualpath.config import Config
+from dualpath.doctor.checks import startup_memory
+from dualpath.doctor.facts import has_ipc_lock, memory_facts
 from dualpath.engine.auth import Callers
 from dualpath.engine.decode import DecodePath
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
@@ -143,6 +145,10 @@ class NodeDaemon:
                                                     tls.server_credentials(cfg.tls))
         host = ecfg.control_listen.rpartition(":")[0]
         self.address = f"{ecfg.advertise or host}:{port}"
+        # Before any region is mapped: what the configuration pins against what the
+        # host gives (memlock, free huge pages), one line, a warning when short.
+        short, line = startup_memory(cfg, self.role, memory_facts(), has_ipc_lock())
+        log.log(logging.WARNING if short else logging.INFO, "%s: %s", self.node_id, line)
         # Regions are unmapped only after the transfer engine closed (it deregisters
         # them and stops the threads that write into them): pushed before it.
         self._regions: list[PinnedRegion] = []

@@ -6,7 +6,9 @@ block that is queued or in flight and drops them as each block lands. Reads are 
 FIFO by ``depth`` concurrent readers, each first taking the block's bytes from the
 node's storage-NIC limiter (when one is set), then reading through the BlockStore's
 worker pool. Without a limit, a reader takes the blocks queued behind its own as one
-batch for the store's C read loop (``BlockStore.read_batch``: io_uring).
+batch for the store's ring readers (``BlockStore.aread_many``: io_uring rings that
+outlive the batches, the readers' batches taking turns, each ring refilled as its reads
+land).
 
 Threads: one asyncio loop owns a ReadQueue; call everything from that loop.
 The scheduler also needs reads that are certain but not queued yet (a request waiting
@@ -163,9 +165,11 @@ class ReadQueue:
     async def _reader(self) -> None:
         while True:
             jobs = [await self._queue.get()]
-            # Blocks queued behind it go with it as one batch (one C call, one ring:
-            # store.read_batch), up to the store's batch depth. Under a storage-NIC limit
-            # one at a time: a batch would wait for all its bytes before its first block.
+            # Blocks queued behind it go with it as one batch, up to the store's batch
+            # depth, to the store's ring readers (a lone block too: each ring keeps
+            # read_batch_depth reads in flight across the batches it is handed). Under a
+            # storage-NIC limit one at a time on the store's threads: a batch would wait
+            # for all its bytes before its first block.
             limit = self.store.read_batch_depth if self.store.batched and (
                 self.limiter is None or self.limiter.unlimited) else 1
             while len(jobs) < limit and not self._queue.empty():
@@ -184,7 +188,7 @@ class ReadQueue:
                         await self.limiter.acquire(self.file_bytes * len(live))
                     for j in live:
                         j.request.read_blocks += 1
-                    if len(live) == 1:
+                    if limit == 1:
                         oks = [await self.store.aread(live[0].key, live[0].out)]
                     else:
                         oks = await self.store.aread_many([j.key for j in live],

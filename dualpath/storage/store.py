@@ -11,7 +11,8 @@ levels of 256 subdirectories::
 Writes: temp file in the same directory, write, fsync, rename, fsync the directory.
 rename is atomic, so a reader sees either no block or the whole block, never a part.
 A written block's pages are dropped from the page cache (POSIX_FADV_DONTNEED after the
-fsync): reads bypass it anyway, and persisting KV must not evict the host's fresh data.
+fsync, or without fsync after a bounded write-back when reads use O_DIRECT): reads
+bypass it anyway, and persisting KV must not evict the host's fresh data.
 A crashed writer leaves only a ``.tmp`` file, which no reader opens; :meth:`sweep_temp`
 removes old ones.
 
@@ -23,8 +24,9 @@ block cannot block a reader. A directory or any other non-regular file in place 
 block is a miss too; none of these says anything about O_DIRECT support.
 
 Integrity against writers of the mount: with ``integrity_key`` (the cluster key) every
-block written carries a keyed BLAKE2b tag (format.py) and only blocks whose tag verifies
-are hits; an untagged or forged block is corrupt (quarantined, a miss).
+block written carries a keyed tag (Poly1305 under a per-write key, format.py) and only
+blocks whose tag verifies are hits; an untagged or forged block is corrupt (quarantined,
+a miss).
 
 Reads: one ``preadv`` of header + payload straight into the caller's buffer, with
 O_DIRECT when the filesystem supports it (bypassing the page cache: reads run at the
@@ -36,23 +38,28 @@ not use its buffer after a miss.
 
 Threads: every public method may be called from any thread. Blocking calls run on the
 caller's thread; ``aread``/``awrite``/``read_many`` run on the store's bounded worker
-pools (``os.preadv``, ``os.fsync`` and the XXH3 hash release the GIL).
+pools (``os.preadv``, ``os.fsync`` and the XXH3 hash release the GIL); ``aread_many``
+hands its blocks to the store's ring reader, one thread that owns a persistent io_uring
+ring (csrc/store_io.c ``dp_sio_ring``) fed by every caller's batches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno as _errno
 import fcntl
 import logging
 import mmap
 import os
+import queue
 import stat
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Self
@@ -141,7 +148,7 @@ class BlockStore:
 
     def __init__(self, root: str | os.PathLike, profile: ModelProfile, *,
                  read_workers: int = 8, write_workers: int = 2, direct_io: str = "auto",
-                 read_batch_depth: int = 8,
+                 read_batch_depth: int = 4, read_rings: int = 4,
                  verify_checksum: bool = True, fsync: bool = True,
                  integrity_key: bytes | None = None):
         if direct_io not in DIRECT_IO_MODES:
@@ -152,6 +159,8 @@ class BlockStore:
         self.integrity_key = integrity_key
         if read_workers < 1 or write_workers < 1:
             raise UsageError("read_workers and write_workers must be >= 1")
+        if not 0 <= read_rings <= 64:
+            raise UsageError(f"read_rings must be 0 to 64, got {read_rings}")
         if not 0 <= read_batch_depth <= 1024:
             raise UsageError(f"read_batch_depth must be 0 (off) to 1024, got "
                              f"{read_batch_depth}")
@@ -165,6 +174,7 @@ class BlockStore:
         self.fsync = fsync
         self.read_workers = read_workers
         self.read_batch_depth = read_batch_depth
+        self.read_rings = read_rings
         self._batched = read_batch_depth > 0
         self.stats = StoreStats()
         self._lock = threading.Lock()
@@ -172,6 +182,9 @@ class BlockStore:
         self._read_pool = ThreadPoolExecutor(read_workers, thread_name_prefix="dp-store-read")
         self._write_pool = ThreadPoolExecutor(write_workers, thread_name_prefix="dp-store-write")
         self._closed = False
+        self._rings: list[_RingReader] = []       # started by the first aread_many batch
+        self._next_ring = 0
+        self._ring_refused = False
         self._root_fd = -1
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -186,10 +199,14 @@ class BlockStore:
 
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for queued work and stop the worker pools (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+        """Wait for queued work, stop the ring reader and the worker pools (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            rings, self._rings = self._rings, []
+        for ring in rings:
+            ring.close()
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
         if self._root_fd >= 0:
@@ -291,9 +308,13 @@ class BlockStore:
             _write_all(fd, [memoryview(header), memoryview(src)])
             if self.fsync:
                 os.fsync(fd)
+            elif self.direct:
+                _write_back(fd)
             # Reads use O_DIRECT: this block's pages would only push fresher data out of
-            # the page cache. Clean after the fsync, they are dropped now; without fsync
-            # this starts their write-back, so dirty KV never piles up in the cache.
+            # the page cache. Clean after the fsync (or, without fsync, after the bounded
+            # write-back above), they are dropped now. DONTNEED cannot drop dirty pages:
+            # without fsync and without O_DIRECT reads (which then use the cache) it only
+            # starts their write-back and the block stays cached.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
             fd = -1
@@ -373,13 +394,57 @@ class BlockStore:
         return list(self._read_pool.map(self.read_into, keys, outs))
 
     async def aread_many(self, keys: Sequence[bytes], outs: Sequence) -> list[bool]:
-        """:meth:`read_many` off the event loop: one batch on a read-pool thread (or one
-        read per block on the pool without io_uring)."""
+        """:meth:`read_many` off the event loop: the blocks handed to the store's ring
+        reader (one thread, one io_uring ring of ``read_batch_depth`` reads in flight,
+        fed by every caller's batches and refilled as each read lands); one batch on a
+        read-pool thread where the ring cannot serve (O_DIRECT off, unaligned buffers);
+        one read per block on the pool without io_uring. Cancelling the caller does not
+        stop reads already handed over: it returns once they landed (they write into
+        ``outs`` until then)."""
         if len(keys) != len(outs):
             raise UsageError(f"{len(keys)} keys but {len(outs)} buffers")
         if not self.batched:
             return list(await asyncio.gather(*(self.aread(k, o) for k, o in zip(keys, outs))))
-        return await self.arun(self.read_batch, keys, outs)
+        dsts = [self._as_block(o, writable=True) for o in outs]
+        ring = self._ring_reader() if self.direct and not any(
+            d.ctypes.data % ALIGN for d in dsts) else None
+        if ring is None:
+            return await self.arun(self.read_batch, keys, outs)
+        fut = asyncio.wrap_future(ring.submit(keys, dsts))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+
+    def _ring_reader(self) -> _RingReader | None:
+        """The next of the store's ``read_rings`` ring readers (batches take turns), all
+        started by the first batch; None when batches are off (io_uring or openat2
+        missing: logged once), read_rings is 0 (a ring per batch on the read pool) or
+        the store is closed."""
+        with self._lock:
+            if self._rings or self._closed or not self._batched or self._ring_refused or \
+                    not self.read_rings:
+                if not self._rings:
+                    return None
+                self._next_ring = (self._next_ring + 1) % len(self._rings)
+                return self._rings[self._next_ring]
+            try:
+                for _ in range(self.read_rings):
+                    self._rings.append(_RingReader(self, self.read_batch_depth))
+                return self._rings[0]
+            except OSError as e:
+                err = e.errno or _errno.EIO
+                self._ring_refused = True
+                rings, self._rings = self._rings, []
+        for ring in rings:
+            ring.close()
+        if err in (_errno.ENOSYS, _errno.EPERM):
+            self._no_batches(-err)
+        else:
+            log.warning("block store %s: no io_uring ring (%s); batches run one at a time",
+                        self.dir, os.strerror(err))
+        return None
 
     @property
     def batched(self) -> bool:
@@ -416,26 +481,35 @@ class BlockStore:
                 raise StorageError(-rc, "reading a batch of blocks from", self.dir)
             retry = []
             for j, i in enumerate(batch):
-                it = items[j]
-                if it.err == 0:
-                    self._count(reads=1)
-                    problem = self._check_file(keys[i], dsts[i], it.got, pages[2 * j],
-                                               dsts[i], pages[2 * j + 1], direct,
-                                               it.hash if it.hashed else None, it.tag)
-                    out[i] = self._outcome(keys[i], dsts[i], problem)
-                elif direct and it.err == _errno.EINVAL and it.stage in (
-                        lib.DP_SIO_DIRECT, lib.DP_SIO_READ):
-                    self._direct_unsupported(OSError(it.err, os.strerror(it.err)))
+                ok = self._sio_outcome(keys[i], dsts[i], items[j], pages[2 * j],
+                                       pages[2 * j + 1], direct)
+                if ok is None:
                     retry.append(i)                # buffered, by read_into
                 else:
-                    self._count(reads=1)
-                    self._missed(self.path_of(keys[i]), _sio_error(it))
+                    out[i] = ok
         else:
             retry = []
         in_batch = set(batch)
         for i in sorted(retry + [i for i in range(len(keys)) if i not in in_batch]):
             out[i] = self.read_into(keys[i], outs[i])
         return out
+
+    def _sio_outcome(self, key: bytes, dst: np.ndarray, it, header: np.ndarray,
+                     tail: np.ndarray, direct: bool) -> bool | None:
+        """Count and check one item the C read loop finished: True on a verified hit,
+        False on a miss; None when O_DIRECT was refused (now off: read it again)."""
+        if it.err == 0:
+            self._count(reads=1)
+            problem = self._check_file(key, dst, it.got, header, dst, tail, direct,
+                                       it.hash if it.hashed else None, it.tag)
+            return self._outcome(key, dst, problem)
+        if direct and it.err == _errno.EINVAL and it.stage in (lib.DP_SIO_DIRECT,
+                                                               lib.DP_SIO_READ):
+            self._direct_unsupported(OSError(it.err, os.strerror(it.err)))
+            return None
+        self._count(reads=1)
+        self._missed(self.path_of(key), _sio_error(it))
+        return False
 
     def _sio_items(self, keys: Sequence[bytes], bodies: Sequence[np.ndarray],
                    pages: np.ndarray):
@@ -742,6 +816,22 @@ def _read_all(fd: int, views: list[np.ndarray], want: int, direct: bool) -> int:
     return got
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_sync_file_range = getattr(_libc, "sync_file_range", None)
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+# SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
+_WRITE_AND_WAIT = 1 | 2 | 4
+
+
+def _write_back(fd: int) -> None:
+    """Write a file's dirty pages to the disk and wait for them, so they are clean and
+    can be dropped (bounded write-back: no metadata and no cache flush, so not durable,
+    as storage.fsync = false says); fdatasync where sync_file_range is missing."""
+    if _sync_file_range is None or _sync_file_range(fd, 0, 0, _WRITE_AND_WAIT) != 0:
+        os.fdatasync(fd)
+
+
 def _write_all(fd: int, views: list[memoryview]) -> None:
     while views:
         n = os.writev(fd, views)
@@ -750,6 +840,160 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             views = views[1:]
         if views and n:
             views = [views[0][n:], *views[1:]]
+
+
+class _RingBatch:
+    """One aread_many's blocks handed to the ring reader: their items (header and tail
+    pages of their own), outcomes, and the future the caller awaits."""
+
+    def __init__(self, store: BlockStore, keys: Sequence[bytes], dsts: Sequence[np.ndarray],
+                 pages: np.ndarray, cut: int):
+        self.keys, self.dsts, self.pages = keys, dsts, pages
+        self.items, self.paths = store._sio_items(keys, [d[:cut] for d in dsts], pages)
+        self.n = len(keys)
+        self.next = 0                       # items pushed to the ring so far
+        self.left = self.n                  # items not yet done
+        self.out: list[bool | None] = [False] * self.n
+        self.error: BaseException | None = None
+        self.future: Future = Future()
+        self.base = int(ffi.cast("uintptr_t", self.items))
+
+
+_SIO_ITEM = ffi.sizeof("struct dp_sio_item")
+
+
+class _RingReader:
+    """One of the store's ring readers: a thread that owns a ``dp_sio_ring`` and feeds it
+    the blocks of every batch handed to it (:meth:`submit`), each slot refilled from the
+    ring's backlog as its read lands, so the disk never idles between batches or behind
+    a batch's slowest read.
+
+    The thread: pushes each batch that arrives into the ring's backlog, steps the ring
+    (wait for a landing, refill, hash what landed; a batch that arrives during the wait
+    is pushed after it), checks each landed block as :meth:`BlockStore.read_batch` does
+    and completes a batch's future when its last block is done. ``close()`` (idempotent)
+    stops it once what was handed over has landed and frees the ring.
+    Threads: submit from any thread; close from one."""
+
+    BACKLOG = 4096              # items pushed to the ring, not yet opened
+
+    def __init__(self, store: BlockStore, depth: int):
+        key = store.integrity_key
+        ring = lib.dp_sio_ring_create(store._root_fd, depth, self.BACKLOG, 1,
+                                      key if key is not None else ffi.NULL, len(key or b""))
+        if ring == ffi.NULL:
+            err = ffi.errno
+            raise OSError(err, os.strerror(err))
+        self.store, self.depth, self._ring = store, depth, ring
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._spare: list[np.ndarray] = []          # header/tail pages of finished batches
+        self._spare_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="dp-store-ring", daemon=True)
+        self._thread.start()
+
+    def submit(self, keys: Sequence[bytes], dsts: Sequence[np.ndarray]) -> Future:
+        """Queue page-aligned block reads (O_DIRECT); a future of their outcomes."""
+        full = self.store.layout.full_bytes
+        b = _RingBatch(self.store, keys, dsts, self._pages(2 * len(keys)),
+                       full - full % ALIGN)
+        b.future.set_running_or_notify_cancel()     # it cannot be cancelled: the ring
+        self._queue.put(b)                          # writes into dsts until it is done
+        return b.future
+
+    def _pages(self, n: int) -> np.ndarray:
+        with self._spare_lock:
+            for i, p in enumerate(self._spare):
+                if len(p) >= n:
+                    return self._spare.pop(i)
+        return aligned_bytes(max(n, 16) * ALIGN).reshape(-1, ALIGN)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        lib.dp_sio_ring_destroy(self._ring)
+
+    def _run(self) -> None:
+        waiting: deque[_RingBatch] = deque()        # batches not wholly pushed yet
+        owner: dict[int, tuple[_RingBatch, int]] = {}
+        done = ffi.new("struct dp_sio_item *[]", 2 * self.depth)
+        stopping = False
+        while True:
+            busy = lib.dp_sio_ring_inflight(self._ring)
+            if not busy and not waiting:
+                if stopping:
+                    return
+                b = self._queue.get()               # idle: sleep until a batch comes
+                if b is None:
+                    return
+                waiting.append(b)
+            while True:
+                try:
+                    b = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if b is None:
+                    stopping = True
+                else:
+                    waiting.append(b)
+            # Every batch goes to the ring's backlog at once: its slots are refilled
+            # from there as reads land, whoever's batch comes next.
+            while waiting:
+                b = waiting[0]
+                pushed = lib.dp_sio_ring_push(self._ring, b.items + b.next, b.n - b.next)
+                if pushed < 0:
+                    self._fail(waiting, StorageError(-pushed, "queueing block reads for",
+                                                     self.store.dir))
+                    break
+                for j in range(b.next, b.next + pushed):
+                    owner[b.base + j * _SIO_ITEM] = (b, j)
+                b.next += pushed
+                if b.next < b.n:
+                    break                           # the backlog is full
+                waiting.popleft()
+            got = lib.dp_sio_ring_step(self._ring, done, len(done), 1)
+            if got < 0:
+                log.error("block store %s: io_uring_enter failed: %s", self.store.dir,
+                          os.strerror(-got))
+                continue
+            for k in range(got):
+                b, j = owner.pop(int(ffi.cast("uintptr_t", done[k])))
+                self._landed(b, j)
+
+    def _fail(self, waiting: deque[_RingBatch], e: BaseException) -> None:
+        """Give up on the items not pushed yet (the ring refused them)."""
+        log.error("%s", e)
+        while waiting:
+            b = waiting.popleft()
+            b.error = e
+            b.left -= b.n - b.next
+            b.next = b.n
+            self._finish(b)
+
+    def _landed(self, b: _RingBatch, j: int) -> None:
+        try:
+            ok = self.store._sio_outcome(b.keys[j], b.dsts[j], b.items[j],
+                                         b.pages[2 * j], b.pages[2 * j + 1], True)
+            if ok is None:                  # O_DIRECT refused: buffered, here
+                ok = self.store.read_into(b.keys[j], b.dsts[j])
+            b.out[j] = ok
+        except BaseException as e:          # noqa: BLE001 - handed to the batch's caller
+            b.error = b.error or e
+        b.left -= 1
+        self._finish(b)
+
+    def _finish(self, b: _RingBatch) -> None:
+        if b.left:
+            return
+        with self._spare_lock:
+            self._spare.append(b.pages)
+        if b.error is not None:
+            b.future.set_exception(b.error)
+        else:
+            b.future.set_result(b.out)
 
 
 class _Unsafe(Exception):

@@ -76,8 +76,7 @@ def test_a_replay_whose_reports_never_come_still_ends(cluster):
     assert run.requests_duplicated == 0
 
 
-def test_a_warm_up_replays_every_mode_first_and_stays_out_of_the_report(cluster,
-                                                                        monkeypatch):
+def test_a_warm_up_replays_every_mode_first_then_passes_alternate(cluster, monkeypatch):
     from dualpath.cluster import run as run_mod
 
     seen = []
@@ -92,12 +91,19 @@ def test_a_warm_up_replays_every_mode_first_and_stays_out_of_the_report(cluster,
         cluster.scheduler_address, cluster.node_ids(), 1, TRACE, ("basic", "dualpath"),
         run_mod.ReplayOptions(progress=False, timeout_s=120), snic_gbit_per_s=2.0,
         tls_config=cluster.client_tls, node_tls=cluster.node_tls,
-        node_addresses=cluster.addresses(), warmup_agents=1)
+        node_addresses=cluster.addresses(), warmup_agents=1, repeats=2)
     warm = run_mod.WARMUP_ROUNDS
+    # warm-ups unreported, then two measured passes, the second in reverse order
     assert seen == [("basic", warm), ("dualpath", warm), ("basic", ROUNDS),
-                    ("dualpath", ROUNDS)]
+                    ("dualpath", ROUNDS), ("dualpath", ROUNDS), ("basic", ROUNDS)]
     assert report["settings"]["warmup"] == {"agents": 1, "rounds": warm,
                                             "modes": ["basic", "dualpath"]}
+    rep = report["settings"]["repeats"]
+    assert rep["order"] == ["basic", "dualpath", "dualpath", "basic"]
+    assert [m for m, _ in rep["jct_s"]] == rep["order"]
+    assert rep["all_passes"]["requests_failed"] == 0
+    assert rep["all_passes"]["bytes_mismatched"] == 0
+    assert rep["all_passes"]["bytes_verified"] == sum(r.bytes_verified for r in runs.values()) * 2
     assert all(len(r.records) == ROUNDS for r in runs.values())
     assert {m: r["requests_submitted"] for m, r in report["reliability"].items()} == {
         "basic": ROUNDS, "dualpath": ROUNDS}

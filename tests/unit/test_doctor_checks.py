@@ -100,3 +100,25 @@ def test_the_worst_result_is_the_exit_status():
     assert checks.worst([ok]) == 0 and checks.worst([]) == 0
     assert checks.worst([ok, checks.Result("b", WARN, "")]) == 1
     assert checks.worst([ok, checks.Result("b", WARN, ""), checks.Result("c", FAIL, "")]) == 2
+
+
+def test_the_nodes_startup_memory_line_says_what_is_short_and_the_fix():
+    # The line a node logs before it maps its regions (engine/node.py): a warning when
+    # the memlock limit or the free huge pages fall short of what the config pins.
+    c = cfg(**{"buffers.pe_buffer_mib": 64, "engine.prefill_hbm_mib": 32,
+               "engine.engines_per_node": 2})                 # 128 MiB: 64 huge pages
+    short, line = checks.startup_memory(c, "prefill", facts(huge_pages_free=64), False)
+    assert not short and "pins 128 MiB" in line and "Short" not in line
+    short, line = checks.startup_memory(c, "prefill", facts(huge_pages_free=10), False)
+    assert short and "10 free 2 MiB pages of 64" in line
+    assert "sysctl vm.nr_hugepages=64" in line
+    short, line = checks.startup_memory(
+        c, "prefill", facts(memlock_bytes=8 * MIB, huge_pages_free=64), False)
+    assert short and "8 MiB < 128 MiB" in line and "ulimit -l unlimited" in line
+    # CAP_IPC_LOCK (root) passes any limit: stated, not a shortfall
+    short, line = checks.startup_memory(
+        c, "prefill", facts(memlock_bytes=8 * MIB, huge_pages_free=64), True)
+    assert not short and "CAP_IPC_LOCK: not enforced" in line
+    off = cfg(**{"buffers.huge_pages": "off", "buffers.pe_buffer_mib": 64})
+    short, line = checks.startup_memory(off, "prefill", facts(), False)
+    assert not short and "buffers.huge_pages = off" in line

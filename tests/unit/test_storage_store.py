@@ -1,5 +1,6 @@
 """BlockStore: round trips, corruption handling, O_DIRECT fallback, write errors."""
 
+import asyncio
 import dataclasses
 import errno
 import fcntl
@@ -12,7 +13,8 @@ import sys
 import pytest
 import xxhash
 
-from dualpath.errors import DualPathError
+from dualpath._native import ffi, lib
+from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.prefix import block_keys
 from dualpath.kv.profiles import get_profile
@@ -42,11 +44,14 @@ def _put(store, key, fill=None):
     return buf
 
 
-# The two read paths: one block per call (Python, a worker thread's preadv) and a batch
-# (store_io.c: openat2 beneath the root, io_uring). Tests that use the `both_paths`
-# fixture run on each.
+# The read paths: one block per call (Python, a worker thread's preadv), a batch
+# (store_io.c: openat2 beneath the root, io_uring, one ring per call) and the store's
+# ring reader (the same C loop on a ring that outlives the call, fed from a thread of
+# its own: what the read queue uses). Tests that use the `both_paths` fixture run on
+# each.
 READERS = {"one": lambda s, k, out: s.read_into(k, out),
-           "batch": lambda s, k, out: s.read_batch([k], [out])[0]}
+           "batch": lambda s, k, out: s.read_batch([k], [out])[0],
+           "ring": lambda s, k, out: asyncio.run(s.aread_many([k], [out]))[0]}
 _reader = READERS["one"]
 
 
@@ -121,6 +126,19 @@ def test_a_written_block_leaves_the_page_cache(store):
     with open(store.path_of(KEYS[0]), "rb") as f:     # a buffered read caches it ...
         f.read()
     assert _cached_pages(store.path_of(KEYS[0])) > 0  # ... so the probe can see pages
+
+
+def test_a_block_written_without_fsync_leaves_the_page_cache_too(tmp_path):
+    # storage.fsync = false (benches) used to leave every written block cached: DONTNEED
+    # cannot drop dirty pages. With O_DIRECT reads the write is now written back (not
+    # durable) first, so its pages go.
+    with BlockStore(tmp_path, PROFILES[0], fsync=False) as s:
+        if subprocess.run(["stat", "-f", "-c", "%T", str(s.dir)], capture_output=True,
+                          check=False, text=True).stdout.strip() == "tmpfs":
+            pytest.skip("the store is on tmpfs, where the page cache is the storage")
+        _put(s, KEYS[0])
+        assert s.direct
+        assert _cached_pages(s.path_of(KEYS[0])) == 0
 
 
 def test_write_skips_existing_blocks_unless_overwrite(store):
@@ -385,3 +403,105 @@ def test_sweep_removes_temp_files_of_dead_writers(store):
 
 def test_layout_geometry_from_profile(store):
     assert store.layout == BlockLayout.of(store.profile)
+
+
+# --- the ring reader (a dp_sio_ring fed by one thread): what the read queue uses -------
+
+def test_the_ring_reader_serves_concurrent_batches_each_block_into_its_buffer(store):
+    # More blocks in flight than the ring's depth, from several callers at once, misses
+    # among them: each caller gets its own outcomes and bytes, and the ring is idle after.
+    keys = block_keys(list(range(4 * 40)), 4)          # 40 keys
+    synth = SyntheticKV(store.layout)
+    present = set(keys[::3])
+    for k in present:
+        _put(store, k)
+    outs = [aligned_bytes(store.layout.full_bytes) for _ in keys]
+
+    async def main():
+        parts = [range(i, len(keys), 5) for i in range(5)]      # 5 callers, 8 each
+        return await asyncio.gather(*(store.aread_many([keys[i] for i in p],
+                                                       [outs[i] for i in p]) for p in parts)), parts
+
+    got, parts = asyncio.run(main())
+    for p, oks in zip(parts, got):
+        assert oks == [keys[i] in present for i in p]
+        assert all(synth.verify_full(outs[i], keys[i]) is None for i in p if keys[i] in present)
+    st = store.stats
+    assert (st.reads, st.hits, st.misses) == (40, len(present), 40 - len(present))
+    rings = store._rings
+    assert len(rings) == store.read_rings == 4             # the default: four rings
+    assert all(lib.dp_sio_ring_inflight(r._ring) == 0 for r in rings)
+    store.close()
+    assert not any(r._thread.is_alive() for r in rings)
+    store.close()                                          # idempotent
+
+
+def test_a_cancelled_ring_read_returns_only_once_its_reads_landed(store):
+    # The ring writes into the caller's buffers until each read lands: a cancelled caller
+    # must not get them back before that (it would hand out slots still being written).
+    keys = block_keys(list(range(4 * 16)), 4)
+    for k in keys:
+        _put(store, k)
+    outs = [aligned_bytes(store.layout.full_bytes) for _ in keys]
+
+    async def main():
+        task = asyncio.create_task(store.aread_many(keys, outs))
+        await asyncio.sleep(0)                             # handed to the ring
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return sum(lib.dp_sio_ring_inflight(r._ring) for r in store._rings)
+
+    assert asyncio.run(main()) == 0
+    synth = SyntheticKV(store.layout)
+    assert all(synth.verify_full(o, k) is None for o, k in zip(outs, keys))
+
+
+def test_dp_sio_ring_keeps_its_depth_and_hands_every_item_back_once(store):
+    # The C mechanism alone: a ring of depth 2 with a backlog of 4 takes 4 of 5 items
+    # pushed (the last is pushed again once there is room), returns each item once with
+    # its outcome (a missing file too), and refuses to be destroyed while items are
+    # queued or in flight.
+    keys = block_keys(list(range(4 * 5)), 4)
+    for k in keys[:4]:
+        _put(store, k)                                     # keys[4] is missing
+    pages = aligned_bytes(10 * 4096).reshape(10, 4096)
+    bodies = [aligned_bytes(store.layout.full_bytes) for _ in keys]
+    cut = store.layout.full_bytes - store.layout.full_bytes % 4096
+    items, paths = store._sio_items(keys, [b[:cut] for b in bodies], pages)
+    ring = lib.dp_sio_ring_create(store._root_fd, 2, 4, 1, ffi.NULL, 0)
+    assert ring != ffi.NULL
+    assert lib.dp_sio_ring_push(ring, items, 5) == 4
+    assert lib.dp_sio_ring_inflight(ring) == 4
+    assert lib.dp_sio_ring_destroy(ring) == -errno.EBUSY
+    done = ffi.new("struct dp_sio_item *[]", 4)
+    assert lib.dp_sio_ring_step(ring, done, 3, 1) == -errno.EINVAL     # < 2 x depth
+    seen, pushed = [], 4
+    while len(seen) < 5:
+        if pushed < 5:
+            pushed += lib.dp_sio_ring_push(ring, items + pushed, 5 - pushed)
+        got = lib.dp_sio_ring_step(ring, done, 4, 1)
+        assert 0 < got <= 4
+        seen += [(int(ffi.cast("uintptr_t", done[k])) - int(ffi.cast("uintptr_t", items)))
+                 // ffi.sizeof("struct dp_sio_item") for k in range(got)]
+        assert lib.dp_sio_ring_inflight(ring) == pushed - len(seen)
+    assert sorted(seen) == [0, 1, 2, 3, 4]
+    assert [items[j].err for j in range(5)] == [0, 0, 0, 0, errno.ENOENT]
+    assert all(items[j].hashed and items[j].got == 4096 + store.layout.full_bytes
+               for j in range(4))
+    assert lib.dp_sio_ring_destroy(ring) == 0
+    del paths
+
+
+def test_read_rings_0_reads_each_batch_with_a_ring_of_its_own(tmp_path):
+    # storage.read_rings = 0: no ring reader threads; a batch is one C call on the read
+    # pool (the path before the ring readers, kept for comparison and as a fallback).
+    keys = block_keys(list(range(4 * 8)), 4)
+    with BlockStore(tmp_path, PROFILES[0], read_rings=0) as s:
+        for k in keys[:6]:
+            _put(s, k)
+        outs = [aligned_bytes(s.layout.full_bytes) for _ in keys]
+        assert asyncio.run(s.aread_many(keys, outs)) == [True] * 6 + [False] * 2
+        assert s._rings == [] and s.batched
+    with pytest.raises(UsageError, match="read_rings must be 0 to 64"):
+        BlockStore(tmp_path, PROFILES[0], read_rings=65)

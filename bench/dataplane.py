@@ -649,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
                     "rewritten, as ib_write_bw does; default 64)")
     ap.add_argument("--json", metavar="PATH", help="write the record as JSON here")
     args = ap.parse_args(argv)
+    if args.json:      # before the run, not after it: a missing folder is made
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
 
     defaults = (VERBS_DEFAULTS if args.transport == "verbs" else
                 {"sizes": DEFAULT_SIZES, "batches": DEFAULT_BATCHES, "bytes_per_point": 1024 * MIB,

@@ -30,6 +30,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.replay import ReplayOptions
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                     "reported by its median pass (default %(default)s: no mode is always "
                     "the first or the last on its cluster)")
     args = ap.parse_args(argv)
+    if args.json:      # before the run, not after it: a missing folder is made
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: must be >= 1")
     reports = {}

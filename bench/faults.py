@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from pathlib import Path
 
 from dualpath import tls
 from dualpath.cluster.faults import (
@@ -228,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", default="", help="keep the cluster's logs here")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    if args.json:      # before the run, not after it: a missing folder is made
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     if args.quick:
         args.kills, args.agents, args.rounds = min(args.kills, 6), 6, 4
     rng = random.Random(args.seed)

@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rdma-device", default=None, help="RDMA device for --rdma")
     ap.add_argument("--json", metavar="PATH", help="write the record as JSON here")
     args = ap.parse_args(argv)
+    if args.json:      # before the run, not after it: a missing folder is made
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.blocks < 1 or args.rounds < 1 or min(sizes) < 1:
         ap.error("--blocks, --rounds and every size must be >= 1")

@@ -775,6 +775,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-at", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--probe-tls", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.json:      # before the run, not after it: a missing folder is made
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     args.saturate, args.journal, args.pki = False, False, None
     if not args.skip_tls and args.channels:
         p.error("the TLS comparison needs one connection per leader (--channels 0): a "

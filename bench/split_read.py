@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="tcp", choices=("tcp", "auto", "verbs"))
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    if args.json:      # before the run, not after it: a missing folder is made
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     trace = make_trace(args.agents, context_scale=args.context_scale,
                        max_rounds=args.rounds, seed=args.seed)
     settings = {"transport": {"kind": args.transport},

@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    if args.json:      # before the run, not after it: a missing folder is made
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for blocks in (1, 64):
         counter = Counter()

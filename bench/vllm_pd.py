@@ -237,6 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", default="", help="keep the clusters' logs here")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    if args.json:      # before the run, not after it: a missing folder is made
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     cases = set(args.cases.split(","))
     if not cases or cases - {"io", "compute"}:
         ap.error(f"--cases: io, compute or io,compute, not {args.cases!r}")

@@ -265,7 +265,11 @@ class SimCluster:
         if res.assignments or done:
             self._bump()
         ld.seen_version = self.version
-        at = now + self.hw.rpc_s
+        # The fetch's round trip: assignments arrive, and the leader's sleep starts,
+        # after it (uniform in [0, 2 rpc_s]: the call's time varies, which is what
+        # keeps the groups' fetch order from being the same every period).
+        rtt = self.rng.uniform(0.0, 2.0 * self.hw.rpc_s) if self.hw.rpc_s else 0.0
+        at = now + rtt
         for a in res.assignments:
             r = self.requests[a.request_id]
             if ld.role is Role.DECODE:
@@ -274,7 +278,7 @@ class SimCluster:
                 self.loop.at(at, self._assigned, r, self.engines[a.pe.engine_id],
                              self.engines[a.de.engine_id], int(a.read_side),
                              a.prefill_read_tokens, a.decode_read_tokens)
-        self.loop.after(self.hw.fetch_interval_s + self.hw.rpc_s, self._tick, ld)
+        self.loop.at(at + self.hw.fetch_interval_s, self._tick, ld)
 
     # ------------------------------------------------------------ DE placement
 
@@ -288,7 +292,7 @@ class SimCluster:
     # ------------------------------------------------------------ PE path
 
     def _assigned(self, r: SimRequest, pe, de, read_side: int, prt: int, drt: int) -> None:
-        r.pe = pe
+        r.pe, r.de = pe, de           # (the DE leader's placement may arrive later)
         pe.tokens[r.request_id] = r.prompt
         pe.tok += r.prompt
         T = self.T
@@ -425,17 +429,15 @@ class SimCluster:
         self._schedule_decode(de)
 
     def _decoded(self, r: SimRequest) -> None:
-        """The last token: the new blocks go to storage (each request waits for its
-        own write-back), then DECODE_DONE rides on the DE leader's next fetch."""
+        """The last token: the DE frees its HBM and DECODE_DONE rides on its leader's
+        next fetch. The new blocks go to storage through the write direction of the
+        node's storage NIC, outside the request's latency (engine/writeback.py), so
+        they never delay a read (full duplex) and are only counted."""
         now = self.loop.now
         r.finish_s = max(now, r.second_token_s or now)
         de = r.de
-        new = (r.prompt + r.gen - r.hit) * self.kvt if r.moves_kv else 0
-        end = de.node.write.reserve(now, new)
-        self.loop.at(end, self._written, r)
-
-    def _written(self, r: SimRequest) -> None:
-        de = r.de
+        if r.moves_kv:
+            de.node.write.reserve(now, (r.prompt + r.gen - r.hit) * self.kvt)
         de.reserved -= de.blocks_of(r)
         del de.tokens[r.request_id]
         de.tok -= r.prompt

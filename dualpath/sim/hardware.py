@@ -40,7 +40,7 @@ class SimHardware:
     host_cores: float = 0.0
     cpu_s_per_request: float = 0.0
     cpu_s_per_byte: float = 0.0
-    rpc_s: float = 0.0               # a control-plane hop (fetch answer, hand-off)
+    rpc_s: float = 0.001             # mean round trip of a leader's fetch (s)
 
     def __post_init__(self):
         if self.engines_per_node < 1 or self.max_prefills_per_engine < 1:

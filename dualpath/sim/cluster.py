@@ -134,6 +134,7 @@ class SimCluster:
         self.cpu_fetch: list[float] = []
         self.cpu_fetch_assigned = 0
         self.cpu_submit = 0.0
+        self.submit_calls = 0
         self.host_cpu = Link("host-cpu", hw.host_cores) if hw.host_cores > 0 else None
         g = hw.engines_per_node
         node_cnic = hw.cnic_bytes_per_s * g
@@ -180,24 +181,28 @@ class SimCluster:
 
     # ------------------------------------------------------------ agents
 
-    def _submit(self, agent: int, k: int) -> None:
+    def _submit(self, rounds: list[tuple[int, int]]) -> None:
+        """Submit these (agent, round)s in one call, as the replay driver submits every
+        round that is due at once."""
         now = self.loop.now
-        pl = self.plans[agent][k]
-        rid = f"a{agent}-r{k}"
-        r = SimRequest(rid, agent, k, self.mode, pl.prompt_tokens, pl.hit_tokens,
-                       pl.gen_tokens, now)
-        self.requests[rid] = r
+        specs = []
+        for agent, k in rounds:
+            pl = self.plans[agent][k]
+            rid = f"a{agent}-r{k}"
+            self.requests[rid] = SimRequest(rid, agent, k, self.mode, pl.prompt_tokens,
+                                            pl.hit_tokens, pl.gen_tokens, now)
+            specs.append(RequestSpec(pl.prompt_tokens, pl.hit_tokens, pl.gen_tokens, rid))
         t0 = time.process_time()
-        adm = self.core.submit([RequestSpec(pl.prompt_tokens, pl.hit_tokens,
-                                            pl.gen_tokens, rid)], now)
+        adm = self.core.submit(specs, now)
         self.cpu_submit += time.process_time() - t0
+        self.submit_calls += 1
         if adm.rejected:
-            raise UsageError(f"simulated request {rid} rejected by the scheduler: "
-                             f"{adm.rejected[0].detail}")
+            raise UsageError(f"simulated request {adm.rejected[0].request_id} rejected by "
+                             f"the scheduler: {adm.rejected[0].detail}")
         self._bump()
 
-    def _ended(self, r: SimRequest) -> None:
-        """The scheduler recorded ``r``'s DECODE_DONE: its agent goes on."""
+    def _ended(self, r: SimRequest, due: list[tuple[int, int]]) -> None:
+        """The scheduler recorded ``r``'s DECODE_DONE: its agent's next round is due."""
         if r.request_id in self.completed_ids:
             self.duplicates += 1
             return
@@ -208,7 +213,7 @@ class SimCluster:
                                           second, r.finish_s, r.prompt, r.hit, r.gen))
         del self.requests[r.request_id]
         if r.round + 1 < len(self.plans[r.agent]):
-            self.loop.after(self.client_s, self._submit, r.agent, r.round + 1)
+            due.append((r.agent, r.round + 1))
 
     # ------------------------------------------------------------ leaders
 
@@ -259,9 +264,12 @@ class SimCluster:
             raise UsageError(f"the scheduler cancelled {res.cancelled[:3]} in a simulated "
                              "run without failures")
         ld.last_empty = not res.assignments and not done
+        due: list[tuple[int, int]] = []
         for c, r in done:
             if c.stage is CompletionStage.DECODE_DONE:
-                self._ended(r)
+                self._ended(r, due)
+        if due:
+            self.loop.after(self.client_s, self._submit, due)
         if res.assignments or done:
             self._bump()
         ld.seen_version = self.version
@@ -453,8 +461,11 @@ class SimCluster:
             ld.node.leader = ld
             ld.last_tick = self.rng.uniform(0, self.hw.fetch_interval_s)
             self.loop.at(ld.last_tick, self._tick, ld)
+        at: dict[float, list[tuple[int, int]]] = {}
         for a, t in enumerate(self.starts):
-            self.loop.at(t, self._submit, a, 0)
+            at.setdefault(t, []).append((a, 0))
+        for t, rounds in at.items():
+            self.loop.at(t, self._submit, rounds)
         w0 = time.perf_counter()
         self.loop.run(until=max_sim_s)
         wall = time.perf_counter() - w0
@@ -478,6 +489,7 @@ class SimCluster:
             self.loop.events,
             {"fetches": len(cpu), "assignments": self.cpu_fetch_assigned,
              "cpu_s_total": total, "cpu_s_submit": self.cpu_submit,
+             "submit_calls": self.submit_calls,
              "fetch_us_mean": 1e6 * sum(cpu) / len(cpu) if cpu else None,
              "fetch_us_p99": 1e6 * sorted(cpu)[int(0.99 * (len(cpu) - 1))] if cpu else None,
              "us_per_request": 1e6 * total / max(1, len(self.records)),

@@ -45,10 +45,52 @@ from dualpath.sim.hardware import Shape, SimHardware
 from dualpath.sim.nodes import DecodeNode, PrefillNode, SimRequest, finish_step, plan_step
 from dualpath.sim.resources import Link
 from dualpath.trace.arrivals import arrival_times
-from dualpath.trace.model import Trace, plan_rounds
+from dualpath.trace.model import Trace
 from dualpath.trace.report import RequestRecord
 
 _FIT_CACHE: dict = {}
+_SAMPLE = 100_000          # fetch CPU times and latencies kept for percentiles
+
+
+class _Stats:
+    """What a run without its records keeps: sums, and uniform samples (reservoirs) of
+    TTFT and TPOT for percentiles."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.n = 0
+        self.prompt = self.gen = self.hit = 0
+        self.first_submit = math.inf
+        self.last_finish = 0.0
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+
+    def add(self, r: RequestRecord) -> None:
+        self.n += 1
+        self.prompt += r.prompt_tokens
+        self.gen += r.gen_tokens
+        self.hit += r.hit_tokens
+        self.first_submit = min(self.first_submit, r.submit_s)
+        self.last_finish = max(self.last_finish, r.finish_s)
+        self._keep(self.ttft, r.ttft_s)
+        if r.tpot_s is not None:
+            self._keep(self.tpot, r.tpot_s)
+
+    def _keep(self, xs: list[float], v: float) -> None:
+        if len(xs) < _SAMPLE:
+            xs.append(v)
+        else:
+            j = self.rng.randrange(self.n)
+            if j < _SAMPLE:
+                xs[j] = v
+
+    def summary(self) -> dict:
+        def q(xs, p):
+            return sorted(xs)[int(p * (len(xs) - 1))] if xs else None
+        return {"requests": self.n, "prompt_tokens": self.prompt, "gen_tokens": self.gen,
+                "hit_tokens": self.hit, "ttft_p50_s": q(self.ttft, 0.5),
+                "ttft_p99_s": q(self.ttft, 0.99), "tpot_p50_s": q(self.tpot, 0.5),
+                "ttft_mean_s": sum(self.ttft) / len(self.ttft) if self.ttft else None}
 
 
 def profiled_fit(profile):
@@ -100,7 +142,7 @@ class SimCluster:
     def __init__(self, shape: Shape, hw: SimHardware, trace: Trace, mode: str, *,
                  online_aps: float | None = None, seed: int = 0, window_s: float = 1.0,
                  split_read: bool = False, alpha_tokens: int = 0, beta_tokens: int = 0,
-                 client_s: float = 0.0):
+                 client_s: float = 0.0, keep_records: bool = True):
         if mode not in MODES:
             raise UsageError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         if not window_s > 0:
@@ -131,7 +173,11 @@ class SimCluster:
             finished_requests_kept=0)
         self.core = Scheduler(self.params, rng=random.Random(seed))
         self.version = 0
-        self.cpu_fetch: list[float] = []
+        # Per-fetch CPU: sum and count, and a uniform sample for percentiles (a run at
+        # scale makes tens of millions of fetches).
+        self.cpu_fetch_s = 0.0
+        self.cpu_fetches = 0
+        self.cpu_sample: list[float] = []
         self.cpu_fetch_assigned = 0
         self.cpu_submit = 0.0
         self.submit_calls = 0
@@ -167,16 +213,20 @@ class SimCluster:
                 ld.lease_id = grp.lease_id
                 self.leaders.append(ld)
         # Agents: their rounds in order, each submitted when the one before ended.
-        self.plans = [plan_rounds(t, self.T) for t in trace.trajectories]
-        n = len(self.plans)
+        # Each agent's rounds, planned as they come (plan_rounds' rule: the hit is the
+        # context so far in whole blocks) so that 48K trajectories hold no plan lists.
+        self.trajs = trace.trajectories
+        self.context = [0] * len(self.trajs)
+        n = len(self.trajs)
         if not n:
             raise UsageError("the trace has no trajectories")
         self.starts = (arrival_times(n, "online", aps=online_aps, seed=seed)
                        if online_aps else [0.0] * n)
+        self.keep_records = keep_records
         self.records: list[RequestRecord] = []
+        self.stats = _Stats(seed)
         self.requests: dict[str, SimRequest] = {}
-        self.left = sum(len(pl) for pl in self.plans)
-        self.completed_ids: set[str] = set()
+        self.left = sum(len(t.rounds) for t in self.trajs)
         self.duplicates = 0
 
     # ------------------------------------------------------------ agents
@@ -186,12 +236,15 @@ class SimCluster:
         round that is due at once."""
         now = self.loop.now
         specs = []
+        T = self.T
         for agent, k in rounds:
-            pl = self.plans[agent][k]
+            rd = self.trajs[agent].rounds[k]
+            ctx = self.context[agent]
+            prompt, hit = ctx + rd.append_tokens, ctx // T * T
             rid = f"a{agent}-r{k}"
-            self.requests[rid] = SimRequest(rid, agent, k, self.mode, pl.prompt_tokens,
-                                            pl.hit_tokens, pl.gen_tokens, now)
-            specs.append(RequestSpec(pl.prompt_tokens, pl.hit_tokens, pl.gen_tokens, rid))
+            self.requests[rid] = SimRequest(rid, agent, k, self.mode, prompt, hit,
+                                            rd.gen_tokens, now)
+            specs.append(RequestSpec(prompt, hit, rd.gen_tokens, rid))
         t0 = time.process_time()
         adm = self.core.submit(specs, now)
         self.cpu_submit += time.process_time() - t0
@@ -203,16 +256,20 @@ class SimCluster:
 
     def _ended(self, r: SimRequest, due: list[tuple[int, int]]) -> None:
         """The scheduler recorded ``r``'s DECODE_DONE: its agent's next round is due."""
-        if r.request_id in self.completed_ids:
+        if r.ended:
             self.duplicates += 1
             return
-        self.completed_ids.add(r.request_id)
+        r.ended = True
         self.left -= 1
         second = r.second_token_s if r.gen >= 2 else None
-        self.records.append(RequestRecord(r.agent, r.round, r.submit_s, r.first_token_s,
-                                          second, r.finish_s, r.prompt, r.hit, r.gen))
+        rec = RequestRecord(r.agent, r.round, r.submit_s, r.first_token_s, second,
+                            r.finish_s, r.prompt, r.hit, r.gen)
+        self.stats.add(rec)
+        if self.keep_records:
+            self.records.append(rec)
         del self.requests[r.request_id]
-        if r.round + 1 < len(self.plans[r.agent]):
+        self.context[r.agent] = r.prompt + r.gen
+        if r.round + 1 < len(self.trajs[r.agent].rounds):
             due.append((r.agent, r.round + 1))
 
     # ------------------------------------------------------------ leaders
@@ -258,7 +315,15 @@ class SimCluster:
         if done:
             self.core.report(ld.group_id, ld.lease_id, [c for c, _ in done], now)
         res = self.core.fetch(ld.group_id, ld.lease_id, reports, now)
-        self.cpu_fetch.append(time.process_time() - t0)
+        dt = time.process_time() - t0
+        self.cpu_fetch_s += dt
+        self.cpu_fetches += 1
+        if len(self.cpu_sample) < _SAMPLE:
+            self.cpu_sample.append(dt)
+        else:
+            j = self.rng.randrange(self.cpu_fetches)
+            if j < _SAMPLE:
+                self.cpu_sample[j] = dt
         self.cpu_fetch_assigned += len(res.assignments)
         if res.cancelled:
             raise UsageError(f"the scheduler cancelled {res.cancelled[:3]} in a simulated "
@@ -456,7 +521,10 @@ class SimCluster:
 
     # ------------------------------------------------------------ the run
 
-    def run(self, max_sim_s: float = float("inf")) -> SimResult:
+    def run(self, max_sim_s: float = float("inf"), partial: bool = False) -> SimResult:
+        """Run to the last request's end; with ``partial``, stop at ``max_sim_s`` of
+        simulated time whatever is left (``extra['complete']`` says which; ``sim_s`` is
+        then the time simulated, not a JCT)."""
         for ld in self.leaders:
             ld.node.leader = ld
             ld.last_tick = self.rng.uniform(0, self.hw.fetch_interval_s)
@@ -469,36 +537,41 @@ class SimCluster:
         w0 = time.perf_counter()
         self.loop.run(until=max_sim_s)
         wall = time.perf_counter() - w0
-        if self.left:
+        if self.left and not partial:
             raise UsageError(f"simulated run ({self.mode}, {self.shape}) stopped with "
                              f"{self.left} requests unfinished at t = {self.loop.now:.1f} s")
         return self._result(wall)
 
     def _result(self, wall: float) -> SimResult:
-        sim_s = max(r.finish_s for r in self.records) - min(r.submit_s for r in self.records)
+        if self.left:
+            sim_s = self.loop.now
+        else:
+            sim_s = self.stats.last_finish - self.stats.first_submit
         nodes = [*self.pe_nodes, *self.de_nodes]
         read = {n.node_id: n.read.total for n in nodes}
         last = max((max(n.read.windows, default=0) for n in nodes), default=0)
         windows = [{n.node_id: int(n.read.windows.get(i, 0)) for n in nodes}
                    for i in range(last + 1)]
-        cpu = self.cpu_fetch
-        total = sum(cpu) + self.cpu_submit
+        cpu = sorted(self.cpu_sample)
+        n = self.cpu_fetches
+        total = self.cpu_fetch_s + self.cpu_submit
         steps = [s for n in self.pe_nodes for s in n.steps]
         return SimResult(
             self.mode, self.records, read, windows, self.window_s, sim_s, wall,
             self.loop.events,
-            {"fetches": len(cpu), "assignments": self.cpu_fetch_assigned,
+            {"fetches": n, "assignments": self.cpu_fetch_assigned,
              "cpu_s_total": total, "cpu_s_submit": self.cpu_submit,
              "submit_calls": self.submit_calls,
-             "fetch_us_mean": 1e6 * sum(cpu) / len(cpu) if cpu else None,
-             "fetch_us_p99": 1e6 * sorted(cpu)[int(0.99 * (len(cpu) - 1))] if cpu else None,
-             "us_per_request": 1e6 * total / max(1, len(self.records)),
+             "fetch_us_mean": 1e6 * self.cpu_fetch_s / n if n else None,
+             "fetch_us_p99": 1e6 * cpu[int(0.99 * (len(cpu) - 1))] if cpu else None,
+             "us_per_request": 1e6 * total / max(1, self.stats.n),
              "cores": total / sim_s if sim_s > 0 else None},
             steps,
             {"decode_batch_largest": max(e.largest for n in self.de_nodes
                                          for e in n.engines),
              "pe_buffer_low_blocks": min(n.buffer.low for n in self.pe_nodes),
-             "duplicate_completions": self.duplicates})
+             "duplicate_completions": self.duplicates, "complete": not self.left,
+             "requests_left": self.left, "stats": self.stats.summary()})
 
 
 def run_modes(shape: Shape, hw: SimHardware, trace: Trace, modes: Sequence[str],

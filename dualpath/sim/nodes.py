@@ -60,6 +60,7 @@ class SimRequest:
     first_token_s: float = 0.0
     second_token_s: float | None = None
     finish_s: float = 0.0
+    ended: bool = False
 
     @property
     def layerwise(self) -> bool:

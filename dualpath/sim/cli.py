@@ -87,6 +87,7 @@ def register(sub) -> None:
     o.add_argument("--json", metavar="PATH")
     o.add_argument("--plot", metavar="PATH")
     p.set_defaults(func=_sim)
+    register_plan(sub)
 
 
 def parse_modes(text: str) -> list[str]:
@@ -115,4 +116,83 @@ def _sim(args) -> int:
     rep = sim_report(results, shape, hw, trace, online_aps=args.aps)
     print(format_sim_table(rep))
     write_outputs(rep, args.json, args.plot)
+    return 0
+
+
+def register_plan(sub) -> None:
+    p = sub.add_parser("plan", help="choose P/D, DRAM buffers and alpha/beta for a trace "
+                       "and hardware by simulation; write a deploy TOML")
+    p.add_argument("--nodes", type=int, default=6, help="nodes to split into P + D")
+    add_hardware_args(p)
+    add_trace_args(p, agents=24, rounds=4)
+    s = p.add_argument_group("sweep")
+    s.add_argument("--buffer-gib", default="", help="DRAM buffer sizes per node to try, "
+                   "comma-separated GiB (default: the preset's and a quarter of it)")
+    s.add_argument("--alpha-x", default="0.5,1,2", help="alpha multiples of the derived α")
+    s.add_argument("--beta-x", default="0.5,1,2", help="beta multiples of the derived β")
+    s.add_argument("--tolerance", type=float, default=0.05,
+                   help="the simulated range: JCT within this fraction of the best")
+    o = p.add_argument_group("output")
+    o.add_argument("--deploy", metavar="PATH", default="plan-deploy.toml",
+                   help="the deploy TOML for the choice (default ./plan-deploy.toml)")
+    o.add_argument("--json", metavar="PATH")
+    p.set_defaults(func=_plan)
+
+
+def _floats(flag: str, text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: comma-separated numbers") from None
+
+
+def _plan(args) -> int:
+    import json
+
+    from dualpath.scheduler.cli import table
+    from dualpath.sim.plan import deploy_toml, plan
+
+    hw = hardware_from_args(args)
+    trace = trace_from_args(args)
+    bufs = ([int(g * GIB) for g in _floats("--buffer-gib", args.buffer_gib)]
+            if args.buffer_gib else [hw.pe_buffer_bytes, hw.pe_buffer_bytes // 4])
+    if not 0 <= args.tolerance < 1:
+        raise UsageError(f"--tolerance must be in [0, 1), got {args.tolerance}")
+
+    def say(c) -> None:
+        print(f"  {c.stage:<10} {c.shape!s:<7} buffer {c.buffer_bytes / GIB:6.2f} GiB "
+              f"alpha x{c.alpha_x:g} beta x{c.beta_x:g}: JCT {c.jct_s:9.1f} s (simulated)",
+              flush=True)
+    print(f"dualpath plan: {args.nodes} nodes of {hw.engines_per_node} GPUs, {hw.model}, "
+          f"{len(trace.trajectories)} agents; every JCT simulated", flush=True)
+    res = plan(trace, hw, args.nodes, buffers_bytes=bufs,
+               alpha_xs=_floats("--alpha-x", args.alpha_x),
+               beta_xs=_floats("--beta-x", args.beta_x), tolerance=args.tolerance,
+               seed=args.seed, progress=say)
+    cols = ["stage", "shape", "buffer_gib", "alpha_x", "beta_x", "jct_s",
+            "tokens_per_s_per_gpu", "snic_util_mean", "pe_buffer_low_fraction"]
+    print(table([c.upper() for c in cols],
+                [[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+                 for r in res["candidates"]]))
+    ch = res["chosen"]
+    print(f"\nrecommended: {ch['shape']}, DRAM buffers {ch['buffer_gib']:.2f} GiB per node, "
+          f"alpha {ch['alpha_tokens']} tokens (x{ch['alpha_x']:g}), beta "
+          f"{ch['beta_tokens']} tokens (x{ch['beta_x']:g}): simulated JCT "
+          f"{ch['jct_s']:.1f} s")
+    print(f"P/D range, analytic (§4.2): {res['analytic_pd_range']['described']}")
+    print(f"P/D range, simulated:       {res['simulated_pd_range']['described']}")
+    print(f"working set (§8.2):         {res['working_set']['described']}")
+    text = deploy_toml(res, hw)
+    with open(args.deploy, "w") as fh:
+        fh.write(text)
+    print(f"wrote {args.deploy}")
+    res["deploy_toml"] = text
+    res["summary"] = {"recommended_shape": ch["shape"], "recommended_jct_s": ch["jct_s"],
+                      "analytic_pd_range": res["analytic_pd_range"]["described"],
+                      "simulated_pd_range": res["simulated_pd_range"]["described"],
+                      "working_set_bytes": res["working_set"]["bytes"]}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=2)
+            fh.write("\n")
     return 0

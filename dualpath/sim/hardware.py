@@ -41,11 +41,13 @@ class SimHardware:
     cpu_s_per_request: float = 0.0
     cpu_s_per_byte: float = 0.0
     rpc_s: float = 0.001             # mean round trip of a leader's fetch (s)
+    # A node's memory bandwidth: only §4.2's analytic range reads it (`dualpath plan`).
+    mem_bytes_per_s: float = 20e9
 
     def __post_init__(self):
         if self.engines_per_node < 1 or self.max_prefills_per_engine < 1:
             raise UsageError("engines_per_node and max_prefills_per_engine must be >= 1")
-        for f in ("speed_scale", "fetch_interval_s", "cnic_bytes_per_s"):
+        for f in ("speed_scale", "fetch_interval_s", "cnic_bytes_per_s", "mem_bytes_per_s"):
             if not getattr(self, f) > 0:
                 raise UsageError(f"hardware {f} must be > 0, got {getattr(self, f)!r}")
         for f in ("snic_bytes_per_s", "host_cores", "cpu_s_per_request", "cpu_s_per_byte",
@@ -78,13 +80,15 @@ class SimHardware:
 LOCAL = SimHardware()
 
 #: The paper's cluster (§4.2, §7): 8 Hopper GPUs a node, a 400 Gbit/s compute NIC per
-#: GPU and one 400 Gbit/s storage NIC per node, DS 660B (40 GiB of HBM per engine for
-#: KV). DRAM buffers are not given by the paper: 64 GiB per node assumed. Leaders fetch
-#: every 20 ms (the scheduler's default).
+#: GPU and one 400 Gbit/s storage NIC per node, ~500 GB/s of memory bandwidth, DS 660B;
+#: HBM for KV and DRAM buffers as deploy/cluster-multinode.toml sets them (16 GiB a PE
+#: engine, 40 GiB a DE engine, 64 GiB PE and DE buffers a node: the paper gives none).
+#: Leaders fetch every 20 ms (the scheduler's default).
 PAPER = SimHardware(model="ds660b", engines_per_node=8, snic_bytes_per_s=50e9,
                     cnic_bytes_per_s=50e9, pe_buffer_bytes=64 * GiB,
-                    de_buffer_bytes=64 * GiB, prefill_hbm_bytes=40 * GiB,
-                    decode_hbm_bytes=40 * GiB, fetch_interval_s=0.020)
+                    de_buffer_bytes=64 * GiB, prefill_hbm_bytes=16 * GiB,
+                    decode_hbm_bytes=40 * GiB, fetch_interval_s=0.020,
+                    mem_bytes_per_s=500e9)
 
 PRESETS = {"local": LOCAL, "paper": PAPER}
 

@@ -114,3 +114,23 @@ def test_cli_writes_the_replay_report(tmp_path, capsys):
     assert s["requests"] == 8 and s["scheduler_cpu"]["fetches"] > 0
     assert (tmp_path / "s.png").stat().st_size > 0
     assert "simulated" in capsys.readouterr().out
+
+
+def test_plan_recommends_and_writes_a_valid_deploy_toml(tmp_path):
+    from dualpath.config import load as load_config
+    from dualpath.sim.plan import deploy_toml, plan
+
+    tr = trace(agents=8, rounds=3)
+    res = plan(tr, LOCAL, 3, buffers_bytes=[LOCAL.pe_buffer_bytes], alpha_xs=[1.0],
+               beta_xs=[1.0, 2.0])
+    stages = [c["stage"] for c in res["candidates"]]
+    assert stages == ["P/D", "P/D", "alpha/beta"]
+    assert res["chosen"]["jct_s"] == min(c["jct_s"] for c in res["candidates"])
+    assert res["simulated_pd_range"]["low"] <= res["simulated_pd_range"]["high"]
+    text = deploy_toml(res, LOCAL)
+    path = tmp_path / "deploy.toml"
+    path.write_text(text)
+    cfg = load_config(str(path))            # every key exists and validates
+    assert cfg.buffers.pe_buffer_mib == 512 and cfg.engine.engines_per_node == 1
+    with pytest.raises(Exception, match="nodes"):
+        plan(tr, LOCAL, 1, buffers_bytes=[1], alpha_xs=[1.0], beta_xs=[1.0])

@@ -142,7 +142,7 @@ class SimCluster:
     def __init__(self, shape: Shape, hw: SimHardware, trace: Trace, mode: str, *,
                  online_aps: float | None = None, seed: int = 0, window_s: float = 1.0,
                  split_read: bool = False, alpha_tokens: int = 0, beta_tokens: int = 0,
-                 client_s: float = 0.0, keep_records: bool = True):
+                 keep_records: bool = True):
         if mode not in MODES:
             raise UsageError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         if not window_s > 0:
@@ -153,7 +153,7 @@ class SimCluster:
         self.T, self.L = p.block_tokens, p.layers
         self.loop = EventLoop()
         self.rng = random.Random(seed)
-        self.client_s = client_s
+        self.client_s = hw.client_s
         self.window_s = window_s
         self.estimate = profiled_fit(p)
         self.quota_s = hw.compute_quota_ms / 1000.0
@@ -383,7 +383,14 @@ class SimCluster:
             pe.waiting.append(r)
 
     def _slot(self, r: SimRequest) -> None:
-        """A prefill slot: prepare at the DE, then the PE buffer."""
+        """A prefill slot: PrepareRequest to the DE (one node-to-node hop), then the
+        DE's and the PE's buffers."""
+        if self.hw.hop_s:
+            self.loop.after(self.hw.hop_s, self._prepared, r)
+        else:
+            self._prepared(r)
+
+    def _prepared(self, r: SimRequest) -> None:
         de_node = r.de.node
         r.expected_de = r.remote_tokens
         de_node.expected += r.remote_tokens
@@ -410,7 +417,8 @@ class SimCluster:
         if r.remote_tokens:
             de_node.expected -= r.expected_de
             r.expected_de = 0
-            got = de_node.read.reserve(now, r.remote_tokens * kvt)
+            # The PE's LoadOrder reaches the DE one hop later.
+            got = de_node.read.reserve(now + self.hw.hop_s, r.remote_tokens * kvt)
             xfer = r.remote_tokens * kvt
             end = max(end, de_node.cnic_out.reserve(got, xfer), pe_node.cnic_in.reserve(got, xfer))
         if self.host_cpu is not None:
@@ -480,12 +488,18 @@ class SimCluster:
         ld.pending.append((Completion(r.request_id, e.engine_id,
                                       CompletionStage.PREFILL_DONE), r))
         self._touch(ld)
-        de = r.de
         if r.gen <= 1:
             r.second_token_s = None
             self._decoded(r)
             return
-        r.second_token_s = de.join(r, now)
+        if self.hw.hop_s:       # PrefillDone reaches the DE one hop later
+            self.loop.after(self.hw.hop_s, self._join, r)
+        else:
+            self._join(r)
+
+    def _join(self, r: SimRequest) -> None:
+        de = r.de
+        r.second_token_s = de.join(r, self.loop.now)
         self._schedule_decode(de)
 
     def _schedule_decode(self, de) -> None:

@@ -41,6 +41,11 @@ class SimHardware:
     cpu_s_per_request: float = 0.0
     cpu_s_per_byte: float = 0.0
     rpc_s: float = 0.001             # mean round trip of a leader's fetch (s)
+    # The replay driver: from a round's DECODE_DONE being recorded to the next round's
+    # submission (its result's way to the driver, the driver's loop).
+    client_s: float = 0.0
+    # One node-to-node control hop (PrepareRequest, a LoadOrder, PrefillDone).
+    hop_s: float = 0.0
     # A node's memory bandwidth: only §4.2's analytic range reads it (`dualpath plan`).
     mem_bytes_per_s: float = 20e9
 
@@ -51,7 +56,7 @@ class SimHardware:
             if not getattr(self, f) > 0:
                 raise UsageError(f"hardware {f} must be > 0, got {getattr(self, f)!r}")
         for f in ("snic_bytes_per_s", "host_cores", "cpu_s_per_request", "cpu_s_per_byte",
-                  "rpc_s"):
+                  "rpc_s", "client_s", "hop_s"):
             if getattr(self, f) < 0:
                 raise UsageError(f"hardware {f} must be >= 0, got {getattr(self, f)!r}")
         for f in ("pe_buffer_bytes", "de_buffer_bytes", "prefill_hbm_bytes",

@@ -81,8 +81,11 @@ class SimHardware:
 #: The local cluster of dualpath/cluster/local.py as dualpath/repro/figures.py runs it:
 #: one emulated engine per node (demo profile), 512 MiB PE/DE buffers and PE HBM,
 #: 256 MiB DE HBM, 16 prefills per engine, leaders fetching every 5 ms, KV between
-#: nodes over loopback TCP (~3 GB/s measured, docs/architecture.md).
-LOCAL = SimHardware()
+#: nodes over loopback TCP (~3 GB/s measured, docs/architecture.md). The fetch round
+#: trip and the replay driver's delay are bench/sim_validate.py's calibration on this
+#: 2-core host (docs/sim.md: 2.5 ms and 25 ms; the CPU per request and per byte and the
+#: node-to-node hop came out 0 there).
+LOCAL = SimHardware(rpc_s=0.0025, client_s=0.025)
 
 #: The paper's cluster (§4.2, §7): 8 Hopper GPUs a node, a 400 Gbit/s compute NIC per
 #: GPU and one 400 Gbit/s storage NIC per node, ~500 GB/s of memory bandwidth, DS 660B;

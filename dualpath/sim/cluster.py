@@ -31,7 +31,6 @@ from dualpath.kv.profiles import get_profile
 from dualpath.scheduler.core import (
     Completion,
     CompletionStage,
-    EngineReport,
     EngineSpec,
     Params,
     RequestSpec,
@@ -116,6 +115,17 @@ class _Leader:
     seen_version: int = -1
     last_tick: float = 0.0
     dormant: bool = False
+    reports: list = field(default_factory=list)
+
+
+class _Status:
+    """One engine's status in a fetch: EngineReport's fields, reused tick after tick."""
+
+    __slots__ = ("engine_id", "free_hbm_tokens", "read_q", "seq", "tok")
+
+    def __init__(self, engine_id: str):
+        self.engine_id = engine_id
+        self.seq = self.tok = self.read_q = self.free_hbm_tokens = 0
 
 
 @dataclass
@@ -202,7 +212,8 @@ class SimCluster:
         read_rate = rate / base.kv_bytes_per_token
         for role, nodes in ((Role.PREFILL, self.pe_nodes), (Role.DECODE, self.de_nodes)):
             for n in nodes:
-                ld = _Leader(f"{n.node_id}-group", role, n.engines, n)
+                ld = _Leader(f"{n.node_id}-group", role, n.engines, n,
+                             reports=[_Status(e.engine_id) for e in n.engines])
                 specs = []
                 for k, e in enumerate(n.engines):
                     self.engines[e.engine_id] = e
@@ -304,12 +315,16 @@ class SimCluster:
         ld.dirty = False
         node = ld.node
         rq = node.read_q(now, self.kvt)
+        # The engines' statuses, as the leader's EngineStatus carries them (updated in
+        # place: the core reads the same five fields of an EngineReport).
+        reports = ld.reports
         if ld.role is Role.PREFILL:
-            reports = [EngineReport(e.engine_id, len(e.tokens), e.tok, rq)
-                       for e in ld.engines]
+            for e, rep in zip(ld.engines, reports):
+                rep.seq, rep.tok, rep.read_q = len(e.tokens), e.tok, rq
         else:
-            reports = [EngineReport(e.engine_id, len(e.tokens), e.tok, rq,
-                                    e.free_hbm_tokens) for e in ld.engines]
+            for e, rep in zip(ld.engines, reports):
+                rep.seq, rep.tok, rep.read_q = len(e.tokens), e.tok, rq
+                rep.free_hbm_tokens = max(0, e.hbm_blocks - e.reserved) * e.T
         done, ld.pending = ld.pending, []
         t0 = time.process_time()
         if done:

@@ -127,7 +127,7 @@ def register_plan(sub) -> None:
     add_trace_args(p, agents=24, rounds=4)
     s = p.add_argument_group("sweep")
     s.add_argument("--buffer-gib", default="", help="DRAM buffer sizes per node to try, "
-                   "comma-separated GiB (default: the preset's and a quarter of it)")
+                   "comma-separated GiB (default: the preset's, a quarter and 4x of it)")
     s.add_argument("--alpha-x", default="0.5,1,2", help="alpha multiples of the derived α")
     s.add_argument("--beta-x", default="0.5,1,2", help="beta multiples of the derived β")
     s.add_argument("--tolerance", type=float, default=0.05,
@@ -155,7 +155,8 @@ def _plan(args) -> int:
     hw = hardware_from_args(args)
     trace = trace_from_args(args)
     bufs = ([int(g * GIB) for g in _floats("--buffer-gib", args.buffer_gib)]
-            if args.buffer_gib else [hw.pe_buffer_bytes, hw.pe_buffer_bytes // 4])
+            if args.buffer_gib else [hw.pe_buffer_bytes, hw.pe_buffer_bytes // 4,
+                                     hw.pe_buffer_bytes * 4])
     if not 0 <= args.tolerance < 1:
         raise UsageError(f"--tolerance must be in [0, 1), got {args.tolerance}")
 

@@ -40,6 +40,7 @@ def sim_report(results: Sequence[SimResult], shape: Shape, hw: SimHardware, trac
             r.snic_windows, lb,
             {"sim": {"wall_s": r.wall_s, "sim_s": r.sim_s,
                      "speed_over_real_time": r.sim_s / r.wall_s if r.wall_s > 0 else None,
+                     "cpu_s": r.extra["run_cpu_s"],
                      "events": r.events, **r.extra},
              "scheduler_cpu": r.scheduler_cpu,
              "attention_balance": attention_balance(r.attention_steps)}))

@@ -180,6 +180,7 @@ class SimCluster:
                                                       hw.alpha_window_s),
             beta_tokens=beta_tokens or derive_beta(base, hw.beta_window_s),
             compute_quota_ms=hw.compute_quota_ms, split_read=split_read,
+            split_min_saving_s=0.05,      # the [scheduler] default, 50 ms
             split_align_tokens=p.block_tokens, lease_s=1e12,
             context_tokens=p.context_tokens, max_held_bytes=1 << 62,
             max_queued_requests=1 << 40, max_submit_requests=1 << 30,

@@ -120,6 +120,7 @@ class _Leader:
     last_tick: float = 0.0
     dormant: bool = False
     reports: list = field(default_factory=list)
+    core_group: object = None
 
 
 class _Status:
@@ -187,7 +188,7 @@ class SimCluster:
             default_read_tokens_per_s=rate / base.kv_bytes_per_token,
             finished_requests_kept=0)
         self.core = Scheduler(self.params, rng=random.Random(seed))
-        self.version = 0
+        self.version = {Role.PREFILL: 0, Role.DECODE: 0}
         # Per-fetch CPU: sum and count, and a uniform sample for percentiles (a run at
         # scale makes tens of millions of fetches).
         self.cpu_fetch_s = 0.0
@@ -213,7 +214,7 @@ class SimCluster:
             for i in range(shape.decode_nodes)]
         self.engines: dict[str, object] = {}
         self.leaders: list[_Leader] = []
-        self.dormant: list[_Leader] = []
+        self.dormant: dict[Role, list[_Leader]] = {Role.PREFILL: [], Role.DECODE: []}
         read_rate = rate / base.kv_bytes_per_token
         for role, nodes in ((Role.PREFILL, self.pe_nodes), (Role.DECODE, self.de_nodes)):
             for n in nodes:
@@ -227,6 +228,7 @@ class SimCluster:
                 grp = self.core.register_group(ld.group_id, role, specs, 0.0,
                                                read_tokens_per_s=read_rate)
                 ld.lease_id = grp.lease_id
+                ld.core_group = grp
                 self.leaders.append(ld)
         # Agents: their rounds in order, each submitted when the one before ended.
         # Each agent's rounds, planned as they come (plan_rounds' rule: the hit is the
@@ -271,7 +273,7 @@ class SimCluster:
         if adm.rejected:
             raise UsageError(f"simulated request {adm.rejected[0].request_id} rejected by "
                              f"the scheduler: {adm.rejected[0].detail}")
-        self._bump()
+        self._bump(Role.DECODE)
 
     def _ended(self, r: SimRequest, due: list[tuple[int, int]]) -> None:
         """The scheduler recorded ``r``'s DECODE_DONE: its agent's next round is due."""
@@ -293,17 +295,20 @@ class SimCluster:
 
     # ------------------------------------------------------------ leaders
 
-    def _bump(self) -> None:
-        self.version += 1
-        if self.dormant:
-            for ld in self.dormant:
-                self._wake(ld)
-            self.dormant = []
+    def _bump(self, *roles: Role) -> None:
+        """The scheduler's queues changed for these roles' leaders: wake theirs."""
+        for role in roles:
+            self.version[role] += 1
+            sleeping = self.dormant[role]
+            if sleeping:
+                for ld in sleeping:
+                    self._wake(ld)
+                sleeping.clear()
 
     def _touch(self, ld: _Leader) -> None:
         ld.dirty = True
         if ld.dormant:
-            self.dormant.remove(ld)
+            self.dormant[ld.role].remove(ld)
             self._wake(ld)
 
     def _wake(self, ld: _Leader) -> None:
@@ -315,11 +320,20 @@ class SimCluster:
     def _tick(self, ld: _Leader) -> None:
         now = self.loop.now
         ld.last_tick = now
-        if (not ld.dirty and not ld.pending and ld.last_empty
-                and ld.seen_version == self.version):
-            ld.dormant = True
-            self.dormant.append(ld)
-            return
+        if not ld.dirty and not ld.pending:
+            # Nothing to report that the core does not know. A fetch can get work only
+            # from its role's queue (PE: the prefill queue; DE: the global queue or its
+            # own private one), and gets none again if it got none and neither its
+            # engines nor those queues changed since.
+            core = self.core
+            if ld.role is Role.PREFILL:
+                idle = not core.prefill_queue
+            else:
+                idle = not core.global_queue and not ld.core_group.private_queue
+            if idle or (ld.last_empty and ld.seen_version == self.version[ld.role]):
+                ld.dormant = True
+                self.dormant[ld.role].append(ld)
+                return
         ld.dirty = False
         node = ld.node
         rq = node.read_q(now, self.kvt)
@@ -336,6 +350,7 @@ class SimCluster:
         done, ld.pending = ld.pending, []
         self.cpu_fetches += 1
         timed = self.cpu_fetches % CPU_STRIDE == 0
+        drains = ld.role is Role.DECODE and bool(self.core.global_queue)
         if timed:
             t0 = time.process_time()
         if done:
@@ -362,9 +377,11 @@ class SimCluster:
                 self._ended(r, due)
         if due:
             self.loop.after(self.client_s, self._submit, due)
-        if res.assignments or done:
-            self._bump()
-        ld.seen_version = self.version
+        if drains or (res.assignments and ld.role is Role.DECODE):
+            # The group phase filled DE groups' private queues; the in-group phase the
+            # prefill queue.
+            self._bump(Role.PREFILL, Role.DECODE)
+        ld.seen_version = self.version[ld.role]
         # The fetch's round trip: assignments arrive, and the leader's sleep starts,
         # after it (uniform in [0, 2 rpc_s]: the call's time varies, which is what
         # keeps the groups' fetch order from being the same every period).

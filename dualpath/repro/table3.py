@@ -23,6 +23,7 @@ from dualpath.trace.generator import generate
 OFFLINE_SHAPES = ((2, 4), (4, 8), (8, 16), (16, 32), (24, 48), (48, 96))
 ONLINE_SHAPE = (44, 88)
 PAPER_JCT_48P96D_S = 3201.0
+FIG8_SEEDS = 8
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def online_point(sc: Table3Scale) -> dict:
 def fig8_equivalences() -> dict:
     """The simulator on the local cluster's Fig. 8 setting (repro FULL: 24 agents x 4
     rounds, 32K row at context 0.1, 0.25 Gbit/s storage NICs): the paper's three
-    equivalences as relative JCT errors, each as the real cluster measures them."""
+    equivalences as relative JCT errors, each as the real cluster measures them, on
+    JCTs averaged over :data:`FIG8_SEEDS` simulator seeds."""
     from dualpath.repro.figures import FULL, scale_trace
 
     tr = scale_trace(FULL)
@@ -117,7 +119,12 @@ def fig8_equivalences() -> dict:
     jct = {}
     for p, d in ((1, 1), (1, 2), (2, 1)):
         for m in ("basic", "dualpath"):
-            jct[f"{p}P{d}D", m] = SimCluster(Shape(p, d), hw, tr, m, seed=FULL.seed).run().sim_s
+            # The mean over simulator seeds (the leaders' phases and round trips): which
+            # group fetches first decides where a burst of rounds goes, and one seed's
+            # basic 2P1D ranged over 12.5-16.3 s.
+            runs = [SimCluster(Shape(p, d), hw, tr, m, seed=FULL.seed + k).run().sim_s
+                    for k in range(FIG8_SEEDS)]
+            jct[f"{p}P{d}D", m] = sum(runs) / len(runs)
 
     def rel(a, b):
         return abs(jct[a] - jct[b]) / jct[b]

@@ -312,10 +312,15 @@ class SimCluster:
             self._wake(ld)
 
     def _wake(self, ld: _Leader) -> None:
+        """A sleeping leader's next tick. Its phase would have drifted by a random round
+        trip every period it slept, so after one or more it is taken as random: the
+        next tick is uniform within a period from now (fixed phases would hand every
+        burst of work to the same group)."""
         ld.dormant = False
         iv = self.hw.fetch_interval_s
-        k = max(1, math.ceil((self.loop.now - ld.last_tick) / iv - 1e-9))
-        self.loop.at(ld.last_tick + k * iv, self._tick, ld)
+        nxt = ld.last_tick + iv
+        t = nxt if nxt > self.loop.now else self.loop.now + self.rng.uniform(0.0, iv)
+        self.loop.at(t, self._tick, ld)
 
     def _tick(self, ld: _Leader) -> None:
         now = self.loop.now

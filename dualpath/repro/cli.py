@@ -72,6 +72,9 @@ def _repro(args) -> int:
         raise UsageError(f"--out {args.out}: not writable")
     if args.figure == "table3":
         return _table3(args)
+    given = [f for f in _TABLE3_FLAGS if getattr(args, f) is not None]
+    if given:
+        raise UsageError(f"--{given[0].replace('_', '-')} is for table3 only")
     scale = QUICK if args.quick else FULL
     names = list(FIGURES) if args.figure == "all" else [args.figure]
     with sigterm_as_interrupt():
@@ -91,6 +94,10 @@ def _repro(args) -> int:
     return 0
 
 
+_TABLE3_FLAGS = ("agents_per_pe_node", "max_rounds", "shapes", "speed_horizon_s",
+                 "online_aps", "online_agents")
+
+
 def _write_json(rec: dict, path: str) -> None:
     with open(path, "w") as fh:
         json.dump(rec, fh, indent=2)
@@ -107,8 +114,9 @@ def _table3(args) -> int:
 
     sc = QUICK3 if args.quick else Table3Scale()
     over = {}
-    for flag in ("agents_per_pe_node", "max_rounds", "speed_horizon_s", "online_aps",
-                 "online_agents"):
+    for flag in _TABLE3_FLAGS:
+        if flag == "shapes":
+            continue
         v = getattr(args, flag)
         if v is not None:
             if v < 0 or (flag == "agents_per_pe_node" and v < 1):

@@ -134,3 +134,9 @@ def test_plan_recommends_and_writes_a_valid_deploy_toml(tmp_path):
     assert cfg.buffers.pe_buffer_mib == 512 and cfg.engine.engines_per_node == 1
     with pytest.raises(Exception, match="nodes"):
         plan(tr, LOCAL, 1, buffers_bytes=[1], alpha_xs=[1.0], beta_xs=[1.0])
+
+
+def test_table3_flags_are_refused_for_other_figures(tmp_path, capsys):
+    assert main(["repro", "fig13", "--out", str(tmp_path), "--shapes", "2P4D"]) == 2
+    assert "table3 only" in capsys.readouterr().err
+    assert main(["repro", "table3", "--out", str(tmp_path), "--shapes", "2X4"]) == 2

@@ -152,6 +152,9 @@ def _plan(args) -> int:
     from dualpath.scheduler.cli import table
     from dualpath.sim.plan import deploy_toml, plan
 
+    if args.nodes < 2:
+        raise UsageError(f"--nodes must be >= 2 (one prefill and one decode), got "
+                         f"{args.nodes}")
     hw = hardware_from_args(args)
     trace = trace_from_args(args)
     bufs = ([int(g * GIB) for g in _floats("--buffer-gib", args.buffer_gib)]

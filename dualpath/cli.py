@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "dualpath.vllm.cli",
     "dualpath.frontend.cli",
     "dualpath.repro.cli",
+    "dualpath.sim.cli",
 ]
 
 

@@ -73,6 +73,12 @@ def write(record: Mapping, path: str) -> None:
               {"mean": [p["attention_max_avg_mean"] or 0 for p in pts],
                "p90": [p["attention_max_avg_p90"] or 0 for p in pts]},
               "attention time max/avg over engines, per step")
+    elif name == "table3":
+        off = [p for p in pts if "tokens_per_s_per_gpu" in p]
+        _bars(ax, [p["shape"] for p in off],
+              {"tokens/s per GPU (simulated)": [p["tokens_per_s_per_gpu"] for p in off]},
+              "prompt + generated tokens / s / GPU")
+        ax.set_xlabel("P/D shape (8 GPUs a node)")
     elif name == "fig9":
         _bars(ax, [p["scaled"] for p in pts], {"dualpath / basic": [p["speedup"] for p in pts]},
               "speedup (JCT basic / dualpath)")

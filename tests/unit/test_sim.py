@@ -1,0 +1,142 @@
+"""The cluster simulator (dualpath/sim): its queueing parts, conservation, and that it
+shows the storage bottleneck the fluid load generator cannot."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dualpath.cli import main
+from dualpath.cluster.run import make_trace
+from dualpath.kv import cost
+from dualpath.kv.profiles import get_profile
+from dualpath.sim.cluster import SimCluster
+from dualpath.sim.hardware import LOCAL, Shape
+from dualpath.sim.nodes import DecodeEngine, SimRequest
+from dualpath.sim.resources import Link, Pool
+from dualpath.trace.model import plan_rounds
+
+
+def trace(agents=12, rounds=4, seed=3):
+    return make_trace(agents, table="32k", context_scale=0.1, max_rounds=rounds, seed=seed)
+
+
+def test_link_is_fifo_at_its_rate():
+    ln = Link("x", 100.0, window_s=1.0)
+    assert ln.reserve(0.0, 100) == 1.0
+    assert ln.reserve(0.5, 50) == 1.5          # waits for the first job
+    assert ln.reserve(3.0, 100) == 4.0         # idle link: starts at once
+    assert ln.backlog(3.5) == pytest.approx(50)
+    assert ln.windows[0] == pytest.approx(100) and ln.windows[1] == pytest.approx(50)
+    assert Link("inf", 0).reserve(2.0, 1e9) == 2.0
+
+
+def test_pool_is_fifo_with_backpressure():
+    p, got = Pool("b", 10), []
+    p.acquire(8, lambda: got.append("a"))
+    p.acquire(5, lambda: got.append("b"))
+    p.acquire(1, lambda: got.append("c"))      # fits, but waits behind b (FIFO)
+    assert got == ["a"]
+    p.release(8)
+    assert got == ["a", "b", "c"] and p.free == 4
+
+
+def test_fluid_decode_step_is_the_cost_models():
+    """The DE's fluid step equals decode_step_s over the members' mean contexts."""
+    prof = get_profile("demo")
+    de = DecodeEngine("d0/e0", None, prof, 1000)
+    reqs = [SimRequest(f"r{i}", 0, i, "dualpath", 1000 * (i + 1), 0, 200, 0.0)
+            for i in range(3)]
+    for r in reqs:
+        de.join(r, 0.0)
+    want = cost.decode_step_s(prof, [r.prompt + r.gen / 2 for r in reqs])
+    assert de.step_s() == pytest.approx(want, rel=1e-6)
+    # 199 more tokens each at that step: all finish together.
+    assert de.next_finish(0.0) == pytest.approx(199 * want, rel=1e-6)
+    assert len(de.due(199 * want + 1e-9)) == 3 and de.members == 0
+
+
+@pytest.mark.parametrize("mode", ["basic", "dualpath", "oracle"])
+def test_every_request_completes_exactly_once(mode):
+    tr = trace()
+    r = SimCluster(Shape(2, 2), LOCAL, tr, mode).run()
+    want = {(a, k) for a, t in enumerate(tr.trajectories) for k in range(len(t.rounds))}
+    got = [(x.agent, x.round) for x in r.records]
+    assert sorted(got) == sorted(want)
+    assert r.extra["duplicate_completions"] == 0
+    # Rounds of an agent run one after the other.
+    for a in range(len(tr.trajectories)):
+        mine = sorted((x for x in r.records if x.agent == a), key=lambda x: x.round)
+        assert all(p.finish_s <= n.submit_s for p, n in itertools.pairwise(mine))
+
+
+def test_storage_bound_basic_tracks_the_pe_nic():
+    """Basic reads every hit through the PE node's NIC: JCT is at least its bytes over
+    the NIC's rate, and a storage-bound run is not much more (the NIC is busy)."""
+    tr = trace(agents=16)
+    r = SimCluster(Shape(1, 2), LOCAL, tr, "basic").run()
+    rate = LOCAL.snic_bytes_per_s
+    hit_bytes = sum(p.hit_tokens for t in tr.trajectories
+                    for p in plan_rounds(t, 64)) * get_profile("demo").kv_bytes_per_token
+    assert r.snic_read_bytes["p0"] == pytest.approx(hit_bytes)
+    assert r.snic_read_bytes["d0"] == r.snic_read_bytes["d1"] == 0
+    floor = hit_bytes / rate
+    assert floor <= r.sim_s <= 1.3 * floor
+
+
+def test_dualpath_wins_when_storage_bound_not_when_compute_bound():
+    tr = trace(agents=16)
+    jct = {m: SimCluster(Shape(1, 2), LOCAL, tr, m).run().sim_s for m in ("basic", "dualpath")}
+    assert jct["basic"] / jct["dualpath"] > 1.8          # 3 NICs instead of 1
+    # No storage limit and a slow GPU: the PE's compute is the bottleneck either way.
+    hw = LOCAL.with_(snic_bytes_per_s=0, speed_scale=0.002)
+    jct = {m: SimCluster(Shape(1, 2), hw, tr, m).run().sim_s for m in ("basic", "dualpath")}
+    assert jct["basic"] / jct["dualpath"] == pytest.approx(1.0, abs=0.15)
+
+
+def test_cli_usage_errors_exit_2(capsys):
+    assert main(["sim", "--modes", "fast"]) == 2
+    assert "--modes" in capsys.readouterr().err
+    assert main(["sim", "--prefill-nodes", "0"]) == 2
+    assert main(["sim", "--agents", "0"]) == 2
+
+
+def test_cli_writes_the_replay_report(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["sim", "--agents", "4", "--max-rounds", "2", "--modes", "dualpath",
+                 "--json", str(out), "--plot", str(tmp_path / "s.png")]) == 0
+    import json
+
+    rep = json.loads(out.read_text())
+    assert rep["settings"]["model_execution"].startswith("simulated")
+    s = rep["modes"]["dualpath"]
+    assert s["requests"] == 8 and s["scheduler_cpu"]["fetches"] > 0
+    assert (tmp_path / "s.png").stat().st_size > 0
+    assert "simulated" in capsys.readouterr().out
+
+
+def test_plan_recommends_and_writes_a_valid_deploy_toml(tmp_path):
+    from dualpath.config import load as load_config
+    from dualpath.sim.plan import deploy_toml, plan
+
+    tr = trace(agents=8, rounds=3)
+    res = plan(tr, LOCAL, 3, buffers_bytes=[LOCAL.pe_buffer_bytes], alpha_xs=[1.0],
+               beta_xs=[1.0, 2.0])
+    stages = [c["stage"] for c in res["candidates"]]
+    assert stages == ["P/D", "P/D", "alpha/beta"]
+    assert res["chosen"]["jct_s"] == min(c["jct_s"] for c in res["candidates"])
+    assert res["simulated_pd_range"]["low"] <= res["simulated_pd_range"]["high"]
+    text = deploy_toml(res, LOCAL)
+    path = tmp_path / "deploy.toml"
+    path.write_text(text)
+    cfg = load_config(str(path))            # every key exists and validates
+    assert cfg.buffers.pe_buffer_mib == 512 and cfg.engine.engines_per_node == 1
+    with pytest.raises(Exception, match="nodes"):
+        plan(tr, LOCAL, 1, buffers_bytes=[1], alpha_xs=[1.0], beta_xs=[1.0])
+
+
+def test_table3_flags_are_refused_for_other_figures(tmp_path, capsys):
+    assert main(["repro", "fig13", "--out", str(tmp_path), "--shapes", "2P4D"]) == 2
+    assert "table3 only" in capsys.readouterr().err
+    assert main(["repro", "table3", "--out", str(tmp_path), "--shapes", "2X4"]) == 2

@@ -1,16 +1,18 @@
 """A DE node's write-back: new KV blocks on their way to storage, paced by the storage
 NIC's write direction when given a limiter (the emulated engine's one persistence path;
 paper §2: the decoding engines "store their KV-Cache in distributed storage to enable
-reuse across turns"). Both engines' decode nodes give it the node's limiter.
+reuse across turns"). The emulated DE gives it the node's limiter (a vLLM decode node's
+saves are paced the same way, engine/vllm_engine.py).
 
 A block comes in with the DE-buffer slot that holds it (its owner hands the slot over)
-and goes out once written, in order, through the write direction of the node's
-storage-NIC limiter: writes never take the read direction's bandwidth (the NIC is full
-duplex, storage/ratelimit.py) and go on after the request's last token, outside its
-latency. A block's ``rank`` orders the queue (lower first, then in order of addition):
-the emulated DE ranks a request's blocks by how many it writes, so the few blocks of a
-later round are not queued behind a first round's whole prompt (shortest first, which
-lets the most agents' next rounds start soonest; docs/e2e.md). Until a block is written this node's own reads find it here (read-your-writes:
+and goes out once written, through the write direction of the node's storage-NIC
+limiter: writes never take the read direction's bandwidth (the NIC is full duplex,
+storage/ratelimit.py) and go on after the request's last token, outside its latency.
+A block's ``rank`` orders the queue (lower first, then in order of addition): the
+emulated DE ranks a request's blocks by how many it writes, so the few blocks of a later
+round are not queued behind a first round's whole prompt (shortest first, which lets the
+most agents' next rounds start soonest; docs/e2e.md). Until a block is written this
+node's own reads find it here (read-your-writes:
 :meth:`dualpath.engine.kvspace.KvSpace.read` copies it instead of reading storage);
 another node finds it missing and computes it (the degrade path of every read).
 

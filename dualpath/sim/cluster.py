@@ -468,12 +468,23 @@ class SimCluster:
             r.expected_de = 0
             # The PE's LoadOrder reaches the DE one hop later.
             got = de_node.read.reserve(now + self.hw.hop_s, r.remote_tokens * kvt)
-            xfer = r.remote_tokens * kvt
-            end = max(end, de_node.cnic_out.reserve(got, xfer), pe_node.cnic_in.reserve(got, xfer))
         if self.host_cpu is not None:
             moved = (r.local_tokens + 2 * r.remote_tokens + r.prompt) * kvt
             end = max(end, self.host_cpu.reserve(
                 now, self.hw.cpu_s_per_request + self.hw.cpu_s_per_byte * moved))
+        if r.remote_tokens:
+            r.local_end_s = end
+            self.loop.at(got, self._sent_over, r)
+        else:
+            self.loop.at(end, self._staged, r)
+
+    def _sent_over(self, r: SimRequest) -> None:
+        """The DE's part has been read: it crosses the compute network to the PE, booked
+        on the links now, when it is ready (booked when the read was queued, a part
+        from an idle DE would wait behind one still queued on a busy DE's storage NIC)."""
+        now, xfer = self.loop.now, r.remote_tokens * self.kvt
+        end = max(r.local_end_s, r.de.node.cnic_out.reserve(now, xfer),
+                  r.pe.node.cnic_in.reserve(now, xfer))
         self.loop.at(end, self._staged, r)
 
     def _staged(self, r: SimRequest) -> None:

@@ -55,6 +55,7 @@ class SimRequest:
     expected_pe: int = 0             # read_q tokens counted before the read is queued
     expected_de: int = 0
     buffer_blocks: int = 0
+    local_end_s: float = 0.0         # the PE's own read and the host CPU's part end
     staged_s: float = 0.0
     prefill_done_s: float = 0.0
     first_token_s: float = 0.0

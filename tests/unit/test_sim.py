@@ -4,6 +4,7 @@ shows the storage bottleneck the fluid load generator cannot."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -140,3 +141,24 @@ def test_table3_flags_are_refused_for_other_figures(tmp_path, capsys):
     assert main(["repro", "fig13", "--out", str(tmp_path), "--shapes", "2P4D"]) == 2
     assert "table3 only" in capsys.readouterr().err
     assert main(["repro", "table3", "--out", str(tmp_path), "--shapes", "2X4"]) == 2
+
+
+def test_a_de_part_crosses_to_the_pe_when_it_was_read_not_when_it_was_queued():
+    """A DE's part is booked on the compute network once its read ended: a small part
+    read by an idle DE reaches the PE long before a large one queued on another DE's
+    storage NIC (booked at queueing time, it waited behind that one's future slot)."""
+    sim = SimCluster(Shape(1, 2), replace(LOCAL, host_cores=0.0), trace(2, 2), "dualpath")
+    pe = sim.pe_nodes[0].engines[0]
+    d0, d1 = (n.engines[0] for n in sim.de_nodes)
+    staged = {}
+    sim._staged = lambda r: staged.setdefault(r.request_id, sim.loop.now)
+    big = SimRequest("big", 0, 1, "dualpath", 64_064, 64_000, 1, 0.0, pe=pe, de=d0,
+                     remote_tokens=64_000)
+    small = SimRequest("small", 1, 1, "dualpath", 128, 64, 1, 0.0, pe=pe, de=d1,
+                       remote_tokens=64)
+    sim._read(big)
+    sim._read(small)
+    sim.loop.run()
+    read_s = 64_000 * sim.kvt / LOCAL.snic_bytes_per_s
+    assert staged["big"] >= read_s
+    assert staged["small"] < read_s / 100

@@ -20,6 +20,7 @@ calls made.
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import time
@@ -246,6 +247,7 @@ class SimCluster:
         self.requests: dict[str, SimRequest] = {}
         self.left = sum(len(t.rounds) for t in self.trajs)
         self.duplicates = 0
+        self._write_seq = 0            # the write-back's order among equal ranks
 
     # ------------------------------------------------------------ agents
 
@@ -576,20 +578,45 @@ class SimCluster:
         self._schedule_decode(de)
 
     def _decoded(self, r: SimRequest) -> None:
-        """The last token: the DE frees its HBM and DECODE_DONE rides on its leader's
-        next fetch. The new blocks go to storage through the write direction of the
-        node's storage NIC, outside the request's latency (engine/writeback.py), so
-        they never delay a read (full duplex) and are only counted."""
+        """The last token (timed now: the writes are outside the request's latency):
+        the DE frees its HBM, and its new full blocks go to the node's write-back
+        (engine/writeback.py: the storage NIC's write direction, never delaying a read,
+        the request with the fewest blocks first). DECODE_DONE, on the leader's next
+        fetch, waits for them, as the emulated DE's does: the agent's next round reads
+        them from storage."""
         now = self.loop.now
         r.finish_s = max(now, r.second_token_s or now)
         de = r.de
-        if r.moves_kv:
-            de.node.write.reserve(now, (r.prompt + r.gen - r.hit) * self.kvt)
         de.reserved -= de.blocks_of(r)
         del de.tokens[r.request_id]
         de.tok -= r.prompt
-        ld = de.node.leader
-        ld.pending.append((Completion(r.request_id, de.engine_id,
+        blocks = ((r.prompt + r.gen) // self.T - min(r.computed_from, r.hit) // self.T
+                  if r.moves_kv else 0)
+        if blocks <= 0:
+            self._decode_done(r)
+            return
+        node = de.node
+        heapq.heappush(node.writes, (blocks, self._write_seq, r))
+        self._write_seq += 1
+        if not node.writing:
+            self._write_next(node)
+
+    def _write_next(self, node: DecodeNode) -> None:
+        if not node.writes:
+            node.writing = False
+            return
+        node.writing = True
+        blocks, _, r = heapq.heappop(node.writes)
+        end = node.write.reserve(self.loop.now, blocks * self.profile.full_block_bytes)
+        self.loop.at(end, self._written, node, r)
+
+    def _written(self, node: DecodeNode, r: SimRequest) -> None:
+        self._decode_done(r)
+        self._write_next(node)
+
+    def _decode_done(self, r: SimRequest) -> None:
+        ld = r.de.node.leader
+        ld.pending.append((Completion(r.request_id, r.de.engine_id,
                                       CompletionStage.DECODE_DONE), r))
         self._touch(ld)
 

@@ -255,6 +255,10 @@ class DecodeNode:
         self.cnic_in = Link(f"{node_id}/cnic-in", cnic_node)
         self.cnic_out = Link(f"{node_id}/cnic-out", cnic_node)
         self.buffer = Pool(f"{node_id}/de-buffer", buffer_blocks)
+        # The write-back's queue (engine/writeback.py): (blocks, order, request), the
+        # request with the fewest blocks to write first; one written at a time.
+        self.writes: list = []
+        self.writing = False
         self.expected = 0
         self.leader = None
         self.engines = [DecodeEngine(f"{node_id}/e{k}", self, profile, hbm_blocks)

@@ -23,7 +23,14 @@ def test_table3_quick_writes_its_record(tmp_path, capsys):
     # Near-linear scaling holds by construction with per-node NICs (issue 14); the
     # scheduler's CPU is measured, not modelled, so only bounded loosely.
     assert 0.8 < s["per_gpu_throughput_8p16d_vs_2p4d"] < 1.2
-    assert 0 <= s["fig8_equivalence_predicted_rel_error"] < 0.25
+    # The two equivalences the real cluster keeps with its write-back paced hold in the
+    # simulator; the third (dualpath 2P1D vs 1P2D) the real one breaks, 0.26 (one DE
+    # writes every block: docs/reproduction.md), and so does the simulator.
+    eq = s["fig8_equivalences"]
+    assert eq["dualpath_1p1d_vs_basic_2p1d"] < 0.15 and eq["basic_1p1d_vs_1p2d"] < 0.15
+    assert eq["dualpath_2p1d_vs_1p2d"] > 0.15
+    assert s["fig8_equivalence_predicted_rel_error"] == max(
+        v for k, v in eq.items() if k != "jct_s")
     assert s["sim_speed_over_real_time_48p96d"] is None     # not run at --quick
     assert (tmp_path / "table3.png").read_bytes()[:4] == b"\x89PNG"
     assert "fig8_equivalence_predicted_rel_error" in capsys.readouterr().out

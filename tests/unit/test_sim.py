@@ -162,3 +162,23 @@ def test_a_de_part_crosses_to_the_pe_when_it_was_read_not_when_it_was_queued():
     read_s = 64_000 * sim.kvt / LOCAL.snic_bytes_per_s
     assert staged["big"] >= read_s
     assert staged["small"] < read_s / 100
+
+
+def test_an_agents_next_round_waits_for_its_blocks_on_the_write_direction():
+    """As the emulated DE's (engine/decode.py): DECODE_DONE waits for the request's new
+    full blocks to be written through the storage NIC's write direction, so the next
+    round starts no sooner than those bytes take at its rate."""
+    res = SimCluster(Shape(1, 2), LOCAL, trace(6, 3), "dualpath").run()
+    prof, T = LOCAL.profile, LOCAL.profile.block_tokens
+    by_agent = {}
+    for rec in res.records:
+        by_agent.setdefault(rec.agent, []).append(rec)
+    checked = 0
+    for recs in by_agent.values():
+        recs.sort(key=lambda x: x.round)
+        for prev, nxt in itertools.pairwise(recs):
+            blocks = (prev.prompt_tokens + prev.gen_tokens) // T - prev.hit_tokens // T
+            write_s = blocks * prof.full_block_bytes / LOCAL.snic_bytes_per_s
+            assert nxt.submit_s - prev.finish_s >= write_s - 1e-9
+            checked += blocks > 0
+    assert checked >= 6

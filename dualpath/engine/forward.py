@@ -96,6 +96,16 @@ class ForwardJob(Protocol):
         too (the next chunk's context)."""
 
 
+def layer_slots(tokens: int, block_tokens: int, layers: int, layerwise: bool,
+                moves_kv: bool = True) -> int:
+    """HBM Layer Block slots a request computing up to ``tokens`` of context holds in a
+    step: DEPTH layer windows with layerwise prefill, every layer's without (pure: the
+    simulator and fig12's ablation size HBM with it too)."""
+    if not moves_kv:
+        return 0
+    return -(-tokens // block_tokens) * (min(DEPTH, layers) if layerwise else layers)
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One forward step of the node's engines."""
@@ -191,10 +201,8 @@ class PrefillForward:
 
     def hbm_need(self, layerwise: bool, moves_kv: bool, tokens: int) -> int:
         """Layer Block slots a member computing up to ``tokens`` of context holds."""
-        if not moves_kv:
-            return 0
-        return self.blocks(tokens) * (min(DEPTH, self.fmt.layers) if layerwise
-                                      else self.fmt.layers)
+        return layer_slots(tokens, self.fmt.block_tokens, self.fmt.layers, layerwise,
+                           moves_kv)
 
     def submit(self, rank: EngineRank, job: ForwardJob, cached: int, layerwise: bool
                ) -> asyncio.Future:

@@ -40,6 +40,7 @@ from dualpath.buffers.pool import slot_stride
 from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.replay import ReplayOptions, forward_steps
 from dualpath.cluster.run import first_rounds, make_trace, run_modes
+from dualpath.engine.forward import layer_slots
 from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import PROFILES, get_profile
@@ -371,7 +372,7 @@ def ablation_settings(scale: Scale, trace: Trace) -> tuple[dict, dict, int]:
                   for p in plan_rounds(t, prof.block_tokens))
     # The PE's HBM is Layer Block slots (engine/node.py): every layer of the largest
     # prompt's blocks, in slots as the pool lays them out.
-    slots = -(-largest // prof.block_tokens) * prof.layers
+    slots = layer_slots(largest, prof.block_tokens, prof.layers, layerwise=False)
     kv = slots * slot_stride(BlockLayout.of(prof).one_layer())
     hbm_mib = math.ceil(kv * scale.ablation_hbm_over_prompt / 2**20)
     settings = {"storage": {"snic_gbit_per_s": scale.snic_gbit_per_s},

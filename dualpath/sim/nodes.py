@@ -28,7 +28,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from dualpath.engine.forward import DEPTH
+from dualpath.engine.forward import layer_slots
 from dualpath.kv import cost
 from dualpath.kv.profiles import ModelProfile
 from dualpath.scheduler.core.batching import Estimator, HbmBudget, PrefillWork, advance, pack_batch
@@ -110,11 +110,9 @@ class PrefillNode:
 
 
 def hbm_need(req: SimRequest, tokens: int, block_tokens: int, layers: int) -> int:
-    """Layer Block slots a member computing up to ``tokens`` of context holds
-    (engine/forward.py's ``hbm_need``)."""
-    if not req.moves_kv:
-        return 0
-    return -(-tokens // block_tokens) * (min(DEPTH, layers) if req.layerwise else layers)
+    """Layer Block slots a member computing up to ``tokens`` of context holds, by the
+    emulated PE's own rule (engine/forward.py: ``layer_slots``)."""
+    return layer_slots(tokens, block_tokens, layers, req.layerwise, req.moves_kv)
 
 
 @dataclass

@@ -24,9 +24,10 @@ def make_group(gid, role, toks, read_q=0, free=0, seqs=None, node_per_engine=Fal
     shared = Node(f"{gid}-n", read_tokens_per_s=1000.0, read_q=read_q)
     for i, tok in enumerate(toks):
         node = Node(f"{gid}-n{i}", 1000.0, read_q[i]) if node_per_engine else shared
-        g.engines.append(Engine(f"{gid}.{i}", g, node, i, role, tok=tok,
-                                seq=(seqs[i] if seqs else 0), free_hbm_tokens=free,
-                                hbm_tokens=free))
+        e = Engine(f"{gid}.{i}", g, node, i, role, seq=(seqs[i] if seqs else 0),
+                   free_hbm_tokens=free, hbm_tokens=free)
+        e.tok = tok
+        g.engines.append(e)
     return g
 
 

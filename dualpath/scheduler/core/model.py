@@ -137,10 +137,21 @@ class Engine:
     control_address: str = ""
     hbm_tokens: int = 0               # capacity (DEs)
     seq: int = 0                      # seq_e
-    tok: int = 0                      # tok_e
+    _tok: int = 0                     # tok_e: read and set as ``tok``
     free_hbm_tokens: int = 0
     drained: bool = False
     assigned_total: int = 0
+
+    @property
+    def tok(self) -> int:
+        """tok_e. Setting it keeps its group's Σ tok_e (``Group.tok_sum``) in step, so the
+        group phase reads a group's load without walking its engines."""
+        return self._tok
+
+    @tok.setter
+    def tok(self, value: int) -> None:
+        self.group.tok_sum += value - self._tok
+        self._tok = value
 
 
 @dataclass(slots=True, eq=False)
@@ -157,6 +168,7 @@ class Group:
     # DE groups: the private queue filled by the group phase, and its prompt tokens.
     private_queue: deque[Request] = field(default_factory=deque)
     private_tokens: int = 0
+    tok_sum: int = 0                  # Σ tok_e of its engines (kept by Engine.tok)
     # Requests this group's engines must drop, delivered with its next fetch.
     pending_cancel: list[str] = field(default_factory=list)
     # The identity that registered it ("node/p0"; "" = unauthenticated): only it may
@@ -166,7 +178,7 @@ class Group:
     @property
     def total_tok(self) -> int:
         """The group phase's load: Σ tok_e plus what waits in the private queue."""
-        return sum(e.tok for e in self.engines) + self.private_tokens
+        return self.tok_sum + self.private_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,7 @@ class Scheduler:
         self._prefilling = 0  # requests in stage PREFILLING, kept so stats are O(groups)
         self._decode_groups: list[Group] | None = None  # up DE groups with a usable engine
         self._shares: tuple[int, int] | None = None     # up (PE nodes, DE nodes)
+        self._max_hbm: int | None = None                 # the largest up DE's HBM
 
     def _log(self, *event: Any) -> None:
         if self.journal is not None:
@@ -242,7 +243,7 @@ class Scheduler:
             g.engines.append(e)
             self.engines[e.engine_id] = e
         self.groups[group_id] = g
-        self._decode_groups = self._shares = None
+        self._decode_groups = self._shares = self._max_hbm = None
         g.pending_cancel = list(dict.fromkeys(carried))
         for c in claims:
             self._claim(g, c, kept, now)
@@ -300,9 +301,12 @@ class Scheduler:
         if len(specs) > p.max_submit_requests:
             raise UsageError(f"{len(specs)} requests in one submit; at most "
                              f"{p.max_submit_requests} per call (max_submit_requests)")
-        max_hbm = max((e.hbm_tokens for e in self.engines.values()
-                       if e.role is Role.DECODE and e.group.up), default=0)
-        queued = self.queued_requests()
+        max_hbm = self._largest_hbm()
+        # Every queued request is held, so fewer held than the bound needs no count
+        # (queued_requests walks every DE group's queue: at 96 DE nodes, most of a
+        # submit's time).
+        queued = len(self.requests) if len(self.requests) + len(specs) < \
+            p.max_queued_requests else self.queued_requests()   # or a bound above it
         seen: set[str] = set()
         adm = Admission([], [], [], [])
         for i, s in enumerate(specs):
@@ -326,7 +330,8 @@ class Scheduler:
                                    or self.held_bytes + wire + REQUEST_FIXED_BYTES
                                    > p.max_held_bytes):
                 reason, detail = RejectReason.QUEUE_FULL, (
-                    f"{queued} requests wait, {self.held_bytes} bytes held (max_queued_"
+                    f"{self.queued_requests() + len(adm.accepted)} requests wait, "
+                    f"{self.held_bytes} bytes held (max_queued_"
                     f"requests {p.max_queued_requests}, max_held_bytes {p.max_held_bytes})")
             if reason is not None:
                 adm.rejected.append(Rejection(i, s.request_id[:MAX_REQUEST_ID_BYTES], reason,
@@ -600,7 +605,7 @@ class Scheduler:
         for g in groups:
             g.up = False
             g.pending_cancel.clear()
-        self._decode_groups = self._shares = None
+        self._decode_groups = self._shares = self._max_hbm = None
         held = [r for r in self.requests.values() if r.request_id not in keep and (
             r.de_group in down or (r.stage is Stage.PREFILLING and r.pe.group in down))]  # type: ignore[union-attr]
         for g in groups:
@@ -711,6 +716,13 @@ class Scheduler:
             self._shares = (len(nodes[Role.PREFILL]) or 1, len(nodes[Role.DECODE]) or 1)
         return self._shares
 
+    def _largest_hbm(self) -> int:
+        """The largest HBM (tokens) of a DE in an up group: submit's bound on a request."""
+        if self._max_hbm is None:
+            self._max_hbm = max((e.hbm_tokens for e in self.engines.values()
+                                 if e.role is Role.DECODE and e.group.up), default=0)
+        return self._max_hbm
+
     def _up_decode_groups(self) -> list[Group]:
         if self._decode_groups is None:
             self._decode_groups = [g for g in self.groups.values()
@@ -768,7 +780,7 @@ class Scheduler:
         if e is None:
             raise NotFound(f"engine {engine_id} is not registered")
         e.drained = not undo
-        self._decode_groups = self._shares = None
+        self._decode_groups = self._shares = self._max_hbm = None
         return e
 
     def set_params(self, **changes: Any) -> Params:

@@ -7,15 +7,17 @@ Leaders fetch on a timer, as the daemons' do (engine/leader.py sleeps
 for speed, that changes no decision: a leader whose last fetch got nothing, whose
 engines changed in nothing since and which saw no change in the scheduler's queues
 (nothing submitted, assigned or completed anywhere) would send the core the same
-report and get nothing again, so its ticks are skipped until something changes; it
-then fetches at its next tick on its own timer grid.
+report and get nothing again, so its ticks are skipped until its queue holds work; it
+then fetches within a period.
 
 The core's CPU time is measured where the daemon spends it: ``time.process_time``
-around a leader call (``report`` with the completions, then ``fetch``) and a submit,
-so ``scheduler_cpu`` is the real core's cost per decision at this scale. Every
-:data:`CPU_STRIDE`-th call is timed (reading the process's CPU clock is a system call:
-2-20 us on this host, as much as a fetch), and totals are the sampled mean times the
-calls made.
+around a leader call (``report`` with the completions, then ``fetch``) and around every
+submit, so ``scheduler_cpu`` is the real core's cost per decision at this scale. Every
+:data:`CPU_STRIDE`-th leader call is timed (reading the process's CPU clock is a system
+call: 2-20 us on this host, as much as a fetch), and totals are the sampled mean times
+the calls made. The fetches a daemon's leader makes while the simulator skips its ticks
+are counted (one a period) and costed at the mean of the timed fetches that got and
+reported nothing (``skipped_fetches``, ``cpu_s_skipped``, both in ``cores``).
 """
 
 from __future__ import annotations
@@ -25,24 +27,24 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dualpath.engine.assignment import split_blocks
 from dualpath.engine.payload import MODE_READ_POLICY, MODES
 from dualpath.errors import UsageError
 from dualpath.kv import cost
 from dualpath.kv.profiles import get_profile
+from dualpath.scheduler.config import SchedulerConfig
 from dualpath.scheduler.core import (
     Completion,
     CompletionStage,
     EngineSpec,
-    Params,
     RequestSpec,
     Role,
     Scheduler,
 )
 from dualpath.scheduler.core.batching import PrefillWork, fit_attention
-from dualpath.scheduler.core.policy import derive_alpha, derive_beta
+from dualpath.scheduler.service import params_from_config
 from dualpath.sim.events import EventLoop
 from dualpath.sim.hardware import Shape, SimHardware
 from dualpath.sim.nodes import DecodeNode, PrefillNode, SimRequest, finish_step, plan_step
@@ -120,6 +122,7 @@ class _Leader:
     seen_version: int = -1
     last_tick: float = 0.0
     dormant: bool = False
+    slept_at: float = 0.0                           # when its ticks began to be skipped
     reports: list = field(default_factory=list)
     core_group: object = None
 
@@ -173,21 +176,20 @@ class SimCluster:
         self.window_s = window_s
         self.estimate = profiled_fit(p)
         self.quota_s = hw.compute_quota_ms / 1000.0
-        # The scheduler's constants as params_from_config derives them (the unscaled
-        # profile, the node's storage rate).
+        # The scheduler's constants from the daemon's config (params_from_config: its
+        # defaults, the unscaled profile, the node's storage rate), less what a
+        # simulated run has no use for: leases (nothing fails) and bounds on what
+        # waits (a trace submits every first round at t = 0).
         base = get_profile(hw.model)
         rate = hw.snic_bytes_per_s or 100e9
-        self.params = Params(
-            alpha_tokens=alpha_tokens or derive_alpha(rate, base.kv_bytes_per_token,
-                                                      hw.alpha_window_s),
-            beta_tokens=beta_tokens or derive_beta(base, hw.beta_window_s),
-            compute_quota_ms=hw.compute_quota_ms, split_read=split_read,
-            split_min_saving_s=0.05,      # the [scheduler] default, 50 ms
-            split_align_tokens=p.block_tokens, lease_s=1e12,
-            context_tokens=p.context_tokens, max_held_bytes=1 << 62,
-            max_queued_requests=1 << 40, max_submit_requests=1 << 30,
-            default_read_tokens_per_s=rate / base.kv_bytes_per_token,
-            finished_requests_kept=0)
+        cfg = SchedulerConfig(model_profile=hw.model, storage_read_bytes_per_s=rate,
+                              alpha_window_s=hw.alpha_window_s,
+                              beta_window_s=hw.beta_window_s, alpha_tokens=alpha_tokens,
+                              beta_tokens=beta_tokens, compute_quota_ms=hw.compute_quota_ms,
+                              split_read=split_read)
+        self.params = replace(params_from_config(cfg, base), lease_s=1e12,
+                              context_tokens=p.context_tokens, max_held_bytes=1 << 62,
+                              max_queued_requests=1 << 40, max_submit_requests=1 << 30)
         self.core = Scheduler(self.params, rng=random.Random(seed))
         self.version = {Role.PREFILL: 0, Role.DECODE: 0}
         # Per-fetch CPU: sum and count, and a uniform sample for percentiles (a run at
@@ -198,6 +200,9 @@ class SimCluster:
         self.cpu_fetch_assigned = 0
         self.cpu_submit = 0.0
         self.submit_calls = 0
+        self.cpu_empty_s = 0.0          # timed fetches that got and reported nothing
+        self.cpu_empties = 0
+        self.skipped_fetches = 0        # fetches a daemon's leader makes while ticks skip
         self.host_cpu = Link("host-cpu", hw.host_cores) if hw.host_cores > 0 else None
         g = hw.engines_per_node
         node_cnic = hw.cnic_bytes_per_s * g
@@ -266,12 +271,9 @@ class SimCluster:
                                             rd.gen_tokens, now)
             specs.append(RequestSpec(prompt, hit, rd.gen_tokens, rid))
         self.submit_calls += 1
-        if self.submit_calls % CPU_STRIDE == 0:
-            t0 = time.process_time()
-            adm = self.core.submit(specs, now)
-            self.cpu_submit += (time.process_time() - t0) * CPU_STRIDE
-        else:
-            adm = self.core.submit(specs, now)
+        t0 = time.process_time()
+        adm = self.core.submit(specs, now)
+        self.cpu_submit += time.process_time() - t0
         if adm.rejected:
             raise UsageError(f"simulated request {adm.rejected[0].request_id} rejected by "
                              f"the scheduler: {adm.rejected[0].detail}")
@@ -298,14 +300,28 @@ class SimCluster:
     # ------------------------------------------------------------ leaders
 
     def _bump(self, *roles: Role) -> None:
-        """The scheduler's queues changed for these roles' leaders: wake theirs."""
+        """The scheduler's queues changed for these roles' leaders: wake those whose
+        queue holds work. The others would tick only to sleep again (``_tick``'s idle
+        test); their queue fills only in a submit or a fetch, which bumps again."""
         for role in roles:
             self.version[role] += 1
             sleeping = self.dormant[role]
             if sleeping:
+                keep = []
                 for ld in sleeping:
-                    self._wake(ld)
-                sleeping.clear()
+                    if self._idle(ld):
+                        keep.append(ld)
+                    else:
+                        self._wake(ld)
+                self.dormant[role] = keep
+
+    def _idle(self, ld: _Leader) -> bool:
+        """No queue a fetch of ``ld``'s could take work from holds any (PE: the prefill
+        queue; DE: the global queue or its group's private one)."""
+        core = self.core
+        if ld.role is Role.PREFILL:
+            return not core.prefill_queue
+        return not core.global_queue and not ld.core_group.private_queue
 
     def _touch(self, ld: _Leader) -> None:
         ld.dirty = True
@@ -320,6 +336,7 @@ class SimCluster:
         burst of work to the same group)."""
         ld.dormant = False
         iv = self.hw.fetch_interval_s
+        self.skipped_fetches += int((self.loop.now - ld.slept_at) / iv)
         nxt = ld.last_tick + iv
         t = nxt if nxt > self.loop.now else self.loop.now + self.rng.uniform(0.0, iv)
         self.loop.at(t, self._tick, ld)
@@ -327,20 +344,16 @@ class SimCluster:
     def _tick(self, ld: _Leader) -> None:
         now = self.loop.now
         ld.last_tick = now
-        if not ld.dirty and not ld.pending:
-            # Nothing to report that the core does not know. A fetch can get work only
-            # from its role's queue (PE: the prefill queue; DE: the global queue or its
-            # own private one), and gets none again if it got none and neither its
-            # engines nor those queues changed since.
-            core = self.core
-            if ld.role is Role.PREFILL:
-                idle = not core.prefill_queue
-            else:
-                idle = not core.global_queue and not ld.core_group.private_queue
-            if idle or (ld.last_empty and ld.seen_version == self.version[ld.role]):
-                ld.dormant = True
-                self.dormant[ld.role].append(ld)
-                return
+        # Nothing to report that the core does not know: a fetch can get work only from
+        # its role's queue (PE: the prefill queue; DE: the global queue or its own
+        # private one), and gets none again if it got none and neither its engines nor
+        # those queues changed since.
+        if not ld.dirty and not ld.pending and (
+                self._idle(ld) or (ld.last_empty and
+                                   ld.seen_version == self.version[ld.role])):
+            ld.dormant, ld.slept_at = True, now
+            self.dormant[ld.role].append(ld)
+            return
         ld.dirty = False
         node = ld.node
         rq = node.read_q(now, self.kvt)
@@ -366,6 +379,9 @@ class SimCluster:
         if timed:
             dt = time.process_time() - t0
             self.cpu_fetch_s += dt * CPU_STRIDE
+            if not res.assignments and not done:
+                self.cpu_empty_s += dt
+                self.cpu_empties += 1
             k = self.cpu_fetches // CPU_STRIDE
             if len(self.cpu_sample) < _SAMPLE:
                 self.cpu_sample.append(dt)
@@ -656,14 +672,20 @@ class SimCluster:
                    for i in range(last + 1)]
         cpu = sorted(self.cpu_sample)
         n = self.cpu_fetches
-        total = self.cpu_fetch_s + self.cpu_submit
+        iv = self.hw.fetch_interval_s
+        skipped = self.skipped_fetches + sum(
+            int((self.loop.now - ld.slept_at) / iv) for ld in self.leaders if ld.dormant)
+        empty_s = self.cpu_empty_s / self.cpu_empties if self.cpu_empties else 0.0
+        total = self.cpu_fetch_s + self.cpu_submit + skipped * empty_s
         steps = [s for n in self.pe_nodes for s in n.steps]
         return SimResult(
             self.mode, self.records, read, windows, self.window_s, sim_s, wall,
             self.loop.events,
             {"fetches": n, "assignments": self.cpu_fetch_assigned,
              "cpu_s_total": total, "cpu_s_submit": self.cpu_submit,
-             "submit_calls": self.submit_calls,
+             "submit_calls": self.submit_calls, "skipped_fetches": skipped,
+             "cpu_s_skipped": skipped * empty_s,
+             "empty_fetch_us_mean": 1e6 * empty_s,
              "fetch_us_mean": 1e6 * self.cpu_fetch_s / n if n else None,
              "timed_one_call_in": CPU_STRIDE,
              "fetch_us_p99": 1e6 * cpu[int(0.99 * (len(cpu) - 1))] if cpu else None,

@@ -119,6 +119,9 @@ def _table3(args) -> int:
             continue
         v = getattr(args, flag)
         if v is not None:
+            if flag == "online_aps" and not v > 0:
+                # 0 would be an offline run under the online run's name.
+                raise UsageError(f"--online-aps must be > 0, got {v}")
             if v < 0 or (flag == "agents_per_pe_node" and v < 1):
                 raise UsageError(f"--{flag.replace('_', '-')} must be >= "
                                  f"{1 if flag == 'agents_per_pe_node' else 0}, got {v}")
@@ -127,6 +130,9 @@ def _table3(args) -> int:
         shapes = [Shape.parse(x) for x in args.shapes.split(",") if x.strip()]
         over["shapes"] = tuple((s.prefill_nodes, s.decode_nodes) for s in shapes)
     sc = replace(sc, **over)
+    if sc.speed_horizon_s and (48, 96) not in sc.shapes:
+        raise UsageError("--speed-horizon-s cuts the 48P96D run, and --shapes has none "
+                         f"({', '.join(f'{p}P{d}D' for p, d in sc.shapes)})")
     rec = table3(sc)
     base = os.path.join(args.out, "table3")
     _write_json(rec, base + ".json")

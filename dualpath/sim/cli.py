@@ -65,6 +65,10 @@ def trace_from_args(args):
 
     if args.agents is not None and args.agents < 1:
         raise UsageError(f"--agents must be >= 1, got {args.agents}")
+    if args.max_rounds is not None and args.max_rounds < 0:
+        raise UsageError(f"--max-rounds must be >= 0 (0: all rounds), got {args.max_rounds}")
+    if not args.context_scale > 0:
+        raise UsageError(f"--context-scale must be > 0, got {args.context_scale}")
     return make_trace(args.agents, table=args.table, context_scale=args.context_scale,
                       max_rounds=args.max_rounds, seed=args.seed, path=args.trace)
 
@@ -105,6 +109,9 @@ def _sim(args) -> int:
     from dualpath.sim.hardware import Shape
     from dualpath.sim.report import format_sim_table, sim_report, write_outputs
 
+    if args.prefill_nodes < 1 or args.decode_nodes < 1:
+        raise UsageError(f"--prefill-nodes and --decode-nodes must be >= 1, got "
+                         f"{args.prefill_nodes} and {args.decode_nodes}")
     shape = Shape(args.prefill_nodes, args.decode_nodes)
     hw = hardware_from_args(args)
     modes = parse_modes(args.modes)

@@ -100,7 +100,15 @@ def test_cli_usage_errors_exit_2(capsys):
     assert main(["sim", "--modes", "fast"]) == 2
     assert "--modes" in capsys.readouterr().err
     assert main(["sim", "--prefill-nodes", "0"]) == 2
+    assert "--prefill-nodes" in capsys.readouterr().err
     assert main(["sim", "--agents", "0"]) == 2
+    assert main(["sim", "--max-rounds", "-1"]) == 2      # ran every round, exit 0
+    assert "--max-rounds" in capsys.readouterr().err
+    assert main(["repro", "table3", "--quick", "--online-aps", "0"]) == 2  # ran offline
+    assert "--online-aps" in capsys.readouterr().err
+    assert main(["repro", "table3", "--quick", "--shapes", "2P4D",
+                 "--speed-horizon-s", "10"]) == 2        # was ignored
+    assert "--speed-horizon-s" in capsys.readouterr().err
 
 
 def test_cli_writes_the_replay_report(tmp_path, capsys):
@@ -133,6 +141,9 @@ def test_plan_recommends_and_writes_a_valid_deploy_toml(tmp_path):
     path.write_text(text)
     cfg = load_config(str(path))            # every key exists and validates
     assert cfg.buffers.pe_buffer_mib == 512 and cfg.engine.engines_per_node == 1
+    # What the plan assumed of the emulated hardware is in it (it used to be dropped).
+    assert cfg.engine.speed_scale == pytest.approx(LOCAL.speed_scale)
+    assert cfg.storage.snic_gbit_per_s == pytest.approx(LOCAL.snic_bytes_per_s * 8 / 1e9)
     with pytest.raises(Exception, match="nodes"):
         plan(tr, LOCAL, 1, buffers_bytes=[1], alpha_xs=[1.0], beta_xs=[1.0])
 

@@ -381,6 +381,10 @@ class VllmEngine:
                 except BaseException:
                     # The worker sees the stream break and recomputes every block of the
                     # load, so what it may still copy from these slots is overwritten.
+                    # The slots go back once the reads into them have ended.
+                    if not reader.done():
+                        reader.cancel()
+                        await asyncio.gather(reader, return_exceptions=True)
                     self.end_load(lid)
                     raise
                 self.metrics.connector_loaded_bytes.inc(ok * space.layout.full_bytes)
@@ -482,18 +486,18 @@ class VllmEngine:
                 for layer in range(space.fmt.layers):
                     if self.limiter is not None:
                         await self.limiter.acquire(lb * len(order))
-                    got = await asyncio.gather(*(store.arun(read_chunk, c, layer)
-                                                 for c in chunks))
+                    got = await _all_landed(store.arun(read_chunk, c, layer)
+                                            for c in chunks)
                     for i, g in zip(order, (g for part in got for g in part)):
                         good[i] = good[i] and g
                     if layer == 0:
                         pristine = self._inject(res, reading, zero_layer0)
                     self.metrics.read_bytes.inc(lb * len(reading))
                     arrivals.landed(layer + 1)
-                verified = await asyncio.gather(*(
+                verified = await _all_landed(
                     store.arun(store.finish_block, b, self._as_read(res.flat(i),
                                                                     pristine.get(i)), good[i])
-                    for i, b in reading.items()))
+                    for i, b in reading.items())
             except BaseException as e:
                 arrivals.failed(f"reading hit blocks: {e}")
                 for b in reading.values():
@@ -707,3 +711,21 @@ async def _staged(stage: Stage, first: int, n: int) -> tuple[int, asyncio.Task]:
         return clamp(await asyncio.shield(stage.usable))
 
     return clamp(await asyncio.shield(stage.first)), asyncio.ensure_future(usable())
+
+
+async def _all_landed(aws) -> list:
+    """``gather(*aws)`` of reads on the store's pool, returning (or raising the first
+    error) only once every one has ended: a pool thread keeps writing into its buffer,
+    and reading its block's descriptor, after whoever awaited it was cancelled or saw
+    another read fail. So a cancelled caller waits for them before it raises, and the
+    slots they fill are not given back, nor their descriptors closed, under them."""
+    fut = asyncio.gather(*aws, return_exceptions=True)
+    try:
+        out = await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
+    for x in out:
+        if isinstance(x, BaseException):
+            raise x
+    return out

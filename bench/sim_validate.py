@@ -9,10 +9,19 @@ request and per byte on this host's cores, the fetch round trip: dualpath/sim/
 validate.py GRID) that minimises the largest JCT error on those runs. Validate: replay
 another trace the calibration never saw (the '48k' row, seed 11) on 1P1D, 1P2D and
 2P1D clusters in the three modes, simulate each with the calibrated model, and report
-every figure's error: JCT (relative) and each node's storage-NIC utilisation
-(absolute). The host's load during each real run (the cluster's and the driver's CPU
-time over wall time and this host's cores) is reported beside it: a figure measured
-while the host's CPU was the bottleneck says little about the simulator.
+every figure's error.
+
+Both sides are random where the cluster is: which leader fetches first after a burst,
+a fetch's round trip, the scheduler's ties. So each real figure is the mean of
+--repeats passes over the modes on one cluster (the first pass after a warm-up), and
+each simulated one the mean over --seeds seeds. The errors: JCT (relative, of the
+means); each role's mean storage-NIC utilisation (absolute: the target's figure, what
+a plan sizes); and, reported beside it, one node's utilisation with the nodes of a role
+ranked on each side (which of two interchangeable nodes got more is a fetch's timing),
+and the real runs' own spread of a node's utilisation and of JCT. The host's load during
+each real run (the cluster's and the driver's CPU time over wall time and this host's
+cores; the highest pass's) is reported beside it: a figure measured while the host's
+CPU was the bottleneck says little about the simulator.
 
 Prints a fixed unit-labelled table and writes the same record with --json PATH; its
 "summary" holds jct_rel_error_max and snic_util_abs_error_max (validation runs only;
@@ -50,13 +59,20 @@ def cases(quick: bool) -> tuple[Case, list[Case]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 agents x 3 rounds per run")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="real passes over the modes per case (their mean is compared)")
+    ap.add_argument("--seeds", type=int, default=8,
+                    help="simulator seeds per case and mode (their mean is compared)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
+    if args.repeats < 1 or args.seeds < 1:
+        ap.error(f"--repeats and --seeds must be >= 1, got {args.repeats} and {args.seeds}")
+    seeds = range(args.seeds)
     t0 = time.monotonic()
     cal, val = cases(args.quick)
     print(f"calibration: {cal.name()} on the local cluster ...", flush=True)
-    cal_real = real_runs(cal, MODES)
-    hw, cal_err = calibrate([(cal, cal_real)])
+    cal_real = real_runs(cal, MODES, args.repeats)
+    hw, cal_err = calibrate([(cal, cal_real)], seeds=seeds)
     print(f"calibrated host model: {host_model(hw)} (largest JCT error on the "
           f"calibration runs {cal_err:.3f})", flush=True)
     rows = []
@@ -64,28 +80,41 @@ def main() -> int:
                              *((c, None, "validation") for c in val)]:
         if real is None:
             print(f"validation: {case.name()} on the local cluster ...", flush=True)
-            real = real_runs(case, MODES)
-        sim = sim_runs(case, MODES, hw)
+            real = real_runs(case, MODES, args.repeats)
+        sim = sim_runs(case, MODES, hw, seeds)
         for m, e in errors(real, sim).items():
             rows.append({"kind": kind, "case": case.name(), "mode": m, **e,
                          "host_cpu_load": real[m]["host_cpu_load"],
                          "real_wall_s": real[m]["wall_s"],
                          "snic_util_real": real[m]["snic_util"],
-                         "snic_util_sim": sim[m]["snic_util"]})
+                         "snic_util_sim": sim[m]["snic_util"],
+                         "snic_util_role_real": real[m]["snic_util_role"],
+                         "snic_util_role_sim": sim[m]["snic_util_role"],
+                         "jct_real_runs_s": real[m]["jct_runs_s"],
+                         "jct_sim_runs_s": sim[m]["jct_runs_s"]})
     head = (f"{'kind':<11} {'case':<28} {'mode':<9} {'JCT real(s)':>11} {'JCT sim(s)':>10} "
-            f"{'JCT err':>8} {'SNIC util err':>13} {'host CPU load':>13}")
+            f"{'JCT err':>8} {'real JCT spread':>15} {'SNIC util err, role':>19} "
+            f"{'node':>6} {'real node spread':>16} {'host CPU load':>13}")
     print("\nsimulated vs real (local cluster, model execution emulated)")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['kind']:<11} {r['case']:<28} {r['mode']:<9} {r['jct_real_s']:11.2f} "
               f"{r['jct_sim_s']:10.2f} {r['jct_rel_error']:8.3f} "
-              f"{r['snic_util_abs_error_max']:13.3f} {r['host_cpu_load']:13.2f}")
+              f"{r['jct_real_spread']:15.3f} {r['snic_util_abs_error_max']:19.3f} "
+              f"{r['snic_util_node_abs_error_max']:6.3f} {r['snic_util_real_spread']:16.3f} "
+              f"{r['host_cpu_load']:13.2f}")
+    print(f"(real: mean of {args.repeats} passes; simulated: mean of {args.seeds} seeds; "
+          "JCT in seconds, errors and spreads as fractions)")
     v = [r for r in rows if r["kind"] == "validation"]
     summary = {
         "jct_rel_error_max": max(r["jct_rel_error"] for r in v),
         "snic_util_abs_error_max": max(r["snic_util_abs_error_max"] for r in v),
+        "snic_util_node_abs_error_max": max(r["snic_util_node_abs_error_max"] for r in v),
+        "snic_util_real_spread_max": max(r["snic_util_real_spread"] for r in v),
+        "jct_real_spread_max": max(r["jct_real_spread"] for r in v),
         "jct_rel_error_mean": sum(r["jct_rel_error"] for r in v) / len(v),
+        "real_repeats": args.repeats, "sim_seeds": args.seeds,
         "calibration_jct_rel_error_max": cal_err,
         "host_cpu_load_max": max(r["host_cpu_load"] for r in rows),
         "host_cores": HOST_CORES,

@@ -382,10 +382,12 @@ class VllmEngine:
                     # The worker sees the stream break and recomputes every block of the
                     # load, so what it may still copy from these slots is overwritten.
                     # The slots go back once the reads into them have ended.
-                    if not reader.done():
-                        reader.cancel()
-                        await asyncio.gather(reader, return_exceptions=True)
-                    self.end_load(lid)
+                    try:
+                        if not reader.done():
+                            reader.cancel()
+                            await asyncio.gather(reader, return_exceptions=True)
+                    finally:
+                        self.end_load(lid)
                     raise
                 self.metrics.connector_loaded_bytes.inc(ok * space.layout.full_bytes)
             else:
@@ -723,7 +725,11 @@ async def _all_landed(aws) -> list:
     try:
         out = await asyncio.shield(fut)
     except asyncio.CancelledError:
-        await asyncio.wait([fut])
+        while not fut.done():               # a second cancel must not end the wait
+            try:
+                await asyncio.wait([fut])
+            except asyncio.CancelledError:
+                pass
         raise
     for x in out:
         if isinstance(x, BaseException):

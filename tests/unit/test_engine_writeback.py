@@ -225,3 +225,32 @@ def test_a_cancelled_layered_read_ends_its_pool_reads_before_it_returns(tmp_path
         region.close()
 
     asyncio.run(main())
+
+
+def test_a_second_cancel_does_not_end_the_wait_for_pool_reads():
+    """A load cancelled again while its reader waits for its pool reads (the load's own
+    cleanup awaits the reader) must still not return before those reads end."""
+    import threading
+    import time
+
+    from dualpath.engine.vllm_engine import _all_landed
+
+    async def main():
+        running = threading.Event()
+        ended = threading.Event()
+
+        def read():
+            running.set()
+            time.sleep(0.3)
+            ended.set()
+
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(_all_landed([loop.run_in_executor(None, read)]))
+        assert await asyncio.to_thread(running.wait, 5.0)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        task.cancel()                     # the second one
+        await asyncio.gather(task, return_exceptions=True)
+        assert ended.is_set()
+
+    asyncio.run(main())

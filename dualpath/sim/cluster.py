@@ -336,10 +336,15 @@ class SimCluster:
         burst of work to the same group)."""
         ld.dormant = False
         iv = self.hw.fetch_interval_s
-        self.skipped_fetches += int((self.loop.now - ld.slept_at) / iv)
+        self.skipped_fetches += self._skipped(ld)
         nxt = ld.last_tick + iv
         t = nxt if nxt > self.loop.now else self.loop.now + self.rng.uniform(0.0, iv)
         self.loop.at(t, self._tick, ld)
+
+    def _skipped(self, ld: _Leader) -> int:
+        """The fetches a daemon's leader would have made in ``ld``'s sleep: the tick it
+        went to sleep on and one a period after it."""
+        return 1 + int((self.loop.now - ld.slept_at) / self.hw.fetch_interval_s)
 
     def _tick(self, ld: _Leader) -> None:
         now = self.loop.now
@@ -672,9 +677,8 @@ class SimCluster:
                    for i in range(last + 1)]
         cpu = sorted(self.cpu_sample)
         n = self.cpu_fetches
-        iv = self.hw.fetch_interval_s
-        skipped = self.skipped_fetches + sum(
-            int((self.loop.now - ld.slept_at) / iv) for ld in self.leaders if ld.dormant)
+        skipped = self.skipped_fetches + sum(self._skipped(ld) for ld in self.leaders
+                                             if ld.dormant)
         empty_s = self.cpu_empty_s / self.cpu_empties if self.cpu_empties else 0.0
         total = self.cpu_fetch_s + self.cpu_submit + skipped * empty_s
         steps = [s for n in self.pe_nodes for s in n.steps]
@@ -686,6 +690,7 @@ class SimCluster:
              "submit_calls": self.submit_calls, "skipped_fetches": skipped,
              "cpu_s_skipped": skipped * empty_s,
              "empty_fetch_us_mean": 1e6 * empty_s,
+             "empty_fetches_timed": self.cpu_empties,     # 0: the skipped ones cost 0
              "fetch_us_mean": 1e6 * self.cpu_fetch_s / n if n else None,
              "timed_one_call_in": CPU_STRIDE,
              "fetch_us_p99": 1e6 * cpu[int(0.99 * (len(cpu) - 1))] if cpu else None,

@@ -164,7 +164,7 @@ def deploy_toml(result: dict, hw: SimHardware) -> str:
         f"prefill_hbm_mib = {max(1, hw.prefill_hbm_bytes // MiB)}",
         f"decode_hbm_mib = {max(1, hw.decode_hbm_bytes // MiB)}",
         f"max_prefills_per_engine = {hw.max_prefills_per_engine}",
-        "# The GPU time the plan assumed, as a multiple of the profile's (1: as profiled).",
+        "# The GPU speed the plan assumed, as a multiple of the profile's (1: as profiled).",
         f"speed_scale = {hw.speed_scale:.6g}",
         "",
         "[storage]",

@@ -56,10 +56,13 @@ SETTINGS = {"transport": {"kind": "tcp"},
 
 @dataclass
 class Fault:
-    """A fault injected (on the main thread) once ``after`` rounds have finished."""
+    """A fault injected (on the main thread) once ``after`` rounds have finished; with
+    ``hold``, the replay waits for it to be in place before it goes on (a fault every
+    later round must meet, whatever the host's load)."""
 
     after: int
     action: Callable[[LocalCluster], None]
+    hold: bool = False
     fired_at: float = 0.0          # monotonic
     fired_unix: float = 0.0
     done_at: float = 0.0
@@ -85,13 +88,15 @@ def run_replay(cluster: LocalCluster, fault: Fault, *, agents: int = 6, rounds: 
     (``opts``: more ReplayOptions, e.g. a read_policy)."""
     trace = make_trace(agents, context_scale=0.05, max_rounds=rounds, seed=seed)
     finished = [0]
-    due = threading.Event()
+    due, placed = threading.Event(), threading.Event()
     out: dict = {}
 
     def observer(_t):
         finished[0] += 1
         if finished[0] == fault.after:
             due.set()
+            if fault.hold:
+                placed.wait(120)
 
     def drive():
         try:
@@ -105,7 +110,10 @@ def run_replay(cluster: LocalCluster, fault: Fault, *, agents: int = 6, rounds: 
     while worker.is_alive():
         if due.wait(0.1):
             fault.fired_at, fault.fired_unix = time.monotonic(), time.time()
-            fault.action(cluster)
+            try:
+                fault.action(cluster)
+            finally:
+                placed.set()
             fault.done_at = time.monotonic()
             break
     worker.join()

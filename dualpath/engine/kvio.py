@@ -6,7 +6,9 @@ worker's KV tensors) are the same loop: for each layer, the WRITE runs from the 
 placement to the target's (dualpath/kv/placement.py), then "layer l is in place" to
 whoever waits for it. :func:`write_layers` is that loop, with two layers in flight so
 the wire never idles between layers; :func:`write_layer` issues one layer's runs as one
-array (placement.run_arrays: no Python step per block) in one TransferEngine write.
+array (placement.run_arrays: no Python step per block) in one TransferEngine write, and
+:func:`write_layers` computes a request's runs once (placement.LayerMove), each later
+layer's being the first one's shifted.
 
 Threads: the node's (or worker agent's) event loop.
 """
@@ -17,7 +19,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 from dualpath.engine.layers import LayerSource
-from dualpath.kv.placement import KvPlacement, run_arrays
+from dualpath.kv.placement import KvPlacement, LayerMove, run_arrays
 from dualpath.transfer import TransferEngine
 
 
@@ -59,9 +61,10 @@ async def write_layers(transfer: TransferEngine, peer: str, src: KvPlacement,
                 on_layer(n)
         return 0
 
+    move = LayerMove(src, src_units, dst, dst_units, [(first_token, stop_token)])
+
     def start(layer: int) -> asyncio.Future:
-        return asyncio.ensure_future(write_layer(
-            transfer, peer, src, src_units, dst, dst_units, layer, first_token, stop_token))
+        return asyncio.ensure_future(write_rows(transfer, peer, *move.rows(layer)))
 
     async def begin(i: int) -> asyncio.Future:
         if source is not None:

@@ -45,6 +45,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from dualpath import clock
 from dualpath.buffers.pool import Reservation
 from dualpath.engine.assignment import Assignment, side_of, split_blocks
@@ -57,7 +59,7 @@ from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.peers import LoadOrder, PrefillReport, PrepareJob
 from dualpath.engine.resources import NodeResources
 from dualpath.errors import TransferError
-from dualpath.kv.placement import KvPlacement
+from dualpath.kv.placement import KvPlacement, LayerMove
 from dualpath.v1 import scheduler_pb2
 
 log = logging.getLogger("dualpath.engine")
@@ -318,11 +320,25 @@ class _Job:
         self.hbm = e.placement(space.fmt)
         self.de_buffer, self.de_units = de_buffer, de_units
         self.lacks, self.first = lacks, first
+        self._moves: dict[tuple, LayerMove] = {}
+
+    def _rows(self, route: Route, window: Sequence[int], layer: int,
+              spans: list[tuple[int, int]]) -> tuple[str, str, np.ndarray]:
+        """``route``'s runs of ``layer`` over ``spans``: computed once per (route, HBM
+        window, spans) and shifted for each later layer (placement.LayerMove), not
+        computed layer by layer (the windows are a ring of a few)."""
+        # The placements are this job's own (buf, hbm, de_buffer): their ids are stable.
+        key = (id(route.src), id(route.dst), tuple(window), tuple(spans))
+        move = self._moves.get(key)
+        if move is None:
+            move = self._moves[key] = LayerMove(route.src, route.src_units, route.dst,
+                                                route.dst_units, spans)
+        return move.rows(layer)
 
     async def load(self, layer: int, window: Sequence[int], stop: int) -> None:
         n = self.path.node
-        await write_rows(n.transfer, n.address, *Route(
-            self.buf, self.buf_units, self.hbm, window).arrays(layer, [(0, stop)]))
+        await write_rows(n.transfer, n.address, *self._rows(
+            Route(self.buf, self.buf_units, self.hbm, window), window, layer, [(0, stop)]))
 
     def write(self, layer: int, window: Reservation, first: int, stop: int,
               blocks: Sequence[int]) -> None:
@@ -335,10 +351,11 @@ class _Job:
         if first == self.first:                # the first chunk: the hit the DE lacks
             spans.insert(0, self.lacks)
         try:
-            await write_rows(n.transfer, self.de, *Route(
-                self.hbm, window, self.de_buffer, self.de_units).arrays(layer, spans))
+            await write_rows(n.transfer, self.de, *self._rows(
+                Route(self.hbm, window, self.de_buffer, self.de_units), window, layer, spans))
         except TransferError as err:
             raise PeerUnavailable(f"push of layer {layer} to {self.de}: {err}") from err
         if not last:                           # the next chunk loads it from here
-            await write_rows(n.transfer, n.address, *Route(
-                self.hbm, window, self.buf, self.buf_units).arrays(layer, [(first, stop)]))
+            await write_rows(n.transfer, n.address, *self._rows(
+                Route(self.hbm, window, self.buf, self.buf_units), window, layer,
+                [(first, stop)]))

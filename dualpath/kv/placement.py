@@ -266,3 +266,50 @@ def run_arrays(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
     out[:, 0], out[:, 1] = so[starts], do[starts]
     out[:, 2] = np.add.reduceat(n, starts)
     return sreg, dreg, out
+
+
+def _layer_shift(pl: KvPlacement, a: int, b: int) -> int | None:
+    """How far every segment of layer ``b`` sits from the same segment of layer ``a`` in
+    ``pl`` (one offset for all of them), or None when the planes move apart."""
+    shifts = {pl.plane_bases[b][p] - pl.plane_bases[a][p] for p in set(pl.segment_planes)}
+    return shifts.pop() if len(shifts) == 1 else None
+
+
+class LayerMove:
+    """One move's WRITE runs (:func:`run_arrays`), for any layer, over token ``spans``
+    ``[lo, hi)`` (in order, empty ones skipped): the runs of a request's layers differ
+    only where each placement puts the layer, so they are computed at the first layer
+    asked and later layers' are those shifted, where both placements move every segment
+    of a layer by one offset (the same runs then merge: contiguity on both sides is kept).
+    Otherwise a layer's are computed anew. Each call returns an array of its own."""
+
+    def __init__(self, src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
+                 dst_units: Sequence[int], spans: Sequence[tuple[int, int]]):
+        self.src, self.src_units, self.dst, self.dst_units = src, src_units, dst, dst_units
+        self.spans = [(lo, hi) for lo, hi in spans if hi > lo]
+        self._ref: tuple[int, np.ndarray] | None = None
+
+    def _compute(self, layer: int) -> np.ndarray:
+        parts = [run_arrays(self.src, self.src_units, self.dst, self.dst_units, layer,
+                            lo, hi)[2] for lo, hi in self.spans]
+        return np.concatenate(parts) if parts else np.zeros((0, 3), np.uint64)
+
+    def rows(self, layer: int) -> tuple[str, str, np.ndarray]:
+        """(source region, target region, uint64 rows) of layer ``layer``."""
+        if not 0 <= layer < self.src.fmt.layers:
+            raise UsageError(f"layer {layer} out of range 0..{self.src.fmt.layers - 1}")
+        sreg, dreg = self.src.layer_regions[layer], self.dst.layer_regions[layer]
+        if self._ref is None:
+            rows = self._compute(layer)         # checks the move once
+            self._ref = (layer, rows)
+            return sreg, dreg, rows.copy()
+        ref, rows = self._ref
+        ds, dd = _layer_shift(self.src, ref, layer), _layer_shift(self.dst, ref, layer)
+        if ds is None or dd is None:
+            return sreg, dreg, self._compute(layer)
+        out = rows.copy()
+        if ds:
+            out[:, 0] = (rows[:, 0].astype(np.int64) + ds).astype(np.uint64)
+        if dd:
+            out[:, 1] = (rows[:, 1].astype(np.int64) + dd).astype(np.uint64)
+        return sreg, dreg, out

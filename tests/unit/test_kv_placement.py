@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dualpath.errors import UsageError
-from dualpath.kv.placement import KvFormat, KvPlacement, run_arrays, runs
+from dualpath.kv.placement import KvFormat, KvPlacement, LayerMove, run_arrays, runs
 
 
 def _engine_placement(fmt: KvFormat, num_units: int, heads_outer: bool) -> KvPlacement:
@@ -114,3 +114,49 @@ def test_errors_name_the_problem():
         runs(buf, [9], buf, [1], 0, 0, 4)
     with pytest.raises(UsageError, match="slot stride"):
         KvPlacement.full_blocks(fmt, "b", 16, 2)
+
+
+def _two_planes(fmt: KvFormat, num_units: int) -> KvPlacement:
+    """Segments alternating between two planes (K and V tensors, say) whose layer bases
+    move by different amounts: a later layer's runs are not the first one's shifted."""
+    n = len(fmt.row_bytes)
+    planes = tuple(s % 2 for s in range(n))
+    offs, acc = [0] * n, 0
+    for s in range(n):
+        offs[s] = acc
+        acc += fmt.row_bytes[s] * fmt.unit_tokens
+    return KvPlacement(fmt, ("kv",) * fmt.layers,
+                       tuple((11 * i, 5000 + 13 * i * i) for i in range(fmt.layers)),
+                       planes, tuple(offs), acc, num_units)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 4), unit_tokens=st.integers(1, 5),
+       rows=st.lists(st.integers(1, 6), min_size=1, max_size=4), units=st.integers(1, 3),
+       nblocks=st.integers(1, 3), data=st.data())
+def test_a_layer_move_gives_every_layer_the_runs_run_arrays_gives(layers, unit_tokens, rows,
+                                                                  units, nblocks, data):
+    fmt = KvFormat(layers, unit_tokens, tuple(rows), units)
+    slots = data.draw(st.permutations(range(nblocks + 1)))[:nblocks]
+    buf = KvPlacement.full_blocks(fmt, "buf", fmt.layers * units * fmt.unit_bytes + 8,
+                                  nblocks + 1)
+    other = data.draw(st.sampled_from(["engine", "two_planes"]))
+    eng = (_engine_placement(fmt, nblocks * units + 4, data.draw(st.booleans()))
+           if other == "engine" else _two_planes(fmt, nblocks * units + 4))
+    eng_units = data.draw(st.permutations(range(eng.num_units)))[:nblocks * units]
+    buf_units = buf.units_of_slots(slots)
+    total = nblocks * fmt.block_tokens
+    cuts = sorted(data.draw(st.lists(st.integers(0, total), min_size=2, max_size=5)))
+    spans = list(zip(cuts[:-1], cuts[1:]))
+    order = data.draw(st.permutations(range(layers)))       # any layer first
+    for a, b, x, y in ((buf, buf_units, eng, eng_units), (eng, eng_units, buf, buf_units)):
+        move = LayerMove(a, b, x, y, spans)
+        for layer in order:
+            sreg, dreg, got = move.rows(layer)
+            parts = [run_arrays(a, b, x, y, layer, lo, hi)[2] for lo, hi in spans if hi > lo]
+            want = np.concatenate(parts) if parts else np.zeros((0, 3), np.uint64)
+            assert (sreg, dreg) == (a.layer_regions[layer], x.layer_regions[layer])
+            assert got.dtype == np.uint64 and got.tolist() == want.tolist(), (other, layer)
+            got[:] = 0                     # the caller's own array: the next is intact
+    with pytest.raises(UsageError, match="layer"):
+        LayerMove(buf, buf_units, eng, eng_units, spans).rows(layers)

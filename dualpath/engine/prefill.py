@@ -322,13 +322,12 @@ class _Job:
         self.lacks, self.first = lacks, first
         self._moves: dict[tuple, LayerMove] = {}
 
-    def _rows(self, route: Route, window: Sequence[int], layer: int,
+    def _rows(self, kind: str, route: Route, window: Sequence[int], layer: int,
               spans: list[tuple[int, int]]) -> tuple[str, str, np.ndarray]:
-        """``route``'s runs of ``layer`` over ``spans``: computed once per (route, HBM
-        window, spans) and shifted for each later layer (placement.LayerMove), not
+        """``route``'s runs of ``layer`` over ``spans``: computed once per (kind of move,
+        HBM window, spans) and shifted for each later layer (placement.LayerMove), not
         computed layer by layer (the windows are a ring of a few)."""
-        # The placements are this job's own (buf, hbm, de_buffer): their ids are stable.
-        key = (id(route.src), id(route.dst), tuple(window), tuple(spans))
+        key = (kind, tuple(window), tuple(spans))
         move = self._moves.get(key)
         if move is None:
             move = self._moves[key] = LayerMove(route.src, route.src_units, route.dst,
@@ -338,7 +337,8 @@ class _Job:
     async def load(self, layer: int, window: Sequence[int], stop: int) -> None:
         n = self.path.node
         await write_rows(n.transfer, n.address, *self._rows(
-            Route(self.buf, self.buf_units, self.hbm, window), window, layer, [(0, stop)]))
+            "load", Route(self.buf, self.buf_units, self.hbm, window), window, layer,
+            [(0, stop)]))
 
     def write(self, layer: int, window: Reservation, first: int, stop: int,
               blocks: Sequence[int]) -> None:
@@ -352,10 +352,11 @@ class _Job:
             spans.insert(0, self.lacks)
         try:
             await write_rows(n.transfer, self.de, *self._rows(
-                Route(self.hbm, window, self.de_buffer, self.de_units), window, layer, spans))
+                "push", Route(self.hbm, window, self.de_buffer, self.de_units), window,
+                layer, spans))
         except TransferError as err:
             raise PeerUnavailable(f"push of layer {layer} to {self.de}: {err}") from err
         if not last:                           # the next chunk loads it from here
             await write_rows(n.transfer, n.address, *self._rows(
-                Route(self.hbm, window, self.buf, self.buf_units), window, layer,
+                "back", Route(self.hbm, window, self.buf, self.buf_units), window, layer,
                 [(first, stop)]))

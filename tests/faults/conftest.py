@@ -95,8 +95,8 @@ def run_replay(cluster: LocalCluster, fault: Fault, *, agents: int = 6, rounds: 
         finished[0] += 1
         if finished[0] == fault.after:
             due.set()
-            if fault.hold:
-                placed.wait(120)
+            if fault.hold and not placed.wait(120):
+                out["hold"] = "the replay's hold for the fault timed out (120 s)"
 
     def drive():
         try:
@@ -119,6 +119,7 @@ def run_replay(cluster: LocalCluster, fault: Fault, *, agents: int = 6, rounds: 
     worker.join()
     if "error" in out:
         raise out["error"]
+    assert "hold" not in out, out["hold"]
     run = out["run"]
     run.extra["rounds"] = sum(len(t.rounds) for t in trace.trajectories)
     return run

@@ -5,6 +5,8 @@ The reference is a token-by-token copy: for every token, layer and segment, the 
 exactly those bytes (no more, no fewer) in merged contiguous runs.
 """
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -116,17 +118,19 @@ def test_errors_name_the_problem():
         KvPlacement.full_blocks(fmt, "b", 16, 2)
 
 
-def _two_planes(fmt: KvFormat, num_units: int) -> KvPlacement:
+def _two_planes(fmt: KvFormat, num_units: int, together: bool) -> KvPlacement:
     """Segments alternating between two planes (K and V tensors, say) whose layer bases
-    move by different amounts: a later layer's runs are not the first one's shifted."""
+    move by one amount (``together``: a later layer's runs are the first one's shifted)
+    or by different amounts (they are not)."""
     n = len(fmt.row_bytes)
     planes = tuple(s % 2 for s in range(n))
     offs, acc = [0] * n, 0
     for s in range(n):
         offs[s] = acc
         acc += fmt.row_bytes[s] * fmt.unit_tokens
+    v = (lambda i: 5000 + 11 * i) if together else (lambda i: 5000 + 13 * i * i)
     return KvPlacement(fmt, ("kv",) * fmt.layers,
-                       tuple((11 * i, 5000 + 13 * i * i) for i in range(fmt.layers)),
+                       tuple((11 * i, v(i)) for i in range(fmt.layers)),
                        planes, tuple(offs), acc, num_units)
 
 
@@ -140,14 +144,15 @@ def test_a_layer_move_gives_every_layer_the_runs_run_arrays_gives(layers, unit_t
     slots = data.draw(st.permutations(range(nblocks + 1)))[:nblocks]
     buf = KvPlacement.full_blocks(fmt, "buf", fmt.layers * units * fmt.unit_bytes + 8,
                                   nblocks + 1)
-    other = data.draw(st.sampled_from(["engine", "two_planes"]))
+    other = data.draw(st.sampled_from(["engine", "planes_together", "planes_apart"]))
     eng = (_engine_placement(fmt, nblocks * units + 4, data.draw(st.booleans()))
-           if other == "engine" else _two_planes(fmt, nblocks * units + 4))
+           if other == "engine" else
+           _two_planes(fmt, nblocks * units + 4, other == "planes_together"))
     eng_units = data.draw(st.permutations(range(eng.num_units)))[:nblocks * units]
     buf_units = buf.units_of_slots(slots)
     total = nblocks * fmt.block_tokens
     cuts = sorted(data.draw(st.lists(st.integers(0, total), min_size=2, max_size=5)))
-    spans = list(zip(cuts[:-1], cuts[1:]))
+    spans = list(itertools.pairwise(cuts))
     order = data.draw(st.permutations(range(layers)))       # any layer first
     for a, b, x, y in ((buf, buf_units, eng, eng_units), (eng, eng_units, buf, buf_units)):
         move = LayerMove(a, b, x, y, spans)

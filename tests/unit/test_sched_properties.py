@@ -379,6 +379,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         audit(self.s)
 
     @invariant()
+    def kept_sums_and_bounds_are_exact(self):
+        """What the core keeps so as not to walk every engine (a group's Σ tok_e, the
+        largest up DE's HBM, the held-requests bound on the queue) equals the walk."""
+        for g in self.s.groups.values():
+            assert g.tok_sum == sum(e.tok for e in g.engines), g.group_id
+        assert self.s._largest_hbm() == max(
+            (e.hbm_tokens for e in self.s.engines.values()
+             if e.role is Role.DECODE and e.group.up), default=0)
+        assert self.s.queued_requests() <= len(self.s.requests)
+
+    @invariant()
     def leaders_and_scheduler_agree(self):
         """What the scheduler has placed on a group's engines its leader holds, with the
         same attempt; what the leader holds beyond that it will be told to drop on its

@@ -423,12 +423,11 @@ class BlockStore:
         missing: logged once), read_rings is 0 (a ring per batch on the read pool) or
         the store is closed."""
         with self._lock:
-            if self._rings or self._closed or not self._batched or self._ring_refused or \
-                    not self.read_rings:
-                if not self._rings:
-                    return None
+            if self._rings:
                 self._next_ring = (self._next_ring + 1) % len(self._rings)
                 return self._rings[self._next_ring]
+            if self._closed or not self._batched or self._ring_refused or not self.read_rings:
+                return None
             try:
                 for _ in range(self.read_rings):
                     self._rings.append(_RingReader(self, self.read_batch_depth))
@@ -889,6 +888,7 @@ class _RingReader:
         self._spare: list[np.ndarray] = []          # header/tail pages of finished batches
         self._spare_lock = threading.Lock()
         self._closed = False
+        self._close_lock = threading.Lock()     # a batch is queued before the stop or not
         self._thread = threading.Thread(target=self._run, name="dp-store-ring", daemon=True)
         self._thread.start()
 
@@ -898,7 +898,11 @@ class _RingReader:
         b = _RingBatch(self.store, keys, dsts, self._pages(2 * len(keys)),
                        full - full % ALIGN)
         b.future.set_running_or_notify_cancel()     # it cannot be cancelled: the ring
-        self._queue.put(b)                          # writes into dsts until it is done
+        with self._close_lock:                      # writes into dsts until it is done
+            if self._closed:    # queued behind the stop, nothing would ever complete it
+                raise StorageError(_errno.EBADF, "reading from the closed block store",
+                                   self.store.dir)
+            self._queue.put(b)
         return b.future
 
     def _pages(self, n: int) -> np.ndarray:
@@ -909,10 +913,11 @@ class _RingReader:
         return aligned_bytes(max(n, 16) * ALIGN).reshape(-1, ALIGN)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         self._thread.join()
         lib.dp_sio_ring_destroy(self._ring)
 

@@ -436,6 +436,19 @@ def test_the_ring_reader_serves_concurrent_batches_each_block_into_its_buffer(st
     store.close()                                          # idempotent
 
 
+def test_a_batch_handed_to_a_ring_after_close_is_refused_not_lost(store):
+    # aread_many picks a ring under the store's lock and hands it the batch after: a
+    # close() in between used to queue the batch behind the stop, where nothing would
+    # ever complete its future (the caller waited for ever).
+    key = block_keys(list(range(4)), 4)[0]
+    _put(store, key)
+    ring = store._ring_reader()
+    assert ring is not None
+    store.close()
+    with pytest.raises(StorageError, match="closed"):
+        ring.submit([key], [aligned_bytes(store.layout.full_bytes)])
+
+
 def test_a_cancelled_ring_read_returns_only_once_its_reads_landed(store):
     # The ring writes into the caller's buffers until each read lands: a cancelled caller
     # must not get them back before that (it would hand out slots still being written).

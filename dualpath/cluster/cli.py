@@ -412,8 +412,8 @@ def _replay(args) -> int:
     _write_report(report, args)
     bad = {m: r for m, r in report["reliability"].items()
            if r["requests_failed"] or r["requests_duplicated"]}
-    every = (report["settings"].get("repeats") or {}).get("all_passes")
-    if every and (every["requests_failed"] or every["requests_duplicated"]):
+    every = report["all_passes"]
+    if every["requests_failed"] or every["requests_duplicated"]:
         bad["all passes"] = every                  # those of passes not reported too
     if bad:
         print("dualpath: error: requests failed or were reported twice: "

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dualpath.kv.placement import KvPlacement, Run, run_arrays, runs
+from dualpath.kv.placement import KvPlacement, LayerMove, Run, runs
 from dualpath.kv.prefix import ROOT_KEY, chain_key
 
 
@@ -73,12 +73,7 @@ class Route:
         return runs(self.src, self.src_units, self.dst, self.dst_units, layer, first_token,
                     stop_token)
 
-    def arrays(self, layer: int, spans: Sequence[tuple[int, int]]
-               ) -> tuple[str, str, np.ndarray]:
-        """The WRITE runs of layer ``layer`` for each token span ``[lo, hi)`` of
-        ``spans``, as one (source region, target region, uint64 rows) triple
-        (placement.run_arrays: no Python step per block)."""
-        sreg, dreg = self.src.layer_regions[layer], self.dst.layer_regions[layer]
-        parts = [run_arrays(self.src, self.src_units, self.dst, self.dst_units, layer,
-                            lo, hi)[2] for lo, hi in spans if hi > lo]
-        return sreg, dreg, (np.concatenate(parts) if parts else np.zeros((0, 3), np.uint64))
+    def move(self, spans: Sequence[tuple[int, int]]) -> LayerMove:
+        """The WRITE runs of each token span ``[lo, hi)`` of ``spans``, layer by layer
+        (placement.LayerMove: computed once, no Python step per block)."""
+        return LayerMove(self.src, self.src_units, self.dst, self.dst_units, spans)

@@ -324,14 +324,13 @@ class _Job:
 
     def _rows(self, kind: str, route: Route, window: Sequence[int], layer: int,
               spans: list[tuple[int, int]]) -> tuple[str, str, np.ndarray]:
-        """``route``'s runs of ``layer`` over ``spans``: computed once per (kind of move,
-        HBM window, spans) and shifted for each later layer (placement.LayerMove), not
-        computed layer by layer (the windows are a ring of a few)."""
+        """``route``'s runs of ``layer`` over ``spans``: its move made once per (kind,
+        HBM window, spans) and shifted for each later layer (Route.move), not computed
+        layer by layer (the windows are a ring of a few)."""
         key = (kind, tuple(window), tuple(spans))
         move = self._moves.get(key)
         if move is None:
-            move = self._moves[key] = LayerMove(route.src, route.src_units, route.dst,
-                                                route.dst_units, spans)
+            move = self._moves[key] = route.move(spans)
         return move.rows(layer)
 
     async def load(self, layer: int, window: Sequence[int], stop: int) -> None:

@@ -678,7 +678,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             views.append(admin_pb2.GroupView(
                 group_id=g.group_id, role=int(g.role),
                 state=admin_pb2.GROUP_STATE_UP if g.up else admin_pb2.GROUP_STATE_DOWN,
-                engines=len(g.engines), unfinished_tokens=sum(e.tok for e in g.engines),
+                engines=len(g.engines), unfinished_tokens=g.tok_sum,
                 private_queue_requests=len(g.private_queue),
                 ms_since_fetch=max(0, int((now - g.last_fetch) * 1000)), lease_id=g.lease_id))
         return admin_pb2.ListGroupsResponse(groups=views)

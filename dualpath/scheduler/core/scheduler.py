@@ -243,7 +243,7 @@ class Scheduler:
             g.engines.append(e)
             self.engines[e.engine_id] = e
         self.groups[group_id] = g
-        self._decode_groups = self._shares = self._max_hbm = None
+        self._topology_changed()
         g.pending_cancel = list(dict.fromkeys(carried))
         for c in claims:
             self._claim(g, c, kept, now)
@@ -307,6 +307,7 @@ class Scheduler:
         # submit's time).
         queued = len(self.requests) if len(self.requests) + len(specs) < \
             p.max_queued_requests else self.queued_requests()   # or a bound above it
+        exact: int | None = None
         seen: set[str] = set()
         adm = Admission([], [], [], [])
         for i, s in enumerate(specs):
@@ -329,8 +330,10 @@ class Scheduler:
             if reason is None and (queued >= p.max_queued_requests
                                    or self.held_bytes + wire + REQUEST_FIXED_BYTES
                                    > p.max_held_bytes):
+                if exact is None:       # the walk once a call, and only when refusing
+                    exact = self.queued_requests()
                 reason, detail = RejectReason.QUEUE_FULL, (
-                    f"{self.queued_requests() + len(adm.accepted)} requests wait, "
+                    f"{exact + len(adm.accepted)} requests wait, "
                     f"{self.held_bytes} bytes held (max_queued_"
                     f"requests {p.max_queued_requests}, max_held_bytes {p.max_held_bytes})")
             if reason is not None:
@@ -605,7 +608,7 @@ class Scheduler:
         for g in groups:
             g.up = False
             g.pending_cancel.clear()
-        self._decode_groups = self._shares = self._max_hbm = None
+        self._topology_changed()
         held = [r for r in self.requests.values() if r.request_id not in keep and (
             r.de_group in down or (r.stage is Stage.PREFILLING and r.pe.group in down))]  # type: ignore[union-attr]
         for g in groups:
@@ -716,6 +719,11 @@ class Scheduler:
             self._shares = (len(nodes[Role.PREFILL]) or 1, len(nodes[Role.DECODE]) or 1)
         return self._shares
 
+    def _topology_changed(self) -> None:
+        """A group registered, went down or an engine was drained: the caches of the up
+        groups (DE groups, role shares, the largest DE's HBM) are rebuilt when next read."""
+        self._decode_groups = self._shares = self._max_hbm = None
+
     def _largest_hbm(self) -> int:
         """The largest HBM (tokens) of a DE in an up group: submit's bound on a request."""
         if self._max_hbm is None:
@@ -780,7 +788,7 @@ class Scheduler:
         if e is None:
             raise NotFound(f"engine {engine_id} is not registered")
         e.drained = not undo
-        self._decode_groups = self._shares = self._max_hbm = None
+        self._topology_changed()
         return e
 
     def set_params(self, **changes: Any) -> Params:

@@ -382,12 +382,8 @@ class VllmEngine:
                     # The worker sees the stream break and recomputes every block of the
                     # load, so what it may still copy from these slots is overwritten.
                     # The slots go back once the reads into them have ended.
-                    try:
-                        if not reader.done():
-                            reader.cancel()
-                            await asyncio.gather(reader, return_exceptions=True)
-                    finally:
-                        self.end_load(lid)
+                    await _stopped(reader)
+                    self.end_load(lid)
                     raise
                 self.metrics.connector_loaded_bytes.inc(ok * space.layout.full_bytes)
             else:
@@ -428,12 +424,14 @@ class VllmEngine:
                       "copied by the worker" if worker_copies else f"WRITE to {w.name}",
                       1e3 * (time.monotonic() - t0))
         finally:
+            cancelled = False
             for t in (writer, reader):
-                if t is not None and not t.done():
-                    t.cancel()                   # both wait for their I/O in flight
-                    await asyncio.gather(t, return_exceptions=True)
+                if t is not None:                # both wait for their I/O in flight
+                    cancelled = await _stopped(t) or cancelled
             if res is not None:
                 res.release()
+            if cancelled:                        # the caller's, kept until the slots are
+                raise asyncio.CancelledError     # back
 
     async def read_layered(self, request_id: str, keys: list[bytes], res: Reservation,
                            arrivals: LocalArrivals) -> tuple[int, asyncio.Task]:
@@ -725,13 +723,31 @@ async def _all_landed(aws) -> list:
     try:
         out = await asyncio.shield(fut)
     except asyncio.CancelledError:
-        while not fut.done():               # a second cancel must not end the wait
-            try:
-                await asyncio.wait([fut])
-            except asyncio.CancelledError:
-                pass
+        await _waited_out(fut)
         raise
     for x in out:
         if isinstance(x, BaseException):
             raise x
     return out
+
+
+async def _waited_out(fut: asyncio.Future) -> bool:
+    """Wait until ``fut`` is done, whatever cancels the caller meanwhile (a second cancel
+    must not end a wait for reads still writing into slots); whether one did."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
+
+
+async def _stopped(task: asyncio.Future) -> bool:
+    """Cancel ``task`` (a read or write of a load) and wait until it has ended, its I/O in
+    flight with it; its outcome retrieved. Whether the caller was cancelled meanwhile."""
+    task.cancel()
+    cancelled = await _waited_out(task)
+    if not task.cancelled():
+        task.exception()
+    return cancelled

@@ -31,7 +31,6 @@ Threads: the node's event loop owns all state; verification runs in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dualpath import clock
+from dualpath.aio import to_the_end
 from dualpath.buffers.pool import Reservation
 from dualpath.engine.decode_batch import DecodeBatch
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
@@ -62,14 +62,7 @@ async def _off_loop(fn) -> None:
     """Run ``fn`` (a copy) on a worker thread, off the event loop. A cancellation waits
     for it to end before it goes on: the caller frees the memory it writes into as it
     unwinds."""
-    fut = asyncio.ensure_future(asyncio.to_thread(fn))
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        while not fut.done():          # a second cancel (shutdown) waits all the same
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([fut])
-        raise
+    await to_the_end(asyncio.to_thread(fn))
 
 
 @dataclass

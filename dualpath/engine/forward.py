@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dualpath import clock
+from dualpath.aio import waited_out
 from dualpath.buffers.pool import Reservation
 from dualpath.engine.emulated import EngineRank
 from dualpath.engine.errors import RequestFailed
@@ -240,12 +241,7 @@ class PrefillForward:
             e.withdrawn = True
             if not e.in_step:
                 self._drop(e, None)
-            waits = [f for f in (e.settled, e.previous) if f is not None]
-            while not all(f.done() for f in waits):   # a second cancel waits all the same
-                try:
-                    await asyncio.wait(waits)
-                except asyncio.CancelledError:
-                    continue
+            await waited_out(*(f for f in (e.settled, e.previous) if f is not None))
             raise
 
     def _drop(self, e: _Entry, error: BaseException | None) -> None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dualpath import faults
+from dualpath.aio import to_the_end, waited_out
 from dualpath.buffers.pool import Reservation
 from dualpath.buffers.region import PinnedRegion
 from dualpath.engine.kvio import write_layers
@@ -719,35 +720,18 @@ async def _all_landed(aws) -> list:
     and reading its block's descriptor, after whoever awaited it was cancelled or saw
     another read fail. So a cancelled caller waits for them before it raises, and the
     slots they fill are not given back, nor their descriptors closed, under them."""
-    fut = asyncio.gather(*aws, return_exceptions=True)
-    try:
-        out = await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        await _waited_out(fut)
-        raise
+    out = await to_the_end(asyncio.gather(*aws, return_exceptions=True))
     for x in out:
         if isinstance(x, BaseException):
             raise x
     return out
 
 
-async def _waited_out(fut: asyncio.Future) -> bool:
-    """Wait until ``fut`` is done, whatever cancels the caller meanwhile (a second cancel
-    must not end a wait for reads still writing into slots); whether one did."""
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.wait([fut])
-        except asyncio.CancelledError:
-            cancelled = True
-    return cancelled
-
-
 async def _stopped(task: asyncio.Future) -> bool:
     """Cancel ``task`` (a read or write of a load) and wait until it has ended, its I/O in
     flight with it; its outcome retrieved. Whether the caller was cancelled meanwhile."""
     task.cancel()
-    cancelled = await _waited_out(task)
+    cancelled = await waited_out(task)
     if not task.cancelled():
         task.exception()
     return cancelled

@@ -33,6 +33,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from dualpath.aio import waited_out
 from dualpath.buffers.pool import Reservation
 from dualpath.storage.format import HEADER_BYTES
 from dualpath.storage.ratelimit import RateLimiter
@@ -109,7 +110,7 @@ class WriteBack:
                     # reads the slot until it is done.
                     await asyncio.shield(write)
                 except asyncio.CancelledError:
-                    await asyncio.wait([write])
+                    await waited_out(write)
                     if not write.cancelled():
                         write.exception()    # retrieved: the stop is what matters now
                     raise

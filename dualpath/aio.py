@@ -1,0 +1,37 @@
+"""Waiting for work that writes into memory the waiter owns.
+
+A read or copy handed to a thread (or the kernel) goes on writing into its buffer after
+whoever awaited it is cancelled. A caller that frees or hands back that buffer as it
+unwinds must first wait for the work to end, and a second cancel (a shutdown cancelling
+the task again) must not cut that wait short. Pure asyncio; no state."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def waited_out(*futs: asyncio.Future) -> bool:
+    """Wait until every one of ``futs`` is done, whatever cancels the caller meanwhile;
+    whether something did (the caller re-raises when it must)."""
+    cancelled = False
+    while not all(f.done() for f in futs):
+        try:
+            await asyncio.wait(futs)
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
+
+
+async def to_the_end(aw: Awaitable[T]) -> T:
+    """``await aw``, shielded: a cancelled caller waits for it to end (see
+    :func:`waited_out`) before the cancellation goes on."""
+    fut = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await waited_out(fut)
+        raise

@@ -346,6 +346,15 @@ int dp_sio_ring_inflight(dp_sio_ring *g)
     return (int)(g->inflight + g->queued);
 }
 
+/* The FIFO's oldest item, taken off it (g->queued > 0). */
+static struct dp_sio_item *fifo_pop(dp_sio_ring *g)
+{
+    struct dp_sio_item *it = g->fifo[g->first];
+    g->first = (g->first + 1) % g->cap;
+    g->queued--;
+    return it;
+}
+
 /* Open and queue the FIFO's items while slots are free (a file that cannot be opened is
  * done at once, into done[], while done[] has room for it beside a full reap). */
 static void take(dp_sio_ring *g, struct dp_sio_item **done, uint32_t *ndone,
@@ -353,9 +362,7 @@ static void take(dp_sio_ring *g, struct dp_sio_item **done, uint32_t *ndone,
 {
     struct ring *r = &g->r;
     while (g->nfree && g->queued && *ndone + g->depth < max_done) {
-        struct dp_sio_item *it = g->fifo[g->first];
-        g->first = (g->first + 1) % g->cap;
-        g->queued--;
+        struct dp_sio_item *it = fifo_pop(g);
         it->err = 0;
         it->stage = DP_SIO_OK;
         it->got = 0;
@@ -456,9 +463,6 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
 {
     if ((n && !items) || depth == 0 || depth > 4096)
         return -EINVAL;
-    for (uint32_t i = 0; i < n; i++)
-        if (!items[i].path || items[i].nbufs < 1 || items[i].nbufs > 3)
-            return -EINVAL;
     if (n == 0)
         return 0;
     dp_sio_ring *g = dp_sio_ring_create(root_fd, depth > n ? n : depth, n, direct, secret,
@@ -471,9 +475,14 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
         dp_sio_ring_destroy(g);
         return -ENOMEM;
     }
-    dp_sio_ring_push(g, items, n);
+    int rc = dp_sio_ring_push(g, items, n);  /* the backlog holds all n: every item or none */
+    if (rc < 0) {
+        free(done);
+        dp_sio_ring_destroy(g);
+        return rc;
+    }
+    rc = 0;
     uint32_t landed = 0;
-    int rc = 0;
     while (landed < n) {
         int got = dp_sio_ring_step(g, done, max_done, 1);
         if (got < 0) {
@@ -481,9 +490,8 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
              * buffers, so reap every one of them before returning. */
             if (rc == 0)
                 rc = got;
-            for (; g->queued; g->queued--, landed++) {
-                struct dp_sio_item *it = g->fifo[g->first];
-                g->first = (g->first + 1) % g->cap;
+            for (; g->queued; landed++) {
+                struct dp_sio_item *it = fifo_pop(g);
                 it->err = -rc;
                 it->stage = DP_SIO_READ;
             }

@@ -67,6 +67,7 @@ from typing import Self
 import numpy as np
 
 from dualpath._native import ffi, lib
+from dualpath.aio import to_the_end
 from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import ModelProfile
@@ -410,12 +411,14 @@ class BlockStore:
             d.ctypes.data % ALIGN for d in dsts) else None
         if ring is None:
             return await self.arun(self.read_batch, keys, outs)
-        fut = asyncio.wrap_future(ring.submit(keys, dsts))
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait([fut])
-            raise
+        out = await to_the_end(asyncio.wrap_future(ring.submit(keys, dsts)))
+        again = [j for j, ok in enumerate(out) if ok is None]
+        if again:       # O_DIRECT refused here (now off): read again, buffered, off the ring
+            redo = await to_the_end(self.arun(self.read_batch, [keys[j] for j in again],
+                                              [outs[j] for j in again]))
+            for j, ok in zip(again, redo):
+                out[j] = ok
+        return out
 
     def _ring_reader(self) -> _RingReader | None:
         """The next of the store's ``read_rings`` ring readers (batches take turns), all
@@ -843,19 +846,22 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
 
 class _RingBatch:
     """One aread_many's blocks handed to the ring reader: their items (header and tail
-    pages of their own), outcomes, and the future the caller awaits."""
+    pages of their own; built by the ring's thread, :meth:`prepare`), outcomes (None: the
+    filesystem refused O_DIRECT, read it again) and the future the caller awaits."""
 
-    def __init__(self, store: BlockStore, keys: Sequence[bytes], dsts: Sequence[np.ndarray],
-                 pages: np.ndarray, cut: int):
-        self.keys, self.dsts, self.pages = keys, dsts, pages
-        self.items, self.paths = store._sio_items(keys, [d[:cut] for d in dsts], pages)
+    def __init__(self, keys: Sequence[bytes], dsts: Sequence[np.ndarray]):
+        self.keys, self.dsts = keys, dsts
         self.n = len(keys)
         self.next = 0                       # items pushed to the ring so far
         self.left = self.n                  # items not yet done
         self.out: list[bool | None] = [False] * self.n
         self.error: BaseException | None = None
         self.future: Future = Future()
-        self.base = int(ffi.cast("uintptr_t", self.items))
+
+    def prepare(self, store: BlockStore, pages: np.ndarray, cut: int) -> None:
+        self.pages = pages
+        self.items, self.paths = store._sio_items(self.keys, [d[:cut] for d in self.dsts],
+                                                  pages)
 
 
 _SIO_ITEM = ffi.sizeof("struct dp_sio_item")
@@ -867,7 +873,8 @@ class _RingReader:
     ring's backlog as its read lands, so the disk never idles between batches or behind
     a batch's slowest read.
 
-    The thread: pushes each batch that arrives into the ring's backlog, steps the ring
+    The thread: builds the items of each batch that arrives (off the caller's event
+    loop) and pushes them into the ring's backlog, steps the ring
     (wait for a landing, refill, hash what landed; a batch that arrives during the wait
     is pushed after it), checks each landed block as :meth:`BlockStore.read_batch` does
     and completes a batch's future when its last block is done. ``close()`` (idempotent)
@@ -885,8 +892,7 @@ class _RingReader:
             raise OSError(err, os.strerror(err))
         self.store, self.depth, self._ring = store, depth, ring
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._spare: list[np.ndarray] = []          # header/tail pages of finished batches
-        self._spare_lock = threading.Lock()
+        self._spare: list[np.ndarray] = []  # header/tail pages of finished batches (thread)
         self._closed = False
         self._close_lock = threading.Lock()     # a batch is queued before the stop or not
         self._thread = threading.Thread(target=self._run, name="dp-store-ring", daemon=True)
@@ -894,9 +900,7 @@ class _RingReader:
 
     def submit(self, keys: Sequence[bytes], dsts: Sequence[np.ndarray]) -> Future:
         """Queue page-aligned block reads (O_DIRECT); a future of their outcomes."""
-        full = self.store.layout.full_bytes
-        b = _RingBatch(self.store, keys, dsts, self._pages(2 * len(keys)),
-                       full - full % ALIGN)
+        b = _RingBatch(keys, dsts)
         b.future.set_running_or_notify_cancel()     # it cannot be cancelled: the ring
         with self._close_lock:                      # writes into dsts until it is done
             if self._closed:    # queued behind the stop, nothing would ever complete it
@@ -906,10 +910,9 @@ class _RingReader:
         return b.future
 
     def _pages(self, n: int) -> np.ndarray:
-        with self._spare_lock:
-            for i, p in enumerate(self._spare):
-                if len(p) >= n:
-                    return self._spare.pop(i)
+        for i, p in enumerate(self._spare):
+            if len(p) >= n:
+                return self._spare.pop(i)
         return aligned_bytes(max(n, 16) * ALIGN).reshape(-1, ALIGN)
 
     def close(self) -> None:
@@ -925,6 +928,8 @@ class _RingReader:
         waiting: deque[_RingBatch] = deque()        # batches not wholly pushed yet
         owner: dict[int, tuple[_RingBatch, int]] = {}
         done = ffi.new("struct dp_sio_item *[]", 2 * self.depth)
+        full = self.store.layout.full_bytes
+        cut = full - full % ALIGN
         stopping = False
         while True:
             busy = lib.dp_sio_ring_inflight(self._ring)
@@ -934,7 +939,7 @@ class _RingReader:
                 b = self._queue.get()               # idle: sleep until a batch comes
                 if b is None:
                     return
-                waiting.append(b)
+                self._take(b, waiting, cut)
             while True:
                 try:
                     b = self._queue.get_nowait()
@@ -943,7 +948,7 @@ class _RingReader:
                 if b is None:
                     stopping = True
                 else:
-                    waiting.append(b)
+                    self._take(b, waiting, cut)
             # Every batch goes to the ring's backlog at once: its slots are refilled
             # from there as reads land, whoever's batch comes next.
             while waiting:
@@ -953,8 +958,9 @@ class _RingReader:
                     self._fail(waiting, StorageError(-pushed, "queueing block reads for",
                                                      self.store.dir))
                     break
+                base = int(ffi.cast("uintptr_t", b.items))
                 for j in range(b.next, b.next + pushed):
-                    owner[b.base + j * _SIO_ITEM] = (b, j)
+                    owner[base + j * _SIO_ITEM] = (b, j)
                 b.next += pushed
                 if b.next < b.n:
                     break                           # the backlog is full
@@ -968,6 +974,15 @@ class _RingReader:
                 b, j = owner.pop(int(ffi.cast("uintptr_t", done[k])))
                 self._landed(b, j)
 
+    def _take(self, b: _RingBatch, waiting: deque[_RingBatch], cut: int) -> None:
+        """A batch that arrived: its items built here, then it waits for the ring."""
+        try:
+            b.prepare(self.store, self._pages(2 * b.n), cut)
+        except Exception as e:  # noqa: BLE001 - handed to the batch's caller
+            b.future.set_exception(e)
+            return
+        waiting.append(b)
+
     def _fail(self, waiting: deque[_RingBatch], e: BaseException) -> None:
         """Give up on the items not pushed yet (the ring refused them)."""
         log.error("%s", e)
@@ -980,11 +995,9 @@ class _RingReader:
 
     def _landed(self, b: _RingBatch, j: int) -> None:
         try:
-            ok = self.store._sio_outcome(b.keys[j], b.dsts[j], b.items[j],
-                                         b.pages[2 * j], b.pages[2 * j + 1], True)
-            if ok is None:                  # O_DIRECT refused: buffered, here
-                ok = self.store.read_into(b.keys[j], b.dsts[j])
-            b.out[j] = ok
+            # None (O_DIRECT refused): aread_many reads it again, off this thread.
+            b.out[j] = self.store._sio_outcome(b.keys[j], b.dsts[j], b.items[j],
+                                               b.pages[2 * j], b.pages[2 * j + 1], True)
         except BaseException as e:          # noqa: BLE001 - handed to the batch's caller
             b.error = b.error or e
         b.left -= 1
@@ -993,8 +1006,7 @@ class _RingReader:
     def _finish(self, b: _RingBatch) -> None:
         if b.left:
             return
-        with self._spare_lock:
-            self._spare.append(b.pages)
+        self._spare.append(b.pages)
         if b.error is not None:
             b.future.set_exception(b.error)
         else:

@@ -176,6 +176,37 @@ def test_a_batch_reads_every_block_into_its_own_buffer(store):
     assert store.batched, "io_uring and openat2 are expected on this kernel"
 
 
+def test_a_ring_read_refused_o_direct_is_read_again_off_the_ring(store, monkeypatch):
+    # A block whose O_DIRECT read the filesystem refused comes back from the ring as
+    # "read again" (None): aread_many reads it buffered on the read pool. The ring's
+    # own thread used to do that read, stalling every batch queued behind it.
+    import asyncio
+    import threading
+    keys = block_keys(list(range(8)), 4)
+    for k in keys:
+        _put(store, k)
+    real_outcome, real_batch = store._sio_outcome, store.read_batch
+    refused, reread_on = [keys[1]], []
+
+    def outcome(key, *a):
+        if key in refused:
+            refused.remove(key)
+            return None
+        return real_outcome(key, *a)
+
+    def read_batch(ks, outs):
+        reread_on.append((list(ks), threading.current_thread().name))
+        return real_batch(ks, outs)
+    monkeypatch.setattr(store, "_sio_outcome", outcome)
+    monkeypatch.setattr(store, "read_batch", read_batch)
+    outs = [aligned_bytes(store.layout.full_bytes) for _ in keys]
+    assert asyncio.run(store.aread_many(keys, outs)) == [True, True]
+    assert [ks for ks, _ in reread_on] == [[keys[1]]]
+    assert reread_on[0][1] != "dp-store-ring"
+    synth = SyntheticKV(store.layout)
+    assert all(synth.verify_full(o, k) is None for o, k in zip(outs, keys))
+
+
 # --- corruption: every kind is counted, quarantined, a miss ------------------------------
 
 def _corrupt_and_read(store, damage):

@@ -104,12 +104,12 @@ def startup_memory(cfg, role: str, f: Facts, ipc_lock: bool) -> tuple[bool, str]
     pass any limit (root), so a low limit is stated but is not a shortfall."""
     need = pinned_bytes(cfg, role)
     lock, huge = memlock(cfg, role, f), huge_pages(cfg, role, f)
-    short = [r for r in (lock, huge) if r.status != OK and
-             not (r is lock and ipc_lock and cfg.buffers.mlock)]
+    exempt = ipc_lock and cfg.buffers.mlock and lock.status != OK   # the limit is not enforced
+    short = [r for r in (lock, huge) if r.status != OK and not (r is lock and exempt)]
     parts = [f"{role} node pins {need >> 20} MiB (buffers.mlock = "
              f"{str(cfg.buffers.mlock).lower()}, buffers.huge_pages = "
              f"{cfg.buffers.huge_pages}); memlock: {lock.detail}"
-             + (" (CAP_IPC_LOCK: not enforced)" if ipc_lock and lock.status != OK else ""),
+             + (" (CAP_IPC_LOCK: not enforced)" if exempt else ""),
              f"huge pages: {huge.detail}"]
     fixes = [f"{r.check}: {r.fix}" for r in short if r.fix]
     return bool(short), "; ".join(parts) + (". Short: " + "; ".join(fixes) if fixes else "")

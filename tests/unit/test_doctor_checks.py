@@ -119,6 +119,10 @@ def test_the_nodes_startup_memory_line_says_what_is_short_and_the_fix():
     short, line = checks.startup_memory(
         c, "prefill", facts(memlock_bytes=8 * MIB, huge_pages_free=64), True)
     assert not short and "CAP_IPC_LOCK: not enforced" in line
+    # ... but mlock off is a warning of its own, which CAP_IPC_LOCK does not answer
+    nolock = cfg(**{"buffers.mlock": False, "buffers.pe_buffer_mib": 64})
+    short, line = checks.startup_memory(nolock, "prefill", facts(huge_pages_free=64), True)
+    assert short and "not enforced" not in line and "buffers.mlock = true" in line
     off = cfg(**{"buffers.huge_pages": "off", "buffers.pe_buffer_mib": 64})
     short, line = checks.startup_memory(off, "prefill", facts(), False)
     assert not short and "buffers.huge_pages = off" in line

@@ -10,13 +10,11 @@ from collections.abc import Sequence
 from dualpath.cluster.replay import ReplayAborted, ReplayOptions, ReplayRun, replay
 from dualpath.errors import UsageError
 from dualpath.kv.profiles import get_profile
+from dualpath.storage.ratelimit import UNLIMITED_BYTES_PER_S
 from dualpath.tls import TlsConfig
 from dualpath.trace.generator import generate
 from dualpath.trace.model import Trace, Trajectory, trace_stats
 from dualpath.trace.report import build_report
-
-UNLIMITED_BYTES_PER_S = 100e9
-
 
 WARMUP_ROUNDS = 2
 

@@ -181,7 +181,7 @@ class SimCluster:
         # simulated run has no use for: leases (nothing fails) and bounds on what
         # waits (a trace submits every first round at t = 0).
         base = get_profile(hw.model)
-        rate = hw.snic_bytes_per_s or 100e9
+        rate = hw.snic_rate
         cfg = SchedulerConfig(model_profile=hw.model, storage_read_bytes_per_s=rate,
                               alpha_window_s=hw.alpha_window_s,
                               beta_window_s=hw.beta_window_s, alpha_tokens=alpha_tokens,

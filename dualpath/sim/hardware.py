@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields, replace
 
 from dualpath.errors import UsageError
 from dualpath.kv.profiles import GiB, ModelProfile, get_profile
+from dualpath.storage.ratelimit import UNLIMITED_BYTES_PER_S
 
 MiB = 1 << 20
 
@@ -64,6 +65,12 @@ class SimHardware:
             if getattr(self, f) < 1:
                 raise UsageError(f"hardware {f} must be >= 1 byte")
         get_profile(self.model)            # a known profile, or UsageError
+
+    @property
+    def snic_rate(self) -> float:
+        """The storage NIC's rate where it must be a number (an unlimited one counts as
+        storage/ratelimit.py's UNLIMITED_BYTES_PER_S)."""
+        return self.snic_bytes_per_s or UNLIMITED_BYTES_PER_S
 
     @property
     def profile(self) -> ModelProfile:

@@ -54,7 +54,7 @@ class Candidate:
 def simulate(shape: Shape, hw: SimHardware, trace: Trace, alpha_x: float, beta_x: float,
              stage: str, seed: int = 0) -> Candidate:
     base = get_profile(hw.model)
-    alpha = max(1, int(alpha_x * derive_alpha(hw.snic_bytes_per_s or 100e9,
+    alpha = max(1, int(alpha_x * derive_alpha(hw.snic_rate,
                                               base.kv_bytes_per_token, hw.alpha_window_s)))
     beta = max(1, int(beta_x * derive_beta(base, hw.beta_window_s)))
     c = SimCluster(shape, hw, trace, "dualpath", seed=seed, alpha_tokens=alpha,
@@ -113,7 +113,7 @@ def plan(trace: Trace, hw: SimHardware, nodes: int, *, buffers_bytes: list[int],
     within = sorted(c.shape.prefill_nodes / c.shape.decode_nodes for c in stage1
                     if c.jct_s <= top * (1 + tolerance))
     analytic = bottleneck_free_range(Hardware(hw.engines_per_node, hw.cnic_bytes_per_s,
-                                              hw.snic_bytes_per_s or 100e9,
+                                              hw.snic_rate,
                                               hw.mem_bytes_per_s))
     st = trace_stats(trace.trajectories)
     agents = len(trace.trajectories)
@@ -152,7 +152,7 @@ def deploy_toml(result: dict, hw: SimHardware) -> str:
         "",
         "[scheduler]",
         f'model_profile = "{hw.model}"',
-        f"storage_read_bytes_per_s = {float(hw.snic_bytes_per_s or 100e9):.6g}",
+        f"storage_read_bytes_per_s = {float(hw.snic_rate):.6g}",
         f"alpha_tokens = {c['alpha_tokens']}",
         f"beta_tokens = {c['beta_tokens']}",
         f"compute_quota_ms = {hw.compute_quota_ms}",
@@ -169,8 +169,9 @@ def deploy_toml(result: dict, hw: SimHardware) -> str:
         "",
         "[storage]",
         "# The storage NIC the plan assumed, each direction (the node's limiter: an",
-        "# emulated cluster's NIC; on real NICs it caps reads at the rate planned for).",
-        f"snic_gbit_per_s = {float(hw.snic_bytes_per_s or 100e9) * 8 / 1e9:.6g}",
+        "# emulated cluster's NIC; on real NICs it caps reads at the rate planned for;",
+        "# 0: none, the plan assumed an unlimited NIC).",
+        f"snic_gbit_per_s = {hw.snic_bytes_per_s * 8 / 1e9:.6g}",
         "",
         "[buffers]",
         f"pe_buffer_mib = {buf_mib}",

@@ -26,7 +26,7 @@ SIMULATED = "simulated (discrete-event: dualpath/sim, the real scheduler core an
 
 def sim_report(results: Sequence[SimResult], shape: Shape, hw: SimHardware, trace: Trace,
                *, online_aps: float | None = None, slo_scale: float = 1.0) -> dict:
-    rate = hw.snic_bytes_per_s or 100e9
+    rate = hw.snic_rate
     p = hw.profile
     mode_results = []
     for r in results:

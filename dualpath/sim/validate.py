@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from statistics import fmean
 
 from dualpath.sim.cluster import SimCluster
 from dualpath.sim.hardware import LOCAL, Shape, SimHardware
@@ -53,10 +54,6 @@ class Case:
         return base.with_(snic_bytes_per_s=self.snic_gbit_per_s * 1e9 / 8)
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs)
-
-
 def _role(node: str) -> str:
     return "prefill" if node.startswith("p") else "decode"
 
@@ -68,15 +65,15 @@ def role_utilisation(util: dict[str, float]) -> dict[str, float]:
     by: dict[str, list[float]] = {}
     for n, u in util.items():
         by.setdefault(_role(n), []).append(u)
-    return {r: _mean(v) for r, v in sorted(by.items())}
+    return {r: fmean(v) for r, v in sorted(by.items())}
 
 
 def _combine(runs: Sequence[dict]) -> dict:
     """Several runs of one mode as one figure: the mean JCT, each node's mean
     utilisation, and the runs themselves."""
     nodes = list(runs[0]["snic_util"])
-    util = {n: _mean([r["snic_util"][n] for r in runs]) for n in nodes}
-    return {"jct_s": _mean([r["jct_s"] for r in runs]), "snic_util": util,
+    util = {n: fmean([r["snic_util"][n] for r in runs]) for n in nodes}
+    return {"jct_s": fmean([r["jct_s"] for r in runs]), "snic_util": util,
             "snic_util_role": role_utilisation(util),
             "jct_runs_s": [r["jct_s"] for r in runs],
             "snic_util_runs": [r["snic_util"] for r in runs]}

@@ -21,6 +21,10 @@ from collections.abc import Awaitable, Callable
 from dualpath import clock
 from dualpath.errors import UsageError
 
+#: What an unlimited storage NIC counts as where a rate must be a number (the scheduler's
+#: alpha, a report's utilisation): 800 Gbit/s.
+UNLIMITED_BYTES_PER_S = 100e9
+
 
 def gbit_to_bytes_per_s(gbit_per_s: float) -> float:
     return gbit_per_s * 1e9 / 8

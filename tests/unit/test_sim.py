@@ -144,6 +144,12 @@ def test_plan_recommends_and_writes_a_valid_deploy_toml(tmp_path):
     # What the plan assumed of the emulated hardware is in it (it used to be dropped).
     assert cfg.engine.speed_scale == pytest.approx(LOCAL.speed_scale)
     assert cfg.storage.snic_gbit_per_s == pytest.approx(LOCAL.snic_bytes_per_s * 8 / 1e9)
+    # An unlimited NIC stays unlimited (0), not capped at the rate alpha counts it as.
+    free = LOCAL.with_(snic_bytes_per_s=0)
+    path.write_text(deploy_toml(res, free))
+    cfg = load_config(str(path))
+    assert cfg.storage.snic_gbit_per_s == 0
+    assert cfg.scheduler.storage_read_bytes_per_s == pytest.approx(free.snic_rate)
     with pytest.raises(Exception, match="nodes"):
         plan(tr, LOCAL, 1, buffers_bytes=[1], alpha_xs=[1.0], beta_xs=[1.0])
 

@@ -44,6 +44,8 @@ Method
      request, plus the growth from 1 to 64 blocks per block (both ends in one process
      over TCP: the kernel's copy, which a NIC does, is system time and left out; the
      target's user work is in, which verbs does not have). The NIC moves the bytes.
+     Beside it, the floor of the read's part while every byte is checked: the payload
+     hash over 384 MB of blocks not in any cache (a freshly read block is not), x 50.
 
 Needs root (namespaces, huge pages), ip, fio and iperf3 (tools/install-system-packages.sh).
 Prints a table and, with --json PATH, writes the same record with a "summary" object.
@@ -318,6 +320,26 @@ def store_read_cost(work: Path, blocks: int, depth: int, keyed: bool) -> dict:
             "huge_pages": huge}
 
 
+def cold_hash_cost(full_bytes: int, total_bytes: int = 384 << 20, passes: int = 3) -> dict:
+    """CPU seconds per GB of the payload hash (XXH3-64, what an unkeyed read checks)
+    over buffers not in any cache: ``total_bytes`` of Full Blocks, far more than a
+    last-level cache, hashed in turn, as a read's freshly DMA'd block is. What checking
+    every byte once costs in memory bandwidth alone: the floor of the store's read CPU
+    while it verifies every block (its hashing in cache runs several times faster)."""
+    from dualpath.storage.format import payload_hash
+
+    bufs = [np.random.default_rng(i).integers(0, 255, full_bytes, dtype=np.uint8)
+            for i in range(max(2, total_bytes // full_bytes))]
+    best = float("inf")
+    for _ in range(passes):
+        c0 = time.process_time()
+        for b in bufs:
+            payload_hash(b)
+        best = min(best, time.process_time() - c0)
+    return {"cpu_s_per_gb": best / (len(bufs) * full_bytes / 1e9),
+            "buffers": len(bufs), "buffer_bytes": full_bytes}
+
+
 def transfer_calls(requests: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as fh:
         subprocess.run([sys.executable, str(REPO / "bench" / "transfer_calls.py"),
@@ -447,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         print("projection: DS 660B store reads; transfer-path calls ...", flush=True)
         proj_reads = {keyed: store_read_cost(work, args.proj_blocks, 8, keyed)
                       for keyed in (True, False)}
+        cold = cold_hash_cost(get_profile("ds660b").full_block_bytes)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     calls = transfer_calls(args.calls_requests)
@@ -493,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             "storage_read_cores_no_key": NIC_GBYTES * proj_reads[False]["cpu_s_per_gb"],
             "posting_cores": posting}
     proj["total_cores"] = proj["storage_read_cores"] + posting
+    # Of the unkeyed read's CPU, what one hash pass over uncached memory costs by itself.
+    proj["verify_floor_cores"] = NIC_GBYTES * cold["cpu_s_per_gb"]
     proj["total_cores_no_key"] = proj["storage_read_cores_no_key"] + posting
 
     summary = {
@@ -513,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         "idle_cluster_cores": round(idle_cores, 3),
         "projected_cores_50gbps": round(proj["total_cores"], 2),
         "projected_cores_50gbps_no_key": round(proj["total_cores_no_key"], 2),
+        "projected_verify_floor_cores_50gbps": round(proj["verify_floor_cores"], 2),
         "python_calls_per_request_layer_64_over_1_blocks": round(
             calls["summary"]["python_calls_per_request_layer_64_over_1_blocks"], 3),
         "targets": {"kv_gbytes_per_s_vs_disk_limit": ">= 0.6", "cluster_cpu_s_per_gb": "<= 0.8",
@@ -530,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                   "driver_cpu_s": sm["cpu_s"]["driver"], "jct_s": small["modes"][
                       "dualpath"]["jct_s"]},
         "projection": {**proj, "store_read": proj_read, "store_read_no_key": proj_reads[False],
+                       "cold_hash": cold,
                        "user_cpu_us_per_request_layer_fixed": fixed_us,
                        "user_cpu_us_per_layer_block_marginal": per_block_us,
                        "layer_blocks_per_request_layer": blocks_per_rl,
@@ -568,7 +595,9 @@ def main(argv: list[str] | None = None) -> int:
           f"Layer Blocks/s x {user_us_per_lb:.3f} us = {proj['posting_cores']:.2f} cores; "
           f"total {proj['total_cores']:.2f} (without a cluster key: storage reads "
           f"{proj_reads[False]['cpu_s_per_gb']:.3f} CPU s/GB, total "
-          f"{proj['total_cores_no_key']:.2f})")
+          f"{proj['total_cores_no_key']:.2f}); of that, hashing every byte once from "
+          f"uncached memory alone: {cold['cpu_s_per_gb']:.3f} CPU s/GB = "
+          f"{proj['verify_floor_cores']:.2f} cores")
     print("\nsummary")
     for k, v in summary.items():
         if k != "targets":

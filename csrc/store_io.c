@@ -476,10 +476,10 @@ int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t dep
         return -ENOMEM;
     }
     int rc = dp_sio_ring_push(g, items, n);  /* the backlog holds all n: every item or none */
-    if (rc < 0) {
+    if (rc < 0 || (uint32_t)rc != n) {
         free(done);
         dp_sio_ring_destroy(g);
-        return rc;
+        return rc < 0 ? rc : -EINVAL;
     }
     rc = 0;
     uint32_t landed = 0;

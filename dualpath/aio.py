@@ -28,10 +28,17 @@ async def waited_out(*futs: asyncio.Future) -> bool:
 
 async def to_the_end(aw: Awaitable[T]) -> T:
     """``await aw``, shielded: a cancelled caller waits for it to end (see
-    :func:`waited_out`) before the cancellation goes on."""
+    :func:`waited_out`) before the cancellation goes on; its outcome then is retrieved
+    (the cancellation is what the caller reports).
+
+    Hand it a plain future where the work is a thread's (``run_in_executor``,
+    ``wrap_future``): a coroutine becomes a task, and a loop shutting down cancels
+    tasks (the task is then done while its thread still writes)."""
     fut = asyncio.ensure_future(aw)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
         await waited_out(fut)
+        if not fut.cancelled():
+            fut.exception()
         raise

@@ -62,7 +62,7 @@ async def _off_loop(fn) -> None:
     """Run ``fn`` (a copy) on a worker thread, off the event loop. A cancellation waits
     for it to end before it goes on: the caller frees the memory it writes into as it
     unwinds."""
-    await to_the_end(asyncio.to_thread(fn))
+    await to_the_end(asyncio.get_running_loop().run_in_executor(None, fn))
 
 
 @dataclass

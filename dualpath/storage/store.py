@@ -39,8 +39,9 @@ not use its buffer after a miss.
 Threads: every public method may be called from any thread. Blocking calls run on the
 caller's thread; ``aread``/``awrite``/``read_many`` run on the store's bounded worker
 pools (``os.preadv``, ``os.fsync`` and the XXH3 hash release the GIL); ``aread_many``
-hands its blocks to the store's ring reader, one thread that owns a persistent io_uring
-ring (csrc/store_io.c ``dp_sio_ring``) fed by every caller's batches.
+hands its blocks to one of the store's ``read_rings`` ring readers (taking turns), each
+a thread that owns a persistent io_uring ring (csrc/store_io.c ``dp_sio_ring``) fed by
+the batches it is handed.
 """
 
 from __future__ import annotations
@@ -395,15 +396,18 @@ class BlockStore:
         return list(self._read_pool.map(self.read_into, keys, outs))
 
     async def aread_many(self, keys: Sequence[bytes], outs: Sequence) -> list[bool]:
-        """:meth:`read_many` off the event loop: the blocks handed to the store's ring
-        reader (one thread, one io_uring ring of ``read_batch_depth`` reads in flight,
-        fed by every caller's batches and refilled as each read lands); one batch on a
-        read-pool thread where the ring cannot serve (O_DIRECT off, unaligned buffers);
-        one read per block on the pool without io_uring. Cancelling the caller does not
-        stop reads already handed over: it returns once they landed (they write into
-        ``outs`` until then)."""
+        """:meth:`read_many` off the event loop: the blocks handed to one of the store's
+        ring readers (a thread, an io_uring ring of ``read_batch_depth`` reads in flight,
+        fed by the batches it is handed and refilled as each read lands), those whose
+        O_DIRECT read the filesystem refused read again buffered on the read pool; one
+        batch on a read-pool thread where the ring cannot serve (O_DIRECT off, unaligned
+        buffers); one read per block on the pool without io_uring. Cancelling the caller
+        does not stop reads already handed over: it returns once they landed (they write
+        into ``outs`` until then)."""
         if len(keys) != len(outs):
             raise UsageError(f"{len(keys)} keys but {len(outs)} buffers")
+        if not keys:
+            return []
         if not self.batched:
             return list(await asyncio.gather(*(self.aread(k, o) for k, o in zip(keys, outs))))
         dsts = [self._as_block(o, writable=True) for o in outs]
@@ -413,11 +417,18 @@ class BlockStore:
             return await self.arun(self.read_batch, keys, outs)
         out = await to_the_end(asyncio.wrap_future(ring.submit(keys, dsts)))
         again = [j for j, ok in enumerate(out) if ok is None]
-        if again:       # O_DIRECT refused here (now off): read again, buffered, off the ring
-            redo = await to_the_end(self.arun(self.read_batch, [keys[j] for j in again],
-                                              [outs[j] for j in again]))
-            for j, ok in zip(again, redo):
-                out[j] = ok
+        if not again:
+            return out
+        # O_DIRECT refused here (now off): read them again, buffered, off the ring. A
+        # plain future, not a task: a loop shutting down cancels tasks, not the thread.
+        try:
+            redo_f = asyncio.get_running_loop().run_in_executor(
+                self._read_pool, self.read_batch, [keys[j] for j in again],
+                [outs[j] for j in again])
+        except RuntimeError:            # the store closed meanwhile (its pool shut down)
+            return [bool(ok) for ok in out]
+        for j, ok in zip(again, await to_the_end(redo_f)):
+            out[j] = ok
         return out
 
     def _ring_reader(self) -> _RingReader | None:
@@ -976,9 +987,11 @@ class _RingReader:
 
     def _take(self, b: _RingBatch, waiting: deque[_RingBatch], cut: int) -> None:
         """A batch that arrived: its items built here, then it waits for the ring."""
+        pages = self._pages(2 * b.n)
         try:
-            b.prepare(self.store, self._pages(2 * b.n), cut)
+            b.prepare(self.store, pages, cut)
         except Exception as e:  # noqa: BLE001 - handed to the batch's caller
+            self._spare.append(pages)
             b.future.set_exception(e)
             return
         waiting.append(b)

@@ -292,12 +292,8 @@ class VllmEngine:
             self.metrics.connector_lookups.inc()
             self.metrics.connector_lookup_hit_blocks.inc(hit)
             return hit
-        hit = 0
         cap = self.space.pool.capacity
-        for k in keys[:cap]:
-            if k not in self._pending and not self.space.store.contains(k):
-                break
-            hit += 1
+        hit = self.space.store.leading(keys[:cap], self._pending)
         if hit == cap < len(keys) and not self._warned_cap:
             self._warned_cap = True
             log.warning("%s: a hit longer than the DRAM buffer (%d blocks) was cut to it; "

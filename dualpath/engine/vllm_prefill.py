@@ -188,9 +188,7 @@ class VllmPrefillPath(PrefillPath):
         read less than its share and leave this node the busiest storage NIC. The blocks
         cut off are computed, as a missing block always is."""
         store = self.space.store
-        stored = await store.arun(
-            lambda: next((i for i, key in enumerate(keys) if not store.contains(key)),
-                         len(keys)))
+        stored = await store.arun(store.leading, keys)
         if stored == len(keys):
             return local, remote
         # The scheduler's split of ``stored`` blocks, as _parts cut the whole hit (the

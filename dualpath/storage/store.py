@@ -59,7 +59,7 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -269,6 +269,16 @@ class BlockStore:
             return self._is_block_file(dfd, name)
         finally:
             os.close(dfd)
+
+    def leading(self, keys: Sequence[bytes], held: Container[bytes] = ()) -> int:
+        """How many of the leading ``keys`` have a block file (:meth:`contains`), or are
+        in ``held`` (blocks on their way to the store): a hit's stored prefix."""
+        n = 0
+        for key in keys:
+            if key not in held and not self.contains(key):
+                break
+            n += 1
+        return n
 
     def delete(self, key: bytes) -> bool:
         try:

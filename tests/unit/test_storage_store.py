@@ -176,6 +176,15 @@ def test_a_batch_reads_every_block_into_its_own_buffer(store):
     assert store.batched, "io_uring and openat2 are expected on this kernel"
 
 
+def test_leading_counts_the_stored_prefix_held_blocks_included(store):
+    keys = block_keys(list(range(16)), 4)
+    _put(store, keys[0])
+    _put(store, keys[2])
+    assert store.leading(keys) == 1
+    assert store.leading(keys, {keys[1]}) == 3      # keys[1] is on its way to the store
+    assert store.leading([]) == 0
+
+
 def test_an_empty_batch_is_answered_at_once(store):
     # An empty batch reached the ring reader, which never completed its future.
     import asyncio

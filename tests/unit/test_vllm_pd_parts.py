@@ -14,6 +14,7 @@ from dualpath.engine.roles import RS_DECODE, RS_PREFILL, RS_SPLIT
 from dualpath.engine.vllm_engine import VllmEngine
 from dualpath.engine.vllm_prefill import VllmPrefillPath
 from dualpath.engine.vllm_stage import Stage
+from dualpath.storage import BlockStore
 from dualpath.vllm.scheduler_side import dualpath_params
 
 
@@ -40,8 +41,10 @@ class _Store:
     def contains(self, key):
         return key in self.stored
 
-    async def arun(self, fn):
-        return fn()
+    leading = BlockStore.leading        # the store's own prefix walk over these blocks
+
+    async def arun(self, fn, *args):
+        return fn(*args)
 
 
 @pytest.mark.parametrize("stored, want", [

@@ -261,15 +261,21 @@ dp_sio_ring *dp_sio_ring_create(int root_fd, uint32_t depth, uint32_t backlog, i
         return NULL;
     }
     /* openat2 is probed here, not per file: a kernel without it (ENOSYS) or a seccomp
-     * filter that refuses it (EPERM) fails the create, before any file is touched. */
-    struct open_how how;
-    memset(&how, 0, sizeof(how));
-    how.flags = O_RDONLY | O_CLOEXEC | O_DIRECTORY;
-    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
-    int probe = (int)syscall(__NR_openat2, root_fd, ".", &how, sizeof(how));
-    if (probe < 0)
-        return NULL;
-    close(probe);
+     * filter that refuses it (EPERM) fails the create, before any file is touched. Once
+     * it worked it works for the process (a ring per batch no longer pays the probe);
+     * threads that race here probe twice, harmlessly. */
+    static _Atomic int openat2_works;
+    if (!openat2_works) {
+        struct open_how how;
+        memset(&how, 0, sizeof(how));
+        how.flags = O_RDONLY | O_CLOEXEC | O_DIRECTORY;
+        how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+        int probe = (int)syscall(__NR_openat2, root_fd, ".", &how, sizeof(how));
+        if (probe < 0)
+            return NULL;
+        close(probe);
+        openat2_works = 1;
+    }
     dp_sio_ring *g = calloc(1, sizeof(*g));
     if (!g) {
         errno = ENOMEM;

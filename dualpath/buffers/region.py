@@ -29,6 +29,7 @@ from typing import Protocol, Self
 
 import numpy as np
 
+from dualpath._libc import LIBC
 from dualpath.errors import DualPathError, UsageError
 
 log = logging.getLogger("dualpath.buffers")
@@ -83,18 +84,17 @@ def prefault(m: mmap.mmap, array: np.ndarray) -> None:
         array[::mmap.PAGESIZE] = 0        # a fresh mapping is zero: the write keeps it so
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+LIBC.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+LIBC.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def _mlock(addr: int, length: int) -> int:
     """0 or the errno of mlock(2) (indirection so tests can inject a failure)."""
-    return 0 if _libc.mlock(addr, length) == 0 else ctypes.get_errno()
+    return 0 if LIBC.mlock(addr, length) == 0 else ctypes.get_errno()
 
 
 def _munlock(addr: int, length: int) -> None:
-    _libc.munlock(addr, length)
+    LIBC.munlock(addr, length)
 
 
 def memlock_fix_message(nbytes: int, err: int, what: str) -> str:

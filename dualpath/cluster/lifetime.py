@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dualpath._libc import LIBC
+
 PARENT_ENV = "DUALPATH_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 
@@ -47,8 +49,7 @@ def die_with_parent() -> None:
     want = os.environ.pop(PARENT_ENV, "")
     if not want or not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
     if os.getppid() != int(want):     # the parent died before the prctl took effect
         os._exit(1)

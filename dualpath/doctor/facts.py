@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dualpath._libc import LIBC
 from dualpath.buffers.region import free_huge_pages
 from dualpath.doctor.checks import Facts, Port
 from dualpath.rpc import parse_listen
@@ -147,9 +148,8 @@ class _Timex(ctypes.Structure):
 def clock_synced() -> bool | None:
     """The kernel's NTP status (adjtimex): TIME_ERROR (5) = not synchronised."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
         t = _Timex()
-        state = libc.adjtimex(ctypes.byref(t))
+        state = LIBC.adjtimex(ctypes.byref(t))
     except (OSError, AttributeError):
         return None
     return None if state < 0 else state != 5

@@ -67,6 +67,7 @@ from typing import Self
 
 import numpy as np
 
+from dualpath._libc import LIBC
 from dualpath._native import ffi, lib
 from dualpath.aio import to_the_end
 from dualpath.errors import UsageError
@@ -839,8 +840,7 @@ def _read_all(fd: int, views: list[np.ndarray], want: int, direct: bool) -> int:
     return got
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_sync_file_range = getattr(_libc, "sync_file_range", None)
+_sync_file_range = getattr(LIBC, "sync_file_range", None)
 if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 # SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER

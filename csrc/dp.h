@@ -462,7 +462,8 @@ enum dp_sio_stage {
  * (the cluster key, or NULL) each file's block tag is checked in the same pass. Per-item
  * outcomes in the items; returns 0, or -ENOSYS/-EPERM when the kernel has no io_uring
  * or openat2 for us (nothing was read: use a thread pool), -EINVAL for bad arguments.
- * Blocking; any thread; no state kept between calls. */
+ * Blocking; any thread; no state kept between calls but dp_sio_ring_create's note that
+ * openat2 works. */
 int dp_sio_read(int root_fd, struct dp_sio_item *items, uint32_t n, uint32_t depth,
                 int direct, const uint8_t *secret, uint32_t secret_len);
 
@@ -479,8 +480,9 @@ typedef struct dp_sio_ring dp_sio_ring;
  * pushed but not yet opened, beneath `root_fd` (kept open by the caller until destroy),
  * O_DIRECT with `direct`, the block tag checked with `secret` (copied; NULL = none).
  * ENOSYS/EPERM when the kernel has no io_uring or openat2 for us (a seccomp filter says
- * EPERM; openat2 is probed here, before any file): use a thread pool; EINVAL for bad
- * arguments. */
+ * EPERM; openat2 is probed here, before any file, until it first works in the process;
+ * after that the root is only checked to be a directory: ENOTDIR, EBADF): use a thread
+ * pool; EINVAL for bad arguments. */
 dp_sio_ring *dp_sio_ring_create(int root_fd, uint32_t depth, uint32_t backlog, int direct,
                                 const uint8_t *secret, uint32_t secret_len);
 /* [int] Free the ring; -EBUSY while items are queued or in flight (step until none). */

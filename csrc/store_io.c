@@ -262,10 +262,19 @@ dp_sio_ring *dp_sio_ring_create(int root_fd, uint32_t depth, uint32_t backlog, i
     }
     /* openat2 is probed here, not per file: a kernel without it (ENOSYS) or a seccomp
      * filter that refuses it (EPERM) fails the create, before any file is touched. Once
-     * it worked it works for the process (a ring per batch no longer pays the probe);
-     * threads that race here probe twice, harmlessly. */
+     * it worked it is taken to work for the process (a ring per batch no longer pays an
+     * open and close; threads that race here probe twice, harmlessly), and only the root
+     * is checked: a directory (ENOTDIR, EBADF otherwise, as the probe said). */
     static _Atomic int openat2_works;
-    if (!openat2_works) {
+    if (openat2_works) {
+        struct stat st;
+        if (fstat(root_fd, &st) != 0)
+            return NULL;
+        if (!S_ISDIR(st.st_mode)) {
+            errno = ENOTDIR;
+            return NULL;
+        }
+    } else {
         struct open_how how;
         memset(&how, 0, sizeof(how));
         how.flags = O_RDONLY | O_CLOEXEC | O_DIRECTORY;

@@ -556,6 +556,24 @@ def test_dp_sio_ring_keeps_its_depth_and_hands_every_item_back_once(store):
     del paths
 
 
+def test_a_ring_beneath_a_root_that_is_no_directory_is_refused(store, tmp_path):
+    # openat2 is probed until it first works; later rings still refuse a root that is
+    # not a directory, rather than failing each file as a miss.
+    ok = lib.dp_sio_ring_create(store._root_fd, 2, 4, 1, ffi.NULL, 0)
+    assert ok != ffi.NULL
+    assert lib.dp_sio_ring_destroy(ok) == 0
+    f = tmp_path / "not-a-dir"
+    f.write_bytes(b"x")
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        assert lib.dp_sio_ring_create(fd, 2, 4, 1, ffi.NULL, 0) == ffi.NULL
+        assert ffi.errno == errno.ENOTDIR
+    finally:
+        os.close(fd)
+    assert lib.dp_sio_ring_create(-1, 2, 4, 1, ffi.NULL, 0) == ffi.NULL
+    assert ffi.errno == errno.EBADF
+
+
 def test_read_rings_0_reads_each_batch_with_a_ring_of_its_own(tmp_path):
     # storage.read_rings = 0: no ring reader threads; a batch is one C call on the read
     # pool (the path before the ring readers, kept for comparison and as a fallback).

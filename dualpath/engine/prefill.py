@@ -322,22 +322,30 @@ class _Job:
         self.lacks, self.first = lacks, first
         self._moves: dict[tuple, LayerMove] = {}
 
-    def _rows(self, kind: str, route: Route, window: Sequence[int], layer: int,
+    def _route(self, kind: str, window: Sequence[int]) -> Route:
+        """Where ``kind``'s WRITEs go: "load" PE buffer -> HBM ``window``, "push" the
+        window -> the DE's buffer, "back" the window -> the PE buffer."""
+        if kind == "load":
+            return Route(self.buf, self.buf_units, self.hbm, window)
+        if kind == "push":
+            return Route(self.hbm, window, self.de_buffer, self.de_units)
+        return Route(self.hbm, window, self.buf, self.buf_units)
+
+    def _rows(self, kind: str, window: Sequence[int], layer: int,
               spans: list[tuple[int, int]]) -> tuple[str, str, np.ndarray]:
-        """``route``'s runs of ``layer`` over ``spans``: its move made once per (kind,
+        """``kind``'s runs of ``layer`` over ``spans``: its move made once per (kind,
         HBM window, spans) and shifted for each later layer (Route.move), not computed
         layer by layer (the windows are a ring of a few)."""
         key = (kind, tuple(window), tuple(spans))
         move = self._moves.get(key)
         if move is None:
-            move = self._moves[key] = route.move(spans)
+            move = self._moves[key] = self._route(kind, window).move(spans)
         return move.rows(layer)
 
     async def load(self, layer: int, window: Sequence[int], stop: int) -> None:
         n = self.path.node
-        await write_rows(n.transfer, n.address, *self._rows(
-            "load", Route(self.buf, self.buf_units, self.hbm, window), window, layer,
-            [(0, stop)]))
+        await write_rows(n.transfer, n.address, *self._rows("load", window, layer,
+                                                             [(0, stop)]))
 
     def write(self, layer: int, window: Reservation, first: int, stop: int,
               blocks: Sequence[int]) -> None:
@@ -350,12 +358,9 @@ class _Job:
         if first == self.first:                # the first chunk: the hit the DE lacks
             spans.insert(0, self.lacks)
         try:
-            await write_rows(n.transfer, self.de, *self._rows(
-                "push", Route(self.hbm, window, self.de_buffer, self.de_units), window,
-                layer, spans))
+            await write_rows(n.transfer, self.de, *self._rows("push", window, layer, spans))
         except TransferError as err:
             raise PeerUnavailable(f"push of layer {layer} to {self.de}: {err}") from err
         if not last:                           # the next chunk loads it from here
-            await write_rows(n.transfer, n.address, *self._rows(
-                "back", Route(self.hbm, window, self.buf, self.buf_units), window, layer,
-                [(first, stop)]))
+            await write_rows(n.transfer, n.address, *self._rows("back", window, layer,
+                                                                 [(first, stop)]))

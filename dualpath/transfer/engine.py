@@ -104,7 +104,11 @@ class _Seg:
         return head
 
 
-# The event loop -> the data-path thread: typed commands on a deque (no lock; one wake-up).
+# The event loop -> the data-path thread: typed commands on a deque (no lock; a wake-up
+# only where the thread sleeps: _IDLE on its Event, _POLLING in the provider's wait).
+_IDLE, _POLLING = "idle", "polling"
+
+
 class _Submit(NamedTuple):
     transfer: _Transfer
 
@@ -185,6 +189,7 @@ class TransferEngine:
         self._connector = ThreadPoolExecutor(2, thread_name_prefix=f"dp-connect-{name}")
         self._cmds: deque[tuple] = deque()
         self._kick = threading.Event()
+        self._sleeping: str | None = None       # where the data-path thread sleeps, if it does
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         # Data-path thread only.
@@ -353,8 +358,14 @@ class TransferEngine:
 
     def _command(self, cmd: _Command) -> None:
         self._cmds.append(cmd)
-        self._kick.set()
-        self.provider.wake()
+        # A running data-path thread reads the deque before it sleeps again (_step says
+        # where it sleeps, then looks): a wake-up then is a syscall and a context switch
+        # for nothing. (The GIL orders these reads and writes.)
+        where = self._sleeping
+        if where is _IDLE:
+            self._kick.set()
+        elif where is _POLLING:
+            self.provider.wake()
 
     async def _run_blocking(self, fn, *args):
         return await self._loop.run_in_executor(self._connector, fn, *args)
@@ -503,10 +514,15 @@ class TransferEngine:
         self._post_pending()
         if self._inflight == 0:
             self._flush_events()
-            self._kick.wait(0.5)
+            self._sleeping = _IDLE
+            if not self._cmds:
+                self._kick.wait(0.5)
+            self._sleeping = None
             self._kick.clear()
             return True
-        comps = self.provider.wait(self.provider.poll_slice_s)
+        self._sleeping = _POLLING
+        comps = self.provider.wait(0.0 if self._cmds else self.provider.poll_slice_s)
+        self._sleeping = None
         if comps:
             self._on_completions(comps)
         self._flush_events()

@@ -204,6 +204,13 @@ def runs(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
     from ``src`` to ``dst``. ``src_units[i]`` / ``dst_units[i]`` hold the request's tokens
     ``[i*T, (i+1)*T)`` (T = unit tokens) on each side. Contiguous neighbours are merged."""
     f = _check_layer_move(src, src_units, dst, dst_units, layer, first_token, stop_token)
+    return _runs(f, src, src_units, dst, dst_units, layer, first_token, stop_token)
+
+
+def _runs(f: KvFormat, src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
+          dst_units: Sequence[int], layer: int, first_token: int, stop_token: int
+          ) -> list[Run]:
+    """:func:`runs` of checked arguments."""
     T = f.unit_tokens
     out: list[Run] = []
     sreg, dreg = src.layer_regions[layer], dst.layer_regions[layer]
@@ -226,13 +233,33 @@ def runs(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
     return out
 
 
+#: Unit-segments up to which run_arrays loops in Python rather than in numpy.
+SMALL_MOVE = 8
+
+
 def run_arrays(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
                dst_units: Sequence[int], layer: int, first_token: int, stop_token: int
                ) -> tuple[str, str, np.ndarray]:
     """:func:`runs` as arrays, computed without a Python step per block: (source region,
     target region, uint64 rows of (src_offset, dst_offset, length)), the same runs in
-    the same order (a layer's runs all go between one pair of regions)."""
+    the same order (a layer's runs all go between one pair of regions). A move of at
+    most SMALL_MOVE unit-segments (a short request's) takes :func:`runs`' Python loop:
+    numpy's fixed cost (~20 us) is more than that loop's."""
     f = _check_layer_move(src, src_units, dst, dst_units, layer, first_token, stop_token)
+    T = f.unit_tokens
+    if stop_token > first_token and ((stop_token - 1) // T + 1 - first_token // T) * len(
+            f.row_bytes) <= SMALL_MOVE:
+        rs = _runs(f, src, src_units, dst, dst_units, layer, first_token, stop_token)
+        return (src.layer_regions[layer], dst.layer_regions[layer],
+                np.array([(r.src_offset, r.dst_offset, r.length) for r in rs],
+                         np.uint64).reshape(-1, 3))
+    return _vector_runs(f, src, src_units, dst, dst_units, layer, first_token, stop_token)
+
+
+def _vector_runs(f: KvFormat, src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
+                 dst_units: Sequence[int], layer: int, first_token: int, stop_token: int
+                 ) -> tuple[str, str, np.ndarray]:
+    """:func:`run_arrays` of checked arguments, in numpy whatever the size."""
     T = f.unit_tokens
     sreg, dreg = src.layer_regions[layer], dst.layer_regions[layer]
     if stop_token <= first_token:

@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dualpath.errors import UsageError
-from dualpath.kv.placement import KvFormat, KvPlacement, LayerMove, run_arrays, runs
+from dualpath.kv.placement import (
+    KvFormat,
+    KvPlacement,
+    LayerMove,
+    _vector_runs,
+    run_arrays,
+    runs,
+)
 
 
 def _engine_placement(fmt: KvFormat, num_units: int, heads_outer: bool) -> KvPlacement:
@@ -73,11 +80,14 @@ def test_runs_move_exactly_the_reference_bytes(layers, unit_tokens, rows, units,
     _reference(buf, buf_units, eng, eng_units, layer, t0, t1, src_mem, want)
     rs = runs(buf, buf_units, eng, eng_units, layer, t0, t1)
     for a, b, x, y in ((buf, buf_units, eng, eng_units), (eng, eng_units, buf, buf_units)):
-        # The vectorised runs (the transfer path's) are the same runs, in order.
-        sreg, dreg, arr = run_arrays(a, b, x, y, layer, t0, t1)
+        # The vectorised runs (the transfer path's) are the same runs, in order: numpy's
+        # at any size, and run_arrays' (Python's for a small move).
         want_rs = runs(a, b, x, y, layer, t0, t1)
-        assert {(r.src_region, r.dst_region) for r in want_rs} == {(sreg, dreg)}
-        assert arr.tolist() == [[r.src_offset, r.dst_offset, r.length] for r in want_rs]
+        for sreg, dreg, arr in (run_arrays(a, b, x, y, layer, t0, t1),
+                                _vector_runs(fmt, a, b, x, y, layer, t0, t1)):
+            assert {(r.src_region, r.dst_region) for r in want_rs} == {(sreg, dreg)}
+            assert arr.dtype == np.uint64 and arr.shape == (len(want_rs), 3)
+            assert arr.tolist() == [[r.src_offset, r.dst_offset, r.length] for r in want_rs]
     _apply(rs, src_mem, got)
     for k, v in want.items():
         assert np.array_equal(got[k], v), k

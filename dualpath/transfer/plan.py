@@ -39,11 +39,17 @@ def plan_slices(items: Iterable, slice_bytes: int, local_length: int,
     return out
 
 
+#: Rows up to which plan_rows checks and cuts an array in Python (1 row: 1.5 us against
+#: numpy's 11 us; 8 rows: 7 us against 12).
+SMALL_ROWS = 8
+
+
 def plan_rows(items, slice_bytes: int, local_length: int, remote_length: int) -> np.ndarray:
     """:func:`plan_slices` as uint64 rows of ``(local_offset, remote_offset, length)``,
     C-contiguous (what ``dp_items_fill`` reads). ``items`` may be an (n, 3) integer array
     (a layer's runs, dualpath/kv/placement.run_arrays): checked and cut without a Python
-    step per item, with the same errors naming the first bad item."""
+    step per item (a few rows, SMALL_ROWS, in plan_slices' loop), with the same errors
+    naming the first bad item."""
     if not isinstance(items, np.ndarray):
         return np.asarray(plan_slices(items, slice_bytes, local_length, remote_length),
                           np.uint64).reshape(-1, 3)
@@ -52,6 +58,14 @@ def plan_rows(items, slice_bytes: int, local_length: int, remote_length: int) ->
     if items.ndim != 2 or items.shape[1] != 3 or items.dtype.kind not in "iu":
         raise UsageError(f"an items array must be (n, 3) integers, not {items.shape} "
                          f"{items.dtype}")
+    if len(items) <= SMALL_ROWS:        # numpy's checks cost more than a loop over a few
+        return plan_rows(items.tolist(), slice_bytes, local_length, remote_length)
+    return _plan_array(items, slice_bytes, local_length, remote_length)
+
+
+def _plan_array(items: np.ndarray, slice_bytes: int, local_length: int, remote_length: int
+                ) -> np.ndarray:
+    """plan_rows of a checked (n, 3) integer array, in numpy whatever its size."""
     a = items.astype(np.int64, copy=False)
     lo, ro, n = a[:, 0], a[:, 1], a[:, 2]
     for col, what in enumerate(("local_offset", "remote_offset")):

@@ -29,6 +29,7 @@ import grpc
 from dualpath import rpc, tls
 from dualpath.engine.leader import RESULTS_PER_CALL
 from dualpath.engine.payload import Payload, encode_token_ids
+from dualpath.engine.peers import refuse_oversized
 from dualpath.errors import DualPathError
 from dualpath.v1 import node_pb2, node_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -67,9 +68,11 @@ class _Sink(node_pb2_grpc.ReplaySinkServicer):
         self.gen = gen
 
     async def Report(self, request, context):
-        f = self.gen._waiting.get(request.request_id)
-        if f is not None and not f.done() and not request.failed:
-            f.set_result(request)
+        await refuse_oversized(request, context)
+        for t in request.timings:
+            f = self.gen._waiting.get(t.request_id)
+            if f is not None and not f.done() and not t.failed:
+                f.set_result(t)
         return node_pb2.ReportAck()
 
     async def Partial(self, request, context):

@@ -52,6 +52,7 @@ from dualpath.engine.payload import (
     Payload,
     encode_token_ids,
 )
+from dualpath.engine.peers import refuse_oversized
 from dualpath.errors import DualPathError, RemoteUnavailable
 from dualpath.trace.arrivals import ReplaySchedule, arrival_times
 from dualpath.trace.model import Trace, stream_token_ids
@@ -165,7 +166,9 @@ class _Sink(node_pb2_grpc.ReplaySinkServicer):
         self.queue: asyncio.Queue = asyncio.Queue()
 
     async def Report(self, request, context):
-        self.queue.put_nowait(("timings", request))
+        await refuse_oversized(request, context)
+        for t in request.timings:
+            self.queue.put_nowait(("timings", t))
         return node_pb2.ReportAck()
 
 

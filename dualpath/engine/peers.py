@@ -12,7 +12,8 @@ reason instead of an AioRpcError escaping into domain code).
     stop         any       Engine.CancelRequest: the peer stops an attempt and answers
                            once its writes for it ended (fences wait for it); ``cancel``
                            is the same, best effort and bounded
-    report       DE -> replay client  ReplaySink.Report
+    report       DE -> replay client  ReplaySink.Report: the timings of many requests
+                           (those one scheduler acknowledgement recorded), one call
 
 Every request message names its attempt (the assignment's); the peer refuses an older
 one than it holds (ABORTED: :class:`~dualpath.engine.errors.PeerUnavailable` here).
@@ -31,9 +32,13 @@ import grpc
 from dualpath.engine.errors import PeerUnavailable
 from dualpath.engine.layers import RemoteWatch
 from dualpath.engine.oob import GrpcChannels
+from dualpath.errors import UsageError
 from dualpath.kv import placement_wire
 from dualpath.kv.placement import KvPlacement
 from dualpath.v1 import engine_pb2, engine_pb2_grpc, node_pb2, node_pb2_grpc
+
+#: Timings in one ReplaySink.Report call; a sink refuses more (INVALID_ARGUMENT).
+REPORTS_PER_CALL = 1024
 
 
 @dataclass(frozen=True)
@@ -200,24 +205,36 @@ class PeerClient:
                                  token_ids=list(ids), logprobs=list(logprobs)),
                              timeout=self.timeout_s))
 
-    async def report(self, sink: str, t: Timings) -> None:
+    async def report(self, sink: str, timings: Sequence[Timings]) -> None:
+        """``timings`` (at most REPORTS_PER_CALL) to the sink in one call."""
+        if len(timings) > REPORTS_PER_CALL:
+            raise UsageError(f"{len(timings)} reports in one call; at most "
+                             f"{REPORTS_PER_CALL}")
         await self._call(sink, "ReplaySink.Report",
                          node_pb2_grpc.ReplaySinkStub(self.channels.channel(sink)).Report(
-                             node_pb2.RequestTimings(
-                                 request_id=t.request_id, decode_engine_id=t.decode_engine_id,
-                                 first_token_unix_s=t.first_token_unix_s,
-                                 second_token_unix_s=t.second_token_unix_s,
-                                 finish_unix_s=t.finish_unix_s,
-                                 bytes_verified=t.bytes_verified,
-                                 bytes_mismatched=t.bytes_mismatched, failed=t.failed,
-                                 error=t.error, prefill_node_id=t.prefill_node_id,
-                                 decode_node_id=t.decode_node_id,
-                                 prefill_read_bytes=t.prefill_read_bytes,
-                                 decode_read_bytes=t.decode_read_bytes,
-                                 read_start_unix_s=t.read_span[0],
-                                 read_end_unix_s=t.read_span[1], attempt=t.attempt,
-                                 output_token_ids=list(t.output_token_ids),
-                                 output_logprobs=list(t.output_logprobs),
-                                 assigned_unix_s=t.phases[0], allocated_unix_s=t.phases[1],
-                                 staged_unix_s=t.phases[2]),
+                             node_pb2.RequestTimingsBatch(timings=[_timings_pb(t)
+                                                                   for t in timings]),
                              timeout=self.timeout_s))
+
+
+async def refuse_oversized(request: node_pb2.RequestTimingsBatch,
+                           context: grpc.aio.ServicerContext) -> None:
+    """A sink's bound on one Report call: more than REPORTS_PER_CALL timings is
+    INVALID_ARGUMENT (nothing of it taken)."""
+    if len(request.timings) > REPORTS_PER_CALL:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{len(request.timings)} timings in one Report; at most "
+                            f"{REPORTS_PER_CALL}")
+
+
+def _timings_pb(t: Timings) -> node_pb2.RequestTimings:
+    return node_pb2.RequestTimings(
+        request_id=t.request_id, decode_engine_id=t.decode_engine_id,
+        first_token_unix_s=t.first_token_unix_s, second_token_unix_s=t.second_token_unix_s,
+        finish_unix_s=t.finish_unix_s, bytes_verified=t.bytes_verified,
+        bytes_mismatched=t.bytes_mismatched, failed=t.failed, error=t.error,
+        prefill_node_id=t.prefill_node_id, decode_node_id=t.decode_node_id,
+        prefill_read_bytes=t.prefill_read_bytes, decode_read_bytes=t.decode_read_bytes,
+        read_start_unix_s=t.read_span[0], read_end_unix_s=t.read_span[1], attempt=t.attempt,
+        output_token_ids=list(t.output_token_ids), output_logprobs=list(t.output_logprobs),
+        assigned_unix_s=t.phases[0], allocated_unix_s=t.phases[1], staged_unix_s=t.phases[2])

@@ -69,7 +69,7 @@ class _Transfer:
     length), read by ``dp_items_fill`` at post time, never walked in Python."""
 
     __slots__ = ("abandoned", "done", "end", "fut", "lkey", "local_base", "nbytes",
-                 "nslices", "peer", "ptr", "remaining", "remote", "rows")
+                 "nslices", "peer", "ptr", "remaining", "remote", "rows", "timer")
 
     def __init__(self, fut: asyncio.Future, peer: _Peer, rows: np.ndarray, region: Region,
                  remote: str):
@@ -81,6 +81,7 @@ class _Transfer:
         self.remaining = self.nslices = len(rows)
         self.done = False           # data-path thread: resolved (or cancelled)
         self.abandoned = False      # loop: nobody awaits the future any more
+        self.timer: asyncio.TimerHandle | None = None   # loop: the write's bound
 
 
 class _Seg:
@@ -302,19 +303,29 @@ class TransferEngine:
         if not len(rows):
             return
         t = _Transfer(self._loop.create_future(), p, rows, region, remote)
+        # The bound is one timer on the loop (wait_for and shield cost two futures and
+        # four callbacks a write); delivery cancels it.
+        t.timer = self._loop.call_later(bound, self._expire, t, peer, bound)
         self._command(_Submit(t))
         try:
-            await asyncio.wait_for(asyncio.shield(t.fut), bound)
-        except TimeoutError:
-            t.abandoned = True
-            self._command(_Cancel(t))
-            raise TransferTimeout(f"write of {t.nbytes} bytes ({t.nslices} slices) to peer "
-                                  f"{peer!r} did not complete within {bound:.3g} s",
-                                  errno=errno.ETIMEDOUT) from None
+            await t.fut
         except asyncio.CancelledError:
-            t.abandoned = True
-            self._command(_Cancel(t))
+            if t.fut.cancelled():       # our caller was cancelled (not the engine closing)
+                t.timer.cancel()
+                t.abandoned = True
+                self._command(_Cancel(t))
             raise
+
+    def _expire(self, t: _Transfer, peer: str, bound: float) -> None:
+        """Loop: ``t`` is past its bound: its writer gets TransferTimeout, and the data-
+        path thread stops it and recovers the connections carrying it."""
+        if t.fut.done():
+            return
+        t.abandoned = True
+        self._command(_Cancel(t))
+        t.fut.set_exception(TransferTimeout(
+            f"write of {t.nbytes} bytes ({t.nslices} slices) to peer {peer!r} did not "
+            f"complete within {bound:.3g} s", errno=errno.ETIMEDOUT))
 
     async def close(self) -> None:
         """Fail what is in flight, stop the data-path thread, close connections, regions
@@ -486,6 +497,8 @@ class TransferEngine:
         for ev in events:
             if ev[0] == "resolve":
                 t, exc = ev[1], ev[2]
+                if t.timer is not None:
+                    t.timer.cancel()
                 if t.abandoned or t.fut.done():
                     continue
                 if exc is None:
@@ -680,6 +693,13 @@ class TransferEngine:
             self.stats["error_completions"] += 1
             self._break(c, f"{status_name(wc.status)}"
                         + (f", vendor_err {wc.vendor_err}" if wc.vendor_err else ""))
+            if wc.status in ITEM_ERRORS:
+                # The peer's keys may be stale (it re-registered, or shrank a region):
+                # its other connections post with the same ones, so they reconnect too
+                # and nothing more is posted before the exchange refreshed them.
+                for o in c.peer.conns:
+                    if o.state == UP:
+                        self._break(o, f"a write to the same peer got {status_name(wc.status)}")
 
     def _break(self, c: _Conn, cause: str) -> None:
         """Take a failed connection out of service: reset it now (dropping what it had in

@@ -65,6 +65,44 @@ void dp_items_fill(struct dp_item *out, uint32_t n, const uint64_t *rows,
                    uint64_t local_base, uint32_t lkey, uint64_t remote_base,
                    uint32_t rkey, uint64_t first_wr_id);
 
+/* One side of a layer move (runs.c): unit u's segment s of layer l sits at
+ * bases[l * nseg + s] + (u / group) * group_stride + (u % group) * unit_stride, and
+ * units[i] holds the request's tokens [(i0 + i) * unit_tokens, ...) where i0 is the
+ * first unit the move touches. */
+struct dp_run_side {
+    const int64_t *units;
+    const int64_t *bases;         /* layers x nseg: a plane base plus a segment offset */
+    uint64_t unit_stride;
+    uint64_t group;               /* >= 1 */
+    uint64_t group_stride;
+    uint64_t num_units;
+};
+
+/* The WRITE runs of layer `layer`, tokens [first, stop), as rows of (src offset, dst
+ * offset, length) into out (cap rows), unit-major then segment order, neighbours
+ * contiguous on both sides merged. Returns the rows, -ENOSPC when cap is short of
+ * (units touched x nseg), -ERANGE for a unit outside its side (out[0] = the unit,
+ * out[1] = 0 source / 1 target), -EINVAL. */
+int64_t dp_layer_runs(const struct dp_run_side *src, const struct dp_run_side *dst,
+                      const uint64_t *row_bytes, uint32_t nseg, uint32_t layer,
+                      uint64_t unit_tokens, uint64_t first, uint64_t stop, uint64_t *out,
+                      uint64_t cap);
+
+/* Why dp_plan_rows refused an item (bad[1]). */
+enum dp_plan_why {
+    DP_PLAN_EMPTY = 1,            /* length 0 */
+    DP_PLAN_LOCAL = 2,            /* past the local region */
+    DP_PLAN_REMOTE = 3            /* past the remote region */
+};
+
+/* Rows of (local offset, remote offset, length) checked against both regions and cut
+ * into slices of at most slice_bytes, in order, into out (cap rows). Returns the slices,
+ * -ERANGE (bad[0] = the item, bad[1] = enum dp_plan_why), -ENOSPC (bad[0] = the rows
+ * needed), -EINVAL. */
+int64_t dp_plan_rows(const uint64_t *items, uint64_t n, uint64_t slice_bytes,
+                     uint64_t local_length, uint64_t remote_length, uint64_t *out,
+                     uint64_t cap, uint64_t *bad);
+
 /* One completion. status uses ibv_wc_status numbering for both providers:
  * 0 success, 4 LOC_PROT_ERR, 5 WR_FLUSH_ERR, 9 REM_INV_REQ_ERR, 10 REM_ACCESS_ERR,
  * 12 RETRY_EXC_ERR, 13 RNR_RETRY_EXC_ERR, ... */

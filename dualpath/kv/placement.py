@@ -22,11 +22,14 @@ same segment row sizes in the same order, same layer count.
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from dualpath._native import ffi, lib
 from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 
@@ -48,6 +51,7 @@ class KvFormat:
                              f"one segment, got {self}")
         if any(r < 1 for r in self.row_bytes):
             raise UsageError(f"KV format: segment row bytes must be >= 1, got {self.row_bytes}")
+        object.__setattr__(self, "_rows", np.asarray(self.row_bytes, np.uint64))
 
     @property
     def token_bytes(self) -> int:
@@ -126,6 +130,11 @@ class KvPlacement:
             raise UsageError("placement: num_units, group >= 1 and unit_stride >= 0 needed")
         if not self.group_stride:
             object.__setattr__(self, "group_stride", self.unit_stride * self.group)
+        # Per layer and segment: its plane base plus its offset (dp_layer_runs' bases).
+        bases = np.asarray([[b[p] + o for p, o in zip(self.segment_planes,
+                                                      self.segment_offsets)]
+                            for b in self.plane_bases], np.int64)
+        object.__setattr__(self, "_bases", bases)
 
     def unit_offset(self, u: int) -> int:
         """Byte offset of unit ``u`` from its plane base."""
@@ -204,13 +213,6 @@ def runs(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
     from ``src`` to ``dst``. ``src_units[i]`` / ``dst_units[i]`` hold the request's tokens
     ``[i*T, (i+1)*T)`` (T = unit tokens) on each side. Contiguous neighbours are merged."""
     f = _check_layer_move(src, src_units, dst, dst_units, layer, first_token, stop_token)
-    return _runs(f, src, src_units, dst, dst_units, layer, first_token, stop_token)
-
-
-def _runs(f: KvFormat, src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
-          dst_units: Sequence[int], layer: int, first_token: int, stop_token: int
-          ) -> list[Run]:
-    """:func:`runs` of checked arguments."""
     T = f.unit_tokens
     out: list[Run] = []
     sreg, dreg = src.layer_regions[layer], dst.layer_regions[layer]
@@ -233,66 +235,41 @@ def _runs(f: KvFormat, src: KvPlacement, src_units: Sequence[int], dst: KvPlacem
     return out
 
 
-#: Unit-segments up to which run_arrays loops in Python rather than in numpy.
-SMALL_MOVE = 8
-
-
 def run_arrays(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
                dst_units: Sequence[int], layer: int, first_token: int, stop_token: int
                ) -> tuple[str, str, np.ndarray]:
-    """:func:`runs` as arrays, computed without a Python step per block: (source region,
-    target region, uint64 rows of (src_offset, dst_offset, length)), the same runs in
-    the same order (a layer's runs all go between one pair of regions). A move of at
-    most SMALL_MOVE unit-segments (a short request's) takes :func:`runs`' Python loop:
-    numpy's fixed cost (~20 us) is more than that loop's."""
+    """:func:`runs` as arrays, in one C call whatever the number of blocks
+    (csrc/runs.c dp_layer_runs): (source region, target region, uint64 rows of
+    (src_offset, dst_offset, length)), the same runs in the same order (a layer's runs
+    all go between one pair of regions)."""
     f = _check_layer_move(src, src_units, dst, dst_units, layer, first_token, stop_token)
-    T = f.unit_tokens
-    if stop_token > first_token and ((stop_token - 1) // T + 1 - first_token // T) * len(
-            f.row_bytes) <= SMALL_MOVE:
-        rs = _runs(f, src, src_units, dst, dst_units, layer, first_token, stop_token)
-        return (src.layer_regions[layer], dst.layer_regions[layer],
-                np.array([(r.src_offset, r.dst_offset, r.length) for r in rs],
-                         np.uint64).reshape(-1, 3))
-    return _vector_runs(f, src, src_units, dst, dst_units, layer, first_token, stop_token)
-
-
-def _vector_runs(f: KvFormat, src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
-                 dst_units: Sequence[int], layer: int, first_token: int, stop_token: int
-                 ) -> tuple[str, str, np.ndarray]:
-    """:func:`run_arrays` of checked arguments, in numpy whatever the size."""
     T = f.unit_tokens
     sreg, dreg = src.layer_regions[layer], dst.layer_regions[layer]
     if stop_token <= first_token:
         return sreg, dreg, np.zeros((0, 3), np.uint64)
     i0, i1 = first_token // T, (stop_token - 1) // T + 1
-    idx = np.arange(i0, i1, dtype=np.int64)
-    t0 = np.maximum(first_token - idx * T, 0)                  # token span in each unit
-    t1 = np.minimum(stop_token - idx * T, T)
-    rows = np.asarray(f.row_bytes, np.int64)
+    su = np.asarray(src_units[i0:i1], np.int64)
+    du = np.asarray(dst_units[i0:i1], np.int64)
+    nseg = len(f.row_bytes)
+    out = np.empty(((i1 - i0) * nseg, 3), np.uint64)
+    n = lib.dp_layer_runs(_side(src, su), _side(dst, du), ffi.from_buffer("uint64_t[]", f._rows),
+                          nseg, layer, T, first_token, stop_token,
+                          ffi.from_buffer("uint64_t[]", out), len(out))
+    if n == -errno.ERANGE:
+        pl = dst if out[0, 1] else src
+        raise UsageError(f"unit {out[0, 0].astype(np.int64)} out of range "
+                         f"0..{pl.num_units - 1}")
+    if n < 0:                                   # not expected of checked arguments
+        raise UsageError(f"computing layer {layer}'s runs: {os.strerror(-n)}")
+    return sreg, dreg, out[:n]
 
-    def seg_offsets(pl: KvPlacement, units: Sequence[int]) -> np.ndarray:
-        u = np.asarray(units[i0:i1], np.int64)
-        if u.size and (u.min() < 0 or u.max() >= pl.num_units):
-            bad = int(u[(u < 0) | (u >= pl.num_units)][0])
-            raise UsageError(f"unit {bad} out of range 0..{pl.num_units - 1}")
-        g, i = np.divmod(u, pl.group)
-        unit_off = g * pl.group_stride + i * pl.unit_stride
-        base = np.asarray([pl.plane_bases[layer][p] + o for p, o in
-                           zip(pl.segment_planes, pl.segment_offsets)], np.int64)
-        return unit_off[:, None] + base[None, :] + t0[:, None] * rows[None, :]
 
-    so = seg_offsets(src, src_units).ravel()                    # unit-major, then segment
-    do = seg_offsets(dst, dst_units).ravel()
-    n = ((t1 - t0)[:, None] * rows[None, :]).ravel()
-    # Merge neighbours contiguous on both sides (as runs() does, left to right).
-    joins = np.empty(len(n), bool)
-    joins[0] = False
-    joins[1:] = (so[1:] == so[:-1] + n[:-1]) & (do[1:] == do[:-1] + n[:-1])
-    starts = np.flatnonzero(~joins)
-    out = np.empty((len(starts), 3), np.uint64)
-    out[:, 0], out[:, 1] = so[starts], do[starts]
-    out[:, 2] = np.add.reduceat(n, starts)
-    return sreg, dreg, out
+def _side(pl: KvPlacement, units: np.ndarray):
+    """dp_layer_runs' view of one side: ``pl`` holding ``units``."""
+    return ffi.new("struct dp_run_side *", (ffi.from_buffer("int64_t[]", units),
+                                            ffi.from_buffer("int64_t[]", pl._bases),
+                                            pl.unit_stride, pl.group, pl.group_stride,
+                                            pl.num_units))
 
 
 def _layer_shift(pl: KvPlacement, a: int, b: int) -> int | None:

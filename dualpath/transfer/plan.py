@@ -1,12 +1,16 @@
 """Pure planning for the TransferEngine: cut a batch into slices, share slices among
-connections. No I/O, so tests and the bench call exactly what the engine runs."""
+connections. No I/O (an array of rows is cut by a C loop, csrc/runs.c), so tests and
+the bench call exactly what the engine runs."""
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from dualpath._native import ffi, lib
 from dualpath.errors import UsageError
 
 
@@ -39,17 +43,12 @@ def plan_slices(items: Iterable, slice_bytes: int, local_length: int,
     return out
 
 
-#: Rows up to which plan_rows checks and cuts an array in Python (1 row: 1.5 us against
-#: numpy's 11 us; 8 rows: 7 us against 12).
-SMALL_ROWS = 8
-
-
 def plan_rows(items, slice_bytes: int, local_length: int, remote_length: int) -> np.ndarray:
     """:func:`plan_slices` as uint64 rows of ``(local_offset, remote_offset, length)``,
     C-contiguous (what ``dp_items_fill`` reads). ``items`` may be an (n, 3) integer array
-    (a layer's runs, dualpath/kv/placement.run_arrays): checked and cut without a Python
-    step per item (a few rows, SMALL_ROWS, in plan_slices' loop), with the same errors
-    naming the first bad item."""
+    (a layer's runs, dualpath/kv/placement.run_arrays): checked and cut in one C call
+    whatever its length (csrc/runs.c dp_plan_rows), with the same errors naming the first
+    bad item."""
     if not isinstance(items, np.ndarray):
         return np.asarray(plan_slices(items, slice_bytes, local_length, remote_length),
                           np.uint64).reshape(-1, 3)
@@ -58,37 +57,36 @@ def plan_rows(items, slice_bytes: int, local_length: int, remote_length: int) ->
     if items.ndim != 2 or items.shape[1] != 3 or items.dtype.kind not in "iu":
         raise UsageError(f"an items array must be (n, 3) integers, not {items.shape} "
                          f"{items.dtype}")
-    if len(items) <= SMALL_ROWS:        # numpy's checks cost more than a loop over a few
-        return plan_rows(items.tolist(), slice_bytes, local_length, remote_length)
-    return _plan_array(items, slice_bytes, local_length, remote_length)
+    if items.dtype != np.uint64 or not items.flags.c_contiguous:
+        if items.dtype.kind == "i" and (items < 0).any():
+            return plan_rows(items.tolist(), slice_bytes, local_length, remote_length)
+        items = np.ascontiguousarray(items, np.uint64)
+    out = np.empty_like(items)                  # no item cut: as many slices as items
+    bad = ffi.new("uint64_t[2]")
+    k = _plan(items, out, slice_bytes, local_length, remote_length, bad)
+    if k == -errno.ENOSPC:                      # some cut: bad[0] slices
+        out = np.empty((bad[0], 3), np.uint64)
+        k = _plan(items, out, slice_bytes, local_length, remote_length, bad)
+    if k == -errno.ERANGE:
+        i, why = bad[0], bad[1]
+        lo, ro, n = (int(v) for v in items[i])
+        if why == lib.DP_PLAN_EMPTY:
+            raise UsageError(f"items[{i}].length must be > 0")
+        if why == lib.DP_PLAN_LOCAL:
+            raise UsageError(f"items[{i}]: local range [{lo}, {lo + n}) is outside the local "
+                             f"region ({local_length} bytes)")
+        raise UsageError(f"items[{i}]: remote range [{ro}, {ro + n}) is outside the peer's "
+                         f"region ({remote_length} bytes)")
+    if k < 0:
+        raise UsageError(f"planning {len(items)} items: {os.strerror(-k)}")
+    return out[:k]
 
 
-def _plan_array(items: np.ndarray, slice_bytes: int, local_length: int, remote_length: int
-                ) -> np.ndarray:
-    """plan_rows of a checked (n, 3) integer array, in numpy whatever its size."""
-    a = items.astype(np.int64, copy=False)
-    lo, ro, n = a[:, 0], a[:, 1], a[:, 2]
-    for col, what in enumerate(("local_offset", "remote_offset")):
-        if (bad := np.flatnonzero(a[:, col] < 0)).size:
-            i = int(bad[0])
-            raise UsageError(f"items[{i}].{what} must be an integer >= 0, not {int(a[i, col])}")
-    if (bad := np.flatnonzero(n <= 0)).size:
-        raise UsageError(f"items[{int(bad[0])}].length must be > 0")
-    for side, off, length in (("local", lo, local_length), ("remote", ro, remote_length)):
-        if (bad := np.flatnonzero(off + n > length)).size:
-            i = int(bad[0])
-            where = "the local region" if side == "local" else "the peer's region"
-            raise UsageError(f"items[{i}]: {side} range [{int(off[i])}, {int(off[i] + n[i])}) "
-                             f"is outside {where} ({length} bytes)")
-    k = -(-n // slice_bytes)
-    if (k == 1).all():
-        return np.ascontiguousarray(a, np.uint64)
-    rep = np.repeat(np.arange(len(a)), k)
-    off = (np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)) * slice_bytes
-    out = np.empty((len(rep), 3), np.uint64)
-    out[:, 0], out[:, 1] = lo[rep] + off, ro[rep] + off
-    out[:, 2] = np.minimum(slice_bytes, n[rep] - off)
-    return out
+def _plan(items: np.ndarray, out: np.ndarray, slice_bytes: int, local_length: int,
+          remote_length: int, bad) -> int:
+    return lib.dp_plan_rows(ffi.from_buffer("uint64_t[]", items), len(items), slice_bytes,
+                            local_length, remote_length, ffi.from_buffer("uint64_t[]", out),
+                            len(out), bad)
 
 
 def spread(total: int, rooms: Sequence[int]) -> list[int]:

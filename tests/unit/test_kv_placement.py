@@ -13,14 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dualpath.errors import UsageError
-from dualpath.kv.placement import (
-    KvFormat,
-    KvPlacement,
-    LayerMove,
-    _vector_runs,
-    run_arrays,
-    runs,
-)
+from dualpath.kv.placement import KvFormat, KvPlacement, LayerMove, run_arrays, runs
 
 
 def _engine_placement(fmt: KvFormat, num_units: int, heads_outer: bool) -> KvPlacement:
@@ -80,14 +73,12 @@ def test_runs_move_exactly_the_reference_bytes(layers, unit_tokens, rows, units,
     _reference(buf, buf_units, eng, eng_units, layer, t0, t1, src_mem, want)
     rs = runs(buf, buf_units, eng, eng_units, layer, t0, t1)
     for a, b, x, y in ((buf, buf_units, eng, eng_units), (eng, eng_units, buf, buf_units)):
-        # The vectorised runs (the transfer path's) are the same runs, in order: numpy's
-        # at any size, and run_arrays' (Python's for a small move).
+        # The C runs (the transfer path's, csrc/runs.c) are the same runs, in order.
+        sreg, dreg, arr = run_arrays(a, b, x, y, layer, t0, t1)
         want_rs = runs(a, b, x, y, layer, t0, t1)
-        for sreg, dreg, arr in (run_arrays(a, b, x, y, layer, t0, t1),
-                                _vector_runs(fmt, a, b, x, y, layer, t0, t1)):
-            assert {(r.src_region, r.dst_region) for r in want_rs} == {(sreg, dreg)}
-            assert arr.dtype == np.uint64 and arr.shape == (len(want_rs), 3)
-            assert arr.tolist() == [[r.src_offset, r.dst_offset, r.length] for r in want_rs]
+        assert {(r.src_region, r.dst_region) for r in want_rs} == {(sreg, dreg)}
+        assert arr.dtype == np.uint64 and arr.shape == (len(want_rs), 3)
+        assert arr.tolist() == [[r.src_offset, r.dst_offset, r.length] for r in want_rs]
     _apply(rs, src_mem, got)
     for k, v in want.items():
         assert np.array_equal(got[k], v), k
@@ -122,8 +113,11 @@ def test_errors_name_the_problem():
         runs(buf, [0], other, [0], 0, 0, 4)
     with pytest.raises(UsageError, match="exceed"):
         runs(buf, [0], buf, [1], 0, 0, 5)
-    with pytest.raises(UsageError, match="unit 9 out of range"):
-        runs(buf, [9], buf, [1], 0, 0, 4)
+    for move in (runs, run_arrays):             # the C runs check every unit too
+        with pytest.raises(UsageError, match="unit 9 out of range 0..1"):
+            move(buf, [9], buf, [1], 0, 0, 4)
+        with pytest.raises(UsageError, match="unit -1 out of range 0..1"):
+            move(buf, [0, 1], buf, [1, -1], 0, 0, 8)
     with pytest.raises(UsageError, match="slot stride"):
         KvPlacement.full_blocks(fmt, "b", 16, 2)
 

@@ -130,7 +130,10 @@ def test_remote_access_error_fails_the_write_and_the_peer_recovers(tamper):
             assert "REM_ACCESS_ERR" in str(ei.value)
             assert not isinstance(ei.value, TransferTimeout)
             assert dst[item[1]:true.length] == bytes(true.length - item[1])
-            # The connection was reset and reconnected; the exchange refreshed b's keys.
+            # Both connections to b were reset (the other one held the same stale keys:
+            # a write posted on it before the exchange would fail the same way), and
+            # reconnected; the exchange refreshed b's keys.
+            assert a.stats["recoveries"] == 2
             await a.write("b", [(4096, 8192, 65536)])
             assert dst[8192:8192 + 65536] == src[4096:4096 + 65536]
             assert a._peers["b"].regions["default"] == true
@@ -166,32 +169,54 @@ def test_a_failed_write_does_not_fail_the_writes_flushed_behind_it():
     run(main())
 
 
+@contextlib.asynccontextmanager
+async def to_a_hole(timeout_s: float):
+    """Engine a, started, writing to "hole": a peer that accepts TCP connections in the
+    kernel but never reads or acks."""
+    oob = InProcessChannel()
+    a = TransferEngine("a", TcpProvider(), oob,
+                       TransferConfig(timeout_s=timeout_s, connections_per_peer=1))
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+
+    async def answer(req):
+        return ConnectReply("tcp", tuple(encode_address(*hole.getsockname())
+                                         for _ in req.endpoints),
+                            {"default": RegionInfo(0x1000, 1 << 30, 1)})
+    oob.serve("hole", answer)
+    await a.start()
+    try:
+        a.register("default", bytearray(1 << 20))
+        yield a
+    finally:
+        await a.close()     # must not hang on the stuck connection
+        hole.close()
+
+
 def test_timeout_when_the_peer_stops_reading():
     async def main():
-        oob = InProcessChannel()
-        a = TransferEngine("a", TcpProvider(), oob,
-                           TransferConfig(timeout_s=0.3, connections_per_peer=1))
-        # A "peer" that accepts TCP connections in the kernel but never reads or acks.
-        hole = socket.socket()
-        hole.bind(("127.0.0.1", 0))
-        hole.listen(8)
-
-        async def answer(req):
-            return ConnectReply("tcp", tuple(encode_address(*hole.getsockname())
-                                             for _ in req.endpoints),
-                                {"default": RegionInfo(0x1000, 1 << 30, 1)})
-        oob.serve("hole", answer)
-        await a.start()
-        try:
-            src = bytearray(1 << 20)
-            a.register("default", src)
+        async with to_a_hole(0.3) as a:
             with pytest.raises(TransferTimeout) as ei:
                 await a.write("hole", [(0, 0, 1 << 20)])
             assert ei.value.errno == errno.ETIMEDOUT
             assert "hole" in str(ei.value)
-        finally:
-            await a.close()     # must not hang on the stuck connection
-            hole.close()
+    run(main())
+
+
+def test_a_cancelled_write_is_cancelled_and_its_bound_never_fires():
+    async def main():
+        loop = asyncio.get_running_loop()
+        errors = []
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+        async with to_a_hole(0.3) as a:
+            task = asyncio.ensure_future(a.write("hole", [(0, 0, 1 << 20)]))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.5)        # past the bound: its timer went with it
+        assert errors == []
     run(main())
 
 

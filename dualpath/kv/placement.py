@@ -248,8 +248,8 @@ def run_arrays(src: KvPlacement, src_units: Sequence[int], dst: KvPlacement,
     if stop_token <= first_token:
         return sreg, dreg, np.zeros((0, 3), np.uint64)
     i0, i1 = first_token // T, (stop_token - 1) // T + 1
-    su = np.asarray(src_units[i0:i1], np.int64)
-    du = np.asarray(dst_units[i0:i1], np.int64)
+    su = np.ascontiguousarray(src_units[i0:i1], np.int64)
+    du = np.ascontiguousarray(dst_units[i0:i1], np.int64)
     nseg = len(f.row_bytes)
     out = np.empty(((i1 - i0) * nseg, 3), np.uint64)
     n = lib.dp_layer_runs(_side(src, su), _side(dst, du), ffi.from_buffer("uint64_t[]", f._rows),

@@ -18,11 +18,11 @@ class TransferConfig:
                            "most this many bytes.", min=4096, max=1 << 30)
     max_send_wr: int = key(256, "WRITEs outstanding per connection (its credits).",
                            min=1, max=65536)
-    signal_every: int = key(64, "Signal (ask a completion for) every Nth WRITE; the last "
+    signal_every: int = key(128, "Signal (ask a completion for) every Nth WRITE; the last "
                             "of each post is always signalled. Each completion is a step "
-                            "of Python on the data-path thread: 64 (a quarter of the "
-                            "default credits) keeps a layer of hundreds of blocks at a few.",
-                            min=1, max=65536)
+                            "of Python on the data-path thread: 128 (half the default "
+                            "credits, which come back in two halves) keeps a DS 660B layer "
+                            "of 512 blocks at four.", min=1, max=65536)
     cq_depth: int = key(4096, "Completion queue depth: signalled WRITEs outstanding over "
                         "all connections.", min=1, max=1 << 22)
     timeout_s: float = key(30.0, "Bound on one write() (seconds); past it the write "

@@ -48,7 +48,7 @@ from dualpath.engine.kvio import write_layers
 from dualpath.engine.kvplan import BlockSpan, block_spans, blocks_for
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.payload import Payload
-from dualpath.engine.peers import REPORTS_PER_CALL, LoadOrder, PrefillReport, Timings
+from dualpath.engine.peers import LoadOrder, PrefillReport, Timings, report_calls
 from dualpath.engine.resources import NodeResources
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.placement import KvPlacement
@@ -507,8 +507,8 @@ class DecodePath:
     def _send_reports(self) -> None:
         outbox, self.outbox = self.outbox, {}
         for sink, timings in outbox.items():
-            for i in range(0, len(timings), REPORTS_PER_CALL):
-                t = self.node.spawn(self._report(sink, timings[i:i + REPORTS_PER_CALL]))
+            for call in report_calls(timings):
+                t = self.node.spawn(self._report(sink, call))
                 self.reports.add(t)
                 t.add_done_callback(self.reports.discard)
 

@@ -24,7 +24,7 @@ Threads: the node's event loop.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -39,6 +39,9 @@ from dualpath.v1 import engine_pb2, engine_pb2_grpc, node_pb2, node_pb2_grpc
 
 #: Timings in one ReplaySink.Report call; a sink refuses more (INVALID_ARGUMENT).
 REPORTS_PER_CALL = 1024
+#: About how many bytes one Report call carries at most (a quarter of gRPC's default
+#: 4 MiB receive limit): a real engine's timings carry its generated tokens.
+REPORT_BYTES_PER_CALL = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,23 @@ class PeerClient:
                              node_pb2.RequestTimingsBatch(timings=[_timings_pb(t)
                                                                    for t in timings]),
                              timeout=self.timeout_s))
+
+
+def report_calls(timings: Sequence[Timings]) -> Iterator[list[Timings]]:
+    """``timings`` cut into Report calls: at most REPORTS_PER_CALL each, and about
+    REPORT_BYTES_PER_CALL (a timing is ~256 bytes and at most 16 a generated token; one
+    larger than that goes alone)."""
+    call: list[Timings] = []
+    size = 0
+    for t in timings:
+        n = 256 + 16 * len(t.output_token_ids)
+        if call and (len(call) == REPORTS_PER_CALL or size + n > REPORT_BYTES_PER_CALL):
+            yield call
+            call, size = [], 0
+        call.append(t)
+        size += n
+    if call:
+        yield call
 
 
 async def refuse_oversized(request: node_pb2.RequestTimingsBatch,

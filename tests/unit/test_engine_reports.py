@@ -12,7 +12,7 @@ from dualpath import tls
 from dualpath.cluster import generate, replay
 from dualpath.engine.decode import DecodePath, _Result
 from dualpath.engine.errors import PeerUnavailable
-from dualpath.engine.peers import REPORTS_PER_CALL, Timings
+from dualpath.engine.peers import REPORT_BYTES_PER_CALL, REPORTS_PER_CALL, Timings, report_calls
 from dualpath.v1 import node_pb2, node_pb2_grpc
 
 
@@ -67,6 +67,20 @@ def test_results_recorded_in_one_turn_go_in_one_call_per_sink():
         assert len(peers.calls) == 3
 
     asyncio.run(run())
+
+
+def test_reports_with_many_generated_tokens_go_in_calls_of_about_a_mebibyte():
+    # A real engine's timings carry its tokens: 1,024 of 20K tokens each would be ~250
+    # MB in one call, past gRPC's 4 MiB receive limit.
+    big = [Timings(f"r{i}", "d0/e0", "p0", "d0", output_token_ids=tuple(range(20_000)))
+           for i in range(10)]
+    calls = list(report_calls(big))
+    assert [t.request_id for c in calls for t in c] == [t.request_id for t in big]
+    assert all(sum(256 + 16 * len(t.output_token_ids) for t in c) <= REPORT_BYTES_PER_CALL
+               for c in calls)
+    assert [len(c) for c in calls] == [3, 3, 3, 1]
+    huge = Timings("h", "d0/e0", "p0", "d0", output_token_ids=tuple(range(100_000)))
+    assert [len(c) for c in report_calls([huge, *big[:2]])] == [1, 2]    # alone
 
 
 def test_an_unreachable_sink_is_logged_not_raised(caplog):

@@ -88,16 +88,9 @@ int64_t dp_layer_runs(const struct dp_run_side *src, const struct dp_run_side *d
                       uint64_t unit_tokens, uint64_t first, uint64_t stop, uint64_t *out,
                       uint64_t cap);
 
-/* Why dp_plan_rows refused an item (bad[1]). */
-enum dp_plan_why {
-    DP_PLAN_EMPTY = 1,            /* length 0 */
-    DP_PLAN_LOCAL = 2,            /* past the local region */
-    DP_PLAN_REMOTE = 3            /* past the remote region */
-};
-
 /* Rows of (local offset, remote offset, length) checked against both regions and cut
  * into slices of at most slice_bytes, in order, into out (cap rows). Returns the slices,
- * -ERANGE (bad[0] = the item, bad[1] = enum dp_plan_why), -ENOSPC (bad[0] = the rows
+ * -ERANGE (bad[0] = the first item empty or past a region), -ENOSPC (bad[0] = the rows
  * needed), -EINVAL. */
 int64_t dp_plan_rows(const uint64_t *items, uint64_t n, uint64_t slice_bytes,
                      uint64_t local_length, uint64_t remote_length, uint64_t *out,

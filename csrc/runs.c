@@ -64,12 +64,9 @@ int64_t dp_plan_rows(const uint64_t *items, uint64_t n, uint64_t slice_bytes,
     uint64_t need = 0;
     for (uint64_t i = 0; i < n; i++) {
         uint64_t lo = items[3 * i], ro = items[3 * i + 1], len = items[3 * i + 2];
-        int why = len == 0 ? DP_PLAN_EMPTY
-                  : lo > local_length || len > local_length - lo ? DP_PLAN_LOCAL
-                  : ro > remote_length || len > remote_length - ro ? DP_PLAN_REMOTE : 0;
-        if (why) {
+        if (len == 0 || lo > local_length || len > local_length - lo
+            || ro > remote_length || len > remote_length - ro) {
             bad[0] = i;
-            bad[1] = (uint64_t)why;
             return -ERANGE;
         }
         need += (len + slice_bytes - 1) / slice_bytes;

@@ -30,17 +30,24 @@ def plan_slices(items: Iterable, slice_bytes: int, local_length: int,
         for what, v in (("local_offset", lo), ("remote_offset", ro), ("length", n)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise UsageError(f"items[{i}].{what} must be an integer >= 0, not {v!r}")
-        if n == 0:
-            raise UsageError(f"items[{i}].length must be > 0")
-        if lo + n > local_length:
-            raise UsageError(f"items[{i}]: local range [{lo}, {lo + n}) is outside the local "
-                             f"region ({local_length} bytes)")
-        if ro + n > remote_length:
-            raise UsageError(f"items[{i}]: remote range [{ro}, {ro + n}) is outside the "
-                             f"peer's region ({remote_length} bytes)")
+        _check_ranges(i, lo, ro, n, local_length, remote_length)
         for off in range(0, n, slice_bytes):
             out.append((lo + off, ro + off, min(slice_bytes, n - off)))
     return out
+
+
+def _check_ranges(i: int, lo: int, ro: int, n: int, local_length: int,
+                  remote_length: int) -> None:
+    """Item ``i`` (offsets and length >= 0) is not empty and lies inside both regions
+    (the checks dp_plan_rows makes, in the same order), or UsageError naming it."""
+    if n == 0:
+        raise UsageError(f"items[{i}].length must be > 0")
+    if lo + n > local_length:
+        raise UsageError(f"items[{i}]: local range [{lo}, {lo + n}) is outside the local "
+                         f"region ({local_length} bytes)")
+    if ro + n > remote_length:
+        raise UsageError(f"items[{i}]: remote range [{ro}, {ro + n}) is outside the "
+                         f"peer's region ({remote_length} bytes)")
 
 
 def plan_rows(items, slice_bytes: int, local_length: int, remote_length: int) -> np.ndarray:
@@ -62,21 +69,13 @@ def plan_rows(items, slice_bytes: int, local_length: int, remote_length: int) ->
             return plan_rows(items.tolist(), slice_bytes, local_length, remote_length)
         items = np.ascontiguousarray(items, np.uint64)
     out = np.empty_like(items)                  # no item cut: as many slices as items
-    bad = ffi.new("uint64_t[2]")
+    bad = ffi.new("uint64_t[1]")
     k = _plan(items, out, slice_bytes, local_length, remote_length, bad)
     if k == -errno.ENOSPC:                      # some cut: bad[0] slices
         out = np.empty((bad[0], 3), np.uint64)
         k = _plan(items, out, slice_bytes, local_length, remote_length, bad)
-    if k == -errno.ERANGE:
-        i, why = bad[0], bad[1]
-        lo, ro, n = (int(v) for v in items[i])
-        if why == lib.DP_PLAN_EMPTY:
-            raise UsageError(f"items[{i}].length must be > 0")
-        if why == lib.DP_PLAN_LOCAL:
-            raise UsageError(f"items[{i}]: local range [{lo}, {lo + n}) is outside the local "
-                             f"region ({local_length} bytes)")
-        raise UsageError(f"items[{i}]: remote range [{ro}, {ro + n}) is outside the peer's "
-                         f"region ({remote_length} bytes)")
+    if k == -errno.ERANGE:                      # bad[0]: the first item out of range
+        _check_ranges(bad[0], *(int(v) for v in items[bad[0]]), local_length, remote_length)
     if k < 0:
         raise UsageError(f"planning {len(items)} items: {os.strerror(-k)}")
     return out[:k]

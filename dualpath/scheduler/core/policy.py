@@ -163,7 +163,13 @@ def distribute_to_groups(queue: deque[Request], groups: list[Group], now: float 
     queue when it avoids them all [ours]. Returns how many were placed."""
     if not groups or not queue:
         return 0
-    heap = [(g.total_tok, i, g) for i, g in enumerate(groups)]
+    loads = [g.tok_sum + g.private_tokens for g in groups]      # Group.total_tok, inline
+    if len(queue) == 1 and not queue[0].avoid:
+        # One request (the usual drain after a submit): the first least loaded group,
+        # as the heap's (load, index) order would pick it, without building the heap.
+        _place(queue.popleft(), groups[loads.index(min(loads))])
+        return 1
+    heap = [(load, i, g) for i, (load, g) in enumerate(zip(loads, groups))]
     heapify(heap)
     n = 0
     left: list[Request] = []
@@ -178,10 +184,7 @@ def distribute_to_groups(queue: deque[Request], groups: list[Group], now: float 
                 continue
             k = min(ok, key=lambda j: heap[j][:2])
             load, i, g = heap[k]
-        g.private_queue.append(r)
-        g.private_tokens += r.prompt_tokens
-        r.de_group = g
-        r.stage = Stage.GROUP_QUEUE
+        _place(r, g)
         n += 1
         if k == 0:
             heapreplace(heap, (load + r.prompt_tokens, i, g))
@@ -190,6 +193,13 @@ def distribute_to_groups(queue: deque[Request], groups: list[Group], now: float 
             heapify(heap)
     queue.extend(left)
     return n
+
+
+def _place(r: Request, g: Group) -> None:
+    g.private_queue.append(r)
+    g.private_tokens += r.prompt_tokens
+    r.de_group = g
+    r.stage = Stage.GROUP_QUEUE
 
 
 def z_target(group_queue: deque[Request], engines: list[Engine], slack: float,

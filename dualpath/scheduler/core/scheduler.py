@@ -315,12 +315,12 @@ class Scheduler:
             if reason is None and s.request_id:
                 seen.add(s.request_id)
                 have = self._spec_key_of(s.request_id)
-                if have == spec_key(s.prompt_tokens, _clamped_hit(s), s.max_new_tokens,
-                                    s.payload):
-                    adm.resubmitted.append(s.request_id)
-                    adm.ids.append(s.request_id)
-                    continue
                 if have is not None:
+                    if have == spec_key(s.prompt_tokens, _clamped_hit(s), s.max_new_tokens,
+                                        s.payload):
+                        adm.resubmitted.append(s.request_id)
+                        adm.ids.append(s.request_id)
+                        continue
                     reason, detail = RejectReason.DUPLICATE, (
                         f"request {s.request_id} is known with other content (prompt, hit, "
                         "max_new_tokens or payload)")
@@ -344,7 +344,7 @@ class Scheduler:
             rid = s.request_id or self._auto_id(self._next_seq)
             r = Request(rid, s.prompt_tokens, _clamped_hit(s), s.max_new_tokens, s.payload,
                         self._next_seq, since=now, submitted=now,
-                        wire_bytes=wire_bytes(rid, s.payload))
+                        wire_bytes=wire if s.request_id else wire_bytes(rid, s.payload))
             self.requests[rid] = r
             self.held_bytes += r.wire_bytes + REQUEST_FIXED_BYTES
             adm.accepted.append(r)
@@ -424,7 +424,9 @@ class Scheduler:
             if e is None or e.group is not g:
                 raise UsageError(f"engine {rep.engine_id} is not in group {group_id}")
             e.seq = rep.seq
-            e.tok = rep.tok
+            if rep.tok != e._tok:           # Engine.tok's setter, inline (hot: every fetch)
+                g.tok_sum += rep.tok - e._tok
+                e._tok = rep.tok
             e.node.read_q = rep.read_q
             e.free_hbm_tokens = rep.free_hbm_tokens
         self._timers(now)

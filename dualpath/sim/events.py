@@ -18,12 +18,15 @@ class EventLoop:
         self.events = 0                  # callbacks run so far
 
     def at(self, t: float, fn: Callable, *args) -> None:
-        t = max(t, self.now)
+        now = self.now
+        t = t if t > now else now  # noqa: FURB136 - max() is a call, on most events
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, fn, args))
 
     def after(self, dt: float, fn: Callable, *args) -> None:
-        self.at(self.now + dt, fn, *args)
+        t = self.now + dt if dt > 0 else self.now
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, args))
 
     def run(self, until: float = float("inf")) -> None:
         heap, pop = self._heap, heapq.heappop

@@ -192,6 +192,7 @@ class DecodeEngine:
         self.gen = 0                       # invalidates stale finish events
         self._seq = 0
         self.largest = 0
+        self._step_keys, self._step = -1, 0.0
 
     @property
     def free_hbm_tokens(self) -> int:
@@ -201,7 +202,10 @@ class DecodeEngine:
         return -(-(r.prompt + r.gen) // self.T)
 
     def step_s(self) -> float:
-        return cost.decode_step_s(self._flat, (int(self.keys),))
+        keys = int(self.keys)
+        if keys != self._step_keys:         # the step changes only when the keys do
+            self._step_keys, self._step = keys, cost.decode_step_s(self._flat, (keys,))
+        return self._step
 
     def _keys_of(self, r: SimRequest) -> float:
         c = r.prompt + r.gen / 2
@@ -258,6 +262,7 @@ class DecodeNode:
         self.writes: list = []
         self.writing = False
         self.expected = 0
+        self.in_prefill_queue = 0   # the scheduler's prefill queue: requests with a DE here
         self.leader = None
         self.engines = [DecodeEngine(f"{node_id}/e{k}", self, profile, hbm_blocks)
                         for k in range(n_engines)]

@@ -4,20 +4,20 @@ models of :mod:`dualpath.sim.nodes` (pure; one thread).
 
 Leaders fetch on a timer, as the daemons' do (engine/leader.py sleeps
 ``fetch_interval`` after each fetch; completions ride on the fetch). One exception,
-for speed, that changes no decision: a leader whose last fetch got nothing, whose
-engines changed in nothing since and which saw no change in the scheduler's queues
-(nothing submitted, assigned or completed anywhere) would send the core the same
-report and get nothing again, so its ticks are skipped until its queue holds work; it
-then fetches within a period.
+for speed, that changes no decision: a leader whose fetch would change nothing that any
+decision reads (no completion to report, no work its role's policy could place, and a
+load the other groups' decisions see already; ``SimCluster._noop``) sleeps: its ticks
+are skipped until something it depends on changes, and it then ticks where it would
+have ticked had it never slept (``SimCluster._wake``).
 
 The core's CPU time is measured where the daemon spends it: ``time.process_time``
-around a leader call (``report`` with the completions, then ``fetch``) and around every
+around a leader call (``report`` with the completions, then ``fetch``) and around a
 submit, so ``scheduler_cpu`` is the real core's cost per decision at this scale. Every
-:data:`CPU_STRIDE`-th leader call is timed (reading the process's CPU clock is a system
-call: 2-20 us on this host, as much as a fetch), and totals are the sampled mean times
-the calls made. The fetches a daemon's leader makes while the simulator skips its ticks
-are counted (one a period) and costed at the mean of the timed fetches that got and
-reported nothing (``skipped_fetches``, ``cpu_s_skipped``, both in ``cores``).
+:data:`CPU_STRIDE`-th leader call and single-request submit is timed, every larger
+submit (reading the process's CPU clock is a system call: 2-20 us on this host, as much
+as a fetch), and totals are the sampled mean times the calls made. The fetches a
+daemon's leader makes while the simulator skips its ticks are counted (one a period)
+and costed at the mean of the timed fetches that got and reported nothing (``skipped_fetches``, ``cpu_s_skipped``, both in ``cores``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from dualpath.trace.report import RequestRecord
 
 _FIT_CACHE: dict = {}
 _SAMPLE = 100_000          # fetch CPU times and latencies kept for percentiles
+_WAKE_STEPS = 4             # a woken leader's skipped ticks drawn one by one, at most
 CPU_STRIDE = 8             # one leader call (and one submit) in this many is timed
 
 
@@ -117,12 +118,10 @@ class _Leader:
     node: object
     lease_id: int = 0
     pending: list = field(default_factory=list)     # completions for the next fetch
-    dirty: bool = True
-    last_empty: bool = False
-    seen_version: int = -1
     last_tick: float = 0.0
     dormant: bool = False
     slept_at: float = 0.0                           # when its ticks began to be skipped
+    full: bool = False                              # PE: every engine past beta (_noop)
     reports: list = field(default_factory=list)
     core_group: object = None
 
@@ -191,7 +190,6 @@ class SimCluster:
                               context_tokens=p.context_tokens, max_held_bytes=1 << 62,
                               max_queued_requests=1 << 40, max_submit_requests=1 << 30)
         self.core = Scheduler(self.params, rng=random.Random(seed))
-        self.version = {Role.PREFILL: 0, Role.DECODE: 0}
         # Per-fetch CPU: sum and count, and a uniform sample for percentiles (a run at
         # scale makes tens of millions of fetches).
         self.cpu_fetch_s = 0.0
@@ -226,6 +224,7 @@ class SimCluster:
             for n in nodes:
                 ld = _Leader(f"{n.node_id}-group", role, n.engines, n,
                              reports=[_Status(e.engine_id) for e in n.engines])
+                n.leader = ld
                 specs = []
                 for k, e in enumerate(n.engines):
                     self.engines[e.engine_id] = e
@@ -271,9 +270,13 @@ class SimCluster:
                                             rd.gen_tokens, now)
             specs.append(RequestSpec(prompt, hit, rd.gen_tokens, rid))
         self.submit_calls += 1
-        t0 = time.process_time()
-        adm = self.core.submit(specs, now)
-        self.cpu_submit += time.process_time() - t0
+        weight = CPU_STRIDE if len(specs) == 1 else 1
+        if weight == 1 or self.submit_calls % CPU_STRIDE == 0:
+            t0 = time.process_time()
+            adm = self.core.submit(specs, now)
+            self.cpu_submit += (time.process_time() - t0) * weight
+        else:
+            adm = self.core.submit(specs, now)
         if adm.rejected:
             raise UsageError(f"simulated request {adm.rejected[0].request_id} rejected by "
                              f"the scheduler: {adm.rejected[0].detail}")
@@ -300,66 +303,107 @@ class SimCluster:
     # ------------------------------------------------------------ leaders
 
     def _bump(self, *roles: Role) -> None:
-        """The scheduler's queues changed for these roles' leaders: wake those whose
-        queue holds work. The others would tick only to sleep again (``_tick``'s idle
-        test); their queue fills only in a submit or a fetch, which bumps again."""
+        """The scheduler's queues changed for these roles' leaders: wake the sleeping ones
+        whose fetch would now do something (:meth:`_noop`). The others would tick only to
+        sleep again; what else could change their answer (their engines, a completion)
+        wakes them through :meth:`_touch`."""
+        now = self.loop.now
         for role in roles:
-            self.version[role] += 1
             sleeping = self.dormant[role]
             if sleeping:
                 keep = []
                 for ld in sleeping:
-                    if self._idle(ld):
+                    if self._noop(ld, now, asleep=True):
                         keep.append(ld)
                     else:
                         self._wake(ld)
                 self.dormant[role] = keep
 
-    def _idle(self, ld: _Leader) -> bool:
-        """No queue a fetch of ``ld``'s could take work from holds any (PE: the prefill
-        queue; DE: the global queue or its group's private one)."""
+    def _noop(self, ld: _Leader, now: float, asleep: bool = False) -> bool:
+        """Whether a fetch of ``ld``'s now would change nothing any decision reads, so
+        that skipping it (and sleeping until something changes) is the same run.
+
+        - PE: no completion to report, and the prefill queue is empty or every engine is
+          past β (``pick_prefill_engine`` finds none). A PE's reported load is read only
+          by its own group's fetches, which report it again first.
+        - DE: no completion, an empty global queue (a fetch would run the group phase),
+          a private queue whose head fits no engine's free HBM (``assign_in_group``
+          places nothing), the same Σ tok_e as the core holds (the group phase of
+          *other* groups' fetches reads it), and a read queue the core already has, or
+          that nothing reads: no request in the prefill queue has its DE on this node
+          (a PE fetch's read side reads that node's read_q).
+
+        ``asleep``: ``ld`` went to sleep on this test and its engines have not changed
+        since (a change wakes it), so only the queues need looking at again."""
+        if ld.pending:
+            return False
         core = self.core
         if ld.role is Role.PREFILL:
-            return not core.prefill_queue
-        return not core.global_queue and not ld.core_group.private_queue
+            if not asleep:
+                beta = core.params.beta_tokens
+                ld.full = all(e.tok > beta for e in ld.engines)
+            return ld.full or not core.prefill_queue
+        if core.global_queue:
+            return False
+        g = ld.core_group
+        q = g.private_queue
+        if q:
+            need = q[0].hbm_tokens
+            for e in ld.engines:
+                if e.free_hbm_tokens >= need:
+                    return False
+        if asleep:
+            return True
+        if sum(e.tok for e in ld.engines) != g.tok_sum:
+            return False
+        node = ld.node
+        return not node.in_prefill_queue or (
+            node.read.busy_until <= now
+            and node.read_q(now, self.kvt) == g.engines[0].node.read_q)
 
     def _touch(self, ld: _Leader) -> None:
-        ld.dirty = True
+        """``ld``'s node changed (its engines, its read queue, a completion): a sleeping
+        leader's fetch may now do something."""
         if ld.dormant:
             self.dormant[ld.role].remove(ld)
             self._wake(ld)
 
     def _wake(self, ld: _Leader) -> None:
-        """A sleeping leader's next tick. Its phase would have drifted by a random round
-        trip every period it slept, so after one or more it is taken as random: the
-        next tick is uniform within a period from now (fixed phases would hand every
-        burst of work to the same group)."""
+        """A sleeping leader's next tick: where a leader that never slept would tick
+        next. Its ticks are a period and a fetch's round trip apart (``_tick``), so the
+        ones it skipped are drawn a few at a time; after more than a few its phase is
+        random, and the next tick is the rest of a tick interval drawn, as an interval
+        a random moment falls in is, in proportion to its length. (A uniform point of
+        one period, without the round trips, woke sleepers sooner than fetching leaders
+        and handed them more of each burst.)"""
         ld.dormant = False
-        iv = self.hw.fetch_interval_s
         self.skipped_fetches += self._skipped(ld)
-        nxt = ld.last_tick + iv
-        t = nxt if nxt > self.loop.now else self.loop.now + self.rng.uniform(0.0, iv)
+        iv, rtt = self.hw.fetch_interval_s, 2.0 * self.hw.rpc_s
+        now, rng = self.loop.now, self.rng
+        t = ld.last_tick
+        for _ in range(_WAKE_STEPS):
+            t += iv + (rng.uniform(0.0, rtt) if rtt else 0.0)
+            if t > now:
+                break
+        else:
+            x = math.sqrt(iv * iv + rng.random() * ((iv + rtt) ** 2 - iv * iv))
+            t = now + rng.uniform(0.0, x)
         self.loop.at(t, self._tick, ld)
 
     def _skipped(self, ld: _Leader) -> int:
         """The fetches a daemon's leader would have made in ``ld``'s sleep: the tick it
-        went to sleep on and one a period after it."""
-        return 1 + int((self.loop.now - ld.slept_at) / self.hw.fetch_interval_s)
+        went to sleep on and one a tick interval (a period and a mean round trip) after
+        it."""
+        return 1 + int((self.loop.now - ld.slept_at)
+                       / (self.hw.fetch_interval_s + self.hw.rpc_s))
 
     def _tick(self, ld: _Leader) -> None:
         now = self.loop.now
         ld.last_tick = now
-        # Nothing to report that the core does not know: a fetch can get work only from
-        # its role's queue (PE: the prefill queue; DE: the global queue or its own
-        # private one), and gets none again if it got none and neither its engines nor
-        # those queues changed since.
-        if not ld.dirty and not ld.pending and (
-                self._idle(ld) or (ld.last_empty and
-                                   ld.seen_version == self.version[ld.role])):
+        if self._noop(ld, now):
             ld.dormant, ld.slept_at = True, now
             self.dormant[ld.role].append(ld)
             return
-        ld.dirty = False
         node = ld.node
         rq = node.read_q(now, self.kvt)
         # The engines' statuses, as the leader's EngineStatus carries them (updated in
@@ -398,7 +442,6 @@ class SimCluster:
         if res.cancelled:
             raise UsageError(f"the scheduler cancelled {res.cancelled[:3]} in a simulated "
                              "run without failures")
-        ld.last_empty = not res.assignments and not done
         due: list[tuple[int, int]] = []
         for c, r in done:
             if c.stage is CompletionStage.DECODE_DONE:
@@ -409,7 +452,6 @@ class SimCluster:
             # The group phase filled DE groups' private queues; the in-group phase the
             # prefill queue.
             self._bump(Role.PREFILL, Role.DECODE)
-        ld.seen_version = self.version[ld.role]
         # The fetch's round trip: assignments arrive, and the leader's sleep starts,
         # after it (uniform in [0, 2 rpc_s]: the call's time varies, which is what
         # keeps the groups' fetch order from being the same every period).
@@ -417,9 +459,12 @@ class SimCluster:
         at = now + rtt
         for a in res.assignments:
             r = self.requests[a.request_id]
+            de = self.engines[a.de.engine_id]
             if ld.role is Role.DECODE:
-                self.loop.at(at, self._placed, r, self.engines[a.de.engine_id])
+                de.node.in_prefill_queue += 1
+                self.loop.at(at, self._placed, r, de)
             else:
+                de.node.in_prefill_queue -= 1
                 self.loop.at(at, self._assigned, r, self.engines[a.pe.engine_id],
                              self.engines[a.de.engine_id], int(a.read_side),
                              a.prefill_read_tokens, a.decode_read_tokens)
@@ -496,6 +541,9 @@ class SimCluster:
             end = max(end, self.host_cpu.reserve(
                 now, self.hw.cpu_s_per_request + self.hw.cpu_s_per_byte * moved))
         if r.remote_tokens:
+            # The DE node's read queue moved without its engines changing: its leader
+            # reports it (see _noop).
+            self._touch(de_node.leader)
             r.local_end_s = end
             self.loop.at(got, self._sent_over, r)
         else:
@@ -611,6 +659,7 @@ class SimCluster:
         de.reserved -= de.blocks_of(r)
         del de.tokens[r.request_id]
         de.tok -= r.prompt
+        self._touch(de.node.leader)          # its HBM and tok_e changed
         blocks = ((r.prompt + r.gen) // self.T - min(r.computed_from, r.hit) // self.T
                   if r.moves_kv else 0)
         if blocks <= 0:
@@ -648,7 +697,6 @@ class SimCluster:
         simulated time whatever is left (``extra['complete']`` says which; ``sim_s`` is
         then the time simulated, not a JCT)."""
         for ld in self.leaders:
-            ld.node.leader = ld
             ld.last_tick = self.rng.uniform(0, self.hw.fetch_interval_s)
             self.loop.at(ld.last_tick, self._tick, ld)
         at: dict[float, list[tuple[int, int]]] = {}

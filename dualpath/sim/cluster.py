@@ -12,12 +12,13 @@ have ticked had it never slept (``SimCluster._wake``).
 
 The core's CPU time is measured where the daemon spends it: ``time.process_time``
 around a leader call (``report`` with the completions, then ``fetch``) and around a
-submit, so ``scheduler_cpu`` is the real core's cost per decision at this scale. Every
-:data:`CPU_STRIDE`-th leader call and single-request submit is timed, every larger
-submit (reading the process's CPU clock is a system call: 2-20 us on this host, as much
-as a fetch), and totals are the sampled mean times the calls made. The fetches a
-daemon's leader makes while the simulator skips its ticks are counted (one a period)
-and costed at the mean of the timed fetches that got and reported nothing (``skipped_fetches``, ``cpu_s_skipped``, both in ``cores``).
+submit, so ``scheduler_cpu`` is the real core's cost per decision at this scale. One
+leader call and one single-request submit in :data:`CPU_STRIDE` are timed, and every
+larger submit (reading the process's CPU clock is a system call: 2-20 us on this host,
+as much as a fetch); totals are the sampled mean times the calls made. The fetches a
+daemon's leader makes while the simulator skips its ticks are counted (one a tick
+interval) and costed at the mean of the timed fetches that got and reported nothing
+(``skipped_fetches``, ``cpu_s_skipped``, both in ``cores``).
 """
 
 from __future__ import annotations

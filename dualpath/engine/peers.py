@@ -220,14 +220,19 @@ class PeerClient:
                              timeout=self.timeout_s))
 
 
+def report_bytes(t: Timings) -> int:
+    """About how many bytes ``t`` adds to a Report call, at most: ~256 bytes and up to 16
+    a generated token."""
+    return 256 + 16 * len(t.output_token_ids)
+
+
 def report_calls(timings: Sequence[Timings]) -> Iterator[list[Timings]]:
     """``timings`` cut into Report calls: at most REPORTS_PER_CALL each, and about
-    REPORT_BYTES_PER_CALL (a timing is ~256 bytes and at most 16 a generated token; one
-    larger than that goes alone)."""
+    REPORT_BYTES_PER_CALL (:func:`report_bytes`; one larger than that goes alone)."""
     call: list[Timings] = []
     size = 0
     for t in timings:
-        n = 256 + 16 * len(t.output_token_ids)
+        n = report_bytes(t)
         if call and (len(call) == REPORTS_PER_CALL or size + n > REPORT_BYTES_PER_CALL):
             yield call
             call, size = [], 0

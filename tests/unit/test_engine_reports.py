@@ -12,7 +12,13 @@ from dualpath import tls
 from dualpath.cluster import generate, replay
 from dualpath.engine.decode import DecodePath, _Result
 from dualpath.engine.errors import PeerUnavailable
-from dualpath.engine.peers import REPORT_BYTES_PER_CALL, REPORTS_PER_CALL, Timings, report_calls
+from dualpath.engine.peers import (
+    REPORT_BYTES_PER_CALL,
+    REPORTS_PER_CALL,
+    Timings,
+    report_bytes,
+    report_calls,
+)
 from dualpath.v1 import node_pb2, node_pb2_grpc
 
 
@@ -76,8 +82,8 @@ def test_reports_with_many_generated_tokens_go_in_calls_of_about_a_mebibyte():
            for i in range(10)]
     calls = list(report_calls(big))
     assert [t.request_id for c in calls for t in c] == [t.request_id for t in big]
-    assert all(sum(256 + 16 * len(t.output_token_ids) for t in c) <= REPORT_BYTES_PER_CALL
-               for c in calls)
+    assert report_bytes(big[0]) == 256 + 16 * 20_000
+    assert all(sum(map(report_bytes, c)) <= REPORT_BYTES_PER_CALL for c in calls)
     assert [len(c) for c in calls] == [3, 3, 3, 1]
     huge = Timings("h", "d0/e0", "p0", "d0", output_token_ids=tuple(range(100_000)))
     assert [len(c) for c in report_calls([huge, *big[:2]])] == [1, 2]    # alone

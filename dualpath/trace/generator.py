@@ -134,8 +134,8 @@ def generate(n: int, table: str = "32k", *, seed: int = 0, context_scale: float 
     trajs = []
     for i in range(n):
         a, g = _one(seed, i, p, context_scale, max_len)
-        trajs.append(Trajectory(f"{prefix}{i}", tuple(Round(int(x), int(y))
-                                                       for x, y in zip(a, g))))
+        # tolist(): Python ints, and map(): no per-round frame (7.5 M rounds at 48K agents)
+        trajs.append(Trajectory(f"{prefix}{i}", tuple(map(Round, a.tolist(), g.tolist()))))
     meta = {"source": "generator", "table": table, "seed": seed, "n": n,
             "max_len_tokens": max_len, "context_scale": float(context_scale),
             "params": asdict(p)}

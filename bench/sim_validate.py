@@ -28,6 +28,11 @@ CPU was the bottleneck says little about the simulator.
 Prints a fixed unit-labelled table and writes the same record with --json PATH; its
 "summary" holds jct_rel_error_max and snic_util_abs_error_max (validation runs only;
 the targets: 0.10 and 0.05).
+
+--real-from PATH takes the real figures from an earlier record of this bench instead of
+running the clusters (calibration and validation both; the record names the file): a
+change to the simulator is then judged on the same real runs as the code before it,
+without their run-to-run noise, and on several records in a few minutes each.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import argparse
 import json
 import sys
 import time
+from statistics import fmean
 
 from dualpath.sim.validate import (
     HOST_CORES,
@@ -63,6 +69,34 @@ def cases(quick: bool) -> tuple[list[Case], list[Case]]:
     return cal, val
 
 
+def recorded_real(path: str) -> tuple[list[tuple[Case, dict]], list[tuple[Case, dict]]]:
+    """The calibration and validation runs of an earlier record: (case, real figures by
+    mode) as :func:`real_runs` gives them. The cases are found by name among this
+    bench's own (full and --quick), so a record of other cases is refused."""
+    with open(path) as fh:
+        rec = json.load(fh)
+    known = {c.name(): c for quick in (False, True) for c in (*cases(quick)[0],
+                                                              *cases(quick)[1])}
+    runs: dict[tuple[str, str], dict] = {}
+    for row in rec.get("rows", ()):
+        case = known.get(row["case"])
+        if case is None:
+            raise SystemExit(f"{path}: case {row['case']!r} is none of this bench's")
+        runs.setdefault((row["kind"], row["case"]), {})[row["mode"]] = {
+            "jct_s": fmean(row["jct_real_runs_s"]), "jct_runs_s": row["jct_real_runs_s"],
+            "snic_util": row["snic_util_real"], "snic_util_role": row["snic_util_role_real"],
+            # Records before the per-pass figures were kept carry only their spread.
+            "snic_util_runs": row.get("snic_util_real_runs"),
+            "snic_util_real_spread": row["snic_util_real_spread"],
+            "host_cpu_load": row["host_cpu_load"], "wall_s": row["real_wall_s"]}
+    out: dict[str, list[tuple[Case, dict]]] = {"calibration": [], "validation": []}
+    for (kind, name), real in runs.items():
+        out[kind].append((known[name], real))
+    if not out["calibration"] or not out["validation"]:
+        raise SystemExit(f"{path}: no calibration or no validation runs recorded")
+    return out["calibration"], out["validation"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 agents x 3 rounds per run")
@@ -71,22 +105,30 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=8,
                     help="simulator seeds per case and mode (their mean is compared)")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--real-from", metavar="PATH",
+                    help="the real figures of an earlier --json record (no cluster runs)")
     args = ap.parse_args()
     if args.repeats < 1 or args.seeds < 1:
         ap.error(f"--repeats and --seeds must be >= 1, got {args.repeats} and {args.seeds}")
     seeds = range(args.seeds)
     t0 = time.monotonic()
-    cal, val = cases(args.quick)
-    cal_runs = []
-    for case in cal:
-        print(f"calibration: {case.name()} on the local cluster ...", flush=True)
-        cal_runs.append((case, real_runs(case, MODES, args.repeats)))
+    if args.real_from:
+        cal_runs, val_runs = recorded_real(args.real_from)
+        cal, val = [c for c, _ in cal_runs], [c for c, _ in val_runs]
+        args.repeats = len(cal_runs[0][1][MODES[0]]["jct_runs_s"])
+        print(f"real figures from {args.real_from} (no cluster runs)", flush=True)
+    else:
+        cal, val = cases(args.quick)
+        cal_runs, val_runs = [], [(c, None) for c in val]
+        for case in cal:
+            print(f"calibration: {case.name()} on the local cluster ...", flush=True)
+            cal_runs.append((case, real_runs(case, MODES, args.repeats)))
     hw, cal_err = calibrate(cal_runs, seeds=seeds)
     print(f"calibrated host model: {host_model(hw)} (largest error over its target on the "
           f"calibration runs {cal_err:.3f})", flush=True)
     rows = []
     for case, real, kind in [*((c, r, "calibration") for c, r in cal_runs),
-                             *((c, None, "validation") for c in val)]:
+                             *((c, r, "validation") for c, r in val_runs)]:
         if real is None:
             print(f"validation: {case.name()} on the local cluster ...", flush=True)
             real = real_runs(case, MODES, args.repeats)
@@ -96,6 +138,7 @@ def main() -> int:
                          "host_cpu_load": real[m]["host_cpu_load"],
                          "real_wall_s": real[m]["wall_s"],
                          "snic_util_real": real[m]["snic_util"],
+                         "snic_util_real_runs": real[m]["snic_util_runs"],
                          "snic_util_sim": sim[m]["snic_util"],
                          "snic_util_role_real": real[m]["snic_util_role"],
                          "snic_util_role_sim": sim[m]["snic_util_role"],
@@ -134,6 +177,7 @@ def main() -> int:
     print("\nsummary (validation runs only): " + ", ".join(
         f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     rec = {"bench": "sim_validate", "method": __doc__, "host_model": host_model(hw),
+           "real_from": args.real_from,
            "calibration_cases": [c.name() for c in cal],
            "validation_cases": [c.name() for c in val],
            "rows": rows, "summary": summary, "wall_s": time.monotonic() - t0}

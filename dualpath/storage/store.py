@@ -119,6 +119,12 @@ class StoreStats:
     bytes_written: int = 0
 
 
+def direct_cut(full: int, direct: bool = True) -> int:
+    """The payload bytes a read lands in the block's own buffer: all of them, or with
+    O_DIRECT the whole pages (the rest, under ALIGN, lands in the tail page)."""
+    return full - full % ALIGN if direct else full
+
+
 def aligned_bytes(nbytes: int) -> np.ndarray:
     """A page-aligned, zero-filled uint8 array (anonymous mmap; freed with the array)."""
     return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]
@@ -486,7 +492,7 @@ class BlockStore:
         dsts = [self._as_block(o, writable=True) for o in outs]
         direct = self.direct
         full = self.layout.full_bytes
-        cut = full - full % ALIGN if direct else full
+        cut = direct_cut(full, direct)
         batch = [i for i, d in enumerate(dsts) if not (direct and d.ctypes.data % ALIGN)]
         out = [False] * len(keys)
         if batch:
@@ -667,7 +673,7 @@ class BlockStore:
                 if dst.ctypes.data % ALIGN:
                     body = s.bounce_for(full)
                     self._count(bounce_reads=1)
-                iov = [s.header, body[:full - full % ALIGN], s.tail]
+                iov = [s.header, body[:direct_cut(full)], s.tail]
             else:
                 iov = [s.header, dst, s.tail]  # the tail page only catches trailing bytes
             try:
@@ -690,7 +696,7 @@ class BlockStore:
         payload's XXH3-64 and ``tag_read`` its tag's verdict (1 equal, -1 not, 0 not
         computed) when the read already computed them (the C read loop)."""
         full = dst.size
-        cut = full - full % ALIGN if direct else full
+        cut = direct_cut(full, direct)
         if got != HEADER_BYTES + full:
             return f"file holds {got} bytes, expected {HEADER_BYTES + full}"
         problem, digest = check_header(header, self.profile.name, self.layout, key)
@@ -949,8 +955,7 @@ class _RingReader:
         waiting: deque[_RingBatch] = deque()        # batches not wholly pushed yet
         owner: dict[int, tuple[_RingBatch, int]] = {}
         done = ffi.new("struct dp_sio_item *[]", 2 * self.depth)
-        full = self.store.layout.full_bytes
-        cut = full - full % ALIGN
+        cut = direct_cut(self.store.layout.full_bytes)
         stopping = False
         while True:
             busy = lib.dp_sio_ring_inflight(self._ring)

@@ -137,7 +137,7 @@ def run_modes(scheduler: str, nodes: Sequence[str], prefill_nodes: int, trace: T
     report["all_passes"] = every
     report["settings"]["repeats"] = (None if repeats == 1 else {
         "passes": repeats, "order": order, "reported": "each mode's median pass by JCT",
-        "jct_s": [[m, run_jct_s(r)] for m, r in ran], "all_passes": every})
+        "jct_s": [[m, run_jct_s(r)] for m, r in ran]})
     report["settings"]["warmup"] = ({"agents": min(warmup_agents, len(trace.trajectories)),
                                      "rounds": WARMUP_ROUNDS, "modes": list(modes)}
                                     if warmup_agents else None)

@@ -100,14 +100,19 @@ def recorded_real(path: str) -> tuple[list[tuple[Case, dict]], list[tuple[Case, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 agents x 3 rounds per run")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="real passes over the modes per case (their mean is compared)")
+    ap.add_argument("--repeats", type=int,
+                    help="real passes over the modes per case (their mean is compared; "
+                         "default 3)")
     ap.add_argument("--seeds", type=int, default=8,
                     help="simulator seeds per case and mode (their mean is compared)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--real-from", metavar="PATH",
                     help="the real figures of an earlier --json record (no cluster runs)")
     args = ap.parse_args()
+    if args.real_from and (args.quick or args.repeats is not None):
+        ap.error("--real-from takes the cases and their passes from the record: "
+                 "not with --quick or --repeats")
+    args.repeats = 3 if args.repeats is None else args.repeats
     if args.repeats < 1 or args.seeds < 1:
         ap.error(f"--repeats and --seeds must be >= 1, got {args.repeats} and {args.seeds}")
     seeds = range(args.seeds)

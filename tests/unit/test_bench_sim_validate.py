@@ -105,3 +105,13 @@ def test_real_from_runs_no_cluster(tmp_path, monkeypatch):
     assert rec["summary"]["jct_rel_error_max"] == pytest.approx(0.1)
     assert rec["summary"]["snic_util_abs_error_max"] == pytest.approx(0.5 - 0.5 / 1.1)
     assert len(rec["rows"]) == 3 * (len(bench.cases(True)[0]) + len(bench.cases(True)[1]))
+
+
+@pytest.mark.parametrize("flag", [["--quick"], ["--repeats", "2"]])
+def test_real_from_refuses_flags_it_would_ignore(tmp_path, monkeypatch, capsys, flag):
+    bench = load_bench()
+    monkeypatch.setattr(sys, "argv", ["sim_validate.py", "--real-from", "x.json", *flag])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2
+    assert "--real-from" in capsys.readouterr().err

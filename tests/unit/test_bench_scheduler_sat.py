@@ -5,22 +5,12 @@ those medians."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_scheduler_sat",
-                                                  ROOT / "bench" / "scheduler.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.bench_module import load_bench
 
 
 def test_sides_alternate_and_the_ratio_is_of_the_medians(monkeypatch):
-    bench = load_bench()
+    bench = load_bench("scheduler")
     order = []
     # Plain 10k, 12k, 30k (median 12k); journal 9k, 11k, 1k (median 9k).
     rates = {False: [10e3, 12e3, 30e3], True: [9e3, 11e3, 1e3]}

@@ -5,21 +5,15 @@ medians (issue 11's grpc_fetch_p99_tls_over_plain)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_scheduler",
-                                                  ROOT / "bench" / "scheduler.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("scheduler")
 
 
 def run(side: str, p99: float, cpu: float) -> dict:

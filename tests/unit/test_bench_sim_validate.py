@@ -3,25 +3,15 @@ new cluster runs (no cluster is started), and a record of other cases is refused
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from dualpath.sim.hardware import LOCAL
+from tests.bench_module import load_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 MODES = ("basic", "dualpath", "oracle")
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_sim_validate",
-                                                  ROOT / "bench" / "sim_validate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def nodes(case):
@@ -51,7 +41,7 @@ def record(bench, with_runs: bool) -> dict:
 
 @pytest.mark.parametrize("with_runs", [True, False])
 def test_recorded_real_rebuilds_the_runs(tmp_path, with_runs):
-    bench = load_bench()
+    bench = load_bench("sim_validate")
     path = tmp_path / "rec.json"
     path.write_text(json.dumps(record(bench, with_runs)))
     cal, val = bench.recorded_real(str(path))
@@ -69,7 +59,7 @@ def test_recorded_real_rebuilds_the_runs(tmp_path, with_runs):
 
 
 def test_a_record_of_other_cases_is_refused(tmp_path):
-    bench = load_bench()
+    bench = load_bench("sim_validate")
     rec = record(bench, True)
     rec["rows"][0]["case"] = "9P9D 32k s1 1x1 ctx1"
     path = tmp_path / "rec.json"
@@ -79,7 +69,7 @@ def test_a_record_of_other_cases_is_refused(tmp_path):
 
 
 def test_real_from_runs_no_cluster(tmp_path, monkeypatch):
-    bench = load_bench()
+    bench = load_bench("sim_validate")
     path = tmp_path / "rec.json"
     path.write_text(json.dumps(record(bench, True)))
 
@@ -109,7 +99,7 @@ def test_real_from_runs_no_cluster(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flag", [["--quick"], ["--repeats", "2"]])
 def test_real_from_refuses_flags_it_would_ignore(tmp_path, monkeypatch, capsys, flag):
-    bench = load_bench()
+    bench = load_bench("sim_validate")
     monkeypatch.setattr(sys, "argv", ["sim_validate.py", "--real-from", "x.json", *flag])
     with pytest.raises(SystemExit) as e:
         bench.main()

@@ -21,7 +21,8 @@ def nodes(case):
 
 def record(bench, with_runs: bool) -> dict:
     """A record of the --quick cases, each mode's JCT 10 s (passes 9 and 11) and every
-    node at 0.5 (0.4 and 0.6 a pass)."""
+    node at 0.5 (0.4 and 0.6 a pass: a spread of 0.2; the spread recorded beside, 0.3,
+    is what an older record without the passes has to go by)."""
     cal, val = bench.cases(True)
     rows = []
     for kind, cs in (("calibration", cal), ("validation", val)):
@@ -32,7 +33,7 @@ def record(bench, with_runs: bool) -> dict:
                     "kind": kind, "case": case.name(), "mode": m,
                     "jct_real_runs_s": [9.0, 11.0], "snic_util_real": util,
                     "snic_util_role_real": {"prefill": 0.5, "decode": 0.5},
-                    "snic_util_real_spread": 0.2, "host_cpu_load": 0.3, "real_wall_s": 20.0,
+                    "snic_util_real_spread": 0.3, "host_cpu_load": 0.3, "real_wall_s": 20.0,
                     **({"snic_util_real_runs": [{n: 0.4 for n in util},
                                                 {n: 0.6 for n in util}]}
                        if with_runs else {})})
@@ -55,7 +56,7 @@ def test_recorded_real_rebuilds_the_runs(tmp_path, with_runs):
                "snic_util_role": real[m]["snic_util_role"]} for m in MODES}
     e = bench.errors(real, sim)["dualpath"]
     assert e["jct_rel_error"] == 0.0
-    assert e["snic_util_real_spread"] == pytest.approx(0.2)
+    assert e["snic_util_real_spread"] == pytest.approx(0.2 if with_runs else 0.3)
 
 
 def test_a_record_of_other_cases_is_refused(tmp_path):

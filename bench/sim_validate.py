@@ -75,8 +75,7 @@ def recorded_real(path: str) -> tuple[list[tuple[Case, dict]], list[tuple[Case, 
     bench's own (full and --quick), so a record of other cases is refused."""
     with open(path) as fh:
         rec = json.load(fh)
-    known = {c.name(): c for quick in (False, True) for c in (*cases(quick)[0],
-                                                              *cases(quick)[1])}
+    known = {c.name(): c for quick in (False, True) for cs in cases(quick) for c in cs}
     runs: dict[tuple[str, str], dict] = {}
     for row in rec.get("rows", ()):
         case = known.get(row["case"])

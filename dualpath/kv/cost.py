@@ -64,6 +64,13 @@ def attention_layer_flops(profile: ModelProfile, pairs: Iterable[tuple[int, int]
         profile.attn_flops_per_pair_layer
 
 
+def attention_member_flops(profile: ModelProfile, cached: int, bsz: int) -> float:
+    """:func:`attention_layer_flops` of one member, without a generator (the batch
+    packer's bisection asks this a dozen times a member)."""
+    return float(attention_pairs(cached, bsz, profile.attn_key_cap)) * \
+        profile.attn_flops_per_pair_layer
+
+
 def batch_factor(profile: ModelProfile, new_tokens: float) -> float:
     """How many times its FLOPs at the full rate a forward batch of ``new_tokens`` new
     tokens takes (>= 1; 1 for an empty batch)."""

@@ -466,8 +466,8 @@ class SimCluster:
                 self.loop.at(at, self._placed, r, de)
             else:
                 de.node.in_prefill_queue -= 1
-                self.loop.at(at, self._assigned, r, self.engines[a.pe.engine_id],
-                             self.engines[a.de.engine_id], int(a.read_side),
+                self.loop.at(at, self._assigned, r, self.engines[a.pe.engine_id], de,
+                             int(a.read_side),
                              a.prefill_read_tokens, a.decode_read_tokens)
         self.loop.at(at + self.hw.fetch_interval_s, self._tick, ld)
 

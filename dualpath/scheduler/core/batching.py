@@ -100,11 +100,7 @@ class AttentionFit:
     s_per_flop_token: float = 0.0     # seconds per (FLOP per new token)
 
     def flops(self, cached: int, bsz: int) -> float:
-        # cost.attention_layer_flops of one pair, without its generator (pack_batch's
-        # bisection calls this a dozen times a member)
-        p = self.profile
-        return p.layers * (float(cost.attention_pairs(cached, bsz, p.attn_key_cap))
-                           * p.attn_flops_per_pair_layer)
+        return self.profile.layers * cost.attention_member_flops(self.profile, cached, bsz)
 
     def seconds(self, flops: float, tokens: int) -> float:
         if flops <= 0:

@@ -5,8 +5,8 @@ registered once under a name; peers are reached through an out-of-band channel
 (:mod:`dualpath.transfer.oob`) that exchanges endpoints and region keys; a batch of
 ``(local_offset, remote_offset, length)`` items is cut into slices
 (:func:`~dualpath.transfer.plan.plan_rows`: uint64 rows, filled into WRs by C at post
-time), spread over the peer's connections,
-posted with selective signalling, and resolved when its last slice completes.
+time), placed on the peer's connections (a small batch whole on one, a large one
+spread over all), posted with selective signalling, and resolved when its last slice completes.
 
 Threads. The event loop that called :meth:`TransferEngine.start` owns the peer table,
 connection set-up and recovery exchanges, and every future. One data-path thread owns
@@ -584,33 +584,64 @@ class TransferEngine:
             k = p.rr % len(ups)
             ups = ups[k:] + ups[:k]
             p.rr += 1
-            queued = sum(x.stop - x.start for x in p.pending)
-            counts = spread(queued, [c.conn.max_send_wr - c.wrs for c in ups])
-            for c, n in zip(ups, counts):
-                if n and p.pending:
-                    self._post(c, n)
+            for c, segs in zip(ups, self._place(p, ups)):
+                if segs:
+                    self._post(c, segs)
 
-    def _post(self, c: _Conn, n: int) -> None:
-        """Post up to ``n`` queued slices on ``c``: one dp_items_fill per segment, one
-        post (doorbell) for them all."""
+    def _place(self, p: _Peer, ups: list[_Conn]) -> list[list[_Seg]]:
+        """Take the peer's queued segments, in order, onto its UP connections (``ups``,
+        in this round's rotation) within their credits: a transfer of fewer than
+        config.spread_min_bytes goes whole to the connection with the fewest WRs in
+        flight (its one post and one completion: the data path's Python cost per layer
+        does not grow with its blocks); a larger one is spread over all of them
+        (plan.spread). A segment is cut only where credits end."""
+        rooms = [c.conn.max_send_wr - c.wrs for c in ups]
+        loads = [c.wrs for c in ups]
+        out: list[list[_Seg]] = [[] for _ in ups]
+        spread_min = self.config.spread_min_bytes
+        while p.pending:
+            s = p.pending[0]
+            if s.transfer.done:
+                p.pending.popleft()
+                continue
+            m = s.stop - s.start
+            if s.transfer.nbytes >= spread_min and len(ups) > 1:
+                counts = spread(m, rooms)
+            else:
+                j = -1                          # the least loaded with room
+                for i, r in enumerate(rooms):
+                    if r > 0 and (j < 0 or loads[i] < loads[j]):
+                        j = i
+                if j < 0:
+                    break
+                counts = [0] * len(ups)
+                counts[j] = min(m, rooms[j])
+            taken = 0
+            for i, n in enumerate(counts):
+                if n:
+                    out[i].append(s.cut(n) if n < m - taken else p.pending.popleft())
+                    taken += n
+                    rooms[i] -= n
+                    loads[i] += n
+            if taken < m:                       # credits ran out: the rest waits
+                break
+        return out
+
+    def _post(self, c: _Conn, segs: list[_Seg]) -> None:
+        """Post ``segs`` (taken off the peer's queue) on ``c``: one dp_items_fill per
+        segment, one post (doorbell) for them all; what the post did not take goes back
+        to the queue's head."""
         p, items, regions = c.peer, c.conn.items, c.peer.regions
         batch: list[_Seg] = []
         filled = 0
-        while filled < n and p.pending:
-            s = p.pending[0]
-            t = s.transfer
-            if t.done:
-                p.pending.popleft()
-                continue
+        for part in segs:
+            t = part.transfer
             info = regions.get(t.remote)
             if info is None or t.end > info.length:
-                p.pending.popleft()
                 self._finish(t, TransferError(
                     f"write to {p.name!r}: the peer's region {t.remote!r} is gone or now "
                     f"shorter than {t.end} bytes", status=WcStatus.REM_ACCESS_ERR))
                 continue
-            room = n - filled
-            part = s.cut(room) if s.stop - s.start > room else p.pending.popleft()
             k = part.stop - part.start
             part.first_wr = self._wr_seq + 1
             lib.dp_items_fill(items + filled, k, t.ptr + 3 * part.start,

@@ -78,13 +78,31 @@ def test_single_batch_and_sliced_writes_land():
     run(main())
 
 
-def test_a_batch_is_spread_over_the_connections():
+def test_a_large_batch_is_spread_over_the_connections():
     async def main():
-        async with pair(connections_per_peer=3) as (a, _b, src, dst):
+        async with pair(connections_per_peer=3, spread_min_bytes=3 << 20) as (a, _b, src, dst):
             await a.write("b", [(i * 65536, i * 65536, 65536) for i in range(48)])
             assert dst[:48 * 65536] == src[:48 * 65536]
-            # plan.spread shares 48 slices over 3 idle connections: 16 each.
+            # 3 MiB, at spread_min_bytes: plan.spread shares 48 slices over 3 idle
+            # connections, 16 each.
             assert [c.posted for c in a._peers["b"].conns] == [16, 16, 16]
+    run(main())
+
+
+def test_a_small_batch_goes_whole_to_one_connection_in_one_post():
+    async def main():
+        async with pair(connections_per_peer=2, spread_min_bytes=3 << 20) as (a, _b, src, dst):
+            items = [(i * 65536, i * 65536, 65536) for i in range(47)]     # 3 MiB - 64 KiB
+            await a.write("b", items)
+            conns = a._peers["b"].conns
+            assert sorted(c.posted for c in conns) == [0, 47]
+            assert a.stats["posts"] == 1
+            # Idle again: the next batch takes the other connection (the rotation breaks
+            # the tie), so batches in a row still use every connection.
+            dst[:] = bytes(SIZE)
+            await a.write("b", [(lo + 65536, ro + 65536, n) for lo, ro, n in items])
+            assert [c.posted for c in conns] == [47, 47] and a.stats["posts"] == 2
+            assert dst[65536:48 * 65536] == src[65536:48 * 65536]
     run(main())
 
 

@@ -90,7 +90,8 @@ def test_sliced_batch_spread_over_qps_lands(devices):
             await a.write("b", [(0, 0, SIZE)])              # 64 slices
             assert dst == src
             conns = a._peers["b"].conns
-            # plan.spread shares each batch among the idle QPs: all three carried some.
+            # The 4 MiB batch (spread_min_bytes) is shared among the idle QPs by
+            # plan.spread: all three carried some.
             assert len(conns) == 3 and all(c.posted > 0 for c in conns)
             assert sum(c.posted for c in conns) == 3 + 16 + 64
             assert len({c.conn.conn_id for c in conns}) == 3

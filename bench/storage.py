@@ -14,9 +14,13 @@ Method
      header and payload hash (XXH3-64); then with the cluster key, as a node reads
      (the block tag checked in the read's pass, in place of the hash); then with the
      payload hash off; with no ring readers (read_rings 0: each batch one C call with a
-     ring of its own on a read-pool thread, the path before the ring readers); and with
+     ring of its own on a read-pool thread, the path before the ring readers); with
      batches off (read_batch_depth 0: one preadv per block on --workers threads, the
-     store's fallback without io_uring).
+     store's fallback without io_uring); and the store's C read loop alone
+     (BlockStore.read_batch, no ReadQueue) into --workers buffers (fio's footprint at
+     that depth) and into 4 x --workers (the ReadQueue rows' pool): on a virtual disk
+     the host copies each read into guest memory, and a few MiB of buffers that stay in
+     its cache read faster than the tens of MiB a node's pool spreads its reads over.
   3. fio reads the SAME files with O_DIRECT, bs = file size (header + payload, rounded
      down to 4096 where it is not a multiple), as psync x numjobs (our model: threads
      doing preadv; each job over its own share of the files, through hard links) and as
@@ -175,6 +179,26 @@ def timed_reads(store: BlockStore, keys: list[bytes], pool: BlockPool, args
     return n, sec, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
 
 
+def c_loop_reads(store: BlockStore, keys: list[bytes], region: PinnedRegion, stride: int,
+                 nbuf: int, seconds: float) -> tuple[int, float, float]:
+    """The store's C read loop alone: ``read_batch`` of ``nbuf`` blocks a call into the
+    same ``nbuf`` buffers of ``region`` each time, for ``seconds``; (blocks, elapsed, CPU
+    seconds). Its buffer footprint is nbuf blocks, as fio's is its depth's: on a virtual
+    disk whose host copies into guest memory, how much memory the reads land in changes
+    their speed (a node's reads land all over its DRAM buffer)."""
+    full = store.layout.full_bytes
+    outs = [region.array[i * stride:i * stride + full] for i in range(nbuf)]
+    n = nxt = 0
+    c0, t0 = time.process_time(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        batch = [keys[(nxt + i) % len(keys)] for i in range(nbuf)]
+        nxt += nbuf
+        if not all(store.read_batch(batch, outs)):
+            raise RuntimeError(f"bench read missed: {store.stats}")
+        n += nbuf
+    return n, time.perf_counter() - t0, time.process_time() - c0
+
+
 def link_per_job(store_dir: Path, links: Path, jobs: int) -> int:
     """Hard-link the block files as ``blk.<job>.<n>`` so each fio job reads its own share.
 
@@ -307,6 +331,15 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
                      + (f", {store.read_rings} io_uring rings x {store.read_batch_depth} "
                         "in flight" if store.batched else ", worker threads"),
                      n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
+            store.verify_checksum = True
+            for nbuf in (args.workers, 4 * args.workers):
+                n, sec, cpu = c_loop_reads(store, keys, region, slot_stride(layout), nbuf,
+                                           args.seconds)
+                keep(f"read: the store's C read loop alone (read_batch of {nbuf}, "
+                     f"{store.read_batch_depth} in flight), header + payload hash, into "
+                     f"{nbuf} buffers ({nbuf * slot_stride(layout) / 2**20:.0f} MiB)",
+                     n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9),
+                     buffers=nbuf)
             n, sec, cpu = timed_reads(keyed, keys, pool, args)
             keep("read: store, ReadQueue, O_DIRECT, header + block tag (cluster key; in place "
                  f"of the payload hash), {keyed.read_rings} io_uring rings x "
@@ -410,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     keyed_row = next(r for r in rows if "block tag" in r["row"])
     threads_row = next(r for r in rows if "read_batch_depth 0" in r["row"])
     bare_row = next(r for r in rows if "header only" in r["row"])
+    loop_rows = {r["buffers"]: r for r in rows if "C read loop alone" in r["row"]}
     fio_rows = [r for r in rows if "fio" in r["row"] and "large file" not in r["row"]]
     fio_top = max(fio_rows, key=lambda r: r["gbytes_per_s"])
     fio_best = fio_top["gbytes_per_s"]
@@ -422,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         "store_read_threads_gbytes_per_s": round(threads_row["gbytes_per_s"], 3),
         "store_read_ring_per_batch_gbytes_per_s": round(per_batch_row["gbytes_per_s"], 3),
         "read_ring_per_batch_vs_fio_ratio": round(per_batch_row["gbytes_per_s"] / fio_best, 3),
+        **{f"c_loop_{b}_buffers_vs_fio_ratio": round(r["gbytes_per_s"] / fio_best, 3)
+           for b, r in sorted(loop_rows.items())},
         "store_read_cpu_s_per_gb": round(store_row["cpu_s_per_gb"], 3),
         "read_keyed_vs_fio_ratio": round(keyed_row["gbytes_per_s"] / fio_best, 3),
         "store_read_keyed_cpu_s_per_gb": round(keyed_row["cpu_s_per_gb"], 3),
@@ -479,7 +515,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"read_vs_fio_ratio (store with payload hash / best fio on the same files: "
           f"{summary['fio_best_variant']}) = {summary['read_vs_fio_ratio']:.3f}; against "
           f"fio on one large file (the disk's limit, {disk:.3f} GB/s): "
-          f"{summary['store_read_vs_large_file']:.3f}   (GB = 1e9 bytes of file data; store "
+          f"{summary['store_read_vs_large_file']:.3f}; the C read loop alone over "
+          + ", ".join(f"{b} buffers {r['gbytes_per_s'] / fio_best:.3f}"
+                      for b, r in sorted(loop_rows.items()))
+          + f"   (GB = 1e9 bytes of file data; store "
           f"buffers {meta['buffers']}; {meta['huge_pages_reserved']} huge pages reserved for "
           f"the run; load avg {record['config']['load_avg_1m']:.1f} on {os.cpu_count()} CPUs)")
     if args.json:

@@ -594,7 +594,8 @@ class TransferEngine:
         config.spread_min_bytes goes whole to the connection with the fewest WRs in
         flight (its one post and one completion: the data path's Python cost per layer
         does not grow with its blocks); a larger one is spread over all of them
-        (plan.spread). A segment is cut only where credits end."""
+        (plan.spread). A segment is cut only where credits end (its rest goes on to the
+        next connection with room, or waits at the queue's head)."""
         rooms = [c.conn.max_send_wr - c.wrs for c in ups]
         loads = [c.wrs for c in ups]
         out: list[list[_Seg]] = [[] for _ in ups]
@@ -623,7 +624,7 @@ class TransferEngine:
                     taken += n
                     rooms[i] -= n
                     loads[i] += n
-            if taken < m:                       # credits ran out: the rest waits
+            if taken < m and not any(rooms):    # credits ran out: the rest waits
                 break
         return out
 

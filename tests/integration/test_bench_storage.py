@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
-import storage  # noqa: E402
+import storage
 
 
 @pytest.mark.skipif(not shutil.which("fio"),

@@ -6,7 +6,8 @@ registered once under a name; peers are reached through an out-of-band channel
 ``(local_offset, remote_offset, length)`` items is cut into slices
 (:func:`~dualpath.transfer.plan.plan_rows`: uint64 rows, filled into WRs by C at post
 time), placed on the peer's connections (a small batch whole on one, a large one
-spread over all), posted with selective signalling, and resolved when its last slice completes.
+spread over all), posted with selective signalling, and resolved when its last slice
+completes.
 
 Threads. The event loop that called :meth:`TransferEngine.start` owns the peer table,
 connection set-up and recovery exchanges, and every future. One data-path thread owns
@@ -637,6 +638,8 @@ class TransferEngine:
         filled = 0
         for part in segs:
             t = part.transfer
+            if t.done:          # failed for good by a post on another connection this round
+                continue
             info = regions.get(t.remote)
             if info is None or t.end > info.length:
                 self._finish(t, TransferError(

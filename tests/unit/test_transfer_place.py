@@ -4,13 +4,15 @@ duplicated, credits respected, a small batch on one connection, a large one spre
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from itertools import pairwise
 from types import SimpleNamespace
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dualpath._native import ffi
 from dualpath.transfer.config import TransferConfig
 from dualpath.transfer.engine import TransferEngine, _Seg
 
@@ -91,3 +93,23 @@ def test_a_large_batch_is_spread_evenly():
 def test_no_credits_anywhere_leaves_the_queue_as_it_was():
     _, out, left = place([(4, 10), (4, 5000)], rooms=[0, 0], loads=[256, 256])
     assert out == [[], []] and [(s.start, s.stop) for s in left] == [(0, 4), (0, 4)]
+
+
+def test_a_transfer_failed_earlier_in_the_round_is_not_posted():
+    """_post skips the parts of a transfer already failed for good (say by the post on
+    another connection this round): its caller was told it failed, so none of its
+    writes may land after that."""
+    rows = np.array([[0, 0, 4096], [4096, 4096, 4096]], dtype=np.uint64)
+    live = SimpleNamespace(done=False, remote="r", end=8192, rows=rows, local_base=0,
+                           lkey=1, ptr=ffi.cast("uint64_t *", ffi.from_buffer(rows)))
+    failed = SimpleNamespace(**{**vars(live), "done": True})
+    posted = []
+    peer = SimpleNamespace(name="b", pending=deque(),
+                           regions={"r": SimpleNamespace(addr=0, length=1 << 20, rkey=2)})
+    conn = SimpleNamespace(peer=peer, posted=0, wrs=0, fifo=deque(), conn=SimpleNamespace(
+        items=ffi.new("struct dp_item[]", 8),
+        post=lambda n, _signal: posted.append(n) or n))
+    engine = SimpleNamespace(config=TransferConfig(), stats=Counter(), _wr_seq=0,
+                             _inflight=0)
+    TransferEngine._post(engine, conn, [_Seg(failed, 0, 2), _Seg(live, 0, 2)])
+    assert posted == [2] and [s.transfer for s in conn.fifo] == [live]

@@ -305,6 +305,11 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
         if label not in best or row["gbytes_per_s"] > best[label]["gbytes_per_s"]:
             best[label] = row
 
+    def keep_store(label: str, timed: tuple[int, float, float], **extra) -> None:
+        """A store row from (blocks, seconds, CPU seconds)."""
+        n, sec, cpu = timed
+        keep(label, n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9), **extra)
+
     big = work / "big.file"
     make_big_file(big, len(keys) * file_bytes)
     meta["huge_pages_reserved"] = huge
@@ -322,38 +327,33 @@ def measure_reads(work: Path, profile, keys: list[bytes], args, huge: int
                            read_batch_depth=args.batch_depth, read_rings=args.rings,
                            integrity_key=KEY)
         meta["store_batched"] = store.batched
+        stride = slot_stride(layout)
         for _ in range(args.rounds):
             for verify in (True, False):
                 store.verify_checksum = verify
-                n, sec, cpu = timed_reads(store, keys, pool, args)
-                keep("read: store, ReadQueue, O_DIRECT, "
-                     + ("header + payload hash" if verify else "header only")
-                     + (f", {store.read_rings} io_uring rings x {store.read_batch_depth} "
-                        "in flight" if store.batched else ", worker threads"),
-                     n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
+                keep_store("read: store, ReadQueue, O_DIRECT, "
+                           + ("header + payload hash" if verify else "header only")
+                           + (f", {store.read_rings} io_uring rings x "
+                              f"{store.read_batch_depth} in flight" if store.batched
+                              else ", worker threads"),
+                           timed_reads(store, keys, pool, args))
             store.verify_checksum = True
             for nbuf in (args.workers, 4 * args.workers):
-                n, sec, cpu = c_loop_reads(store, keys, region, slot_stride(layout), nbuf,
-                                           args.seconds)
-                keep(f"read: the store's C read loop alone (read_batch of {nbuf}, "
-                     f"{store.read_batch_depth} in flight), header + payload hash, into "
-                     f"{nbuf} buffers ({nbuf * slot_stride(layout) / 2**20:.0f} MiB)",
-                     n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9),
-                     buffers=nbuf)
-            n, sec, cpu = timed_reads(keyed, keys, pool, args)
-            keep("read: store, ReadQueue, O_DIRECT, header + block tag (cluster key; in place "
-                 f"of the payload hash), {keyed.read_rings} io_uring rings x "
-                 f"{keyed.read_batch_depth} in flight",
-                 n * file_bytes, sec, n,
-                 cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
-            n, sec, cpu = timed_reads(per_batch, keys, pool, args)
-            keep(f"read: store, ReadQueue, O_DIRECT, header + payload hash, a ring of "
-                 f"{args.batch_depth} per batch on the read pool (read_rings 0)",
-                 n * file_bytes, sec, n, cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
-            n, sec, cpu = timed_reads(threads, keys, pool, args)
-            keep(f"read: store, ReadQueue, O_DIRECT, header + payload hash, {args.workers} "
-                 "worker threads (read_batch_depth 0)", n * file_bytes, sec, n,
-                 cpu_s_per_gb=cpu / (n * file_bytes / 1e9))
+                keep_store(f"read: the store's C read loop alone (read_batch of {nbuf}, "
+                           f"{store.read_batch_depth} in flight), header + payload hash, into "
+                           f"{nbuf} buffers ({nbuf * stride / 2**20:.0f} MiB)",
+                           c_loop_reads(store, keys, region, stride, nbuf, args.seconds),
+                           buffers=nbuf)
+            keep_store("read: store, ReadQueue, O_DIRECT, header + block tag (cluster key; "
+                       f"in place of the payload hash), {keyed.read_rings} io_uring rings x "
+                       f"{keyed.read_batch_depth} in flight",
+                       timed_reads(keyed, keys, pool, args))
+            keep_store(f"read: store, ReadQueue, O_DIRECT, header + payload hash, a ring of "
+                       f"{args.batch_depth} per batch on the read pool (read_rings 0)",
+                       timed_reads(per_batch, keys, pool, args))
+            keep_store(f"read: store, ReadQueue, O_DIRECT, header + payload hash, "
+                       f"{args.workers} worker threads (read_batch_depth 0)",
+                       timed_reads(threads, keys, pool, args))
             for depth, engine, mem in itertools.product(
                     (args.workers, 2 * args.workers), ("psync", "libaio"), mems):
                 r = run_fio(store.dir, work / "fio", per_job, fio_bs, file_bytes, depth,

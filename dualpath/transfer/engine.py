@@ -597,8 +597,8 @@ class TransferEngine:
         does not grow with its blocks); a larger one is spread over all of them
         (plan.spread). A segment is cut only where credits end (its rest goes on to the
         next connection with room, or waits at the queue's head)."""
-        rooms = [c.conn.max_send_wr - c.wrs for c in ups]
-        loads = [c.wrs for c in ups]
+        caps = [c.conn.max_send_wr for c in ups]
+        rooms = [cap - c.wrs for cap, c in zip(caps, ups)]     # a load is cap - room
         out: list[list[_Seg]] = [[] for _ in ups]
         spread_min = self.config.spread_min_bytes
         while p.pending:
@@ -612,7 +612,7 @@ class TransferEngine:
             else:
                 j = -1                          # the least loaded with room
                 for i, r in enumerate(rooms):
-                    if r > 0 and (j < 0 or loads[i] < loads[j]):
+                    if r > 0 and (j < 0 or caps[i] - r < caps[j] - rooms[j]):
                         j = i
                 if j < 0:
                     break
@@ -624,7 +624,6 @@ class TransferEngine:
                     out[i].append(s.cut(n) if n < m - taken else p.pending.popleft())
                     taken += n
                     rooms[i] -= n
-                    loads[i] += n
             if taken < m and not any(rooms):    # credits ran out: the rest waits
                 break
         return out

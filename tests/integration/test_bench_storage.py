@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-
-import storage
+from tests.bench_module import ROOT, load_bench
 
 
 @pytest.mark.skipif(not shutil.which("fio"),
@@ -22,9 +17,9 @@ import storage
 def test_storage_bench_measures_the_c_loop_beside_fio(tmp_path, capsys):
     out = tmp_path / "storage.json"
     # A real disk (the bench refuses tmpfs): the repo's cache, a folder the bench removes.
-    work = REPO / ".cache" / "test-bench-storage"
+    work = ROOT / ".cache" / "test-bench-storage"
     try:
-        assert storage.main(["--dir", str(work), "--gib", "0.03", "--workers", "2",
+        assert load_bench("storage").main(["--dir", str(work), "--gib", "0.03", "--workers", "2",
                              "--seconds", "0.2", "--rounds", "1", "--no-huge-pages",
                              "--json", str(out)]) == 0
     finally:

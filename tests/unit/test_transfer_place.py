@@ -38,6 +38,11 @@ def place(batches, rooms, loads):
     return ts, out, list(peer.pending)
 
 
+def sizes(out) -> list[int]:
+    """The slices each connection was given."""
+    return [sum(s.stop - s.start for s in segs) for segs in out]
+
+
 batches = st.lists(st.tuples(st.integers(1, 40), st.sampled_from([10, 999, 1000, 5000])),
                    min_size=1, max_size=8)
 conns = st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=4)
@@ -47,8 +52,7 @@ conns = st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, 
 def test_placement_keeps_every_slice_once_in_order_within_credits(bs, cs):
     rooms, loads = [r for r, _ in cs], [w for _, w in cs]
     ts, out, left = place(bs, rooms, loads)
-    for segs, room in zip(out, rooms):
-        assert sum(s.stop - s.start for s in segs) <= room
+    assert all(n <= room for n, room in zip(sizes(out), rooms))
     for t in ts:
         mine = sorted((s.start, s.stop) for segs in [*out, left] for s in segs
                       if s.transfer is t)
@@ -66,7 +70,7 @@ def test_placement_keeps_every_slice_once_in_order_within_credits(bs, cs):
 def test_a_small_batch_is_on_one_connection_unless_credits_cut_it(bs, cs):
     rooms, loads = [r for r, _ in cs], [w for _, w in cs]
     ts, out, left = place(bs, rooms, loads)
-    full = [sum(s.stop - s.start for s in segs) == room for segs, room in zip(out, rooms)]
+    full = [n == room for n, room in zip(sizes(out), rooms)]
     for t in ts:
         if t.nbytes >= SPREAD_MIN:
             continue
@@ -78,15 +82,15 @@ def test_a_small_batch_is_on_one_connection_unless_credits_cut_it(bs, cs):
 
 def test_small_batches_go_to_the_least_loaded_connection():
     _, out, left = place([(8, 10)], rooms=[100, 100, 100], loads=[30, 5, 20])
-    assert [sum(s.stop - s.start for s in segs) for segs in out] == [0, 8, 0] and not left
+    assert sizes(out) == [0, 8, 0] and not left
     # two batches: the second sees the first's load
     _, out, _ = place([(8, 10), (8, 10)], rooms=[100, 100], loads=[0, 4])
-    assert [sum(s.stop - s.start for s in segs) for segs in out] == [8, 8]
+    assert sizes(out) == [8, 8]
 
 
 def test_a_large_batch_is_spread_evenly():
     _, out, left = place([(48, 5000)], rooms=[256, 256, 256], loads=[0, 0, 0])
-    assert [sum(s.stop - s.start for s in segs) for segs in out] == [16, 16, 16]
+    assert sizes(out) == [16, 16, 16]
     assert not left
 
 

@@ -116,6 +116,41 @@ class _Save:
     held: bool = False               # adopted DE-buffer blocks: kept until released
 
 
+class _InPlace:
+    """A load's blocks that are all still in this node's write-back (a P/D request's
+    adopted prompt, a save not yet persisted), served from their saves' own slots: no
+    second reservation and no copy. ``slots``, ``flat(i)``, ``release()`` (idempotent)
+    like a Reservation; each save keeps its slots until every such view let go.
+
+    A decode node holds a request's prompt blocks from PrepareRequest until its
+    decode instance has loaded them; a load that reserved a second copy of them waited
+    for slots that only other such loads could free (hold and wait: K concurrent
+    requests of P blocks stalled a pool of fewer than (K + 1) x P slots)."""
+
+    def __init__(self, held: list[tuple[_Save, int]]):
+        self.held = held
+        self.slots = tuple(s.res.slots[j] for s, j in held)
+        self.released = False
+        for s, _ in held:
+            s.readers += 1
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def flat(self, i: int) -> np.ndarray:
+        s, j = self.held[i]
+        return s.res.flat(j)
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        for s, _ in self.held:
+            s.readers -= 1
+            if not s.readers:
+                s.idle.set()
+
+
 class _PendingBlocks:
     """The committed blocks not on disk yet, as KvSpace.read looks them up (the
     interface of engine/writeback.py's WriteBack): ``len()`` and ``get(key)``, a view of
@@ -343,7 +378,11 @@ class VllmEngine:
             first, n = stage.match(keys)
             if n < len(keys):
                 stage = None                     # not the staged blocks: read them
+        in_place = None
+        if stage is None and all(key in self._pending for key in keys):
+            in_place = _InPlace([self._pending[key] for key in keys])
         res = (stage.view(first, len(keys)) if stage is not None
+               else in_place if in_place is not None
                else await space.pool.reserve(len(keys)))
         L, T = space.fmt.layers, space.fmt.block_tokens
         arrivals = LocalArrivals()               # layers in the buffer
@@ -354,6 +393,9 @@ class VllmEngine:
             if stage is not None:
                 arrivals = stage.source
                 ok, reader = await _staged(stage, first, len(keys))
+            elif in_place is not None:
+                ok, reader = len(keys), asyncio.ensure_future(_const(len(keys)))
+                arrivals.landed(L)
             else:
                 ok, reader = await self._start_read(
                     request_id, keys, res, arrivals,
@@ -585,15 +627,19 @@ class VllmEngine:
         self._expire_saves()
         space = self.space
         assert space is not None
-        try:
-            res = await asyncio.wait_for(space.pool.reserve(len(keys)), wait_s)
-        except TimeoutError:
-            raise BufferBusy(f"no room for {len(keys)} blocks in {self.region_name} within "
-                             f"{wait_s:g} s") from None
+        stage = self.stage_for(request_id, ticket)
+        at = stage.save_slots(keys) if stage is not None else None
+        if at is not None:                   # slots the request reserved with its hit
+            res = stage.view(at, len(keys))
+        else:
+            try:
+                res = await asyncio.wait_for(space.pool.reserve(len(keys)), wait_s)
+            except TimeoutError:
+                raise BufferBusy(f"no room for {len(keys)} blocks in {self.region_name} "
+                                 f"within {wait_s:g} s") from None
         sid = next(self._save_ids)
         self._saves[sid] = _Save(sid, worker_name, request_id, list(keys), res,
-                                 time.monotonic() + self.save_timeout_s,
-                                 stage=self.stage_for(request_id, ticket))
+                                 time.monotonic() + self.save_timeout_s, stage=stage)
         return sid, list(res.slots)
 
     def end_save(self, save_id: int, commit: bool) -> int:
@@ -696,6 +742,10 @@ class VllmEngine:
             self.offer.close()
         if self.space is not None:
             await self.space.close()
+
+
+async def _const(v: int) -> int:
+    return v
 
 
 async def _staged(stage: Stage, first: int, n: int) -> tuple[int, asyncio.Task]:

@@ -90,7 +90,9 @@ class VllmPrefillPath(PrefillPath):
                                       f"{len(spans)} needed")
             out = _ToDecode(n, space, rid, de, prep, keys)
             ticket = secrets.token_hex(16)
-            res = await space.pool.reserve(hit) if hit else None
+            # The hit's slots and those of the blocks the instance computes, taken
+            # whole (vllm_stage.py): the saves then need no reservation of their own.
+            res = await space.pool.reserve(len(keys)) if keys else None
             t_read = time.time()
             sources: list[LayerSource] = []
             first_parts: list = []
@@ -125,7 +127,7 @@ class VllmPrefillPath(PrefillPath):
             stage = Stage(rid, ticket, keys[:hit], res, source,
                           _combine(first_parts, local), _combine(usable_parts, local),
                           release=lambda r: r is None or r.release(),
-                          on_saved=out.on_saved)
+                          on_saved=out.on_saved, computed=keys[hit:])
             eng.stages[rid] = stage
             try:
                 # Oracle: the instance's own prefix cache holds the hit; every prompt

@@ -69,11 +69,17 @@ class Stage:
     def __init__(self, request_id: str, ticket: str, keys: list[bytes],
                  res: Reservation, source: LayerSource, first: Awaitable[int],
                  usable: Awaitable[int], release: Callable[[Reservation], None],
-                 on_saved: Callable[[list[bytes], Reservation], None]):
+                 on_saved: Callable[[list[bytes], Reservation], None],
+                 computed: Sequence[bytes] = ()):
         self.request_id = request_id
         self.ticket = ticket
         self.keys = keys
         self.index = {k: i for i, k in enumerate(keys)}
+        # The prompt's full blocks after the hit, which the instance computes: their
+        # slots follow the hit's in ``res``, so its saves need no reservation of their
+        # own (one reservation per request, taken whole: a request never holds part of
+        # its slots while it waits for the rest).
+        self.computed = {k: len(keys) + i for i, k in enumerate(computed)}
         self.res = res
         self.source = source
         self.first = asyncio.ensure_future(first)
@@ -98,6 +104,17 @@ class Stage:
                 break
             n += 1
         return first, n
+
+    def save_slots(self, keys: Sequence[bytes]) -> int | None:
+        """Where a save of ``keys`` (consecutive computed prompt blocks) sits in the
+        stage's reservation: the index of its first, or None if they are not the
+        computed blocks in order (a save the stage has no slots for)."""
+        first = self.computed.get(keys[0], -1) if keys else -1
+        if first < 0 or first + len(keys) > len(self.res.slots):
+            return None
+        if any(self.computed.get(k) != first + i for i, k in enumerate(keys)):
+            return None
+        return first
 
     def view(self, first: int, n: int) -> SlotView:
         self.refs += 1

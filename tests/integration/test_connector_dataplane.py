@@ -213,6 +213,60 @@ def test_a_shared_buffer_load_past_the_nodes_hold_is_failed_and_never_copied(rig
     assert np.array_equal(_engine_block(mem, L - 1, 1), _engine_block(mem, L - 1, 5))
 
 
+def test_a_load_of_blocks_still_in_write_back_takes_no_slots_of_its_own(rig):
+    """A decode node holds a request's prompt blocks (adopted, or saved and not yet on
+    disk) while its instance loads them. That load is served from their own slots: with
+    every other slot of the pool taken it still completes, byte for byte. (It used to
+    reserve a second copy and wait for slots that only such loads could free: K
+    concurrent requests stalled a pool of fewer than (K + 1) x P slots.)"""
+    d, agent, mem, stub = rig
+    eng = d.node.engine
+    store, pool = eng.space.store, eng.space.pool
+    rng = np.random.default_rng(4)
+    keys = block_keys(np.arange(3 * B) + 11000, B)
+    src, dst = [3, 4, 5], [8, 9, 10]
+    for layer in range(L):
+        for u in src:
+            _engine_block(mem, layer, u)[:] = rng.integers(0, 256, UNIT, dtype=np.uint8)
+    gate = d.call(_make_event())
+    awrite = store.awrite
+
+    async def held_write(key, data):      # the write-back waits: the blocks stay pending
+        await gate.wait()
+        return await awrite(key, data)
+    store.awrite = held_write
+    hog = None
+    try:
+        assert _save(agent, keys, src)
+        assert all(k in eng._pending for k in keys)
+        hog = d.call(_reserve(pool, pool.free))
+        assert pool.free == 0
+        h = _load(agent, keys, dst, "r-in-place")
+        assert not h.failed and not h.error
+        for layer in range(L):
+            for s_, t in zip(src, dst):
+                assert np.array_equal(_engine_block(mem, layer, s_),
+                                      _engine_block(mem, layer, t))
+    finally:
+        store.awrite = awrite
+        d.loop.call_soon_threadsafe(gate.set)
+        if hog is not None:
+            d.loop.call_soon_threadsafe(hog.release)
+    _wait_stored(d, keys, stub)
+    deadline = time.monotonic() + 60        # the saved blocks' slots go back once stored
+    while pool.free != pool.capacity:
+        assert time.monotonic() < deadline, (pool.free, pool.capacity)
+        time.sleep(0.05)
+
+
+async def _make_event() -> asyncio.Event:
+    return asyncio.Event()
+
+
+async def _reserve(pool, n: int):
+    return await pool.reserve(n)
+
+
 @pytest.mark.parametrize("who", ["client/x", "node/n1", None])
 def test_only_the_node_itself_may_call_its_connector(rig, who):
     """The KvConnector writes into vLLM's memory: another cluster identity is refused

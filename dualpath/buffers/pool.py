@@ -114,8 +114,9 @@ class BlockPool:
     """Fixed Full Block slots over ``memory`` (a view into a pinned region)."""
 
     def __init__(self, name: str, memory: np.ndarray, layout: BlockLayout, *,
-                 region_addr: int = 0, region_offset: int = 0):
+                 region_addr: int = 0, region_offset: int = 0, key: str = ""):
         self.name = name
+        self.key = key          # the config key that sizes it (named when it is too small)
         self.layout = layout
         self.stride = slot_stride(layout)
         self.capacity = memory.size // self.stride
@@ -165,8 +166,12 @@ class BlockPool:
         if nblocks < 1:
             raise UsageError(f"{self.name}: reserve at least one block, got {nblocks}")
         if nblocks > self.capacity:
-            raise PoolTooSmall(f"{self.name}: a request needs {nblocks} blocks but the pool "
-                               f"holds {self.capacity}; enlarge the buffer or split the request")
+            fix = (f"raise {self.key} (now {self.memory.size >> 20} MiB; {nblocks} blocks "
+                   f"need {-(-nblocks * self.stride // (1 << 20))} MiB)" if self.key
+                   else "enlarge the buffer or split the request")
+            raise PoolTooSmall(f"{self.name}: a request needs {nblocks} blocks of "
+                               f"{self.layout.full_bytes} bytes but the pool holds "
+                               f"{self.capacity}; {fix}")
 
     def _take(self, n: int) -> Reservation:
         return Reservation(self, [heapq.heappop(self._free_slots) for _ in range(n)])

@@ -38,9 +38,15 @@ _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 POLL_WAIT_MS = 500
 
 
+#: GenerationFailed.reason of a request ended by a failure no retry can mend (too large
+#: for a node's buffer: the message names the key to raise).
+FINAL = "BUFFER_TOO_SMALL"
+
+
 class GenerationFailed(DualPathError):
     """The scheduler rejected the request or ended it failed (the message says why);
-    ``reason``: the scheduler's RejectReason name for a rejection, else ""."""
+    ``reason``: the scheduler's RejectReason name for a rejection, :data:`FINAL` for a
+    request no attempt can serve, else ""."""
 
     def __init__(self, message: str, reason: str = ""):
         super().__init__(message)
@@ -217,7 +223,7 @@ class Generator:
                 if st.state in _ENDED:
                     f.set_exception(GenerationFailed(
                         f"request {st.request_id} failed after {st.failed_attempts} "
-                        f"attempt(s): {st.error}"))
+                        f"attempt(s): {st.error}", reason=FINAL if st.final else ""))
                 elif st.state == scheduler_pb2.REQUEST_STATE_UNKNOWN:
                     f.set_exception(GenerationFailed(
                         f"request {st.request_id} is unknown to the scheduler"))

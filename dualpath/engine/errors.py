@@ -13,6 +13,11 @@ class PeerUnavailable(RequestFailed):
     """A peer node did not answer or refused a call (the message names it and why)."""
 
 
+class NeverFits(RequestFailed):
+    """The request is larger than a node's buffer (the message names the key to raise):
+    no attempt can succeed, so it is reported FAILED as final, not retried."""
+
+
 class StaleAttempt(DualPathError):
     """A message of an older attempt than the one held for the request (ABORTED): the
     scheduler gave that execution up, so it may neither write, finish nor cancel."""

@@ -68,7 +68,8 @@ class KvSpace:
         profile = geometry_profile(namespace, layout.layers, layout.token_bytes,
                                    layout.tokens, dtype)
         store = storage.open_store(profile)
-        pool = BlockPool(region_name, region.array, layout, region_addr=region.addr)
+        pool = BlockPool(region_name, region.array, layout, region_addr=region.addr,
+                         key=f"buffers.{region_name}_mib")
         buffer = KvPlacement.full_blocks(fmt, region_name, pool.stride, pool.capacity)
         return cls(fmt, store, ReadQueue(store, limiter), pool, buffer)
 

@@ -125,14 +125,14 @@ class Leader:
             await old.close()
 
     def complete(self, rid: str, engine: EngineRank, stage: int, error: str = "",
-                 suspect: str = "") -> None:
+                 suspect: str = "", final: bool = False) -> None:
         """Queue a completion; it rides on the next fetch. Any completion ends this
         node's part of the request (PREFILL_DONE on a PE; DECODE_DONE or FAILED)."""
         self.completions.append(scheduler_pb2.Completion(
             request_id=rid, engine_id=engine.engine_id, stage=stage,
             attempt=self.attempts.pop(rid, 0),
             error=error.encode()[:MAX_ERROR_BYTES].decode(errors="ignore"),
-            suspect_engine_id=suspect))
+            suspect_engine_id=suspect, final=final))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Register, then fetch/report every interval until ``stop`` is set."""

@@ -224,7 +224,8 @@ class NodeDaemon:
         self._stack.callback(store.close)
         read_queue = ReadQueue(store, self.limiter)
         self._stack.push_async_callback(read_queue.close)
-        pool = BlockPool(buf_name, self.buffer.array, layout, region_addr=self.buffer.addr)
+        pool = BlockPool(buf_name, self.buffer.array, layout, region_addr=self.buffer.addr,
+                         key=f"buffers.{buf_name}_mib")
         self.space = KvSpace.for_store(store, read_queue, pool, buf_name)
         self.profile = profile
         engine = EmulatedEngine(profile, ecfg.speed_scale, ecfg.verify_fraction)
@@ -327,9 +328,9 @@ class NodeDaemon:
         return self.space.read_queue.read_q_tokens
 
     def _complete(self, rid: str, engine: EngineRank, stage: int, error: str = "",
-                  suspect: str = "") -> None:
+                  suspect: str = "", final: bool = False) -> None:
         if self.leader is not None:
-            self.leader.complete(rid, engine, stage, error, suspect)
+            self.leader.complete(rid, engine, stage, error, suspect, final)
 
     async def _ask_writer(self, peer: str, rid: str, attempt: int) -> None:
         """A fence's question to the peer that may write into our memory: stop that

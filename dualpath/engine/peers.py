@@ -29,13 +29,19 @@ from dataclasses import dataclass
 
 import grpc
 
-from dualpath.engine.errors import PeerUnavailable
+from dualpath.engine.errors import NeverFits, PeerUnavailable
 from dualpath.engine.layers import RemoteWatch
 from dualpath.engine.oob import GrpcChannels
 from dualpath.errors import UsageError
 from dualpath.kv import placement_wire
 from dualpath.kv.placement import KvPlacement
 from dualpath.v1 import engine_pb2, engine_pb2_grpc, node_pb2, node_pb2_grpc
+
+#: How long a PrepareRequest may wait on the DE for its buffer slots. Under load a
+#: request waits its turn there (the DE's pool serves first come, first served, and
+#: each slot goes back when a decode ends); a bound of seconds turned that queue into
+#: failed attempts. A DE that stops answering is the lease's business, not this one's.
+PREPARE_WAIT_S = 600.0
 
 #: Timings in one ReplaySink.Report call; a sink refuses more (INVALID_ARGUMENT).
 REPORTS_PER_CALL = 1024
@@ -138,7 +144,10 @@ class PeerClient:
         try:
             return await call
         except grpc.aio.AioRpcError as e:
-            raise PeerUnavailable(f"{what} to {peer}: {e.code().name} {e.details()}") from None
+            msg = f"{what} to {peer}: {e.code().name} {e.details()}"
+            if e.code() == grpc.StatusCode.OUT_OF_RANGE:    # larger than its buffer
+                raise NeverFits(msg) from None
+            raise PeerUnavailable(msg) from None
 
     async def prepare(self, de: str, job: PrepareJob) -> Prepared:
         r = await self._call(de, "PrepareRequest", self._node(de).PrepareRequest(
@@ -147,7 +156,7 @@ class PeerClient:
                 prefill_control_address=job.prefill_address, prompt_tokens=job.prompt_tokens,
                 hit_tokens=job.hit_tokens, read_side=job.read_side, payload=job.payload,
                 attempt=job.attempt, decode_read_tokens=job.decode_read_tokens),
-            timeout=30))
+            timeout=PREPARE_WAIT_S))
         if not r.slots:
             return Prepared(None, ())
         return Prepared(placement_wire.from_pb(r.buffer, f"DE buffer of {de}"), tuple(r.slots))

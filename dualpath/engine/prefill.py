@@ -48,10 +48,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dualpath import clock
-from dualpath.buffers.pool import Reservation
+from dualpath.buffers.pool import PoolTooSmall, Reservation
 from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
-from dualpath.engine.errors import PeerUnavailable
+from dualpath.engine.errors import NeverFits, PeerUnavailable
 from dualpath.engine.forward import PrefillForward
 from dualpath.engine.kvio import write_rows
 from dualpath.engine.kvplan import BlockSpan, Route, block_spans
@@ -158,7 +158,7 @@ class PrefillPath:
             n.metrics.requests.labels("prefill_failed").inc()
             n.complete(rid, e, scheduler_pb2.COMPLETION_STAGE_FAILED, error=str(err),
                        suspect=a.decode_engine_id if isinstance(err, PeerUnavailable)
-                       else e.engine_id)
+                       else e.engine_id, final=isinstance(err, (NeverFits, PoolTooSmall)))
         finally:
             self.runs.pop((rid, a.attempt), None)
             if self.tasks.get(rid) is me:

@@ -23,10 +23,11 @@ from dualpath.transfer import TransferEngine
 
 class Complete(Protocol):
     """Queue a completion (COMPLETION_STAGE_*) for the leader's next fetch; a FAILED one
-    says why and, when known, which engine is to blame ("" = unknown: both sides)."""
+    says why and, when known, which engine is to blame ("" = unknown: both sides);
+    ``final``: no attempt can succeed (the scheduler ends the request, no retry)."""
 
     def __call__(self, rid: str, engine: EngineRank, stage: int, error: str = "",
-                 suspect: str = "") -> None: ...
+                 suspect: str = "", final: bool = False) -> None: ...
 
 
 Spawn = Callable[[Coroutine], asyncio.Task]

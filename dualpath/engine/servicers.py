@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from dualpath import rpc
+from dualpath.buffers.pool import PoolTooSmall
 from dualpath.engine.auth import Callers
 from dualpath.engine.decode import DecodePath, NotYours, PrepareCall
 from dualpath.engine.errors import RequestFailed, StaleAttempt
@@ -206,6 +207,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except StaleAttempt as e:
             await context.abort(grpc.StatusCode.ABORTED, str(e))
+        except PoolTooSmall as e:       # no attempt can fit: the PE reports it final
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
         except DualPathError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if buffer is None:

@@ -364,7 +364,8 @@ class SchedulerService:
             state = scheduler_pb2.REQUEST_STATE_REPORTED if x.reported else int(x.outcome)
             return scheduler_pb2.RequestResult(request_id=rid, state=state,
                                                attempt=x.attempt,
-                                               failed_attempts=x.failures, error=x.error)
+                                               failed_attempts=x.failures, error=x.error,
+                                               final=x.final)
         return scheduler_pb2.RequestResult(request_id=rid, state=_STATE[x.stage],
                                            attempt=x.attempt, failed_attempts=x.failures,
                                            error=x.error)
@@ -456,7 +457,7 @@ def _assignment(r: Request, with_pe: bool) -> scheduler_pb2.Assignment:
 def _completions(msgs) -> list[Completion]:
     try:
         return [Completion(c.request_id, c.engine_id, CompletionStage(c.stage), c.attempt,
-                           c.error, c.suspect_engine_id) for c in msgs]
+                           c.error, c.suspect_engine_id, c.final) for c in msgs]
     except ValueError:
         raise UsageError("completion stage must be PREFILL_DONE, DECODE_DONE or "
                          "FAILED") from None

@@ -92,7 +92,10 @@ def audit(s: Scheduler) -> None:
     assert s.held_bytes == sum(r.wire_bytes + REQUEST_FIXED_BYTES for r in s.requests.values())
     for f in s.finished.values():
         assert f.failures <= s.params.max_failed_attempts
-        assert (f.outcome is Outcome.FAILED) == (f.failures == s.params.max_failed_attempts)
+        # FAILED once the budget is spent, or at once by a final failure (no retry).
+        assert (f.outcome is Outcome.FAILED) == (
+            f.failures == s.params.max_failed_attempts or f.final)
+        assert not f.final or f.outcome is Outcome.FAILED
 
 
 class SchedulerMachine(RuleBasedStateMachine):

@@ -108,6 +108,26 @@ def test_a_request_that_fails_every_time_ends_failed_after_its_budget():
     assert s.counters.failed_attempts == 3 and s.counters.failed == 1
 
 
+def test_a_final_failure_ends_the_request_at_once_without_a_retry():
+    """A request larger than a node's buffer can never succeed: its FAILED completion says
+    so (final) and the request ends there, its budget unspent, marked final."""
+    s, gs = cluster()
+    s.submit([RequestSpec(100, 0, 10, "huge"), RequestSpec(100, 0, 10, "flaky")])
+    now = 1.0
+    on_pe = {r.request_id: r for r in run_to_pe(s, gs, now)}
+    e = on_pe["huge"].pe
+    s.report(e.group.group_id, e.group.lease_id,
+             [Completion("huge", e.engine_id, FAILED, on_pe["huge"].attempt,
+                         "raise buffers.de_buffer_mib", "", True)], now)
+    fail(s, on_pe["flaky"], now)
+    audit(s)
+    f = s.finished["huge"]
+    assert f.outcome is Outcome.FAILED and f.final and f.failures == 1
+    assert f.error == "raise buffers.de_buffer_mib"
+    assert "flaky" in s.requests and "flaky" not in s.finished   # an ordinary one retries
+    assert s.requests["flaky"].attempt == 2
+
+
 def test_a_failed_attempt_waits_out_its_backoff():
     s, gs = cluster(retry_backoff_s=0.4, retry_backoff_max_s=10.0, peer_avoid_s=0.0)
     s.submit([RequestSpec(100, 0, 10, "a")])

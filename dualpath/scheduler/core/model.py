@@ -251,6 +251,7 @@ class Completion:
     attempt: int = 0                  # 0 = not said (then the engine id alone must match)
     error: str = ""                   # FAILED: why
     suspect_engine_id: str = ""       # FAILED: the engine the reporter blames ("" = unknown)
+    final: bool = False               # FAILED: no attempt can succeed; end it now
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +279,7 @@ class Finished:
     finish_seq: int = 0               # order of ending (the journal trims by it)
     reported: bool = False            # the submitter acknowledged the result
     seq: int = 0                      # the request's arrival number (its journal key)
+    final: bool = False               # FAILED by a final failure (not journaled)
 
 
 @dataclass(frozen=True, slots=True)

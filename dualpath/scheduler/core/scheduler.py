@@ -513,7 +513,7 @@ class Scheduler:
             why = c.error.encode()[:MAX_ERROR_BYTES].decode(errors="ignore")
             self._requeue([r], now, failed=True, reporter=g,
                           error=why or f"{c.engine_id} reported a failure",
-                          avoid=self._blamed(r, c))
+                          avoid=self._blamed(r, c), final=c.final)
         return accepted, ignored
 
     def _blamed(self, r: Request, c: Completion) -> list[Group]:
@@ -629,11 +629,12 @@ class Scheduler:
 
     def _requeue(self, reqs: list[Request], now: float, *, failed: bool,
                  reporter: Group | None = None, error: str = "",
-                 avoid: list[Group] = ()) -> None:
+                 avoid: list[Group] = (), final: bool = False) -> None:
         """Give up the current attempt of each request and send it to the head of the
         global queue, in arrival order; the other side (not ``reporter``) is told to drop
         it. A failed attempt counts against the budget (ending FAILED when it is spent),
-        avoids the ``avoid`` groups and waits out its backoff first."""
+        avoids the ``avoid`` groups and waits out its backoff first; a ``final`` one
+        (no attempt can succeed) ends it FAILED at once."""
         reqs.sort(key=lambda r: r.seq)
         p = self.params
         ids = {id(r) for r in reqs}
@@ -661,8 +662,8 @@ class Scheduler:
                 r.failures += 1
                 r.error = error
                 self.counters.failed_attempts += 1
-                if r.failures >= p.max_failed_attempts:
-                    self._finish(r, Outcome.FAILED, now, error)   # ends with this attempt
+                if final or r.failures >= p.max_failed_attempts:
+                    self._finish(r, Outcome.FAILED, now, error, final)   # ends with it
                     continue
             if started:
                 r.attempt += 1
@@ -685,14 +686,15 @@ class Scheduler:
         self.global_queue.extendleft(reversed(back))
         self.counters.requeued += len(back)
 
-    def _finish(self, r: Request, outcome: Outcome, now: float, error: str = "") -> Finished:
+    def _finish(self, r: Request, outcome: Outcome, now: float, error: str = "",
+                final: bool = False) -> Finished:
         """Take ``r`` off the live books (it is in no queue and on no engine any more)."""
         del self.requests[r.request_id]
         self.held_bytes -= r.wire_bytes + REQUEST_FIXED_BYTES
         r.stage = Stage.DONE
         self._finish_seq += 1
         f = Finished(r.request_id, outcome, r.attempt, r.failures, error or r.error,
-                     self._spec_key(r), now, self._finish_seq, seq=r.seq)
+                     self._spec_key(r), now, self._finish_seq, seq=r.seq, final=final)
         self._remember(f)
         self._log("end", f)
         if outcome is Outcome.FAILED:

@@ -27,6 +27,10 @@ class FrontendConfig:
                                  max=1 << 24)
     max_tokens: int = key(4096, "Most tokens one request may ask to generate.", min=1,
                           max=1 << 20)
+    max_model_len: int = key(0, "The instances' context length (vLLM's --max-model-len): "
+                             "a longer prompt is refused (400, vLLM's words) and max_tokens "
+                             "cut to what the context leaves; 0 = not known, not checked.",
+                             min=0, max=1 << 24)
     max_body_bytes: int = key(4 << 20, "Largest request body (bytes).", min=1024,
                               max=1 << 30)
     max_in_flight: int = key(256, "Requests served at once; more are answered 429.",

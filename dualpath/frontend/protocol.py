@@ -46,6 +46,7 @@ class Limits:
     max_prompt_tokens: int
     max_tokens: int
     model: str
+    max_model_len: int = 0      # the instances' context (0 = not known: not checked)
 
 
 @dataclass
@@ -166,11 +167,27 @@ def parse_chat(body, limits: Limits) -> Call:
 
 
 def check_prompt_length(n: int, limits: Limits) -> None:
+    ctx = limits.max_model_len
+    if ctx and n >= ctx:
+        # vLLM's own words and status (vllm/renderers/params.py); a prompt of exactly
+        # the context leaves no room for the token a prefill samples, so it is refused
+        # here too rather than failing on an instance.
+        raise bad(f"This model's maximum context length is {ctx} tokens. However, your "
+                  f"prompt contains {n} input tokens, which exceeds this limit even "
+                  "without any output tokens. Please reduce the length of the input "
+                  "prompt.", "input_tokens", "context_length_exceeded")
     if n > limits.max_prompt_tokens:
         raise bad(f"the prompt has {n} tokens; at most {limits.max_prompt_tokens}",
                   "prompt", "context_length_exceeded")
     if n < 1:
         raise bad("the prompt has no tokens", "prompt")
+
+
+def fit_to_context(call: Call, n: int, limits: Limits) -> None:
+    """As vLLM does (get_max_tokens): ``max_tokens`` is cut to what the context leaves
+    after an ``n``-token prompt (the answer then ends with finish_reason "length")."""
+    if limits.max_model_len:
+        call.max_tokens = min(call.max_tokens, limits.max_model_len - n)
 
 
 def finish_reason(call: Call, n_tokens: int) -> str:

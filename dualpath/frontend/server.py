@@ -29,7 +29,7 @@ import grpc
 from aiohttp import web
 
 from dualpath import tls
-from dualpath.cluster.generate import GenerationFailed, Generator
+from dualpath.cluster.generate import FINAL, GenerationFailed, Generator
 from dualpath.errors import ConfigError, DualPathError, RemoteUnavailable, UsageError
 from dualpath.frontend import protocol as api
 from dualpath.frontend.config import FrontendConfig
@@ -40,7 +40,7 @@ from dualpath.scheduler.client import rpc_error
 log = logging.getLogger("dualpath.frontend")
 
 _REJECT_STATUS = {"REJECT_REASON_QUEUE_FULL": 429, "REJECT_REASON_DUPLICATE": 409,
-                  "REJECT_REASON_INVALID": 400, "REJECT_REASON_TOO_LARGE": 400}
+                  "REJECT_REASON_INVALID": 400, "REJECT_REASON_TOO_LARGE": 400, FINAL: 400}
 
 
 class FrontEnd:
@@ -59,7 +59,8 @@ class FrontEnd:
             if len(self.key) < 16:
                 raise ConfigError("frontend.api_key_file: the key must be 16 characters "
                                   "or more")
-        self.limits = api.Limits(cfg.max_prompt_tokens, cfg.max_tokens, self.model)
+        self.limits = api.Limits(cfg.max_prompt_tokens, cfg.max_tokens, self.model,
+                                 cfg.max_model_len)
         self.index = HitIndex(cfg.block_tokens, cfg.index_blocks)
         self.gen = Generator(scheduler, tls_config, tls_config)
         self.in_flight = 0
@@ -167,6 +168,7 @@ class FrontEnd:
     async def _serve(self, request: web.Request, call: api.Call, ids: list[int],
                      prefix: str) -> web.StreamResponse:
         api.check_prompt_length(len(ids), self.limits)
+        api.fit_to_context(call, len(ids), self.limits)
         if self.in_flight >= self.cfg.max_in_flight:
             raise api.ApiError(429, f"{self.in_flight} requests in flight (at most "
                                f"{self.cfg.max_in_flight}); retry later",

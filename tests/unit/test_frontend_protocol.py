@@ -97,3 +97,27 @@ def test_the_hit_index_forgets_the_least_recently_used():
     assert len(idx) == 2
     assert idx.hit_tokens([1, 2, 3, 4, 5]) == 0        # its first block was forgotten
     assert HitIndex(2, 0).hit_tokens([1, 2, 3]) == 0
+
+
+def test_a_prompt_at_or_over_the_context_is_refused_in_vllms_words():
+    lim = api.Limits(max_prompt_tokens=32768, max_tokens=4096, model="m", max_model_len=100)
+    for n in (100, 101, 5000):
+        with pytest.raises(api.ApiError) as e:
+            api.check_prompt_length(n, lim)
+        assert e.value.status == 400
+        assert str(e.value).startswith("This model's maximum context length is 100 tokens. "
+                                       f"However, your prompt contains {n} input tokens")
+    api.check_prompt_length(99, lim)
+    unknown = api.Limits(32768, 4096, "m")             # no context known: not checked
+    api.check_prompt_length(5000, unknown)
+
+
+def test_max_tokens_is_cut_to_what_the_context_leaves_as_vllm_does():
+    lim = api.Limits(max_prompt_tokens=32768, max_tokens=4096, model="m", max_model_len=100)
+    call = api.parse_completion({"model": "m", "prompt": [1] * 90, "max_tokens": 50}, lim)
+    api.fit_to_context(call, 90, lim)
+    assert call.max_tokens == 10
+    assert api.finish_reason(call, 10) == "length"
+    call = api.parse_completion({"model": "m", "prompt": [1] * 10, "max_tokens": 50}, lim)
+    api.fit_to_context(call, 10, lim)
+    assert call.max_tokens == 50

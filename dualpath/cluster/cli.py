@@ -29,6 +29,10 @@ def register(sub) -> None:
                    "SmolLM2-135M-Instruct, prepared from its PyPI package)")
     p.add_argument("--max-model-len", type=int, default=8192,
                    help="--engine vllm: the instances' context length")
+    p.add_argument("--concurrency", type=int, default=4,
+                   help="--engine vllm: requests of full context each node holds KV for "
+                   "at once; sizes the PE and DE buffers from the model's KV bytes per "
+                   "token (more requests wait their turn; [buffers] in --config wins)")
     p.set_defaults(func=_up)
 
     r = sub.add_parser("replay", help="replay an agentic trace (offline JCT or online "
@@ -235,7 +239,9 @@ def _up_vllm(args) -> int:
     fe.setdefault("listen", cfg.frontend.listen)
     pd = VllmPdCluster(model, prefill_nodes=cfg.cluster.prefill_nodes,
                        decode_nodes=cfg.cluster.decode_nodes, work_dir=cfg.cluster.work_dir,
-                       settings=settings, max_model_len=args.max_model_len, frontend=fe)
+                       settings=settings, max_model_len=args.max_model_len, frontend=fe,
+                       concurrency=args.concurrency)
+    print(f"dualpath up: {pd.describe()}", flush=True)
     rc = 0
     try:
         stop = _start_then_wait_for_signals(pd.start)

@@ -27,6 +27,7 @@ from dualpath.cluster.lifetime import child_env, exec_argv, kill_group
 from dualpath.cluster.local import ClusterError, LocalCluster, free_port
 from dualpath.errors import UsageError
 from dualpath.vllm.local import CONNECTOR, ENGINE_ENV
+from dualpath.vllm.sizing import core_slices, plan_buffers
 
 log = logging.getLogger("dualpath.cluster")
 
@@ -51,7 +52,8 @@ class VllmPdCluster:
     def __init__(self, model: Path, *, prefill_nodes: int = 1, decode_nodes: int = 1,
                  work_dir: str = "", settings: dict | None = None, max_model_len: int = 4096,
                  kv_cache_gib: int = 1, start_timeout_s: float = 600.0,
-                 frontend: dict | None = None, prefix_caching: bool = False):
+                 frontend: dict | None = None, prefix_caching: bool = False,
+                 concurrency: int = 4, cores: list[int] | None = None):
         if prefill_nodes < 1 or decode_nodes < 1:
             raise UsageError("a P/D cluster needs at least one prefill and one decode node")
         self.model = Path(model)
@@ -65,11 +67,18 @@ class VllmPdCluster:
         self.ports = {nid: (free_port(), free_port()) for nid in ids}   # control, HTTP
         #: node id -> the port of its /metrics (fixed, so benches can read it).
         self.metrics_ports = {nid: free_port() for nid in ids}
+        #: Each node's buffer, from the model's KV bytes per token, the context and
+        #: ``concurrency`` (dualpath/vllm/sizing.py); [buffers] in ``settings`` wins.
+        self.buffers = plan_buffers(self.model, max_model_len, concurrency)
         base = {"engine": {"kind": "vllm"},
-                "buffers": {"pe_buffer_mib": 256, "de_buffer_mib": 256},
+                "buffers": {"pe_buffer_mib": self.buffers.mib,
+                            "de_buffer_mib": self.buffers.mib},
                 "transport": {"kind": "tcp"}}
         for sec, kv in (settings or {}).items():
             base.setdefault(sec, {}).update(kv)
+        self.buffer_mib = {k: base["buffers"][k] for k in ("pe_buffer_mib", "de_buffer_mib")}
+        #: Each instance's cores (VLLM_CPU_OMP_THREADS_BIND), in node order.
+        self.cores = dict(zip(ids, core_slices(len(ids), cores)))
         per_node = {nid: {"engine": {
             "control_listen": f"127.0.0.1:{c}", "vllm_url": f"http://127.0.0.1:{h}",
             "metrics_listen": f"127.0.0.1:{self.metrics_ports[nid]}"}}
@@ -87,7 +96,15 @@ class VllmPdCluster:
     def dir(self) -> Path:
         return self.cluster.dir
 
+    def describe(self) -> str:
+        """The derived settings, for the start-up banner."""
+        b = self.buffer_mib
+        return (f"buffers: PE {b['pe_buffer_mib']} MiB, DE {b['de_buffer_mib']} MiB "
+                f"(derived: {self.buffers.describe()}); vLLM cores: "
+                + ", ".join(f"{nid} [{c}]" for nid, c in self.cores.items()))
+
     def start(self) -> VllmPdCluster:
+        log.info("vLLM P/D cluster: %s", self.describe())
         c = self.cluster
         c.start()
         try:
@@ -116,7 +133,8 @@ class VllmPdCluster:
         path = self.dir / "frontend.toml"
         data = tomllib.loads(path.read_text())
         data["frontend"] = {"tokenizer": str(self.model), "model": self.model.name,
-                            "listen": "127.0.0.1:0", **self.frontend_settings}
+                            "listen": "127.0.0.1:0", "max_model_len": self.max_model_len,
+                            **self.frontend_settings}
         write_toml(path, data)
         ready = self.dir / "frontend.ready"
         ready.unlink(missing_ok=True)
@@ -153,6 +171,7 @@ class VllmPdCluster:
                 "--max-model-len", str(self.max_model_len),
                 "--kv-transfer-config", json.dumps(kvt)]
         env = child_env({**os.environ, **ENGINE_ENV,
+                         "VLLM_CPU_OMP_THREADS_BIND": self.cores[node_id],
                          "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                          "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
                          "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})

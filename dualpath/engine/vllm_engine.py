@@ -198,6 +198,10 @@ class VllmEngine:
         # Committed blocks not on disk yet (write-back): lookups count them, loads copy
         # them from the save's slots instead of waiting for the store.
         self._pending: dict[bytes, tuple[_Save, int]] = {}
+        # Every committed save holding each such key, the first of them in _pending:
+        # P/D requests that share a prefix each hold its blocks (adopted) until their
+        # own decode loaded them, so one leaving must not take the key from the others.
+        self._holders: dict[bytes, list[tuple[_Save, int]]] = {}
         self._save_ids = itertools.count(1)
         self._persists: set[asyncio.Task] = set()
         self._warned_cap = False
@@ -660,6 +664,7 @@ class VllmEngine:
         """``s``'s blocks count as stored (write-back) and are persisted in the
         background; its slots go back once persisted (and no load copies from them)."""
         for i, key in enumerate(s.keys):
+            self._holders.setdefault(key, []).append((s, i))
             self._pending.setdefault(key, (s, i))
         self.metrics.connector_pending_blocks.set(len(self._pending))
         t = asyncio.ensure_future(self._persist(s))
@@ -686,21 +691,32 @@ class VllmEngine:
                     log.warning("%s: persisting a block of %s failed: %s", self.node_id,
                                 s.request_id, e)
                 finally:
-                    if not s.held and self._pending.get(key, (None,))[0] is s:
-                        del self._pending[key]
-                    self.metrics.connector_pending_blocks.set(len(self._pending))
+                    if not s.held:
+                        self._unpend(s, key)
         finally:
             while s.held:                 # adopted: the decode instance loads them first
                 s.idle.clear()
                 await s.idle.wait()
             for key in s.keys:
-                if self._pending.get(key, (None,))[0] is s:
-                    del self._pending[key]
-            self.metrics.connector_pending_blocks.set(len(self._pending))
+                self._unpend(s, key)
             while s.readers:              # a load still copies from these slots
                 s.idle.clear()
                 await s.idle.wait()
             s.res.release()
+
+    def _unpend(self, s: _Save, key: bytes) -> None:
+        """``s`` no longer holds ``key`` for lookups and loads (idempotent); another
+        save that holds it, if any, does."""
+        held = self._holders.get(key)
+        if held is None:
+            return
+        held[:] = [h for h in held if h[0] is not s]
+        if held:
+            self._pending[key] = held[0]
+        else:
+            del self._holders[key]
+            self._pending.pop(key, None)
+        self.metrics.connector_pending_blocks.set(len(self._pending))
 
     def adopt(self, request_id: str, keys: list[bytes], res) -> _Save:
         """A P/D request's prompt blocks, in DE-buffer slots ``res`` (block i in slot

@@ -259,6 +259,35 @@ def test_a_load_of_blocks_still_in_write_back_takes_no_slots_of_its_own(rig):
         time.sleep(0.05)
 
 
+def test_blocks_two_requests_hold_stay_pending_until_both_let_go(rig):
+    """Two P/D requests sharing a prefix each hold its blocks (adopted) until their own
+    decode loaded them: the first to let go must not take the blocks from the second,
+    whose load would then wait for slots of its own."""
+    d, _, _, _ = rig
+    eng = d.node.engine
+    pool = eng.space.pool
+    keys = block_keys(np.arange(2 * B) + 13000, B)
+    a, b = d.call(_reserve(pool, 2)), d.call(_reserve(pool, 2))
+    sa = d.call(_adopt(eng, "ra", keys, a))
+    sb = d.call(_adopt(eng, "rb", keys, b))
+    free = pool.free
+    d.loop.call_soon_threadsafe(eng.release_adopted, sa)
+    deadline = time.monotonic() + 60          # a's slots go back once persisted
+    while pool.free != free + 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert all(eng._pending[k][0] is sb for k in keys)
+    d.loop.call_soon_threadsafe(eng.release_adopted, sb)
+    while pool.free != free + 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not any(k in eng._pending for k in keys)
+
+
+async def _adopt(eng, rid, keys, res):
+    return eng.adopt(rid, keys, res)
+
+
 async def _make_event() -> asyncio.Event:
     return asyncio.Event()
 

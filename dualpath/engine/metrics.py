@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client.metrics_core import CounterMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
 from dualpath import clock
 from dualpath import metrics as m
@@ -138,6 +138,37 @@ class OwnedCounters:
         for name, owner, k, doc in _OWNED_COUNTERS:
             yield CounterMetricFamily(name[: -len("_total")], doc,
                                       value=values[owner].get(k, 0))
+
+
+_POOL_GAUGES = (
+    ("dualpath_node_buffer_capacity_blocks", "capacity",
+     "Full Block slots of this node's DRAM buffer (PE or DE buffer)."),
+    ("dualpath_node_buffer_free_blocks", "free",
+     "Slots of that buffer no request holds; equal to its capacity once the node is idle "
+     "and its write-back drained (less means a leak)."),
+    ("dualpath_node_buffer_waiting_reservations", "waiting",
+     "Requests waiting for slots of that buffer (first come, first served)."),
+)
+
+
+class PoolGauges:
+    """A collector reading the node's buffer pool at scrape time (``pool()``: the pool,
+    or None before a vLLM worker attached and the pool exists)."""
+
+    def __init__(self, pool: Callable[[], object | None]):
+        self._pool = pool
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        for name, _, doc in _POOL_GAUGES:
+            yield GaugeMetricFamily(name, doc, labels=("buffer",))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        pool = self._pool()
+        for name, attr, doc in _POOL_GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=("buffer",))
+            if pool is not None:
+                g.add_metric((pool.name,), getattr(pool, attr))
+            yield g
 
 
 class CountingLimiter(RateLimiter):

@@ -52,7 +52,7 @@ from dualpath.engine.fence import Fences
 from dualpath.engine.forward import PrefillForward
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.leader import Leader
-from dualpath.engine.metrics import CountingLimiter, NodeMetrics, OwnedCounters
+from dualpath.engine.metrics import CountingLimiter, NodeMetrics, OwnedCounters, PoolGauges
 from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
 from dualpath.engine.peers import PeerClient
 from dualpath.engine.prefill import PrefillPath
@@ -177,6 +177,7 @@ class NodeDaemon:
             services = self._start_emulated(buf_name)
         add_services(self.server, services)
         self.registry.register(OwnedCounters(self.transfer.stats, self._store_stats))
+        self.registry.register(PoolGauges(self._pool))
         self.metrics_srv = _metrics.start_metrics_server(ecfg.metrics_listen, self.registry,
                                                         "engine.metrics_listen")
         if self.metrics_srv is not None:
@@ -311,6 +312,11 @@ class NodeDaemon:
                       available=(lambda: self.instance.up) if vllm else (lambda: True),
                       quota=None if vllm or self.role != PREFILL
                       else self.path.forward.set_quota)
+
+    def _pool(self):
+        """The node's buffer pool (None until a vLLM worker attached)."""
+        space = self.engine.space if isinstance(self.engine, VllmEngine) else self.space
+        return space.pool if space is not None else None
 
     def _store_stats(self) -> dict[str, int]:
         """The block store's counters (a vLLM node opens its store when its worker first

@@ -96,7 +96,7 @@ def _wait_state(pd: VllmPdCluster, rid: str, state: int, bound_s: float = 120.0)
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory, model_dirs):
     e = EngineProcess(engine_args(model_dirs["tiny"], prefix_caching=True,
-                                  max_model_len=4096),
+                                  max_model_len=8192),
                       tmp_path_factory.mktemp("oracle") / "oracle.log", env=ENGINE_ENV)
     yield e
     e.close()
@@ -385,3 +385,56 @@ def test_front_end_bad_input_gets_an_openai_error_naming_it(rig, case):
     assert st == status, out
     err = out["error"]
     assert needle in (err["message"] + str(err.get("param")) + str(err.get("code"))), err
+
+
+def test_concurrent_requests_on_one_stored_prefix_wait_their_turn_and_are_the_oracle(
+        tmp_path_factory, model_dirs, oracle):
+    """K = 4 requests at once, each a 6,144-token stored prefix plus its own suffix, on
+    buffers sized for 2 requests of the full context (up --concurrency 2): the others
+    wait their turn in the pools. Every request is served at its first attempt with the
+    oracle's tokens, no load fails, no node loses its lease, and once idle every pool
+    is full again. (Before, a decode node's loads reserved a second copy of the blocks it
+    held: this stalled for minutes and failed requests after five attempts.)"""
+    import random
+
+    tmp = tmp_path_factory.mktemp("load")
+    pd = VllmPdCluster(model_dirs["tiny"], max_model_len=8192, concurrency=2,
+                       work_dir=str(tmp / "cluster")).start()
+    r = Rig(pd, oracle)
+    try:
+        assert pd.buffers.request_blocks == 65
+        rng = random.Random(35)
+        prefix = [rng.randrange(49152) for _ in range(6144)]
+        r.turn(prefix, 2, 0)                           # computes and stores the prefix
+        pd.wait_written()
+        prompts = [prefix + [rng.randrange(49152) for _ in range(100)] for _ in range(4)]
+
+        async def together():
+            return await asyncio.gather(*(r.gen.generate(
+                f"k{i}", p, 8, hit_tokens=len(prefix), block_tokens=T, timeout_s=300)
+                for i, p in enumerate(prompts)))
+        got = r.loop.run_until_complete(together())
+        for p, g in zip(prompts, got):
+            assert g.attempt == 1, g
+            # Read from storage, or (a DE read) copied from blocks the decode node still
+            # holds for another of them: never more than the hit.
+            assert g.prefill_read_bytes + g.decode_read_bytes <= 48 * BLOCK_BYTES
+            ref = oracle.generate(p, 8)
+            assert close({"token_ids": g.token_ids, "logprobs": g.logprobs}, ref)
+        pd.wait_written()
+        for nid in ("p0", "d0"):
+            assert pd.registrations(nid) == 1, f"{nid} registered again (lost its lease)"
+            m = pd.node_metrics(nid)
+            assert m.get("dualpath_node_connector_load_failed_blocks_total", 0) == 0
+            assert m.get("dualpath_node_hit_blocks_recomputed_total", 0) == 0
+            deadline = time.monotonic() + 60
+            while (m["dualpath_node_buffer_free_blocks"]
+                   != m["dualpath_node_buffer_capacity_blocks"]):
+                assert time.monotonic() < deadline, (nid, m)
+                time.sleep(0.2)
+                m = pd.node_metrics(nid)
+            assert m["dualpath_node_buffer_waiting_reservations"] == 0
+        log = (pd.dir / "logs" / "vllm-d0.log").read_text()
+        assert "did not load" not in log and "made no progress" not in log
+    finally:
+        r.close()

@@ -144,8 +144,8 @@ _POOL_GAUGES = (
     ("dualpath_node_buffer_capacity_blocks", "capacity",
      "Full Block slots of this node's DRAM buffer (PE or DE buffer)."),
     ("dualpath_node_buffer_free_blocks", "free",
-     "Slots of that buffer no request holds; equal to its capacity once the node is idle "
-     "and its write-back drained (less means a leak)."),
+     ("Slots of that buffer no request holds; equal to its capacity once the node is "
+      "idle and its write-back drained (less means a leak).")),
     ("dualpath_node_buffer_waiting_reservations", "waiting",
      "Requests waiting for slots of that buffer (first come, first served)."),
 )

@@ -55,6 +55,9 @@ log = logging.getLogger("dualpath.engine")
 MAX_ATTEMPTS_KEPT = 65536
 #: UNAVAILABLE / DEADLINE_EXCEEDED answers in a row after which the channel is made anew.
 RECONNECT_AFTER = 5
+#: How long an idle leader's fetch may be held by the scheduler (FetchRequest.wait_ms;
+#: the scheduler bounds it by a third of the lease).
+IDLE_WAIT_MS = 1000
 #: Bytes of a FAILED completion's error (the scheduler keeps at most this much too).
 MAX_ERROR_BYTES = 512
 #: Request ids per GetResults call (below the scheduler's max_submit_requests).
@@ -246,9 +249,14 @@ class Leader:
             self._last_status_log = now
             log.info("%s: in flight: %s", self.node_id, busy[:6])
         try:
+            # Idle (nothing running, nothing to report): a long poll the scheduler holds
+            # until work moves, instead of a fetch every interval (an idle cluster's
+            # CPU went to fetching nothing).
+            idle = not busy and not done and not self.unconfirmed
             r = await self.scheduler.Fetch(scheduler_pb2.FetchRequest(
                 group_id=self.node_id, lease_id=self.lease_id,
-                engines=[self._status(e) for e in self.ranks], completions=done), timeout=5)
+                engines=[self._status(e) for e in self.ranks], completions=done,
+                wait_ms=IDLE_WAIT_MS if idle else 0), timeout=5 + IDLE_WAIT_MS / 1000)
         except grpc.aio.AioRpcError:
             self.completions[:0] = done     # reports are idempotent: resend next time
             raise

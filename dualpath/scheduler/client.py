@@ -104,12 +104,12 @@ class SchedulerClient:
     async def fetch(self, group_id: str, lease_id: int,
                     engines: Iterable[scheduler_pb2.EngineStatus],
                     max_assignments: int = 0,
-                    completions: Iterable[scheduler_pb2.Completion] = ()
-                    ) -> scheduler_pb2.FetchResponse:
+                    completions: Iterable[scheduler_pb2.Completion] = (),
+                    wait_ms: int = 0) -> scheduler_pb2.FetchResponse:
         return await self.scheduler.Fetch(scheduler_pb2.FetchRequest(
             group_id=group_id, lease_id=lease_id, engines=list(engines),
-            max_assignments=max_assignments, completions=list(completions)),
-            timeout=self.timeout_s)
+            max_assignments=max_assignments, completions=list(completions),
+            wait_ms=wait_ms), timeout=self.timeout_s + wait_ms / 1000)
 
     async def report(self, group_id: str, lease_id: int,
                      completions: Iterable[scheduler_pb2.Completion]

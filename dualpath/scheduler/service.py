@@ -81,7 +81,8 @@ _STATUS = (
 )
 _ERRORS = (*(cls for cls, _ in _STATUS), JournalError)
 
-LAG_TICK_S = 0.05
+#: The longest an idle leader's fetch is held (FetchRequest.wait_ms).
+MAX_FETCH_WAIT_MS = 2000
 # gc thresholds once serving: young generations as Python's defaults; a full collection
 # considered only every 100 gen-1 collections (default 10), i.e. every ~10 s at 6,000
 # requests/s instead of every ~1 s (bench/scheduler.py: each walks all live requests).
@@ -280,6 +281,7 @@ class SchedulerService:
         self.on_fatal: Callable[[], None] | None = None
         self._ended = self._ended_total()
         self._ended_event: asyncio.Event | None = None
+        self._changed_event: asyncio.Event | None = None
 
     def close(self) -> None:
         """Write what was handed to the journal and close it (idempotent)."""
@@ -348,6 +350,30 @@ class SchedulerService:
             if self.on_fatal is not None:
                 self.on_fatal()
 
+    def changed(self) -> None:
+        """Work moved (submitted, assigned, requeued, cancelled, a group came or went):
+        wake the leaders' long-polling fetches."""
+        if self._changed_event is not None:
+            self._changed_event.set()
+            self._changed_event = None
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Until :meth:`changed` (or ``timeout_s``)."""
+        if self._changed_event is None:
+            self._changed_event = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed_event.wait(), timeout_s)
+
+    def fetch_wait_s(self, wait_ms: int) -> float:
+        """How long an idle fetch asking ``wait_ms`` may be held: within a third of the
+        lease (the fetch renews it) and until the next backoff ends (nothing else makes a
+        request eligible without an event)."""
+        s = min(wait_ms, MAX_FETCH_WAIT_MS, self.config.lease_ms // 3) / 1000.0
+        due = self.core.next_due()
+        if due is not None:
+            s = min(s, max(0.0, due - self.clock()))
+        return s
+
     async def wait_ended(self, timeout_s: float) -> None:
         """Until some request ends (or ``timeout_s``)."""
         if self._ended_event is None:
@@ -378,7 +404,10 @@ class SchedulerService:
         if self.failed is not None:
             return []
         recovering = len(self.core.recovering)
+        queued = len(self.core.global_queue)
         late = self.core.expire(self.clock())
+        if late or len(self.core.global_queue) != queued:
+            self.changed()
         for g in late:
             log.warning("group %s (%s) missed its lease; marked down, its unfinished "
                         "requests requeued", g.group_id, _ROLE_LABEL[g.role])
@@ -391,11 +420,12 @@ class SchedulerService:
         return late
 
     def start_sweeper(self, period_s: float | None = None) -> None:
-        """Housekeeping every ``period_s`` (default min(1 s, lease/4)); in between, a
-        50 ms tick measures how late the loop wakes it (the event-loop lag histogram:
-        GC pauses, slow handlers, a starved CPU all show up there)."""
+        """Housekeeping every ``period_s`` (default min(1 s, lease/4)); each wake-up
+        measures how late the loop woke it (the event-loop lag histogram: GC pauses, slow
+        handlers, a starved CPU all show up there). No tick in between: an idle scheduler
+        wakes once a period."""
         period = period_s or min(1.0, self.core.params.lease_s / 4)
-        tick = min(LAG_TICK_S, period)
+        tick = period
 
         async def sweep() -> None:
             loop = asyncio.get_running_loop()
@@ -525,6 +555,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                         claims, owner=caller)
             cancelled = svc.core.take_cancelled(g)
             svc.commit()
+            svc.changed()
         except _ERRORS as e:
             if isinstance(e, PermissionDenied):
                 log.warning("RegisterGroup refused: %s", e)
@@ -561,6 +592,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             res = svc.core.fetch(request.group_id, request.lease_id, reports, now,
                                  request.max_assignments, caller)
             svc.commit()
+            if res.assignments or res.cancelled or accepted:
+                svc.changed()
+            elif request.wait_ms and not request.completions:
+                wait = svc.fetch_wait_s(request.wait_ms)
+                if wait > 0:
+                    await svc.durable(context)
+                    await svc.wait_changed(wait)
+                    await _refuse_if_failed(svc, context)
+                    res = svc.core.fetch(request.group_id, request.lease_id, reports,
+                                         svc.clock(), request.max_assignments, caller)
+                    svc.commit()
+                    if res.assignments or res.cancelled:
+                        svc.changed()
         except _ERRORS as e:
             with contextlib.suppress(JournalError):
                 svc.commit()   # a lease found expired gave its requests back
@@ -584,6 +628,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                                 _completions(request.completions), svc.clock(),
                                                 caller)
             svc.commit()
+            if accepted:
+                svc.changed()
         except _ERRORS as e:
             with contextlib.suppress(JournalError):
                 svc.commit()
@@ -600,6 +646,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             n = svc.core.release_group(request.group_id, request.lease_id, svc.clock(),
                                        caller)
             svc.commit()
+            svc.changed()
         except _ERRORS as e:
             await _abort(context, e)
         if n or request.group_id in svc.core.groups:
@@ -618,6 +665,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             out = core.submit(specs, svc.clock())
             svc.commit()
+            if out.ids:
+                svc.changed()
         except _ERRORS as e:
             await _abort(context, e)
         reply = scheduler_pb2.SubmitRequestResponse(
@@ -714,6 +763,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             e = svc.core.drain(request.engine_id, request.undo)
         except _ERRORS as err:
             await _abort(context, err)
+        svc.changed()
         log.info("engine %s %s", e.engine_id, "undrained" if request.undo else "drained")
         return admin_pb2.DrainResponse(engine=svc.engine_view(e))
 
@@ -726,6 +776,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             svc.core.set_params(**changes)
         except _ERRORS as e:
             await _abort(context, e)
+        svc.changed()
         log.info("parameters changed: %s", changes)
         return admin_pb2.SetParamsResponse(params=svc.params_pb())
 
@@ -759,6 +810,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         try:
             svc.core.cancel(ids, svc.clock())
             svc.commit()
+            svc.changed()
         except _ERRORS as e:
             await _abort(context, e)
         if live:

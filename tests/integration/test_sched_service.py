@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from dualpath import clock as _clock
 from dualpath import metrics
 from dualpath.scheduler.client import SchedulerClient
 from dualpath.scheduler.config import SchedulerConfig
@@ -128,6 +129,37 @@ def test_leader_protocol_end_to_end():
             # The reads each node was ordered to do, in bytes (ctl top's READ_MB/S).
             assert {v.node_id: v.node_read_bytes_total for v in views.values()} == \
                 {"pe-node0": 3 * 900 * KVB, "de-node0": 2 * 900 * KVB}
+
+    run(body())
+
+
+def test_an_idle_leaders_fetch_is_held_until_work_arrives_for_it():
+    """An idle cluster costs no fetch every few ms: a fetch with wait_ms that would answer
+    nothing is held until something changes. A submit wakes the DE's held fetch with its
+    assignment, and that fetch wakes the PE's with the PE's; a held fetch with nothing
+    to wake it ends empty when its wait is over."""
+    async def body():
+        cfg = SchedulerConfig(lease_ms=30_000)        # holds of up to MAX_FETCH_WAIT_MS
+        async with scheduler(cfg, clock=_clock.now) as (_svc, c):
+            de_eng = engines("de0", 1, "de-node0", hbm_tokens=100_000)
+            pe_eng = engines("pe0", 1, "pe-node0")
+            de = await c.register_group("de0", pb.ENGINE_ROLE_DECODE, de_eng)
+            pe = await c.register_group("pe0", pb.ENGINE_ROLE_PREFILL, pe_eng)
+            # A wait with nothing to wake it: empty, after most of the second.
+            t0 = _clock.now()
+            got = await c.fetch("pe0", pe.lease_id, status(pe_eng), wait_ms=300)
+            assert not got.assignments and _clock.now() - t0 >= 0.25
+            de_poll = asyncio.ensure_future(c.fetch(
+                "de0", de.lease_id, status(de_eng, free_tokens=100_000), wait_ms=2000))
+            pe_poll = asyncio.ensure_future(c.fetch("pe0", pe.lease_id, status(pe_eng),
+                                                    wait_ms=2000))
+            await asyncio.sleep(0.2)
+            assert not de_poll.done() and not pe_poll.done()      # held
+            await c.submit([pb.RequestSpec(prompt_tokens=100, max_new_tokens=4)])
+            got = await asyncio.wait_for(de_poll, 1.5)   # woken, not at its 2 s
+            assert [a.request_id for a in got.assignments] == ["r-1"]
+            got = await asyncio.wait_for(pe_poll, 1.5)
+            assert [a.prefill_engine_id for a in got.assignments] == ["pe0.0"]
 
     run(body())
 

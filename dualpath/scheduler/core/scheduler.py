@@ -574,6 +574,14 @@ class Scheduler:
         self._timers(now)
         return late
 
+    def next_due(self) -> float | None:
+        """When the earliest backoff ends (None: none waits)."""
+        heap = self._backoff_heap
+        while heap and not (heap[0][2].stage is Stage.BACKOFF
+                            and heap[0][2].not_before == heap[0][0]):
+            heapq.heappop(heap)              # a stale entry (cancelled, re-queued)
+        return heap[0][0] if heap else None
+
     def _timers(self, now: float) -> None:
         heap = self._backoff_heap
         if heap and heap[0][0] <= now:

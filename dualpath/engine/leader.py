@@ -106,6 +106,8 @@ class Leader:
         self.completions: list[scheduler_pb2.Completion] = []
         # Request id -> the attempt of its assignment here, until this node reports it.
         self.attempts: dict[str, int] = {}
+        self._polling = False                  # a long-poll fetch is in flight
+        self._reporter: asyncio.Future | None = None   # completions sent meanwhile
         # DECODE_DONEs the scheduler did not acknowledge: asked about with GetResults.
         self.unconfirmed: list[scheduler_pb2.Completion] = []
         self.lease_id = 0
@@ -136,6 +138,28 @@ class Leader:
             attempt=self.attempts.pop(rid, 0),
             error=error.encode()[:MAX_ERROR_BYTES].decode(errors="ignore"),
             suspect_engine_id=suspect, final=final))
+        if self._polling and self._reporter is None:
+            # The fetch in flight is a long poll the scheduler may hold for a second:
+            # this completion goes at once, on a call of its own.
+            self._reporter = asyncio.ensure_future(self._report_now())
+
+    async def _report_now(self) -> None:
+        """Deliver the queued completions (ReportCompletion; same rules and idempotence
+        as on a fetch). Undelivered ones ride on the next fetch."""
+        try:
+            while self.completions and self.lease_id:
+                done, self.completions = self.completions, []
+                try:
+                    r = await self.scheduler.ReportCompletion(
+                        scheduler_pb2.ReportCompletionRequest(
+                            group_id=self.node_id, lease_id=self.lease_id,
+                            completions=done), timeout=5)
+                except grpc.aio.AioRpcError:
+                    self.completions[:0] = done
+                    return
+                self._settle(done, set(r.ignored_request_ids))
+        finally:
+            self._reporter = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Register, then fetch/report every interval until ``stop`` is set."""
@@ -252,11 +276,15 @@ class Leader:
             # Idle (nothing running, nothing to report): a long poll the scheduler holds
             # until work moves, instead of a fetch every interval (an idle cluster's
             # CPU went to fetching nothing).
-            idle = not busy and not done and not self.unconfirmed
-            r = await self.scheduler.Fetch(scheduler_pb2.FetchRequest(
-                group_id=self.node_id, lease_id=self.lease_id,
-                engines=[self._status(e) for e in self.ranks], completions=done,
-                wait_ms=IDLE_WAIT_MS if idle else 0), timeout=5 + IDLE_WAIT_MS / 1000)
+            idle = not busy and not self.attempts and not done and not self.unconfirmed
+            self._polling = idle
+            try:
+                r = await self.scheduler.Fetch(scheduler_pb2.FetchRequest(
+                    group_id=self.node_id, lease_id=self.lease_id,
+                    engines=[self._status(e) for e in self.ranks], completions=done,
+                    wait_ms=IDLE_WAIT_MS if idle else 0), timeout=5 + IDLE_WAIT_MS / 1000)
+            finally:
+                self._polling = False
         except grpc.aio.AioRpcError:
             self.completions[:0] = done     # reports are idempotent: resend next time
             raise

@@ -101,8 +101,9 @@ def summary(records: Sequence[RoundRecord]) -> dict:
 
 
 def http_generate(url: str, model: str, api_key: str = "") -> tuple[Generate, Callable]:
-    """A :data:`Generate` through the front end's /v1/completions (streamed, greedy,
-    ignore_eos), and the coroutine function that closes its session."""
+    """A :data:`Generate` through an OpenAI server's /v1/completions (streamed, greedy,
+    ignore_eos, token ids asked for as vLLM's own server names it: DualPath's front end
+    or plain vLLM alike), and the coroutine function that closes its session."""
     import aiohttp
 
     session: list = []
@@ -113,7 +114,7 @@ def http_generate(url: str, model: str, api_key: str = "") -> tuple[Generate, Ca
             session.append(aiohttp.ClientSession(headers=headers,
                                                  timeout=aiohttp.ClientTimeout(total=3600)))
         body = {"model": model, "prompt": prompt, "max_tokens": gen, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
         t0 = time.monotonic()
         first = 0.0
         ids: list[int] = []

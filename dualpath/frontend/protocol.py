@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 #: Fields each endpoint accepts; any other one is a 400 naming it.
 COMPLETION_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p",
                                "seed", "stream", "logprobs", "ignore_eos", "user", "n",
-                               "stream_options"})
+                               "stream_options", "return_token_ids"})
 CHAT_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens",
                          "temperature", "top_p", "seed", "stream", "logprobs", "user", "n",
                          "ignore_eos", "stream_options"})
@@ -121,6 +121,7 @@ def _common(body, fields: frozenset, limits: Limits, chat: bool) -> Call:
                 ignore_eos=_flag(body, "ignore_eos"))
     if "user" in body and not isinstance(body["user"], str):
         raise bad("'user' must be a string", "user")
+    _flag(body, "return_token_ids")     # vLLM's; completions carry token_ids anyway
     return call
 
 

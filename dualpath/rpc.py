@@ -36,6 +36,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_free(listen: str, what: str) -> None:
+    """Refuse (UsageError, at once) a listen address another process holds, naming it:
+    a daemon that finds its port taken only after minutes of start-up helps no one."""
+    import errno
+    import socket
+
+    host, port = parse_listen(listen, what)
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            why = ("another process listens there (vLLM's own server defaults to 8000)"
+                   if e.errno == errno.EADDRINUSE else e.strerror)
+            raise UsageError(f"{what} = {listen}: cannot listen there: {why}; choose "
+                             "another address or stop that process") from None
+
+
 def check_listen(section: str, optional: tuple[str, ...] = (), **listens: str) -> None:
     """For a config section's validate(): each ``key=value`` is host:port; a key named
     in ``optional`` may also be empty (off)."""

@@ -221,6 +221,8 @@ def _up_vllm(args) -> int:
     every process it started, vLLM's own children included."""
     from pathlib import Path
 
+    from dualpath.cluster.local import ClusterError
+    from dualpath.rpc import check_free
     from dualpath.vllm import models
     from dualpath.vllm.pd import VllmPdCluster
 
@@ -237,24 +239,31 @@ def _up_vllm(args) -> int:
         settings.setdefault("storage", {})["snic_gbit_per_s"] = cfg.storage.snic_gbit_per_s
     fe = dict(raw.get("frontend", {}))
     fe.setdefault("listen", cfg.frontend.listen)
+    check_free(fe["listen"], "frontend.listen")     # before minutes of start-up
     pd = VllmPdCluster(model, prefill_nodes=cfg.cluster.prefill_nodes,
                        decode_nodes=cfg.cluster.decode_nodes, work_dir=cfg.cluster.work_dir,
                        settings=settings, max_model_len=args.max_model_len, frontend=fe,
-                       concurrency=args.concurrency)
+                       concurrency=args.concurrency,
+                       progress=lambda m: print(f"dualpath up: {m}", flush=True))
     print(f"dualpath up: {pd.describe()}", flush=True)
-    rc = 0
+    rc = 1                       # a start that fails keeps the whole work directory
     try:
         stop = _start_then_wait_for_signals(pd.start)
         print(f"dualpath up: OpenAI API at {pd.frontend_url}/v1 (model {model.name}); "
               f"scheduler {pd.cluster.scheduler_address}; "
               + ", ".join(f"{nid} beside vLLM {i.url}" for nid, i in pd.instances.items())
-              + f"; logs {pd.dir / 'logs'}. Ctrl-C stops.", flush=True)
+              + f"; {pd.addresses()}; logs {pd.dir / 'logs'}. Ctrl-C stops.", flush=True)
         rc = _until_stopped_or_dead(stop, pd.dead, pd.dir / "logs")
     except KeyboardInterrupt:
-        pass
+        rc = 0
+    except ClusterError as e:
+        raise ClusterError(f"{e}\n(the work directory {pd.dir} is kept)") from None
     finally:
         pd.stop()
-        pd.cleanup(keep=rc != 0)
+        # A clean stop keeps the logs (where the banner said), a failure everything.
+        pd.cleanup(keep=rc != 0, keep_logs=True)
+        if rc == 0:
+            print(f"dualpath up: stopped; logs kept in {pd.dir / 'logs'}", flush=True)
     return rc
 
 

@@ -380,13 +380,21 @@ class LocalCluster:
             for p in procs:
                 kill_group(p.pid)
 
-    def cleanup(self, keep: bool = False) -> None:
+    def cleanup(self, keep: bool = False, keep_logs: bool = False) -> None:
         """Remove a work directory this cluster made (after stop()); ``keep`` leaves it
-        (its logs) and only dismisses the janitor."""
+        whole and only dismisses the janitor; ``keep_logs`` removes all but its logs."""
         if self._own_dir and not keep:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            if keep_logs:
+                for p in self.dir.iterdir():
+                    if p.name != "logs":
+                        if p.is_dir() and not p.is_symlink():
+                            shutil.rmtree(p, ignore_errors=True)
+                        else:
+                            p.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(self.dir, ignore_errors=True)
         if self._janitor is not None:
-            self._janitor.finish(keep)
+            self._janitor.finish(keep or keep_logs)
             self._janitor = None
 
     def __enter__(self) -> Self:

@@ -31,9 +31,14 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
 
 
 def default_dir() -> Path:
+    """$DUALPATH_MODEL_DIR; else the checkout's .cache/models where `make install`
+    prepared the models (a source checkout's editable install); else the user's cache."""
     env = os.environ.get("DUALPATH_MODEL_DIR")
     if env:
         return Path(env)
+    checkout = Path(__file__).resolve().parents[2] / ".cache" / "models"
+    if any((checkout / n / "config.json").is_file() for n in NAMES):
+        return checkout
     base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return Path(base) / "dualpath" / "models"
 

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from dualpath.cluster.lifetime import child_env, exec_argv, kill_group
-from dualpath.cluster.local import ClusterError, LocalCluster, free_port
+from dualpath.cluster.local import ClusterError, LocalCluster, _tail, free_port
 from dualpath.errors import UsageError
 from dualpath.vllm.local import CONNECTOR, ENGINE_ENV
 from dualpath.vllm.sizing import core_slices, plan_buffers
@@ -53,10 +53,13 @@ class VllmPdCluster:
                  work_dir: str = "", settings: dict | None = None, max_model_len: int = 4096,
                  kv_cache_gib: int = 1, start_timeout_s: float = 600.0,
                  frontend: dict | None = None, prefix_caching: bool = False,
-                 concurrency: int = 4, cores: list[int] | None = None):
+                 concurrency: int = 4, cores: list[int] | None = None,
+                 progress=None):
         if prefill_nodes < 1 or decode_nodes < 1:
             raise UsageError("a P/D cluster needs at least one prefill and one decode node")
         self.model = Path(model)
+        #: One line per start-up stage (the `up` command prints them; else the log).
+        self.progress = progress or log.info
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
         self.start_timeout_s = start_timeout_s
@@ -70,7 +73,9 @@ class VllmPdCluster:
         #: Each node's buffer, from the model's KV bytes per token, the context and
         #: ``concurrency`` (dualpath/vllm/sizing.py); [buffers] in ``settings`` wins.
         self.buffers = plan_buffers(self.model, max_model_len, concurrency)
+        self.scheduler_metrics_port = free_port()
         base = {"engine": {"kind": "vllm"},
+                "scheduler": {"metrics_listen": f"127.0.0.1:{self.scheduler_metrics_port}"},
                 "buffers": {"pe_buffer_mib": self.buffers.mib,
                             "de_buffer_mib": self.buffers.mib},
                 "transport": {"kind": "tcp"}}
@@ -96,6 +101,16 @@ class VllmPdCluster:
     def dir(self) -> Path:
         return self.cluster.dir
 
+    def addresses(self) -> str:
+        """Where an operator looks: each node's /metrics, the front end's, and the
+        admin config `dualpath ctl` takes."""
+        fe = f", front end {self.frontend_url}/metrics" if self.frontend_url else ""
+        return ("metrics: " + ", ".join(f"{nid} http://127.0.0.1:{p}/metrics"
+                                        for nid, p in self.metrics_ports.items())
+                + f", scheduler http://127.0.0.1:{self.scheduler_metrics_port}/metrics{fe}; "
+                f"`dualpath ctl "
+                f"... --config {self.cluster.config_path}` steers the scheduler")
+
     def describe(self) -> str:
         """The derived settings, for the start-up banner."""
         b = self.buffer_mib
@@ -105,16 +120,26 @@ class VllmPdCluster:
 
     def start(self) -> VllmPdCluster:
         log.info("vLLM P/D cluster: %s", self.describe())
+        t0 = time.monotonic()
+
+        def stage(what: str) -> None:
+            self.progress(f"[{time.monotonic() - t0:5.1f} s] {what}")
         c = self.cluster
+        stage("starting the scheduler and the node daemons")
         c.start()
         try:
+            stage(f"node daemons up; starting {len(c.nodes)} vLLM instances (loading the "
+                  "model, profiling its KV cache)")
             for n in c.nodes:
                 self.start_instance(n.node_id)
             for nid in list(self.instances):
                 self._wait_instance(nid)
+                stage(f"vLLM beside {nid} serves")
             self._wait_registered()
+            stage("every node registered with the scheduler")
             if self.frontend_settings is not None:
                 self._start_frontend()
+                stage(f"front end at {self.frontend_url}")
         except BaseException:
             self.stop()
             raise
@@ -143,7 +168,8 @@ class VllmPdCluster:
         deadline = time.monotonic() + 120
         while not ready.exists():
             if self.frontend.poll() is not None or time.monotonic() > deadline:
-                raise ClusterError(f"the front end did not start; see {log_path}")
+                raise ClusterError(f"the front end did not start; see {log_path}:\n"
+                                   f"{_tail(log_path)}")
             time.sleep(0.1)
         self.frontend_url = ready.read_text().strip()
 
@@ -193,7 +219,7 @@ class VllmPdCluster:
         while True:
             if inst.proc.poll() is not None:
                 raise ClusterError(f"vLLM beside {node_id} exited ({inst.proc.returncode}); "
-                                   f"see {inst.log_path}")
+                                   f"see {inst.log_path}:\n{_tail(inst.log_path)}")
             try:
                 with urllib.request.urlopen(inst.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -202,7 +228,8 @@ class VllmPdCluster:
                 pass
             if time.monotonic() > deadline:
                 raise ClusterError(f"vLLM beside {node_id} not up in "
-                                   f"{self.start_timeout_s:g} s; see {inst.log_path}")
+                                   f"{self.start_timeout_s:g} s; see {inst.log_path}:\n"
+                                   f"{_tail(inst.log_path)}")
             time.sleep(0.5)
 
     def _wait_registered(self, timeout_s: float = 120.0) -> None:
@@ -211,7 +238,8 @@ class VllmPdCluster:
         for n in self.cluster.nodes:
             while "group registered" not in n.log_path.read_text(errors="replace"):
                 if n.proc.poll() is not None or time.monotonic() > deadline:
-                    raise ClusterError(f"node {n.node_id} did not register; see {n.log_path}")
+                    raise ClusterError(f"node {n.node_id} did not register; see "
+                                       f"{n.log_path}:\n{_tail(n.log_path)}")
                 time.sleep(0.2)
 
     def restart_instance(self, node_id: str) -> None:
@@ -305,5 +333,5 @@ class VllmPdCluster:
             kill_group(inst.proc.pid)
         self.cluster.stop()
 
-    def cleanup(self, keep: bool = False) -> None:
-        self.cluster.cleanup(keep)
+    def cleanup(self, keep: bool = False, keep_logs: bool = False) -> None:
+        self.cluster.cleanup(keep, keep_logs)

@@ -28,12 +28,13 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
-from dualpath import tls
-from dualpath.cluster.generate import FINAL, GenerationFailed, Generator
+from dualpath import metrics, tls
+from dualpath.cluster.generate import FINAL, Generated, GenerationFailed, Generator
 from dualpath.errors import ConfigError, DualPathError, RemoteUnavailable, UsageError
 from dualpath.frontend import protocol as api
 from dualpath.frontend.config import FrontendConfig
 from dualpath.frontend.index import HitIndex
+from dualpath.frontend.served import FrontendMetrics, Served, served
 from dualpath.frontend.tokens import Tokens
 from dualpath.scheduler.client import rpc_error
 
@@ -63,6 +64,8 @@ class FrontEnd:
                                  cfg.max_model_len)
         self.index = HitIndex(cfg.block_tokens, cfg.index_blocks)
         self.gen = Generator(scheduler, tls_config, tls_config)
+        self.registry = metrics.new_registry()
+        self.metrics = FrontendMetrics(self.registry)
         self.in_flight = 0
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -74,6 +77,7 @@ class FrontEnd:
         app = web.Application(client_max_size=self.cfg.max_body_bytes,
                               middlewares=[self._errors])
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -101,15 +105,18 @@ class FrontEnd:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
-            if request.path != "/health" and self.key:
+            if request.path not in ("/health", "/metrics") and self.key:
                 got = request.headers.get("Authorization", "")
                 if not (got.startswith("Bearer ") and
                         hmac.compare_digest(got[7:].strip().encode(), self.key)):
                     raise api.ApiError(401, "missing or incorrect API key (send "
                                        "'Authorization: Bearer <key>')",
                                        code="invalid_api_key")
-            return await handler(request)
+            resp = await handler(request)
+            self._count(request, resp.status)
+            return resp
         except api.ApiError as e:
+            self._count(request, e.status)
             return web.json_response(e.body(), status=e.status)
         except web.HTTPRequestEntityTooLarge:
             e = api.ApiError(413, f"the request body is larger than "
@@ -126,6 +133,14 @@ class FrontEnd:
             err = api.ApiError(500, "internal error (logged by the front end)",
                                type_="server_error", code="internal_error")
             return web.json_response(err.body(), status=500)
+
+    def _count(self, request: web.Request, status: int) -> None:
+        if request.path.startswith("/v1/") and request.method == "POST":
+            self.metrics.requests.labels(str(status)).inc()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=metrics.render(self.registry),
+                            content_type="text/plain", charset="utf-8")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "model": self.model})
@@ -178,22 +193,26 @@ class FrontEnd:
         # same tokens, so a stream never shows two different continuations.
         seed = call.seed if call.seed >= 0 else secrets.randbits(62)
         self.in_flight += 1
+        self.metrics.in_flight.inc()
         try:
             if call.stream:
                 return await self._stream(request, call, ids, rid, seed)
-            g = await self._generate(call, ids, rid, seed, None)
+            g, s = await self._generate(call, ids, rid, seed, None)
             text = self.tokens.decode(g.token_ids)
             return web.json_response(api.answer(
                 call, rid, text, g.token_ids, g.logprobs, len(ids),
-                api.finish_reason(call, len(g.token_ids))))
+                api.finish_reason(call, len(g.token_ids))), headers=s.headers())
         finally:
             self.in_flight -= 1
+            self.metrics.in_flight.dec()
 
     async def _generate(self, call: api.Call, ids: list[int], rid: str, seed: int,
-                        on_partial):
+                        on_partial) -> tuple[Generated, Served]:
+        """The request's tokens, and what happened to it (also counted in /metrics)."""
+        hit = self.index.hit_tokens(ids)
         try:
             g = await self.gen.generate(
-                rid, ids, call.max_tokens, hit_tokens=self.index.hit_tokens(ids),
+                rid, ids, call.max_tokens, hit_tokens=hit,
                 block_tokens=self.cfg.block_tokens, timeout_s=self.cfg.request_timeout_s,
                 temperature=call.temperature, top_p=call.top_p, seed=seed,
                 ignore_eos=call.ignore_eos, on_partial=on_partial)
@@ -214,7 +233,9 @@ class FrontEnd:
             raise api.ApiError(503, f"the cluster could not serve the request: {e}",
                                type_="server_error", code="unavailable") from None
         self.index.remember(ids, g.token_ids)
-        return g
+        s = served(g, len(ids), hit)
+        self.metrics.observe(s)
+        return g, s
 
     async def _stream(self, request: web.Request, call: api.Call, ids: list[int],
                       rid: str, seed: int) -> web.StreamResponse:
@@ -266,7 +287,7 @@ class FrontEnd:
                 getter.cancel()
                 await flush(False)
             try:
-                g = task.result()
+                g, s = task.result()
             except api.ApiError as e:
                 await write(e.body())
                 await resp.write(b"data: [DONE]\n\n")
@@ -288,6 +309,8 @@ class FrontEnd:
                 u["choices"] = []
                 u["usage"] = api.usage(len(ids), len(g.token_ids))
                 await write(u)
+            # What happened to it, as a comment line OpenAI clients skip.
+            await resp.write(f": dualpath {json.dumps(s.as_dict())}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             return resp
         finally:

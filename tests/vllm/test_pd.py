@@ -336,6 +336,58 @@ def test_replay_with_real_tokens_through_the_front_end_is_the_oracle(rig, model_
 
 
 @pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
+def test_the_front_end_says_what_happened_to_each_request(rig):
+    """Headers on an answer, a comment line in a stream, and the front end's /metrics:
+    the read side, the hit, the bytes read and the nodes of each request."""
+    conv = Conversation(seed=909, first=400, append=100, gen=4)
+    seen = []
+    for _ in range(2):
+        prompt = list(conv.context)
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": conv.gen,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(rig.pd.frontend_url + "/v1/completions", body, {
+            "Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            out = json.loads(r.read())
+            seen.append(dict(r.headers))
+        conv.advance(out["choices"][0]["token_ids"])
+    first, second = seen
+    assert first["X-DualPath-Hit-Tokens"] == "0" and first["X-DualPath-Read-Side"] == "none"
+    assert int(second["X-DualPath-Hit-Tokens"]) >= 3 * T      # the first turn's blocks
+    assert second["X-DualPath-Read-Side"] in ("prefill", "decode", "split", "none")
+    assert (second["X-DualPath-Prefill-Node"], second["X-DualPath-Decode-Node"]) == \
+        ("p0", "d0")
+    assert second["X-DualPath-Attempt"] == "1"
+    req = urllib.request.Request(rig.pd.frontend_url + "/v1/completions", json.dumps({
+        "model": "tiny", "prompt": conv.context, "max_tokens": 2, "temperature": 0,
+        "stream": True}).encode(), {"Content-Type": "application/json",
+                                    "Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        lines = r.read().decode().splitlines()
+    note = [json.loads(x[len(": dualpath "):]) for x in lines if x.startswith(": dualpath ")]
+    assert len(note) == 1 and note[0]["decode_node"] == "d0"
+    assert note[0]["hit_tokens"] >= 3 * T
+    with urllib.request.urlopen(rig.pd.frontend_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert 'dualpath_frontend_requests_total{status="200"}' in text
+    assert "dualpath_frontend_ttft_seconds_count" in text
+    hits = next(float(x.split()[-1]) for x in text.splitlines()
+                if x.startswith("dualpath_frontend_hit_tokens_total "))
+    assert hits >= 6 * T
+
+
+@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
+def test_a_prompt_over_the_context_is_refused_at_the_front_end_in_vllms_words(rig):
+    st, out = _http(rig, "/v1/completions", {"model": "tiny", "prompt": [1] * 4100,
+                                             "max_tokens": 4})
+    assert st == 400, out
+    assert out["error"]["message"].startswith(
+        "This model's maximum context length is 4096 tokens. However, your prompt "
+        "contains 4100 input tokens")
+    assert out["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
 def test_front_end_chat_and_text_prompts_stream_text(rig):
     st, out = _http(rig, "/v1/chat/completions", {
         "model": "tiny", "messages": [{"role": "user", "content": "Say hello."}],

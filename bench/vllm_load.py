@@ -17,13 +17,14 @@ Method
   ~1% of a core).
   Cases:
     concurrent  K = 1, 2, 4, 8 requests at once, each a stored --prefix-tokens history
-                (the same for all; stored by one request first, its write-back drained)
-                plus a suffix of its own (--suffix-tokens), --gen tokens each; fresh
-                histories per repetition and K, so no case hits another's. Wall time
+                (one per repetition, stored by one request first, its write-back
+                drained) plus a suffix of its own (--suffix-tokens), --gen tokens each;
+                each K's suffixes are new, so no K hits another's. Wall time
                 from the first submit to the last answer; medians over --reps.
     agentic     Table 2's 32K row scaled to the model's context (--context-scale,
                 default max_model_len / 32768), --agents trajectories of their first
-                --rounds rounds, all agents at once, real tokens (A.3); JCT, medians.
+                --rounds rounds, all agents at once, real tokens (A.3); JCT, medians
+                over --agentic-reps.
   Both systems must produce the same greedy tokens (tokens_mismatched).
   Also: each system's start to its first served request (startup_s, a short prompt,
   on a warm host: the models are prepared) and the idle CPU of all its processes over
@@ -182,12 +183,21 @@ def first_served(url: str, model: str, timeout_s: float = 600.0) -> None:
         time.sleep(0.5)
 
 
-async def concurrent(url: str, model: str, prefix: list[int], suffixes: list[list[int]],
-                     gen: int, tag: str) -> tuple[float, list[list[int]]]:
-    """Store ``prefix`` (one request), then every suffix at once: (wall s, tokens)."""
+async def store(url: str, model: str, prefix: list[int], tag: str) -> None:
+    """One request of ``prefix`` alone: its KV is computed and stored (DualPath) or kept
+    in the prefix cache (vLLM)."""
     g, close = http_generate(url, model)
     try:
         await g(f"{tag}-store", prefix, 1, 0)
+    finally:
+        await close()
+
+
+async def concurrent(url: str, model: str, prefix: list[int], suffixes: list[list[int]],
+                     gen: int, tag: str) -> tuple[float, list[list[int]]]:
+    """Every suffix after ``prefix`` at once: (wall s, tokens)."""
+    g, close = http_generate(url, model)
+    try:
         t0 = time.monotonic()
         outs = await asyncio.gather(*(g(f"{tag}-{i}", prefix + s, gen, len(prefix))
                                       for i, s in enumerate(suffixes)))
@@ -220,6 +230,9 @@ def main(argv=None) -> int:
                     help="Table 2's 32K row scaled by this (0: max_model_len / 32768)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--agentic-reps", type=int, default=1,
+                    help="repetitions of the agentic case (each prefills every agent's "
+                    "first context on both systems: minutes with SmolLM2 on 2 cores)")
     ap.add_argument("--cases", default="concurrent,agentic")
     ap.add_argument("--idle-s", type=float, default=10.0)
     ap.add_argument("--work-dir", default="", help="keep the systems' logs here")
@@ -269,8 +282,13 @@ def main(argv=None) -> int:
         for rep in range(args.reps):
             order = ["dualpath", "vllm"] if rep % 2 == 0 else ["vllm", "dualpath"]
             if "concurrent" in cases:
+                # One stored history per repetition (storing it is a full prefill);
+                # each K's suffixes are new, so no K hits another's.
+                prefix = [rng.randrange(vocab) for _ in range(args.prefix_tokens)]
+                for sysname in order:
+                    asyncio.run(store(urls[sysname], model.name, prefix, f"s{rep}"))
+                pd.wait_written()            # stored: on disk, not only in write-back
                 for k in ks:
-                    prefix = [rng.randrange(vocab) for _ in range(args.prefix_tokens)]
                     sufs = [[rng.randrange(vocab) for _ in range(args.suffix_tokens)]
                             for _ in range(k)]
                     toks = {}
@@ -286,7 +304,7 @@ def main(argv=None) -> int:
                     print(f"rep {rep} K={k}: " + ", ".join(
                         f"{s} {rec['concurrent'][str(k)][s][-1]:.2f} s" for s in order),
                         flush=True)
-            if "agentic" in cases:
+            if "agentic" in cases and rep < args.agentic_reps:
                 trace = _trace(args, rep, scale)
                 toks = {}
                 for sysname in order:

@@ -54,7 +54,7 @@ import urllib.request
 from pathlib import Path
 
 from dualpath.cluster.agentic import http_generate, run_agents, summary
-from dualpath.cluster.lifetime import child_env, exec_argv, kill_group
+from dualpath.cluster.lifetime import child_env, exec_argv, terminate_group
 from dualpath.cluster.local import free_port
 from dualpath.cluster.run import make_trace
 from dualpath.trace.model import Trace, Trajectory
@@ -109,13 +109,8 @@ class PlainVllm:
         return _group(self.proc.pid) if self.proc else []
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
-            kill_group(self.proc.pid)
+        if self.proc is not None:
+            terminate_group(self.proc, 20)
 
 
 def _group(pgid: int) -> list[int]:
@@ -230,6 +225,9 @@ def main(argv=None) -> int:
                     help="Table 2's 32K row scaled by this (0: max_model_len / 32768)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dualpath-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=True, help="vLLM's prefix cache in DualPath's instances too, "
+                    "as `up --engine vllm` has it by default")
     ap.add_argument("--agentic-reps", type=int, default=1,
                     help="repetitions of the agentic case (each prefills every agent's "
                     "first context on both systems: minutes with SmolLM2 on 2 cores)")
@@ -262,7 +260,8 @@ def main(argv=None) -> int:
                  "concurrent": {}, "agentic": {}, "startup_s": {}, "idle_cores": {}}
     plain = PlainVllm(model, args.max_model_len, 2 * args.kv_cache_gib, work)
     pd = VllmPdCluster(model, work_dir=str(work / "dualpath"), max_model_len=args.max_model_len,
-                       kv_cache_gib=args.kv_cache_gib, frontend={})
+                       kv_cache_gib=args.kv_cache_gib, frontend={},
+                       prefix_caching=args.dualpath_prefix_caching)
     urls: dict[str, str] = {}
     try:
         t0 = time.monotonic()

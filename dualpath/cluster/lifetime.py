@@ -68,6 +68,16 @@ def kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
         os.killpg(pid, sig)
 
 
+def terminate_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM a child that leads its own session, wait up to ``grace_s`` for it, then
+    SIGKILL its whole group (what it started too)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace_s)
+    kill_group(proc.pid)
+
+
 class Janitor:
     """The parent's side of the janitor process (see the module docstring)."""
 

@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from dualpath.cluster.lifetime import child_env, exec_argv, kill_group
+from dualpath.cluster.lifetime import child_env, exec_argv, kill_group, terminate_group
 from dualpath.cluster.local import ClusterError, LocalCluster, _tail, free_port
 from dualpath.errors import UsageError
 from dualpath.vllm.local import CONNECTOR, ENGINE_ENV
@@ -314,13 +314,7 @@ class VllmPdCluster:
         """The front end, every vLLM instance (SIGTERM, then its group killed), then the
         cluster. Idempotent."""
         if self.frontend is not None:
-            if self.frontend.poll() is None:
-                self.frontend.send_signal(signal.SIGTERM)
-                try:
-                    self.frontend.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
-            kill_group(self.frontend.pid)
+            terminate_group(self.frontend, 10)
         for inst in self.instances.values():
             if inst.proc.poll() is None:
                 inst.proc.send_signal(signal.SIGTERM)

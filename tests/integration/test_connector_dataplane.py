@@ -89,6 +89,13 @@ def _engine_block(mem, layer, unit):
     return mem[off:off + UNIT]
 
 
+def _fill(mem, units, rng) -> None:
+    """Random bytes in every layer of engine blocks ``units``."""
+    for layer in range(L):
+        for u in units:
+            _engine_block(mem, layer, u)[:] = rng.integers(0, 256, UNIT, dtype=np.uint8)
+
+
 def _load(agent, keys, units, rid="r-load"):
     """Load ``keys`` into ``units`` as vLLM's forward would: wait for each layer (on a
     shared buffer, the agent copies it as it arrives), then give the load back."""
@@ -124,9 +131,7 @@ def test_save_then_load_moves_exact_bytes_into_other_blocks(rig):
     rng = np.random.default_rng(1)
     keys = block_keys(np.arange(3 * B) + 1000, B)
     src, dst = [2, 5, 6], [9, 0, 11]
-    for layer in range(L):
-        for u in src:
-            _engine_block(mem, layer, u)[:] = rng.integers(0, 256, UNIT, dtype=np.uint8)
+    _fill(mem, src, rng)
     assert _save(agent, keys, src)
     _wait_stored(d, keys, stub)
     h = _load(agent, keys, dst)
@@ -147,9 +152,7 @@ def test_corrupt_and_deleted_blocks_are_reported_and_never_written(rig):
     rng = np.random.default_rng(2)
     keys = block_keys(np.arange(3 * B) + 7000, B)
     src = [1, 3, 4]
-    for layer in range(L):
-        for u in src:
-            _engine_block(mem, layer, u)[:] = rng.integers(0, 256, UNIT, dtype=np.uint8)
+    _fill(mem, src, rng)
     assert _save(agent, keys, src)
     _wait_stored(d, keys, stub)
     store = d.node.engine.space.store
@@ -193,9 +196,7 @@ def test_a_shared_buffer_load_past_the_nodes_hold_is_failed_and_never_copied(rig
     d, agent, mem, stub = rig
     rng = np.random.default_rng(3)
     keys = block_keys(np.arange(2 * B) + 9000, B)
-    for layer in range(L):
-        for u in (1, 2):
-            _engine_block(mem, layer, u)[:] = rng.integers(0, 256, UNIT, dtype=np.uint8)
+    _fill(mem, (1, 2), rng)
     assert _save(agent, keys, [1, 2])
     _wait_stored(d, keys, stub)
     for layer in range(L):
@@ -225,9 +226,7 @@ def test_a_load_of_blocks_still_in_write_back_takes_no_slots_of_its_own(rig):
     rng = np.random.default_rng(4)
     keys = block_keys(np.arange(3 * B) + 11000, B)
     src, dst = [3, 4, 5], [8, 9, 10]
-    for layer in range(L):
-        for u in src:
-            _engine_block(mem, layer, u)[:] = rng.integers(0, 256, UNIT, dtype=np.uint8)
+    _fill(mem, src, rng)
     gate = d.call(_make_event())
     awrite = store.awrite
 

@@ -7,10 +7,11 @@ from dualpath.frontend.served import read_side, served
 
 
 def _g(**kw) -> Generated:
-    base = dict(request_id="r", token_ids=[1, 2, 3, 4, 5], logprobs=[0.0] * 5, attempt=2,
-                prefill_node_id="p0", decode_node_id="d1", prefill_read_bytes=0,
-                decode_read_bytes=0, submit_unix_s=100.0, first_token_unix_s=100.5,
-                second_token_unix_s=100.6, finish_unix_s=101.3)
+    base = {"request_id": "r", "token_ids": [1, 2, 3, 4, 5], "logprobs": [0.0] * 5,
+            "attempt": 2, "prefill_node_id": "p0", "decode_node_id": "d1",
+            "prefill_read_bytes": 0, "decode_read_bytes": 0, "submit_unix_s": 100.0,
+            "first_token_unix_s": 100.5, "second_token_unix_s": 100.6,
+            "finish_unix_s": 101.3}
     return Generated(**{**base, **kw})
 
 

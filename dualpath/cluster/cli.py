@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -29,6 +30,10 @@ def register(sub) -> None:
                    "SmolLM2-135M-Instruct, prepared from its PyPI package)")
     p.add_argument("--max-model-len", type=int, default=8192,
                    help="--engine vllm: the instances' context length")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="--engine vllm: vLLM's own prefix cache in every instance "
+                   "(concurrent requests share a prefix's KV there; DualPath loads what "
+                   "it lacks); --no-prefix-caching sends every hit through DualPath")
     p.add_argument("--concurrency", type=int, default=4,
                    help="--engine vllm: requests of full context each node holds KV for "
                    "at once; sizes the PE and DE buffers from the model's KV bytes per "
@@ -243,7 +248,7 @@ def _up_vllm(args) -> int:
     pd = VllmPdCluster(model, prefill_nodes=cfg.cluster.prefill_nodes,
                        decode_nodes=cfg.cluster.decode_nodes, work_dir=cfg.cluster.work_dir,
                        settings=settings, max_model_len=args.max_model_len, frontend=fe,
-                       concurrency=args.concurrency,
+                       concurrency=args.concurrency, prefix_caching=args.prefix_caching,
                        progress=lambda m: print(f"dualpath up: {m}", flush=True))
     print(f"dualpath up: {pd.describe()}", flush=True)
     rc = 1                       # a start that fails keeps the whole work directory

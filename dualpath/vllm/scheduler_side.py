@@ -119,6 +119,7 @@ class _Req:
     tag: str = ""                    # DualPath's request id (kv_transfer_params) or vLLM's
     ticket: str = ""
     save_all: bool = False
+    staged: int = 0                  # P/D prefill (ticket): leading blocks its node staged
 
     def __post_init__(self):
         rid, self.ticket, self.save_all = dualpath_params(self.request)
@@ -157,15 +158,20 @@ class SchedulerSide:
             st = self.reqs[request.request_id] = _Req(request)
         T = self.block_tokens
         st.local = num_computed_tokens
-        if num_computed_tokens % T:
-            return 0             # a local hit ending inside a DualPath block: none of ours
         prompt = len(request.prompt_token_ids or ())
         cap = max(prompt - 1, 0) // T
         keys = self._keys(st, cap * T)
+        if st.ticket:
+            # A P/D prefill: its node staged the hit and sends the DE every block from
+            # the staged ones on, so its saves start there even where vLLM's own prefix
+            # cache had more (below, _plan); asked even when vLLM has it all.
+            st.staged = self.lookup(keys, st.tag, st.ticket) if keys else 0
+        if num_computed_tokens % T:
+            return 0             # a local hit ending inside a DualPath block: none of ours
         first = num_computed_tokens // T
         if first >= cap:
             return 0
-        hit = self.lookup(keys, st.tag, st.ticket) if st.ticket else self.lookup(keys)
+        hit = st.staged if st.ticket else self.lookup(keys)
         return max(0, (hit - first) * T)
 
     def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -216,6 +222,9 @@ class SchedulerSide:
             # First schedule, or computed tokens went back: save from there (or, asked
             # to save all, from the first block, vLLM's local hits too).
             st.stored = 0 if st.stored < 0 and st.save_all and st.ticket else base
+            if st.ticket and not st.save_all:
+                # vLLM's local hits past the staged blocks are the DE's too: save them.
+                st.stored = min(st.stored, st.staged)
         full = (computed + scheduled) // T
         if full > st.stored:
             keys = self._keys(st, full * T)[st.stored:full]

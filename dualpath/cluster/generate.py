@@ -67,6 +67,7 @@ class Generated:
     first_token_unix_s: float
     second_token_unix_s: float
     finish_unix_s: float
+    finish_reason: str = ""          # vLLM's ("stop" or "length"); "" = not said
 
 
 class _Sink(node_pb2_grpc.ReplaySinkServicer):
@@ -127,7 +128,7 @@ class Generator:
                        read_policy: str = "scheduler", timeout_s: float = 600.0,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = -1,
                        ignore_eos: bool = True, layerwise: bool = True,
-                       cache_salt: str = "",
+                       cache_salt: str = "", sampling: dict | None = None,
                        on_partial: Callable[[int, int, list[int], list[float]], None]
                        | None = None) -> Generated:
         """Generate ``gen`` tokens after ``prompt`` (exactly, with ``ignore_eos``; else
@@ -144,7 +145,7 @@ class Generator:
                     read_policy=read_policy, token_ids_b64=encode_token_ids(prompt),
                     temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos,
                     stream=on_partial is not None, layerwise=layerwise,
-                    cache_salt=cache_salt)
+                    cache_salt=cache_salt, sampling=dict(sampling or {}))
         spec = scheduler_pb2.RequestSpec(request_id=request_id, prompt_tokens=n,
                                          hit_tokens=max(0, hit), max_new_tokens=gen,
                                          payload=p.encode())
@@ -178,7 +179,8 @@ class Generator:
         return Generated(request_id, list(t.output_token_ids), list(t.output_logprobs),
                          t.attempt, t.prefill_node_id, t.decode_node_id,
                          int(t.prefill_read_bytes), int(t.decode_read_bytes), t0,
-                         t.first_token_unix_s, t.second_token_unix_s, t.finish_unix_s)
+                         t.first_token_unix_s, t.second_token_unix_s, t.finish_unix_s,
+                         t.finish_reason)
 
     def _kick(self) -> None:
         if not self._closed and (self._poller is None or self._poller.done()):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -28,6 +28,52 @@ READ_POLICIES = ("scheduler", "prefill", "decode", "split", "round_robin", "none
 MODE_READ_POLICY = {"basic": "prefill", "dualpath": "scheduler", "oracle": "none"}
 # Whether a mode prefills layerwise unless told: the paper's Basic does not.
 MODE_LAYERWISE = {"basic": False, "dualpath": True, "oracle": True}
+
+
+#: vLLM sampling parameters a request may carry beyond temperature, top_p and seed, and
+#: the check of each value (a bound on every size a caller chooses).
+SAMPLING_KEYS = ("stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "top_k", "min_p", "min_tokens")
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
+def _num(v, lo: float, hi: float, integral: bool = False) -> bool:
+    ok = isinstance(v, int) if integral else isinstance(v, (int, float))
+    return ok and not isinstance(v, bool) and lo <= v <= hi
+
+
+def check_sampling(s: dict) -> dict:
+    """``s`` (vLLM sampling fields, SAMPLING_KEYS) checked: UsageError naming the first
+    bad one; the same dict back. ``stop`` is a list of strings here."""
+    if not isinstance(s, dict):
+        raise UsageError("sampling must be an object")
+    for k, v in s.items():
+        if k not in SAMPLING_KEYS:
+            raise UsageError(f"sampling: unknown field {k!r}")
+        if k == "stop":
+            ok = (isinstance(v, list) and len(v) <= MAX_STOPS and all(
+                isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in v))
+            what = (f"a list of at most {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} "
+                    "characters")
+        elif k == "stop_token_ids":
+            ok = (isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS
+                  and all(_num(x, 0, 2 ** 31 - 1, True) for x in v))
+            what = f"a list of at most {MAX_STOP_TOKEN_IDS} token ids"
+        elif k in ("presence_penalty", "frequency_penalty"):
+            ok, what = _num(v, -2.0, 2.0), "a number between -2 and 2"
+        elif k == "repetition_penalty":
+            ok, what = _num(v, 1e-6, 10.0), "a number in (0, 10]"
+        elif k == "top_k":
+            ok, what = _num(v, -1, 2 ** 31 - 1, True), "-1 (off) or a positive integer"
+        elif k == "min_p":
+            ok, what = _num(v, 0.0, 1.0), "a number between 0 and 1"
+        else:                            # min_tokens
+            ok, what = _num(v, 0, 1 << 20, True), "an integer between 0 and 2^20"
+        if not ok:
+            raise UsageError(f"'{k}' must be {what}")
+    return s
 
 
 @dataclass(frozen=True)
@@ -53,6 +99,8 @@ class Payload:
     # their own prefix cache hit only requests of the same salt (bench/vllm_pd.py: the
     # oracle salts by trajectory, the other modes by request: no local hit).
     cache_salt: str = ""
+    # More of vLLM's sampling parameters (SAMPLING_KEYS), passed to both instances.
+    sampling: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -62,6 +110,7 @@ class Payload:
                              f"{', '.join(READ_POLICIES)}")
         if len(self.cache_salt) > 256:
             raise UsageError("payload: cache_salt longer than 256 characters")
+        check_sampling(self.sampling)
         if not (0.0 <= self.temperature <= 2.0 and 0.0 < self.top_p <= 1.0
                 and -1 <= self.seed < 2 ** 63):
             raise UsageError(f"payload: temperature {self.temperature} (0..2), top_p "

@@ -125,6 +125,7 @@ class Timings:
     output_token_ids: tuple[int, ...] = ()     # a real engine's generated tokens
     output_logprobs: tuple[float, ...] = ()
     phases: tuple[float, float, float] = (0.0, 0.0, 0.0)   # PrefillReport.phases
+    finish_reason: str = ""                    # a real engine's: "stop" or "length"
 
 
 class PeerClient:
@@ -271,4 +272,5 @@ def _timings_pb(t: Timings) -> node_pb2.RequestTimings:
         prefill_read_bytes=t.prefill_read_bytes, decode_read_bytes=t.decode_read_bytes,
         read_start_unix_s=t.read_span[0], read_end_unix_s=t.read_span[1], attempt=t.attempt,
         output_token_ids=list(t.output_token_ids), output_logprobs=list(t.output_logprobs),
-        assigned_unix_s=t.phases[0], allocated_unix_s=t.phases[1], staged_unix_s=t.phases[2])
+        assigned_unix_s=t.phases[0], allocated_unix_s=t.phases[1], staged_unix_s=t.phases[2],
+        finish_reason=t.finish_reason)

@@ -81,6 +81,8 @@ class VllmDecoder:
                 stream.grew(head + got, head_lps + lps)
 
         rest = p.gen_tokens - len(head)
+        # vLLM's finish reason: the prefill's when its first token ended the request.
+        finish = "stop" if stops else ("length" if rest <= 0 else "")
         try:
             out_ids, out_lps = [], []
             if rest > 0 and not stops:
@@ -88,8 +90,10 @@ class VllmDecoder:
                     ids + head, rest, request_id=st.request_id, ticket="",
                     cache_salt=p.cache_salt,
                     temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                    ignore_eos=p.ignore_eos, on_tokens=on_tokens)
+                    ignore_eos=p.ignore_eos, sampling=rest_sampling(p.sampling, len(head)),
+                    on_tokens=on_tokens)
                 out_ids, out_lps = out.token_ids, out.logprobs
+                finish = out.finish_reason or finish
         except InstanceError as e:
             if e.unreachable:
                 self.instance.mark_down(str(e))
@@ -101,6 +105,16 @@ class VllmDecoder:
                 await stream.close()
         timings.output_token_ids = tuple(head + out_ids)
         timings.output_logprobs = tuple(head_lps + out_lps)
+        timings.finish_reason = finish
+
+
+def rest_sampling(s: dict, head: int) -> dict:
+    """The request's sampling for the decode instance, which continues after the ``head``
+    tokens the prefill sampled: min_tokens counts them. (vLLM's presence and frequency
+    penalties count output tokens: the decode instance sees the first token as prompt.)"""
+    if s.get("min_tokens"):
+        return {**s, "min_tokens": max(0, s["min_tokens"] - head)}
+    return s
 
 
 class _Streamer:

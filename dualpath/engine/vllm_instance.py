@@ -96,6 +96,7 @@ class VllmInstance:
                        ticket: str, save_all: bool = False, logprobs: bool = True,
                        cache_salt: str = "", temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = -1, ignore_eos: bool = True,
+                       sampling: dict | None = None,
                        on_tokens: Callable[[list[int], list[float]], None] | None = None
                        ) -> Completion:
         """Completion of ``prompt`` (token ids): greedy unless ``temperature``, exactly
@@ -110,6 +111,8 @@ class VllmInstance:
                 "kv_transfer_params": {"dualpath": {"request_id": request_id,
                                                     "ticket": ticket,
                                                     "save_all": save_all}}}
+        if sampling:                     # checked (engine/payload.py check_sampling)
+            body.update(sampling)
         if seed >= 0:
             body["seed"] = int(seed)
         if cache_salt:

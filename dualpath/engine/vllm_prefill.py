@@ -139,7 +139,7 @@ class VllmPrefillPath(PrefillPath):
                     [int(t) for t in ids], 1, request_id=rid, ticket=ticket,
                     save_all=p.oracle, cache_salt=p.cache_salt,
                     temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                    ignore_eos=p.ignore_eos)
+                    ignore_eos=p.ignore_eos, sampling=first_token_sampling(p.sampling))
             except InstanceError as err:
                 if err.unreachable:
                     self.instance.mark_down(str(err))
@@ -210,6 +210,14 @@ class VllmPrefillPath(PrefillPath):
         # The scheduler's split of ``stored`` blocks, as _parts cut the whole hit (the
         # parts, in blocks, are the ratio; the rounding is the same).
         return split_blocks("scheduler", RS_SPLIT, stored, local, remote, 1)
+
+
+def first_token_sampling(s: dict) -> dict:
+    """The request's sampling for the prefill instance, which samples its first token
+    only (max_tokens 1): min_tokens counts that one."""
+    if s.get("min_tokens"):
+        return {**s, "min_tokens": 1}
+    return s
 
 
 class _ToDecode:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from dualpath.engine.payload import SAMPLING_KEYS, check_sampling
+from dualpath.errors import UsageError
+
 #: Fields each endpoint accepts; any other one is a 400 naming it.
 COMPLETION_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p",
                                "seed", "stream", "logprobs", "ignore_eos", "user", "n",
-                               "stream_options", "return_token_ids"})
+                               "stream_options", "return_token_ids", *SAMPLING_KEYS})
 CHAT_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens",
                          "temperature", "top_p", "seed", "stream", "logprobs", "user", "n",
-                         "ignore_eos", "stream_options"})
+                         "ignore_eos", "stream_options", *SAMPLING_KEYS})
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -64,6 +67,7 @@ class Call:
     include_usage: bool = False
     logprobs: bool = False
     ignore_eos: bool = False
+    sampling: dict = field(default_factory=dict)   # vLLM's, passed to the instances
     prompt_ids: list[int] | None = None
     prompt_text: str | None = None
     messages: list[dict] = field(default_factory=list)
@@ -80,6 +84,22 @@ def _number(body: dict, name: str, lo: float, hi: float, default, kind=float):
     if not lo <= v <= hi:
         raise bad(f"'{name}' is {v}; it must be between {lo} and {hi}", name)
     return kind(v)
+
+
+def _sampling(body: dict) -> dict:
+    """vLLM's further sampling fields (null = vLLM's default), checked; ``stop`` as a
+    list. A value vLLM treats as off is left out."""
+    s = {k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None}
+    if isinstance(s.get("stop"), str):
+        s["stop"] = [s["stop"]]
+    for k, off in (("stop", []), ("stop_token_ids", []), ("presence_penalty", 0),
+                   ("frequency_penalty", 0), ("min_tokens", 0)):
+        if k in s and s[k] == off and type(s[k]) is not bool:
+            del s[k]
+    try:
+        return check_sampling(s)
+    except UsageError as e:
+        raise bad(str(e), next((k for k in s if f"'{k}'" in str(e)), None)) from None
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -119,8 +139,9 @@ def _common(body, fields: frozenset, limits: Limits, chat: bool) -> Call:
                 stream=_flag(body, "stream"),
                 include_usage=bool(opts and opts.get("include_usage")),
                 ignore_eos=_flag(body, "ignore_eos"))
-    if "user" in body and not isinstance(body["user"], str):
+    if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("'user' must be a string", "user")
+    call.sampling = _sampling(body)
     _flag(body, "return_token_ids")     # vLLM's; completions carry token_ids anyway
     return call
 
@@ -160,11 +181,23 @@ def parse_chat(body, limits: Limits) -> Call:
         raise bad("'messages' must be a non-empty list", "messages")
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ROLES or \
-                not isinstance(m.get("content"), str) or set(m) - {"role", "content", "name"}:
+                _content(m.get("content")) is None or set(m) - {"role", "content", "name"}:
             raise bad(f"messages[{i}] must be {{role: one of {', '.join(ROLES)}, content: "
-                      "a string}", f"messages[{i}]")
-    call.messages = [{"role": m["role"], "content": m["content"]} for m in msgs]
+                      "a string or a list of text parts}", f"messages[{i}]")
+    call.messages = [{"role": m["role"], "content": _content(m["content"])} for m in msgs]
     return call
+
+
+def _content(c) -> str | None:
+    """A message's content: a string, or a list of text parts ({type: text, text})
+    joined as vLLM joins them for a text-only model (newlines); None if neither."""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and c and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            and set(p) <= {"type", "text"} for p in c):
+        return "\n".join(p["text"] for p in c)
+    return None
 
 
 def check_prompt_length(n: int, limits: Limits) -> None:
@@ -191,8 +224,21 @@ def fit_to_context(call: Call, n: int, limits: Limits) -> None:
         call.max_tokens = min(call.max_tokens, limits.max_model_len - n)
 
 
-def finish_reason(call: Call, n_tokens: int) -> str:
+def finish_reason(call: Call, n_tokens: int, said: str = "") -> str:
+    """vLLM's own when the cluster reports it, else by count."""
+    if said in ("stop", "length"):
+        return said
     return "length" if n_tokens >= call.max_tokens else "stop"
+
+
+def cut_at_stop(text: str, call: Call, finish: str) -> str:
+    """vLLM's output text ends before the stop string that ended it (the token ids keep
+    the token that completed it)."""
+    stops = call.sampling.get("stop")
+    if finish != "stop" or not stops:
+        return text
+    at = [text.find(s) for s in stops if s in text]
+    return text[:min(at)] if at else text
 
 
 def usage(prompt: int, completion: int) -> dict:

@@ -198,10 +198,11 @@ class FrontEnd:
             if call.stream:
                 return await self._stream(request, call, ids, rid, seed)
             g, s = await self._generate(call, ids, rid, seed, None)
-            text = self.tokens.decode(g.token_ids)
+            finish = api.finish_reason(call, len(g.token_ids), g.finish_reason)
+            text = api.cut_at_stop(self.tokens.decode(g.token_ids), call, finish)
             return web.json_response(api.answer(
-                call, rid, text, g.token_ids, g.logprobs, len(ids),
-                api.finish_reason(call, len(g.token_ids))), headers=s.headers())
+                call, rid, text, g.token_ids, g.logprobs, len(ids), finish),
+                headers=s.headers())
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
@@ -215,7 +216,7 @@ class FrontEnd:
                 rid, ids, call.max_tokens, hit_tokens=hit,
                 block_tokens=self.cfg.block_tokens, timeout_s=self.cfg.request_timeout_s,
                 temperature=call.temperature, top_p=call.top_p, seed=seed,
-                ignore_eos=call.ignore_eos, on_partial=on_partial)
+                ignore_eos=call.ignore_eos, sampling=call.sampling, on_partial=on_partial)
         except GenerationFailed as e:
             status = _REJECT_STATUS.get(e.reason, 503)
             raise api.ApiError(status, str(e), type_="invalid_request_error"
@@ -266,11 +267,13 @@ class FrontEnd:
 
         shown = [0]
 
-        async def flush(final: bool) -> None:
+        async def flush(final: bool, finish: str = "") -> None:
             n = len(sent)
             if n == shown[0]:
                 return
-            text = self.tokens.decode(sent[:n])
+            if not final and call.sampling.get("stop"):
+                return                   # a stop string may still come: text at the end
+            text = api.cut_at_stop(self.tokens.decode(sent[:n]), call, finish)
             if not final and text.endswith("\ufffd"):   # a character cut in two
                 return
             delta = text[len(state["text"]):]
@@ -301,9 +304,9 @@ class FrontEnd:
                 return resp
             sent[len(sent):] = g.token_ids[len(sent):]
             sent_lps[len(sent_lps):] = g.logprobs[len(sent_lps):]
-            await flush(True)
-            await write(api.chunk(call, rid, "", [], [], api.finish_reason(
-                call, len(g.token_ids))))
+            finish = api.finish_reason(call, len(g.token_ids), g.finish_reason)
+            await flush(True, finish)
+            await write(api.chunk(call, rid, "", [], [], finish))
             if call.include_usage:
                 u = api.chunk(call, rid, "", [], [], None)
                 u["choices"] = []

@@ -39,7 +39,8 @@ def test_payload_round_trips_every_field():
     ids = encode_token_ids(np.arange(20, 35))
     p = _payload(mode="basic", sink="127.0.0.1:9", layerwise=False,
                  read_policy="round_robin", token_ids_b64=ids, temperature=0.5,
-                 top_p=0.9, seed=7, ignore_eos=False, stream=True, cache_salt="s1")
+                 top_p=0.9, seed=7, ignore_eos=False, stream=True, cache_salt="s1",
+                 sampling={"stop": ["\n\n"], "top_k": 5, "min_tokens": 2})
     assert Payload.decode(p.encode()) == p
     # The wire form is compact JSON of exactly the dataclass fields (the scheduler's
     # opaque payload bytes; replay clients and nodes of other versions read it).
@@ -47,7 +48,8 @@ def test_payload_round_trips_every_field():
         "trajectory": "traj-7", "round": 3, "prompt_tokens": 10, "hit_tokens": 4,
         "gen_tokens": 5, "mode": "basic", "sink": "127.0.0.1:9", "layerwise": False,
         "read_policy": "round_robin", "token_ids_b64": ids, "temperature": 0.5,
-        "top_p": 0.9, "seed": 7, "ignore_eos": False, "stream": True, "cache_salt": "s1"}
+        "top_p": 0.9, "seed": 7, "ignore_eos": False, "stream": True, "cache_salt": "s1",
+        "sampling": {"stop": ["\n\n"], "top_k": 5, "min_tokens": 2}}
     assert b" " not in p.encode()
 
 
@@ -195,3 +197,25 @@ def test_pe_layer_fill_covers_every_prompt_byte_exactly_once(hit_blocks, miss):
         for layer in range(layout.layers):
             want[i, layer * LB: layer * LB + s.tokens * TB] = 1
     assert np.array_equal(count, want)
+
+
+@pytest.mark.parametrize("sampling, needle", [
+    ({"stop": ["x"] * 17}, "stop"), ({"stop": [""]}, "stop"), ({"stop": "x"}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"top_k": 1.5}, "top_k"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"min_p": 2}, "min_p"),
+    ({"min_tokens": True}, "min_tokens"), ({"logit_bias": {}}, "logit_bias"),
+    ({"repetition_penalty": 0}, "repetition_penalty")])
+def test_payload_refuses_sampling_fields_out_of_bounds_naming_them(sampling, needle):
+    with pytest.raises(UsageError, match=needle):
+        _payload(sampling=sampling)
+
+
+def test_each_instance_gets_its_share_of_min_tokens():
+    from dualpath.engine.vllm_decode import rest_sampling
+    from dualpath.engine.vllm_prefill import first_token_sampling
+
+    s = {"min_tokens": 5, "top_k": 3}
+    assert first_token_sampling(s) == {"min_tokens": 1, "top_k": 3}
+    assert rest_sampling(s, 1) == {"min_tokens": 4, "top_k": 3}
+    assert rest_sampling({"min_tokens": 1}, 1) == {"min_tokens": 0}
+    assert first_token_sampling({"top_k": 3}) == {"top_k": 3}

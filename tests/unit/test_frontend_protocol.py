@@ -121,3 +121,35 @@ def test_max_tokens_is_cut_to_what_the_context_leaves_as_vllm_does():
     call = api.parse_completion({"model": "m", "prompt": [1] * 10, "max_tokens": 50}, lim)
     api.fit_to_context(call, 10, lim)
     assert call.max_tokens == 50
+
+
+def test_vllms_sampling_fields_are_taken_and_null_means_the_default():
+    c = api.parse_completion({"model": "m", "prompt": [1, 2], "stop": "\n", "top_k": 5,
+                              "min_p": 0.1, "presence_penalty": 0, "frequency_penalty": 0.5,
+                              "repetition_penalty": 1.1, "stop_token_ids": [2],
+                              "min_tokens": 1, "user": None, "seed": None,
+                              "temperature": None, "logprobs": None}, LIM)
+    assert c.sampling == {"stop": ["\n"], "top_k": 5, "min_p": 0.1,
+                          "frequency_penalty": 0.5, "repetition_penalty": 1.1,
+                          "stop_token_ids": [2], "min_tokens": 1}
+    assert c.seed == -1 and c.temperature == 1.0 and not c.logprobs
+    e = _err(api.parse_completion, {"model": "m", "prompt": [1], "top_k": "x"})
+    assert e.status == 400 and e.param == "top_k"
+
+
+def test_chat_content_may_be_text_parts():
+    c = api.parse_chat({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, LIM)
+    assert c.messages == [{"role": "user", "content": "a\nb"}]
+    e = _err(api.parse_chat, {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert e.status == 400 and "messages[0]" in str(e)
+
+
+def test_the_finish_reason_is_vllms_and_a_stop_string_ends_the_text():
+    c = api.parse_completion({"model": "m", "prompt": [1], "max_tokens": 4, "stop": ["END"]},
+                             LIM)
+    assert api.finish_reason(c, 4, "stop") == "stop"       # EOS as the last allowed token
+    assert api.finish_reason(c, 4) == "length" and api.finish_reason(c, 2) == "stop"
+    assert api.cut_at_stop("abc END def", c, "stop") == "abc "
+    assert api.cut_at_stop("abc END def", c, "length") == "abc END def"

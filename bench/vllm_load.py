@@ -46,7 +46,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,63 +53,15 @@ import urllib.request
 from pathlib import Path
 
 from dualpath.cluster.agentic import http_generate, run_agents, summary
-from dualpath.cluster.lifetime import child_env, exec_argv, terminate_group
-from dualpath.cluster.local import free_port
 from dualpath.cluster.run import make_trace
 from dualpath.trace.model import Trace, Trajectory
 from dualpath.vllm import models
-from dualpath.vllm.local import ENGINE_ENV
+from dualpath.vllm.local import PlainVllm
 from dualpath.vllm.pd import VllmPdCluster
 from dualpath.vllm.sizing import core_slices
 
 T = 128
 KS = (1, 2, 4, 8)
-
-
-class PlainVllm:
-    """One plain vLLM OpenAI server, prefix caching on (the reference)."""
-
-    def __init__(self, model: Path, max_model_len: int, kv_cache_gib: int, work: Path):
-        self.model, self.port = model, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = work / "plain-vllm.log"
-        self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                     "--model", str(model), "--served-model-name", model.name,
-                     "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                     "--enforce-eager", "--seed", "0", "--enable-prefix-caching",
-                     "--max-model-len", str(max_model_len)]
-        self.env = child_env({**os.environ, **ENGINE_ENV,
-                              "VLLM_CPU_OMP_THREADS_BIND": core_slices(1)[0],
-                              "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-                              "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
-                              "TOKENIZERS_PARALLELISM": "false"})
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 600.0) -> PlainVllm:
-        with open(self.log_path, "ab") as fh:
-            self.proc = subprocess.Popen(exec_argv(self.argv), stdout=fh,
-                                         stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"plain vLLM exited; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"plain vLLM not up in {timeout_s:g} s")
-            time.sleep(0.5)
-
-    def pids(self) -> list[int]:
-        return _group(self.proc.pid) if self.proc else []
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            terminate_group(self.proc, 20)
 
 
 def _group(pgid: int) -> list[int]:
@@ -258,7 +209,8 @@ def main(argv=None) -> int:
 
     rec: dict = {"settings": {**vars(args), "context_scale": scale, "model": model.name},
                  "concurrent": {}, "agentic": {}, "startup_s": {}, "idle_cores": {}}
-    plain = PlainVllm(model, args.max_model_len, 2 * args.kv_cache_gib, work)
+    plain = PlainVllm(model, args.max_model_len, 2 * args.kv_cache_gib, work,
+                      core_slices(1)[0])
     pd = VllmPdCluster(model, work_dir=str(work / "dualpath"), max_model_len=args.max_model_len,
                        kv_cache_gib=args.kv_cache_gib, frontend={},
                        prefix_caching=args.dualpath_prefix_caching)
@@ -275,7 +227,8 @@ def main(argv=None) -> int:
         urls = {"vllm": plain.url, "dualpath": pd.frontend_url}
         time.sleep(3)                       # let start-up work settle before idling
         rec["idle_cores"]["dualpath"] = idle_cores(lambda: _dualpath_pids(pd), args.idle_s)
-        rec["idle_cores"]["vllm"] = idle_cores(plain.pids, args.idle_s)
+        rec["idle_cores"]["vllm"] = idle_cores(lambda: _group(plain.proc.pid),
+                                                 args.idle_s)
         mismatched = 0
         rng = random.Random(args.seed)
         for rep in range(args.reps):

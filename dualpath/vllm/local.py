@@ -20,9 +20,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from dualpath import tls
+from dualpath.cluster.lifetime import child_env, exec_argv, terminate_group
 from dualpath.cluster.local import free_port, write_toml
 from dualpath.errors import DualPathError
 
@@ -123,10 +125,56 @@ class NodeProcess:
     def metric(self, name: str) -> float:
         """The value of an unlabelled metric on the node's /metrics (plain HTTP: the
         metrics endpoint is for scrapers on the host)."""
-        import urllib.request
-
         text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
         for line in text.splitlines():
             if line.startswith((name + " ", name + "{")):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(f"{name} not on {self.metrics_url}")
+
+
+class PlainVllm:
+    """One plain vLLM OpenAI server, prefix caching on, no connector: the reference for
+    the API and for speed (bench/vllm_load.py, tests/vllm). ``cores``: its
+    VLLM_CPU_OMP_THREADS_BIND (as many threads as DualPath's instances have for bitwise
+    comparisons). ``start()`` until /health answers; ``stop()``."""
+
+    def __init__(self, model: Path, max_model_len: int, kv_cache_gib: int, work: Path,
+                 cores: str):
+        self.model, self.port = model, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = work / "plain-vllm.log"
+        self.argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                     "--model", str(model), "--served-model-name", model.name,
+                     "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                     "--enforce-eager", "--seed", "0", "--enable-prefix-caching",
+                     "--max-model-len", str(max_model_len)]
+        self.env = child_env({**os.environ, **ENGINE_ENV,
+                              "VLLM_CPU_OMP_THREADS_BIND": cores,
+                              "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+                              "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+                              "TOKENIZERS_PARALLELISM": "false"})
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 600.0) -> PlainVllm:
+        with open(self.log_path, "ab") as fh:
+            self.proc = subprocess.Popen(exec_argv(self.argv), stdout=fh,
+                                         stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise DualPathError(f"plain vLLM exited; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise DualPathError(f"plain vLLM not up in {timeout_s:g} s; see "
+                                    f"{self.log_path}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            terminate_group(self.proc, 20)

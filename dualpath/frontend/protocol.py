@@ -162,9 +162,7 @@ def parse_completion(body, limits: Limits) -> Call:
         call.prompt_text = prompt
     elif isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if len(prompt) > limits.max_prompt_tokens:
-            raise bad(f"the prompt has {len(prompt)} tokens; at most "
-                      f"{limits.max_prompt_tokens}", "prompt", "context_length_exceeded")
+        check_prompt_length(len(prompt), limits)     # before the ids are checked
         if any(t < 0 or t >= 1 << 31 for t in prompt):
             raise bad("token ids must be between 0 and 2^31 - 1", "prompt")
         call.prompt_ids = list(prompt)
@@ -229,6 +227,14 @@ def finish_reason(call: Call, n_tokens: int, said: str = "") -> str:
     if said in ("stop", "length"):
         return said
     return "length" if n_tokens >= call.max_tokens else "stop"
+
+
+def text_ids(call: Call, ids: list[int], finish: str) -> list[int]:
+    """The token ids whose text the answer shows: as vLLM's, without the stop token that
+    ended it (the token ids keep it)."""
+    if finish == "stop" and ids and ids[-1] in call.sampling.get("stop_token_ids", ()):
+        return ids[:-1]
+    return ids
 
 
 def cut_at_stop(text: str, call: Call, finish: str) -> str:

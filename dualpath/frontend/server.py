@@ -199,7 +199,8 @@ class FrontEnd:
                 return await self._stream(request, call, ids, rid, seed)
             g, s = await self._generate(call, ids, rid, seed, None)
             finish = api.finish_reason(call, len(g.token_ids), g.finish_reason)
-            text = api.cut_at_stop(self.tokens.decode(g.token_ids), call, finish)
+            text = api.cut_at_stop(
+                self.tokens.decode(api.text_ids(call, g.token_ids, finish)), call, finish)
             return web.json_response(api.answer(
                 call, rid, text, g.token_ids, g.logprobs, len(ids), finish),
                 headers=s.headers())
@@ -271,9 +272,11 @@ class FrontEnd:
             n = len(sent)
             if n == shown[0]:
                 return
-            if not final and call.sampling.get("stop"):
-                return                   # a stop string may still come: text at the end
-            text = api.cut_at_stop(self.tokens.decode(sent[:n]), call, finish)
+            if not final and (call.sampling.get("stop") or
+                              call.sampling.get("stop_token_ids")):
+                return                   # what ends it may still come: text at the end
+            text = api.cut_at_stop(self.tokens.decode(api.text_ids(call, sent[:n], finish)),
+                                   call, finish)
             if not final and text.endswith("\ufffd"):   # a character cut in two
                 return
             delta = text[len(state["text"]):]

@@ -153,3 +153,10 @@ def test_the_finish_reason_is_vllms_and_a_stop_string_ends_the_text():
     assert api.finish_reason(c, 4) == "length" and api.finish_reason(c, 2) == "stop"
     assert api.cut_at_stop("abc END def", c, "stop") == "abc "
     assert api.cut_at_stop("abc END def", c, "length") == "abc END def"
+
+
+def test_the_stop_token_that_ended_an_answer_is_not_in_its_text():
+    c = api.parse_completion({"model": "m", "prompt": [1], "stop_token_ids": [9]}, LIM)
+    assert api.text_ids(c, [5, 6, 9], "stop") == [5, 6]
+    assert api.text_ids(c, [5, 6, 9], "length") == [5, 6, 9]
+    assert api.text_ids(c, [5, 6, 7], "stop") == [5, 6, 7]      # EOS or a stop string

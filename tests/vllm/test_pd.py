@@ -27,7 +27,7 @@ from dualpath.cluster.run import make_trace
 from dualpath.trace.model import stream_token_ids
 from dualpath.v1 import admin_pb2, scheduler_pb2
 from dualpath.vllm.driver import EngineProcess
-from dualpath.vllm.local import ENGINE_ENV, engine_args
+from dualpath.vllm.local import ENGINE_ENV, PlainVllm, engine_args
 from dualpath.vllm.pd import VllmPdCluster
 from tests.vllm.conftest import Conversation, close
 
@@ -490,3 +490,78 @@ def test_concurrent_requests_on_one_stored_prefix_wait_their_turn_and_are_the_or
         assert "did not load" not in log and "made no progress" not in log
     finally:
         r.close()
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, model_dirs):
+    """Plain vLLM's own OpenAI server on the tiny model (prefix cache on, one core, as
+    each of DualPath's instances): the reference for the API."""
+    v = PlainVllm(model_dirs["tiny"], 4096, 1, tmp_path_factory.mktemp("plain"), "0").start()
+    yield v
+    v.stop()
+
+
+def _same(a, b, what: str) -> None:
+    """Every answer field vLLM's server and the front end both define, equal (greedy)."""
+    ca, cb = a.choices[0], b.choices[0]
+    if hasattr(ca, "message"):
+        assert (ca.message.role, ca.message.content) == (cb.message.role, cb.message.content), \
+            what
+    else:
+        assert ca.text == cb.text, what
+    assert (ca.index, ca.finish_reason) == (cb.index, cb.finish_reason), what
+    assert a.usage.model_dump() == b.usage.model_dump(), what
+    assert (a.object, a.model) == (b.object, b.model), what
+
+
+@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
+def test_the_openai_api_answers_as_vllms_own_server(rig, plain):
+    """The same requests, through the official `openai` client, to DualPath's front end
+    and to plain vLLM's server on the same model: answers equal field by field (greedy
+    tokens, text, finish_reason, usage), with vLLM's sampling fields, nulls, stop
+    strings and token ids, chat content parts."""
+    import openai
+
+    dp = openai.OpenAI(base_url=rig.pd.frontend_url + "/v1", api_key=API_KEY, max_retries=0)
+    ref = openai.OpenAI(base_url=plain.url + "/v1", api_key="unused", max_retries=0)
+    conv = Conversation(seed=4242, first=300, append=50, gen=24)
+    prompt = list(conv.context)
+    base = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    cases = {
+        "plain": {},
+        "nulls and offs": {"presence_penalty": 0, "frequency_penalty": 0, "top_p": None,
+                           "seed": None, "user": None, "logprobs": None, "n": 1},
+        "sampling": {"extra_body": {"top_k": 1, "min_p": 0.0, "repetition_penalty": 1.0,
+                                    "min_tokens": 4}},
+    }
+    first = None
+    for what, kw in cases.items():
+        a = dp.completions.create(**base, **kw)
+        b = ref.completions.create(**base, **kw)
+        _same(a, b, what)
+        first = first or b
+    # A stop string and a stop token taken from vLLM's own answer end both early.
+    text = first.choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    if stop.strip():
+        a = dp.completions.create(**base, stop=[stop])
+        b = ref.completions.create(**base, stop=[stop])
+        _same(a, b, f"stop {stop!r}")
+        assert b.choices[0].finish_reason == "stop"
+    got = ref.completions.create(**base, extra_body={"return_token_ids": True})
+    tok = (got.choices[0].model_extra or {}).get("token_ids")
+    assert tok and len(tok) == 24, got
+    a = dp.completions.create(**base, extra_body={"stop_token_ids": [tok[5]]})
+    b = ref.completions.create(**base, extra_body={"stop_token_ids": [tok[5]]})
+    _same(a, b, "stop_token_ids")
+    assert a.choices[0].finish_reason == "stop" and a.usage.completion_tokens <= 6
+    # Chat: content as text parts, streamed or not.
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Say"},
+                                         {"type": "text", "text": "hello."}]}]
+    a = dp.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    b = ref.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    _same(a, b, "chat parts")
+    sa = "".join(c.choices[0].delta.content or "" for c in dp.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True)
+        if c.choices)
+    assert sa == b.choices[0].message.content

@@ -68,6 +68,7 @@ class Generated:
     second_token_unix_s: float
     finish_unix_s: float
     finish_reason: str = ""          # vLLM's ("stop" or "length"); "" = not said
+    assigned_unix_s: float = 0.0     # when a prefill node took it up (0 = not said)
 
 
 class _Sink(node_pb2_grpc.ReplaySinkServicer):
@@ -180,7 +181,7 @@ class Generator:
                          t.attempt, t.prefill_node_id, t.decode_node_id,
                          int(t.prefill_read_bytes), int(t.decode_read_bytes), t0,
                          t.first_token_unix_s, t.second_token_unix_s, t.finish_unix_s,
-                         t.finish_reason)
+                         t.finish_reason, t.assigned_unix_s)
 
     def _kick(self) -> None:
         if not self._closed and (self._poller is None or self._poller.done()):

@@ -33,6 +33,7 @@ import logging
 import secrets
 import time
 
+from dualpath import clock
 from dualpath.buffers.pool import Reservation
 from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EngineRank
@@ -63,6 +64,7 @@ class VllmPrefillPath(PrefillPath):
         self.space = self.vllm.space
 
     async def prefill(self, e: EngineRank, a: Assignment) -> None:
+        assigned = clock.unix_now()              # the request's queueing ends here
         n, eng, space = self.node, self.vllm, self.vllm.space
         fmt = space.fmt
         T, k = fmt.block_tokens, fmt.units
@@ -96,6 +98,7 @@ class VllmPrefillPath(PrefillPath):
             # The hit's slots and those of the blocks the instance computes, taken
             # whole (vllm_stage.py): the saves then need no reservation of their own.
             res = await space.pool.reserve(len(keys)) if keys else None
+            allocated = clock.unix_now()
             t_read = time.time()
             sources: list[LayerSource] = []
             first_parts: list = []
@@ -155,7 +158,10 @@ class VllmPrefillPath(PrefillPath):
                                    min(local, usable) * space.layout.full_bytes, read_span,
                                    a.attempt, usable * T, out.whole_prefix(),
                                    (first.token_ids[0], first.logprobs[0],
-                                    first.finish_reason == "stop"))
+                                    first.finish_reason == "stop"),
+                                   # (the hit is read while vLLM computes, layer by
+                                   # layer: no staging phase of its own)
+                                   phases=(assigned, allocated, allocated))
             await self._done(de, report)
             finished = True
         finally:

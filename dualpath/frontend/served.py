@@ -29,6 +29,7 @@ class Served:
     attempt: int
     ttft_s: float
     tpot_s: float
+    queue_s: float = 0.0      # submission to a prefill node taking it up (0: not said)
 
     def headers(self) -> dict[str, str]:
         return {"X-DualPath-Read-Side": self.read_side,
@@ -55,9 +56,10 @@ def served(g: Generated, prompt_tokens: int, hit_tokens: int) -> Served:
     ttft = max(0.0, g.first_token_unix_s - g.submit_unix_s) if g.first_token_unix_s else 0.0
     tpot = (max(0.0, g.finish_unix_s - g.first_token_unix_s) / (n - 1)
             if n > 1 and g.first_token_unix_s else 0.0)
+    queue = max(0.0, g.assigned_unix_s - g.submit_unix_s) if g.assigned_unix_s else 0.0
     return Served(read_side(g.prefill_read_bytes, g.decode_read_bytes), prompt_tokens,
                   hit_tokens, g.prefill_read_bytes + g.decode_read_bytes,
-                  g.prefill_node_id, g.decode_node_id, g.attempt, ttft, tpot)
+                  g.prefill_node_id, g.decode_node_id, g.attempt, ttft, tpot, queue)
 
 
 class FrontendMetrics:
@@ -68,6 +70,9 @@ class FrontendMetrics:
                                 "Submission to first token of a served request.")
         self.tpot = m.histogram(registry, "dualpath_frontend_tpot_seconds",
                                 "Time per output token after the first.")
+        self.queue = m.histogram(registry, "dualpath_frontend_queue_seconds",
+                                 "Submission to a prefill node taking the request up "
+                                 "(the scheduler's queues and any retries).")
         self.prompt_tokens = m.counter(registry, "dualpath_frontend_prompt_tokens_total",
                                        "Prompt tokens of served requests.")
         self.hit_tokens = m.counter(
@@ -85,6 +90,8 @@ class FrontendMetrics:
         self.ttft.observe(s.ttft_s)
         if s.tpot_s:
             self.tpot.observe(s.tpot_s)
+        if s.queue_s:
+            self.queue.observe(s.queue_s)
         self.prompt_tokens.inc(s.prompt_tokens)
         self.hit_tokens.inc(s.hit_tokens)
         self.by_side.labels(s.read_side).inc()

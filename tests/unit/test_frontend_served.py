@@ -33,3 +33,8 @@ def test_a_report_carries_the_hit_bytes_nodes_and_latencies():
     assert h["X-DualPath-Loaded-Bytes"] == "500" and h["X-DualPath-Decode-Node"] == "d1"
     one = served(_g(token_ids=[7], logprobs=[0.0]), 10, 0)
     assert one.tpot_s == 0.0 and one.read_side == "none"
+
+
+def test_queue_time_is_submission_to_a_prefill_node_taking_it_up():
+    assert abs(served(_g(assigned_unix_s=100.25), 10, 0).queue_s - 0.25) < 1e-9
+    assert served(_g(), 10, 0).queue_s == 0.0          # not said: not counted

@@ -371,6 +371,9 @@ def test_the_front_end_says_what_happened_to_each_request(rig):
         text = r.read().decode()
     assert 'dualpath_frontend_requests_total{status="200"}' in text
     assert "dualpath_frontend_ttft_seconds_count" in text
+    queued = next(float(x.split()[-1]) for x in text.splitlines()
+                  if x.startswith("dualpath_frontend_queue_seconds_count "))
+    assert queued >= 3                       # every served request's queue time
     hits = next(float(x.split()[-1]) for x in text.splitlines()
                 if x.startswith("dualpath_frontend_hit_tokens_total "))
     assert hits >= 6 * T

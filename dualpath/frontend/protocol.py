@@ -24,6 +24,7 @@ CHAT_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_toke
                          "temperature", "top_p", "seed", "stream", "logprobs", "user", "n",
                          "ignore_eos", "stream_options", *SAMPLING_KEYS})
 ROLES = ("system", "user", "assistant", "developer")
+MAX_BATCH = 64                  # prompts in one completions request
 
 
 class ApiError(Exception):
@@ -69,6 +70,7 @@ class Call:
     ignore_eos: bool = False
     sampling: dict = field(default_factory=dict)   # vLLM's, passed to the instances
     prompt_ids: list[int] | None = None
+    batch: list[str | list[int]] | None = None     # completions: several prompts
     prompt_text: str | None = None
     messages: list[dict] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -156,19 +158,37 @@ def parse_completion(body, limits: Limits) -> Call:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                  # a batch of one
+    elif isinstance(prompt, list) and len(prompt) > 1 and \
+            all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_BATCH:
+            raise bad(f"a batch of {len(prompt)} prompts; at most {MAX_BATCH}", "prompt")
+        if call.stream:
+            raise bad("a batch of prompts is answered whole: stream each prompt on its "
+                      "own request", "stream")
+        call.batch = [_one_prompt(p, limits) for p in prompt]
+        return call
+    one = _one_prompt(prompt, limits)
+    if isinstance(one, str):
+        call.prompt_text = one
+    else:
+        call.prompt_ids = one
+    return call
+
+
+def _one_prompt(prompt, limits: Limits) -> str | list[int]:
+    """One prompt of a completion: its text, or its token ids (checked)."""
     if isinstance(prompt, str):
         if not prompt:
             raise bad("'prompt' is empty", "prompt")
-        call.prompt_text = prompt
-    elif isinstance(prompt, list) and prompt and all(
+        return prompt
+    if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         check_prompt_length(len(prompt), limits)     # before the ids are checked
         if any(t < 0 or t >= 1 << 31 for t in prompt):
             raise bad("token ids must be between 0 and 2^31 - 1", "prompt")
-        call.prompt_ids = list(prompt)
-    else:
-        raise bad("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
-    return call
+        return list(prompt)
+    raise bad("'prompt' must be a string, a list of token ids, or a list of those (a "
+              "batch)", "prompt")
 
 
 def parse_chat(body, limits: Limits) -> Call:
@@ -269,6 +289,16 @@ def answer(call: Call, rid: str, text: str, ids: list[int], lps: list[float],
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": call.created, "model": call.model,
             "choices": [choice], "usage": usage(prompt_tokens, len(ids))}
+
+
+def batch_answer(answers: list[dict]) -> dict:
+    """One answer of a batch of prompts: each prompt's choice at its index, as vLLM's
+    server answers; usage summed."""
+    out = dict(answers[0])
+    out["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+    out["usage"] = usage(sum(a["usage"]["prompt_tokens"] for a in answers),
+                         sum(a["usage"]["completion_tokens"] for a in answers))
+    return out
 
 
 def chunk(call: Call, rid: str, text: str, ids: list[int], lps: list[float],

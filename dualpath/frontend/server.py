@@ -18,6 +18,7 @@ Threads: one asyncio loop (aiohttp).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -158,6 +159,8 @@ class FrontEnd:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         call = api.parse_completion(await self._body(request), self.limits)
+        if call.batch is not None:
+            return await self._serve_batch(call)
         if call.prompt_ids is not None:
             ids = call.prompt_ids
         else:
@@ -180,33 +183,69 @@ class FrontEnd:
 
     # ------------------------------------------------------------ generation
 
+    def _admit(self, n: int = 1) -> None:
+        """429 unless ``n`` more requests fit under max_in_flight; else count them."""
+        if self.in_flight + n > self.cfg.max_in_flight:
+            raise api.ApiError(429, f"{self.in_flight} requests in flight (at most "
+                               f"{self.cfg.max_in_flight}); retry later",
+                               type_="rate_limit_error", code="rate_limit_exceeded")
+        self.in_flight += n
+        self.metrics.in_flight.inc(n)
+
+    def _done(self, n: int = 1) -> None:
+        self.in_flight -= n
+        self.metrics.in_flight.dec(n)
+
+    @staticmethod
+    def _seed(call: api.Call) -> int:
+        # A seed even for sampling requests without one: a retried attempt samples the
+        # same tokens, so a stream never shows two different continuations.
+        return call.seed if call.seed >= 0 else secrets.randbits(62)
+
     async def _serve(self, request: web.Request, call: api.Call, ids: list[int],
                      prefix: str) -> web.StreamResponse:
         api.check_prompt_length(len(ids), self.limits)
         api.fit_to_context(call, len(ids), self.limits)
-        if self.in_flight >= self.cfg.max_in_flight:
-            raise api.ApiError(429, f"{self.in_flight} requests in flight (at most "
-                               f"{self.cfg.max_in_flight}); retry later",
-                               type_="rate_limit_error", code="rate_limit_exceeded")
+        self._admit()
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        # A seed even for sampling requests without one: a retried attempt samples the
-        # same tokens, so a stream never shows two different continuations.
-        seed = call.seed if call.seed >= 0 else secrets.randbits(62)
-        self.in_flight += 1
-        self.metrics.in_flight.inc()
         try:
             if call.stream:
-                return await self._stream(request, call, ids, rid, seed)
-            g, s = await self._generate(call, ids, rid, seed, None)
-            finish = api.finish_reason(call, len(g.token_ids), g.finish_reason)
-            text = api.cut_at_stop(
-                self.tokens.decode(api.text_ids(call, g.token_ids, finish)), call, finish)
-            return web.json_response(api.answer(
-                call, rid, text, g.token_ids, g.logprobs, len(ids), finish),
-                headers=s.headers())
+                return await self._stream(request, call, ids, rid, self._seed(call))
+            body, s = await self._answer(call, ids, rid, self._seed(call))
+            return web.json_response(body, headers=s.headers())
         finally:
-            self.in_flight -= 1
-            self.metrics.in_flight.dec()
+            self._done()
+
+    async def _serve_batch(self, call: api.Call) -> web.Response:
+        """A completions request with several prompts: each one a request of its own, at
+        once; the answers as vLLM's server gives them (one choice per prompt)."""
+        idss = [p if isinstance(p, list) else self._text_ids(p) for p in call.batch]
+        calls = []
+        for ids in idss:
+            api.check_prompt_length(len(ids), self.limits)
+            c = dataclasses.replace(call, batch=None)
+            api.fit_to_context(c, len(ids), self.limits)
+            calls.append(c)
+        self._admit(len(idss))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        seed = self._seed(call)
+        try:
+            got = await asyncio.gather(*(self._answer(c, ids, f"{rid}-{i}", seed)
+                                         for i, (c, ids) in enumerate(zip(calls, idss))))
+        finally:
+            self._done(len(idss))
+        body = api.batch_answer([b for b, _ in got])
+        body["id"] = rid
+        return web.json_response(body)
+
+    async def _answer(self, call: api.Call, ids: list[int], rid: str, seed: int
+                      ) -> tuple[dict, Served]:
+        """The non-streamed answer to one prompt, and what happened to it."""
+        g, s = await self._generate(call, ids, rid, seed, None)
+        finish = api.finish_reason(call, len(g.token_ids), g.finish_reason)
+        text = api.cut_at_stop(
+            self.tokens.decode(api.text_ids(call, g.token_ids, finish)), call, finish)
+        return api.answer(call, rid, text, g.token_ids, g.logprobs, len(ids), finish), s
 
     async def _generate(self, call: api.Call, ids: list[int], rid: str, seed: int,
                         on_partial) -> tuple[Generated, Served]:

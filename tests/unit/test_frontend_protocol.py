@@ -40,7 +40,7 @@ def test_a_token_id_completion_parses_with_openai_defaults():
     ({"model": "m", "prompt": [-1]}, 400, "token ids"),
     ({"model": "m", "prompt": [True]}, 400, "prompt"),
     ({"model": "m", "prompt": ""}, 400, "empty"),
-    ({"model": "m", "prompt": [[1], [2]]}, 400, "one prompt"),
+    ({"model": "m", "prompt": [[1], [True]]}, 400, "a batch"),
     ({"model": "m", "prompt": [1], "stream": "yes"}, 400, "stream"),
     ({"model": "m", "prompt": [1], "stream_options": {"x": 1}}, 400, "stream_options"),
     ([1, 2], 400, "JSON object"),
@@ -160,3 +160,20 @@ def test_the_stop_token_that_ended_an_answer_is_not_in_its_text():
     assert api.text_ids(c, [5, 6, 9], "stop") == [5, 6]
     assert api.text_ids(c, [5, 6, 9], "length") == [5, 6, 9]
     assert api.text_ids(c, [5, 6, 7], "stop") == [5, 6, 7]      # EOS or a stop string
+
+
+def test_a_batch_of_prompts_is_parsed_prompt_by_prompt_and_answered_whole():
+    c = api.parse_completion({"model": "m", "prompt": [[1, 2], "hi", [3]]}, LIM)
+    assert c.batch == [[1, 2], "hi", [3]] and c.prompt_ids is None
+    e = _err(api.parse_completion, {"model": "m", "prompt": [[1], [1] * 101]})
+    assert e.status == 400 and "101" in str(e)                   # each prompt is bounded
+    e = _err(api.parse_completion, {"model": "m", "prompt": [[1]] * 65})
+    assert e.status == 400 and "65 prompts" in str(e)
+    e = _err(api.parse_completion, {"model": "m", "prompt": [[1], [2]], "stream": True})
+    assert e.status == 400 and e.param == "stream"
+    one = {"id": "x", "object": "text_completion", "created": 1, "model": "m",
+           "choices": [{"index": 0, "text": "a"}],
+           "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
+    b = api.batch_answer([one, {**one, "choices": [{"index": 0, "text": "b"}]}])
+    assert [(c["index"], c["text"]) for c in b["choices"]] == [(0, "a"), (1, "b")]
+    assert b["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}

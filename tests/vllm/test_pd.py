@@ -558,6 +558,10 @@ def test_the_openai_api_answers_as_vllms_own_server(rig, plain):
     b = ref.completions.create(**base, extra_body={"stop_token_ids": [tok[5]]})
     _same(a, b, "stop_token_ids")
     assert a.choices[0].finish_reason == "stop" and a.usage.completion_tokens <= 6
+    # A batch of prompts: one choice per prompt, usage summed.
+    other = Conversation(seed=77, first=200, append=10, gen=8).context
+    batch = {**base, "prompt": [prompt, other]}
+    _same_batch(dp.completions.create(**batch), ref.completions.create(**batch))
     # Chat: content as text parts, streamed or not.
     msgs = [{"role": "user", "content": [{"type": "text", "text": "Say"},
                                          {"type": "text", "text": "hello."}]}]
@@ -568,3 +572,9 @@ def test_the_openai_api_answers_as_vllms_own_server(rig, plain):
         model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True)
         if c.choices)
     assert sa == b.choices[0].message.content
+
+
+def _same_batch(a, b) -> None:
+    assert [(c.index, c.text, c.finish_reason) for c in a.choices] == \
+        [(c.index, c.text, c.finish_reason) for c in b.choices]
+    assert a.usage.model_dump() == b.usage.model_dump()

@@ -5,8 +5,8 @@ vllm`, the P/D tests and bench/vllm_pd.py).
 engine is vLLM: a scheduler, P prefill nodes and D decode nodes (mutual TLS, a
 throw-away PKI), and beside each node one ``vllm serve`` (vLLM's OpenAI server) whose
 DualPathConnector attaches to it: ``kv_producer`` instances beside prefill nodes,
-``kv_consumer`` beside decode nodes, vLLM's prefix cache off (every hit comes through
-DualPath). Each node drives its instance (``engine.vllm_url``) and registers with the
+``kv_consumer`` beside decode nodes, vLLM's prefix cache off unless ``prefix_caching``
+(the tests: every hit comes through DualPath; `up` turns it on). Each node drives its instance (``engine.vllm_url``) and registers with the
 scheduler once the instance's worker attached. Every instance runs in its own process
 group and is killed with it at :meth:`stop`.
 """

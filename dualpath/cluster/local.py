@@ -296,10 +296,10 @@ class LocalCluster:
                         deadline: float) -> None:
         if proc.poll() is not None:
             raise ClusterError(f"{what} exited with status {proc.returncode} during start-up; "
-                               f"see {log_path}:\n{_tail(log_path)}")
+                               f"see {log_path}:\n{log_tail(log_path)}")
         if time.monotonic() > deadline:
             raise ClusterError(f"{what} not ready within {self.start_timeout_s:g} s; see "
-                               f"{log_path}:\n{_tail(log_path)}")
+                               f"{log_path}:\n{log_tail(log_path)}")
 
     def _wait_scheduler(self) -> None:
         import grpc
@@ -404,7 +404,8 @@ class LocalCluster:
         self.stop()
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` of a log, for an error that names it."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:

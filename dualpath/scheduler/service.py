@@ -249,6 +249,25 @@ class SchedulerMetrics:
             self.read_q.labels(lbl).set(sum(nodes.values()))
 
 
+class Pulse:
+    """Whoever waits is woken by the next :meth:`fire` (or its timeout); a fire with no
+    waiter is not remembered. One event loop."""
+
+    def __init__(self):
+        self._event: asyncio.Event | None = None
+
+    def fire(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self, timeout_s: float) -> None:
+        if self._event is None:
+            self._event = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+
+
 class SchedulerService:
     """The scheduler as the servicers see it: the core plus the model profile (for byte
     <-> token conversion), the clock, the journal, metrics and the lease sweeper.
@@ -279,9 +298,9 @@ class SchedulerService:
         self._sweeper: asyncio.Task | None = None
         self.failed: JournalError | None = None   # set once: fail-stop
         self.on_fatal: Callable[[], None] | None = None
-        self._ended = self._ended_total()
-        self._ended_event: asyncio.Event | None = None
-        self._changed_event: asyncio.Event | None = None
+        self._ended_count = self._ended_total()
+        self._ended = Pulse()           # some request ended (GetResults' long polls)
+        self._changed = Pulse()         # work moved (idle leaders' long-poll fetches)
 
     def close(self) -> None:
         """Write what was handed to the journal and close it (idempotent)."""
@@ -316,11 +335,9 @@ class SchedulerService:
                         f.failures, f.error)
         core.newly_failed.clear()
         ended = self._ended_total()
-        if ended != self._ended:
-            self._ended = ended
-            if self._ended_event is not None:
-                self._ended_event.set()
-                self._ended_event = None
+        if ended != self._ended_count:
+            self._ended_count = ended
+            self._ended.fire()
 
     async def durable(self, context: grpc.aio.ServicerContext | None = None) -> None:
         """Until everything journaled so far is on disk (every answer waits for it);
@@ -353,16 +370,11 @@ class SchedulerService:
     def changed(self) -> None:
         """Work moved (submitted, assigned, requeued, cancelled, a group came or went):
         wake the leaders' long-polling fetches."""
-        if self._changed_event is not None:
-            self._changed_event.set()
-            self._changed_event = None
+        self._changed.fire()
 
     async def wait_changed(self, timeout_s: float) -> None:
         """Until :meth:`changed` (or ``timeout_s``)."""
-        if self._changed_event is None:
-            self._changed_event = asyncio.Event()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed_event.wait(), timeout_s)
+        await self._changed.wait(timeout_s)
 
     def fetch_wait_s(self, wait_ms: int) -> float:
         """How long an idle fetch asking ``wait_ms`` may be held: within a third of the
@@ -376,10 +388,7 @@ class SchedulerService:
 
     async def wait_ended(self, timeout_s: float) -> None:
         """Until some request ends (or ``timeout_s``)."""
-        if self._ended_event is None:
-            self._ended_event = asyncio.Event()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ended_event.wait(), timeout_s)
+        await self._ended.wait(timeout_s)
 
     def result(self, rid: str) -> scheduler_pb2.RequestResult:
         x = self.core.lookup(rid)
@@ -425,18 +434,14 @@ class SchedulerService:
         handlers, a starved CPU all show up there). No tick in between: an idle scheduler
         wakes once a period."""
         period = period_s or min(1.0, self.core.params.lease_s / 4)
-        tick = period
 
         async def sweep() -> None:
             loop = asyncio.get_running_loop()
-            due = loop.time() + period
             while True:
                 t = loop.time()
-                await asyncio.sleep(tick)
-                self.metrics.loop_lag.observe(max(0.0, loop.time() - t - tick))
-                if loop.time() >= due:
-                    due = loop.time() + period
-                    self.housekeeping()
+                await asyncio.sleep(period)
+                self.metrics.loop_lag.observe(max(0.0, loop.time() - t - period))
+                self.housekeeping()
 
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(sweep())

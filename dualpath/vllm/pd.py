@@ -6,9 +6,10 @@ engine is vLLM: a scheduler, P prefill nodes and D decode nodes (mutual TLS, a
 throw-away PKI), and beside each node one ``vllm serve`` (vLLM's OpenAI server) whose
 DualPathConnector attaches to it: ``kv_producer`` instances beside prefill nodes,
 ``kv_consumer`` beside decode nodes, vLLM's prefix cache off unless ``prefix_caching``
-(the tests: every hit comes through DualPath; `up` turns it on). Each node drives its instance (``engine.vllm_url``) and registers with the
-scheduler once the instance's worker attached. Every instance runs in its own process
-group and is killed with it at :meth:`stop`.
+(the tests: every hit comes through DualPath; `up` turns it on). Each node drives its
+instance (``engine.vllm_url``) and registers with the scheduler once the instance's
+worker attached. Every instance runs in its own process group and is killed with it at
+:meth:`stop`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from dualpath.cluster.lifetime import child_env, exec_argv, kill_group, terminate_group
-from dualpath.cluster.local import ClusterError, LocalCluster, _tail, free_port
+from dualpath.cluster.local import ClusterError, LocalCluster, free_port, log_tail
 from dualpath.errors import UsageError
 from dualpath.vllm.local import CONNECTOR, ENGINE_ENV
 from dualpath.vllm.sizing import core_slices, plan_buffers
@@ -169,7 +170,7 @@ class VllmPdCluster:
         while not ready.exists():
             if self.frontend.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"the front end did not start; see {log_path}:\n"
-                                   f"{_tail(log_path)}")
+                                   f"{log_tail(log_path)}")
             time.sleep(0.1)
         self.frontend_url = ready.read_text().strip()
 
@@ -219,7 +220,7 @@ class VllmPdCluster:
         while True:
             if inst.proc.poll() is not None:
                 raise ClusterError(f"vLLM beside {node_id} exited ({inst.proc.returncode}); "
-                                   f"see {inst.log_path}:\n{_tail(inst.log_path)}")
+                                   f"see {inst.log_path}:\n{log_tail(inst.log_path)}")
             try:
                 with urllib.request.urlopen(inst.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -229,7 +230,7 @@ class VllmPdCluster:
             if time.monotonic() > deadline:
                 raise ClusterError(f"vLLM beside {node_id} not up in "
                                    f"{self.start_timeout_s:g} s; see {inst.log_path}:\n"
-                                   f"{_tail(inst.log_path)}")
+                                   f"{log_tail(inst.log_path)}")
             time.sleep(0.5)
 
     def _wait_registered(self, timeout_s: float = 120.0) -> None:
@@ -239,7 +240,7 @@ class VllmPdCluster:
             while "group registered" not in n.log_path.read_text(errors="replace"):
                 if n.proc.poll() is not None or time.monotonic() > deadline:
                     raise ClusterError(f"node {n.node_id} did not register; see "
-                                       f"{n.log_path}:\n{_tail(n.log_path)}")
+                                       f"{n.log_path}:\n{log_tail(n.log_path)}")
                 time.sleep(0.2)
 
     def restart_instance(self, node_id: str) -> None:

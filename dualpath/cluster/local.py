@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import resource
 import shutil
 import signal
@@ -50,10 +51,40 @@ class ClusterError(DualPathError):
     """A cluster process failed to start or died; the message names its log file."""
 
 
+_HANDED: set[int] = set()      # ports free_port gave out in this process
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port to listen on later, free now. Taken below the kernel's ephemeral range
+    (net.ipv4.ip_local_port_range): a port bind(0) returns is one the next outgoing
+    connection of any process on the host may take before its listener binds it (a
+    node failed to start so beside vLLM's many connections). Not one handed out before
+    by this process; bind(0) when that range has none."""
+    lo = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(10000, lo) if lo > 10000 else 0
+        if port in _HANDED:
+            continue
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _HANDED.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _toml_value(v) -> str:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dualpath import clock
-from dualpath.aio import to_the_end
+from dualpath.aio import to_the_end, waited_out
 from dualpath.buffers.pool import Reservation
 from dualpath.engine.decode_batch import DecodeBatch
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
@@ -140,6 +140,9 @@ class DecodePath:
         self.reports: set[asyncio.Task] = set()  # sink reports on their way
         self.outbox: dict[str, list[Timings]] = {}   # sink -> reports of this loop turn
         self.batches: dict[str, DecodeBatch] = {}  # engine -> its decode batch (emulated)
+        # Dropped states whose tasks have not ended yet (a load may still be writing into
+        # its PE's memory): Engine.CancelRequest waits for them, found or not.
+        self.ending: dict[str, list[DecodeState]] = {}
 
     def assign(self, e: EngineRank, a) -> None:
         """Count assignment ``a`` on engine ``e`` (tokens, HBM promised) until it ends; a
@@ -165,18 +168,25 @@ class DecodePath:
     async def stop(self, rid: str, attempt: int, caller: Identity | None) -> bool:
         """Engine.CancelRequest from the PE that prepared ``rid`` (the servicer checked):
         its writes for ``attempt`` (0 = any) ended, so drop the state without a fence and
-        return once this node's tasks for it (a load into the PE's memory) ended. A fence
-        left by an earlier drop of that PE's attempt is released. True when it was here."""
+        return once this node's tasks for it (a load into the PE's memory) ended, those
+        of a state dropped earlier (the scheduler's cancel) included: the answer means
+        "my writes ended", whatever became of the state. A fence left by an earlier drop
+        of that PE's attempt is released. True when it was here (held or still ending)."""
         self.node.fences.settled(rid, attempt, caller)
         st = self.requests.get(rid)
-        if st is None:
-            return False
-        if attempt and attempt < st.attempt:
+        if st is not None and attempt and attempt < st.attempt:
             raise StaleAttempt(f"CancelRequest of {rid} for attempt {attempt}; attempt "
                                f"{st.attempt} is held here")
-        del self.requests[rid]
-        await self._end(st, fence=False)
-        return True
+        ending = [s for s in self.ending.get(rid, ()) if not attempt or s.attempt <= attempt]
+        live = [t for s in ending for t in s.tasks if not t.done()]
+        if st is not None:
+            del self.requests[rid]
+            await self._end(st, fence=False)
+        if live:
+            await asyncio.wait(live)
+        if ending:      # an earlier drop fenced its slots once its tasks ended: ours now
+            self.node.fences.settled(rid, attempt, caller)
+        return st is not None or bool(ending)
 
     def state(self, rid: str, attempt: int) -> DecodeState:
         """The state of ``rid`` for a message of ``attempt`` (0 = unsaid): KeyError when
@@ -202,7 +212,9 @@ class DecodePath:
 
     async def _end(self, st: DecodeState, fence: bool) -> None:
         """Stop ``st``'s tasks; its buffer goes back (or is fenced) once they ended (a
-        load's WRITEs still reading the buffer finish first: see kvio.write_layers)."""
+        load's WRITEs still reading the buffer finish first: see kvio.write_layers). A
+        cancel of this wait (the node closing) does not cut it short: the release runs
+        on every exit, after the tasks."""
         if not st.load_error and not st.decoding:
             st.load_error = "the request was dropped here"    # a watch stops waiting
             st.changed.set()
@@ -210,9 +222,19 @@ class DecodePath:
         for t in live:
             if not t.cancelling():
                 t.cancel()
+        cancelled = False
         if live:
-            await asyncio.wait(live)
+            mine = self.ending.setdefault(st.request_id, [])
+            mine.append(st)
+            try:
+                cancelled = await waited_out(*live)
+            finally:
+                mine.remove(st)
+                if not mine and self.ending.get(st.request_id) is mine:
+                    del self.ending[st.request_id]
         self._release(st, fence)
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def prepare(self, req: PrepareCall) -> tuple[KvPlacement | None, list[int]]:
         """Reserve DE-buffer slots for ``req``'s prompt: the buffer's placement and the

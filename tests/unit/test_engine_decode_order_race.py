@@ -1,7 +1,13 @@
-"""A LOAD_HIT_KV order whose first connect to the PE waits while the PE cancels the
-request: the load must not start afterwards (it would WRITE a dropped request's hits into
-PE memory that may already serve another request: the KV mismatch seen once in
-test_node_stalled_past_its_lease under load)."""
+"""A DE's load into a PE's memory against the PE's cancel (Engine.CancelRequest, "your
+writes for it ended?"):
+
+- an order whose first connect to the PE waits while the PE cancels the request must not
+  start afterwards (it would WRITE a dropped request's hits into PE memory that may
+  already serve another request: the KV mismatch seen once in
+  test_node_stalled_past_its_lease under load);
+- a request the scheduler dropped here first (its state gone, its load still writing)
+  is answered only once that load ended: "not known" is not "ended" (the wrong bytes
+  of a partitioned prefill node, issue 36)."""
 
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ def _path(connect_gate: asyncio.Event, spawned: list):
         return asyncio.ensure_future(coro)
 
     d = DecodePath.__new__(DecodePath)
-    d.requests, d.assigned = {}, {}
+    d.requests, d.assigned, d.ending = {}, {}, {}
     d.space = SimpleNamespace(fmt=FMT, read_queue=SimpleNamespace(forget=lambda rid: None))
     d.node = SimpleNamespace(transfer=SimpleNamespace(connect=connect), spawn=spawn,
                              fences=SimpleNamespace(settled=lambda *a: None))
@@ -61,3 +67,35 @@ def test_an_order_is_not_carried_out_for_a_request_dropped_while_connecting():
         return spawned
 
     assert asyncio.run(main()) == []                 # no load was started
+
+
+def test_a_cancel_waits_for_the_load_of_a_request_the_scheduler_dropped_first():
+    async def main():
+        writes_end = asyncio.Event()
+        d = _path(asyncio.Event(), [])
+        st = DecodeState("r1", engine=None, payload=None, spans=[None, None],
+                         buffer=Slots(), pe_address="pe", attempt=1)
+
+        async def load():                 # a load with WRITEs in flight: a cancel waits
+            try:                          # for them (kvio.write_layers)
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                await writes_end.wait()
+                raise
+        st.tasks.append(asyncio.ensure_future(load()))
+        d.requests["r1"] = st
+        await asyncio.sleep(0)
+        d.node.fences.hold = lambda *a, **kw: None
+        d.cancel("r1")                    # the scheduler dropped it here: state gone
+        await asyncio.sleep(0)
+        assert "r1" not in d.requests
+        stop = asyncio.ensure_future(d.stop("r1", 1, None))    # the PE asks
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not stop.done(), "answered while the load still writes into the PE"
+        writes_end.set()
+        assert await asyncio.wait_for(stop, 10) is True
+        assert st.tasks[0].done() and d.ending == {}
+        assert await d.stop("r1", 1, None) is False     # now truly not known
+
+    asyncio.run(main())

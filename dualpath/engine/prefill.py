@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dualpath import clock
+from dualpath.aio import to_the_end
 from dualpath.buffers.pool import PoolTooSmall, Reservation
 from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
@@ -246,18 +247,29 @@ class PrefillPath:
                                          phases=(assigned, allocated, staged)))
             finished = True
         finally:
-            if watch is not None:
-                watch.close()
-            told = True
-            if prep is not None and not finished:
-                # The DE drops its state (its slots: our writes ended) and its load into
-                # our memory, answering once that load ended.
-                told = await n.peers.cancel(de, rid, a.attempt)
-            if pebuf is not None:
-                if watch is not None and not watch.complete and not told:
-                    n.fences.hold(de, rid, a.attempt, pebuf)
-                else:
-                    pebuf.release()
+            # Run to its end whatever cancels us meanwhile (a scheduler cancel landing
+            # while the DE is told): a skipped release leaks the slots for good.
+            await to_the_end(self._let_go(de, rid, a.attempt,
+                                          prep is not None and not finished, watch, pebuf))
+
+    async def _let_go(self, de: str, rid: str, attempt: int, tell: bool,
+                      watch, pebuf: Reservation | None) -> None:
+        """The end of an attempt here: the DE told (when it did not finish) and our
+        PE-buffer slots released, or fenced while the DE's load may still write into
+        them (it did not say it ended)."""
+        n = self.node
+        if watch is not None:
+            watch.close()
+        told = False
+        if tell:
+            # The DE drops its state (its slots: our writes ended) and its load into
+            # our memory, answering once that load ended.
+            told = await n.peers.cancel(de, rid, attempt)
+        if pebuf is not None:
+            if watch is not None and not watch.complete and not told:
+                n.fences.hold(de, rid, attempt, pebuf)
+            else:
+                pebuf.release()
 
     def _usable(self, rid: str, usable: int, hit_blocks: int, T: int) -> int:
         """The first token to compute: the hit, or where its first bad block begins."""

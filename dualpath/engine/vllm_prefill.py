@@ -34,6 +34,7 @@ import secrets
 import time
 
 from dualpath import clock
+from dualpath.aio import to_the_end
 from dualpath.buffers.pool import Reservation
 from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EngineRank
@@ -84,7 +85,6 @@ class VllmPrefillPath(PrefillPath):
         prep = stage = res = reader = out = None
         watch: RemoteWatch | None = None
         finished = False
-        told = True
         read_end = [0.0]                # when this node's own read ended
         try:
             prep = await n.peers.prepare(de, PrepareJob(
@@ -165,31 +165,43 @@ class VllmPrefillPath(PrefillPath):
             await self._done(de, report)
             finished = True
         finally:
-            if stage is not None and eng.stages.get(rid) is stage:
-                del eng.stages[rid]
-            if out is not None:
-                await out.settle()      # their WRITEs read our slots: let them end
-            if reader is not None and not reader.done():
-                reader.cancel()         # it waits for its reads in flight
-                await asyncio.gather(reader, return_exceptions=True)
-            if prep is not None and not finished:
-                told = await n.peers.cancel(de, rid, a.attempt)
-            fence = watch is not None and not watch.complete and not told
-            if watch is not None:
-                watch.close()
-            if res is not None:
-                def release(r: Reservation) -> None:
-                    if fence:           # the DE may still be writing into it
-                        n.fences.hold(de, rid, a.attempt, r)
-                    else:
-                        r.release()
-                if stage is not None:
-                    stage._release = release
-                    stage.unref()       # the last load's reference lets the slots go
+            # Run to its end whatever cancels us meanwhile (a scheduler cancel landing
+            # while the DE is told): a skipped release leaks the slots for good.
+            await to_the_end(self._let_go(de, rid, a.attempt, prep is not None and not
+                                          finished, stage, res, reader, out, watch))
+
+    async def _let_go(self, de: str, rid: str, attempt: int, tell: bool, stage, res,
+                      reader, out, watch) -> None:
+        """The end of an attempt here: the pushes and reads settled, the DE told (when
+        it did not finish), the stage's slots released, or fenced while the DE's load
+        may still write into them (it did not say it ended)."""
+        n, eng = self.node, self.vllm
+        if stage is not None and eng.stages.get(rid) is stage:
+            del eng.stages[rid]
+        if out is not None:
+            await out.settle()          # their WRITEs read our slots: let them end
+        if reader is not None and not reader.done():
+            reader.cancel()             # it waits for its reads in flight
+            await asyncio.gather(reader, return_exceptions=True)
+        told = False
+        if tell:
+            told = await n.peers.cancel(de, rid, attempt)
+        fence = watch is not None and not watch.complete and not told
+        if watch is not None:
+            watch.close()
+        if res is not None:
+            def release(r: Reservation) -> None:
+                if fence:               # the DE may still be writing into it
+                    n.fences.hold(de, rid, attempt, r)
                 else:
-                    release(res)
-            elif stage is not None:
-                stage.unref()
+                    r.release()
+            if stage is not None:
+                stage._release = release
+                stage.unref()           # the last load's reference lets the slots go
+            else:
+                release(res)
+        elif stage is not None:
+            stage.unref()
 
     async def _tail_to_decode(self, keys: list[bytes]) -> tuple[int, int]:
         """A PE read's (local, remote) parts: the leading ``keys`` stored now are read

@@ -2,7 +2,11 @@
 layers still read from them: the next request would get those slots and the old writes
 would carry its bytes into another request's DE buffer. The path is built from its
 seams (NodeResources, a KV space, an engine, the PE's forward) with small fakes that
-record the order of events; the failure is injected at layer 1's compute."""
+record the order of events; the failure is injected at layer 1's compute.
+
+And a scheduler cancel landing while a failed prefill tells its DE must not skip the
+release of its PE-buffer slots: they leaked, and the pool emptied for good (issue 36:
+freezing the prefill node past its lease a few times stalled the cluster)."""
 
 import asyncio
 import types
@@ -59,42 +63,46 @@ class FailingEngine(EmulatedEngine):
             raise RuntimeError("injected failure at layer 1")
 
 
+def _prefill_path(events, peers_cancel):
+    mem = np.zeros(1 << 16, np.uint8)
+    hbm = RecordingPool(events, "hbm0", mem, LAYOUT.one_layer())
+    de_pool = BlockPool("de_buffer", np.zeros(1 << 16, np.uint8), LAYOUT)
+    de_space = KvSpace.for_store(None, None, de_pool, "de_buffer")
+    pe_space = KvSpace.for_store(None, types.SimpleNamespace(
+        expect=lambda *a: None, forget=lambda *a: None),
+        BlockPool("pe_buffer", np.zeros(1 << 16, np.uint8), LAYOUT), "pe_buffer")
+
+    class Peers:
+        async def prepare(self, de, job):
+            return Prepared(de_space.buffer, (0,))
+
+        async def prefill_done(self, de, r):
+            events.append("prefill done")
+
+        cancel = staticmethod(peers_cancel)
+
+    node = NodeResources("p0", "prefill", "pe:1", types.SimpleNamespace(
+        engine=types.SimpleNamespace(layerwise=True)), SlowTransfer(events), Peers(),
+        None, None, trajectory_token_ids, asyncio.ensure_future, lambda *a, **kw: None,
+        None)
+    profile = get_profile("demo")
+    engine = FailingEngine(profile, 1.0)
+    e = EngineRank("p0/e0", 0, "hbm0", hbm)
+    forward = PrefillForward(profile, KvFormat.flat(LAYOUT), [e], ProfileEstimate(profile))
+    payload = Payload("t0", 0, prompt_tokens=8, hit_tokens=0, gen_tokens=1)
+    a = Assignment("r1", "p0/e0", "d0/e0", RS_NONE, 8, 0, 1, 0, 0, "de:1", payload,
+                   payload.encode())
+    return PrefillPath(node, pe_space, engine, forward), e, a, forward
+
+
 def test_failed_prefill_waits_for_in_flight_pushes_before_releasing_hbm():
     events: list[str] = []
 
     async def main():
-        mem = np.zeros(1 << 16, np.uint8)
-        hbm = RecordingPool(events, "hbm0", mem, LAYOUT.one_layer())
-        de_pool = BlockPool("de_buffer", np.zeros(1 << 16, np.uint8), LAYOUT)
-        de_space = KvSpace.for_store(None, None, de_pool, "de_buffer")
-        pe_space = KvSpace.for_store(None, types.SimpleNamespace(
-            expect=lambda *a: None, forget=lambda *a: None),
-            BlockPool("pe_buffer", np.zeros(1 << 16, np.uint8), LAYOUT), "pe_buffer")
-
-        class Peers:
-            async def prepare(self, de, job):
-                return Prepared(de_space.buffer, (0,))
-
-            async def prefill_done(self, de, r):
-                events.append("prefill done")
-
-            async def cancel(self, de, rid, attempt):
-                events.append("DE told")
-                return True
-
-        node = NodeResources("p0", "prefill", "pe:1", types.SimpleNamespace(
-            engine=types.SimpleNamespace(layerwise=True)), SlowTransfer(events), Peers(),
-            None, None, trajectory_token_ids, asyncio.ensure_future, lambda *a, **kw: None,
-            None)
-        profile = get_profile("demo")
-        engine = FailingEngine(profile, 1.0)
-        e = EngineRank("p0/e0", 0, "hbm0", hbm)
-        forward = PrefillForward(profile, KvFormat.flat(LAYOUT), [e],
-                                 ProfileEstimate(profile))
-        path = PrefillPath(node, pe_space, engine, forward)
-        payload = Payload("t0", 0, prompt_tokens=8, hit_tokens=0, gen_tokens=1)
-        a = Assignment("r1", "p0/e0", "d0/e0", RS_NONE, 8, 0, 1, 0, 0, "de:1", payload,
-                       payload.encode())
+        async def cancel(de, rid, attempt):
+            events.append("DE told")
+            return True
+        path, e, a, forward = _prefill_path(events, cancel)
         with pytest.raises(RuntimeError, match="injected"):
             await path.prefill(e, a)
         await forward.close()
@@ -104,3 +112,32 @@ def test_failed_prefill_waits_for_in_flight_pushes_before_releasing_hbm():
     # back and before the DE is told the attempt is over, and a failed prefill never
     # reports done.
     assert events == ["push 0 done", "hbm released", "DE told"], events
+
+
+def test_a_cancel_while_the_de_is_told_still_releases_the_pe_buffer():
+    events: list[str] = []
+
+    async def main():
+        telling, answer = asyncio.Event(), asyncio.Event()
+
+        async def cancel(de, rid, attempt):      # the DE answers slowly (bounded: 2 s)
+            telling.set()
+            await answer.wait()
+            events.append("DE told")
+            return True
+        path, e, a, forward = _prefill_path(events, cancel)
+        pool = path.space.pool
+        t = asyncio.ensure_future(path.prefill(e, a))
+        await asyncio.wait_for(telling.wait(), 30)
+        assert pool.free < pool.capacity         # its slots are still taken
+        t.cancel()                               # the scheduler's cancel lands now
+        await asyncio.sleep(0)
+        answer.set()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        await forward.close()
+        return pool.free, pool.capacity
+
+    free, capacity = asyncio.run(main())
+    assert free == capacity, f"{capacity - free} PE-buffer slots leaked"
+    assert events[-1] == "DE told"

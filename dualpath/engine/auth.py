@@ -9,7 +9,7 @@ identity (``spiffe://<trust_domain>/<role>/<name>``) decides what it may do:
   binds a request to the identity whose PrepareRequest made it);
 - the KvConnector service: this node's own identity only (the vLLM instance beside the
   node runs its connector with the node's certificate);
-- StorageReads (figures): any cluster identity.
+- StorageReads, ForwardSteps and Holdings (figures): any cluster identity.
 
 With ``tls.plaintext = true`` there are no identities and every check passes: plaintext
 is an explicit opt-out, warned about at start-up.

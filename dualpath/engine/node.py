@@ -50,6 +50,7 @@ from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.errors import PeerUnavailable
 from dualpath.engine.fence import Fences
 from dualpath.engine.forward import PrefillForward
+from dualpath.engine.holdings import Holdings, pool_holding
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.leader import Leader
 from dualpath.engine.metrics import CountingLimiter, NodeMetrics, OwnedCounters, PoolGauges
@@ -263,7 +264,7 @@ class NodeDaemon:
             self._stack.push_async_callback(self.space.writeback.close)
             self.path = decode = DecodePath(self.resources, self.space, engine, ranks)
         return engine_services(self.callers, self.oob, self.transfer, decode,
-                               self.stop_request, self.limiter,
+                               self.stop_request, self.limiter, self.holdings,
                                self.path.forward if self.role == PREFILL else None)
 
     def _start_vllm(self, buf_name: str) -> list:
@@ -290,7 +291,7 @@ class NodeDaemon:
                     self.resources, None, engine, {e.engine_id: e},
                     decoder=VllmDecoder(self.resources, engine, self.instance))
         return [*engine_services(self.callers, self.oob, self.transfer, decode,
-                                 self.stop_request, self.limiter),
+                                 self.stop_request, self.limiter, self.holdings),
                 (connector_pb2_grpc.add_KvConnectorServicer_to_server,
                  KvConnectorServicer(engine, self.callers))]
 
@@ -317,6 +318,22 @@ class NodeDaemon:
         """The node's buffer pool (None until a vLLM worker attached)."""
         space = self.engine.space if isinstance(self.engine, VllmEngine) else self.space
         return space.pool if space is not None else None
+
+    def holdings(self) -> Holdings:
+        """What this node holds now (Node.Holdings; the idle invariant: holdings.py)."""
+        pools = [self._pool()] + [e.hbm for e in self.ranks]
+        path = self.path
+        requests = 0
+        if isinstance(path, DecodePath):
+            requests = len(path.requests) + sum(map(len, path.ending.values()))
+        elif isinstance(path, PrefillPath):
+            requests = len(path.runs)
+        if isinstance(self.engine, VllmEngine):
+            requests += len(self.engine.stages)
+        return Holdings(self.node_id,
+                        tuple(pool_holding(p) for p in pools if isinstance(p, BlockPool)),
+                        self.fences.blocks,
+                        self.read_q_tokens(), requests)
 
     def _store_stats(self) -> dict[str, int]:
         """The block store's counters (a vLLM node opens its store when its worker first

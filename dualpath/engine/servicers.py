@@ -20,6 +20,7 @@ from dualpath.engine.auth import Callers
 from dualpath.engine.decode import DecodePath, NotYours, PrepareCall
 from dualpath.engine.errors import RequestFailed, StaleAttempt
 from dualpath.engine.forward import STEPS_PER_ANSWER, PrefillForward
+from dualpath.engine.holdings import Holdings
 from dualpath.engine.payload import Payload
 from dualpath.engine.peers import LoadOrder, PrefillReport
 from dualpath.engine.vllm_engine import BufferBusy, FormatConflict, NotAttached, VllmEngine, Worker
@@ -62,12 +63,13 @@ Stop = Callable[[str, int, object], Awaitable[bool]]
 
 
 def engine_services(callers: Callers, oob, transfer, decode: DecodePath | None,
-                    stop: Stop, limiter, forward: PrefillForward | None = None) -> list:
+                    stop: Stop, limiter, holdings: Callable[[], Holdings],
+                    forward: PrefillForward | None = None) -> list:
     """The Engine and Node services of a node."""
     return [(engine_pb2_grpc.add_EngineServicer_to_server,
              EngineServicer(callers, oob, transfer, decode, stop)),
             (node_pb2_grpc.add_NodeServicer_to_server,
-             NodeServicer(callers, limiter, decode, forward))]
+             NodeServicer(callers, limiter, holdings, decode, forward))]
 
 
 async def _no_decode(context, decode):
@@ -169,12 +171,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 class NodeServicer(node_pb2_grpc.NodeServicer):
     """PrepareRequest and PrefillDone: cluster nodes, on their own requests;
-    StorageReads and ForwardSteps (figures): any cluster identity."""
+    StorageReads, ForwardSteps and Holdings (figures): any cluster identity."""
 
-    def __init__(self, callers: Callers, limiter, decode: DecodePath | None,
-                 forward: PrefillForward | None = None):
+    def __init__(self, callers: Callers, limiter, holdings: Callable[[], Holdings],
+                 decode: DecodePath | None, forward: PrefillForward | None = None):
         self.callers, self.node_id = callers, callers.node_id
         self.limiter, self.decode, self.forward = limiter, decode, forward
+        self.holdings = holdings
+
+    async def Holdings(self, request, context):
+        await self.callers.require(context, ("node", "admin", "client"))
+        return self.holdings().to_pb()
 
     async def ForwardSteps(self, request, context):
         await self.callers.require(context, ("node", "admin", "client"))

@@ -1,5 +1,5 @@
-"""`dualpath scheduler`, `dualpath ctl engines|groups|stats|drain|set|requests|cancel|top`,
-`dualpath submit`.
+"""`dualpath scheduler`, `dualpath ctl engines|groups|stats|drain|set|requests|cancel|top|
+check`, `dualpath submit`.
 
 Tables by default, ``--json`` for scripts. Exit codes (dualpath.cli, from the typed
 error :func:`dualpath.scheduler.client.rpc_error` makes of a gRPC status): 0 ok, 1 the
@@ -90,6 +90,18 @@ def register(sub) -> None:
     t.add_argument("--once", action="store_true", help="poll twice, --interval apart, print "
                    "one plain-text screen (one JSON object with --json) and exit")
     t.set_defaults(func=_cmd(_top))
+    ck = csub.add_parser("check", parents=[conn], help="the idle invariant: an idle cluster's "
+                         "nodes hold nothing (exit 1 when one does, or when not idle)",
+                         description="Ask the scheduler whether the cluster is idle (nothing "
+                         "queued, running, backing off or recovering), then every node it "
+                         "knows (Node.Holdings, with this config's TLS identity) what it "
+                         "holds: every buffer pool's free slots must equal its capacity, no "
+                         "reservation waits, no memory is fenced, the read queue is empty and "
+                         "no request keeps state. A node that breaks it leaked. Exit 0 when "
+                         "the invariant holds, 1 when the cluster is busy or a node holds "
+                         "something (a decode node's write-back drains for a few seconds "
+                         "after the last request: ask again).")
+    ck.set_defaults(func=_cmd(_check))
 
     sm = sub.add_parser("submit", parents=[conn], help="submit requests to the scheduler")
     # uint64 on the wire; what the scheduler accepts beyond that it checks itself.
@@ -194,6 +206,7 @@ def _cmd(action: Callable, admin: bool = True) -> Callable[[argparse.Namespace],
         async def go():
             async with SchedulerClient.from_config(cfg, full.tls, args.scheduler,
                                                    token) as client:
+                client.tls_config = full.tls        # for actions that ask the nodes too
                 return await action(client, args)
 
         try:
@@ -204,8 +217,9 @@ def _cmd(action: Callable, admin: bool = True) -> Callable[[argparse.Namespace],
             print(json.dumps(e.data, indent=2, sort_keys=True) if args.json else e.text)
             return EXIT_USAGE if e.usage else EXIT_FAIL
         if result is not None:
-            data, text = result
+            data, text, *code = result
             print(json.dumps(data, indent=2, sort_keys=True) if args.json else text)
+            return code[0] if code else EXIT_OK
         return EXIT_OK
 
     return run
@@ -275,6 +289,49 @@ async def _stats(client, args):
     rows = [[k, v] for k, v in sorted(d.items())] + [[f"params.{k}", v]
                                                      for k, v in sorted(params.items())]
     return _msg_dict(r), table(["STAT", "VALUE"], rows)
+
+
+#: StatsResponse fields that are not 0 while a cluster has work.
+_BUSY_STATS = ("global_queue_requests", "group_queue_requests", "prefill_queue_requests",
+               "prefilling_requests", "decoding_requests", "backoff_requests",
+               "recovering_requests")
+
+
+async def _check(client, args):
+    from dualpath import tls
+    from dualpath.engine.holdings import Holdings, idle_violations
+    from dualpath.v1 import node_pb2, node_pb2_grpc
+
+    stats = await client.stats()
+    busy = {k: getattr(stats, k) for k in _BUSY_STATS if getattr(stats, k)}
+    engines = (await client.list_engines()).engines
+    nodes = sorted({(e.node_id, e.control_address) for e in engines if e.control_address})
+    rows, found, out = [], [], []
+    for node_id, addr in nodes:
+        try:
+            async with tls.channel(addr, client.tls_config) as ch:
+                h = Holdings.from_pb(await node_pb2_grpc.NodeStub(ch).Holdings(
+                    node_pb2.HoldingsRequest(), timeout=10))
+        except grpc.aio.AioRpcError as e:
+            found.append(f"{node_id}: no answer from {addr}: {e.code().name} {e.details()}")
+            continue
+        v = idle_violations(h)
+        found += v
+        out.append({**_msg_dict(h.to_pb()), "control_address": addr, "violations": v})
+        rows.append([node_id, addr, " ".join(f"{p.name}={p.free}/{p.capacity}"
+                                             for p in h.pools) or "-",
+                     h.fenced_blocks, h.read_queue_tokens, h.requests,
+                     "ok" if not v else "HOLDS"])
+    lines = [table(["NODE", "ADDRESS", "FREE/CAPACITY", "FENCED", "READ_Q_TOK", "REQUESTS",
+                    "IDLE"], rows)]
+    if busy:
+        lines.append("not idle: " + ", ".join(f"{k} {v}" for k, v in busy.items())
+                     + " (the invariant applies to an idle cluster)")
+    lines += found
+    ok = not busy and not found
+    lines.append("idle invariant holds" if ok else "idle invariant does not hold")
+    data = {"idle": not busy, "busy": busy, "nodes": out, "violations": found, "ok": ok}
+    return data, "\n".join(lines), EXIT_OK if ok else EXIT_FAIL
 
 
 async def _drain(client, args):

@@ -466,7 +466,8 @@ class SchedulerService:
             free_hbm_bytes=e.free_hbm_tokens * self.kv_bytes_per_token, drained=e.drained,
             group_state=admin_pb2.GROUP_STATE_UP if e.group.up else admin_pb2.GROUP_STATE_DOWN,
             assigned_requests=e.assigned_total,
-            node_read_bytes_total=e.node.read_tokens_total * self.kv_bytes_per_token)
+            node_read_bytes_total=e.node.read_tokens_total * self.kv_bytes_per_token,
+            control_address=e.control_address)
 
     def params_pb(self) -> admin_pb2.Params:
         p = self.core.params

@@ -14,7 +14,9 @@ attempts per request within the budget (none ended FAILED; the most any request 
 printed and bounded per case), and recovery within a stated number of leases measured
 in the scheduler's own lease events (registrations, lapses, releases), never in seconds.
 The seconds — from the fault to the end of every request in flight when it struck — and
-the same in leases are printed on one FAULT line per case.
+the same in leases are printed on one FAULT line per case. Last, once the run is over,
+the idle invariant (:func:`wait_idle_invariant`, `dualpath ctl check`): every node's
+pools whole, nothing fenced, an empty read queue, no request state.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -155,6 +158,32 @@ def wait_unfenced(cluster: LocalCluster, bound_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def idle_check(cluster: LocalCluster) -> tuple[int, dict]:
+    """`dualpath ctl check --json` against the cluster (its admin config): exit code and
+    record."""
+    p = subprocess.run([sys.executable, "-m", "dualpath.cli", "ctl", "check",
+                        "--json", "--config", str(cluster.config_path)],
+                       check=False, capture_output=True, text=True, timeout=60)
+    try:
+        return p.returncode, json.loads(p.stdout)
+    except json.JSONDecodeError:
+        return p.returncode, {"stdout": p.stdout, "stderr": p.stderr[-2000:]}
+
+
+def wait_idle_invariant(cluster: LocalCluster, bound_s: float = 60.0) -> None:
+    """Once the run is over the cluster is idle, and then every node holds nothing: its
+    pools whole, no fence, an empty read queue, no request state (`dualpath ctl check`;
+    a decode node's write-back drains first: a liveness bound only)."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        rc, rec = idle_check(cluster)
+        if rc == 0:
+            assert rec["ok"] and len(rec["nodes"]) == len(cluster.node_ids()), rec
+            return
+        assert time.monotonic() < deadline, f"idle invariant broken: {rec}"
+        time.sleep(0.5)
+
+
 def check(name: str, cluster: LocalCluster, run: ReplayRun, fault: Fault, *,
           max_failed: int = 2) -> dict:
     """The suite's promises for one case (see the module docstring); prints the FAULT
@@ -175,6 +204,7 @@ def check(name: str, cluster: LocalCluster, run: ReplayRun, fault: Fault, *,
     failed = max_failed_attempts(cluster, run)
     assert failed <= max_failed < MAX_FAILED_ATTEMPTS
     wait_unfenced(cluster)
+    wait_idle_invariant(cluster)
     rec = recovery_s(run.records, fault.fired_unix)
     figures = {"case": name, "requests": len(run.records),
                "lost": run.extra["rounds"] - len(run.records) + run.requests_lost,

@@ -58,6 +58,11 @@ RECONNECT_AFTER = 5
 #: How long an idle leader's fetch may be held by the scheduler (FetchRequest.wait_ms;
 #: the scheduler bounds it by a third of the lease).
 IDLE_WAIT_MS = 1000
+
+#: After ReleaseGroup, how long a stopping node lets the peers hear of the hand-back (the
+#: scheduler's cancel rides on their next fetch, a held one woken at once) before it
+#: stops its own work: their prefills are cancelled, not failed by an aborted load.
+HANDBACK_GRACE_S = 0.3
 #: Bytes of a FAILED completion's error (the scheduler keeps at most this much too).
 MAX_ERROR_BYTES = 512
 #: Request ids per GetResults call (below the scheduler's max_submit_requests).
@@ -369,8 +374,11 @@ class Leader:
 
     async def shutdown(self, quiesce: Callable[[], Awaitable[None]]) -> None:
         """A graceful stop (the leader loop has ended): deliver pending completions (their
-        results go to the sink), ``quiesce()`` the node's work, then give the lease back
-        (ReleaseGroup) so the scheduler requeues what the group held at once. Bounded;
+        results go to the sink), give the lease back (ReleaseGroup: the scheduler requeues
+        what the group held at once and cancels it on the peers), then ``quiesce()`` the
+        node's work. In that order, a peer learns of the hand-back from the scheduler as a
+        cancel before this node stops the work it shares with it: it counts no failed
+        attempt (stopping first failed the peer's prefill on an aborted load). Bounded;
         without a lease (or a scheduler) it only quiesces."""
         try:
             if self.lease_id and self.completions:
@@ -385,18 +393,18 @@ class Leader:
         except grpc.aio.AioRpcError as e:
             log.warning("%s: pending completions not delivered at shutdown: %s %s",
                         self.node_id, e.code().name, e.details())
+        if self.lease_id:
+            try:
+                r = await self.scheduler.ReleaseGroup(scheduler_pb2.ReleaseGroupRequest(
+                    group_id=self.node_id, lease_id=self.lease_id), timeout=2)
+                log.info("%s: lease %d released; %d requests handed back", self.node_id,
+                         self.lease_id, r.requeued_requests)
+                await asyncio.sleep(HANDBACK_GRACE_S)
+            except grpc.aio.AioRpcError as e:
+                log.warning("%s: lease %d not released (%s %s); its work waits out the "
+                            "lease", self.node_id, self.lease_id, e.code().name, e.details())
+            self.lease_id = 0
         await quiesce()
-        if not self.lease_id:
-            return
-        try:
-            r = await self.scheduler.ReleaseGroup(scheduler_pb2.ReleaseGroupRequest(
-                group_id=self.node_id, lease_id=self.lease_id), timeout=2)
-            log.info("%s: lease %d released; %d requests handed back", self.node_id,
-                     self.lease_id, r.requeued_requests)
-        except grpc.aio.AioRpcError as e:
-            log.warning("%s: lease %d not released (%s %s); its work waits out the lease",
-                        self.node_id, self.lease_id, e.code().name, e.details())
-        self.lease_id = 0
 
     async def close(self) -> None:
         await self.channel.close()

@@ -8,22 +8,32 @@ several faults) again and again, fresh trajectory names each time. While a repla
 runs, the main thread strikes faults one after another with random gaps (uniform in
 [--gap-min-s, --gap-max-s]), at most --faults-per-replay of them, each of a kind drawn at random (weights in KINDS): SIGKILL
 + restart or SIGTERM + restart of the scheduler, p0, d0 or d1 (these are the *kills*),
-SIGSTOP of a node for 1.5-3 leases then SIGCONT, and a random quarter of the stored
-blocks corrupted, truncated or deleted. A restart is part of its fault; the next gap
-starts after it. Replays continue until --kills kills have struck.
+SIGSTOP of a node for 1.5-3 leases then SIGCONT, the same three times in a row
+(sigstop_again: each time the node registers again before the next), and a random
+quarter of the stored blocks corrupted, truncated or deleted. A restart is part of its
+fault; the next gap starts after it. Replays continue until --kills kills and --faults
+faults in all have struck.
 
 After each replay: requests lost (rounds that never finished plus submissions the
 scheduler forgot), reported twice, wrong bytes (what the DEs' verification found) and
 ended FAILED, all from the replay client; the most failed attempts of any request (the
-scheduler's GetResults); and per fault its recovery: seconds from the fault until every
-round in flight when it struck had finished, also in leases (several faults may fall
+scheduler's GetResults); the idle invariant once the replay is over (`dualpath ctl
+check`, waited for up to 60 s: every node's pools whole, nothing fenced, an empty read
+queue, no request state; each replay that never gets there is a violation); rounds a
+replay gave up on (requests_stuck); and per fault its recovery: seconds from the fault
+until every round in flight when it struck had finished, also in leases (several faults may fall
 in one round's life, so this bounds each from above). Model execution is emulated (the
 cost model); every KV byte moves for real and is verified.
 
 Prints a table per fault kind and the totals; --json PATH writes the same record, its
-"summary" holding kills, requests_lost, requests_duplicated, bytes_mismatched,
-max_recovery_leases and max_recovery_leases_after_scheduler_restart (a scheduler
-fault's recovery counted from the restarted scheduler's start, not from the kill). --quick: 6 kills on a smaller trace (a smoke run).
+"summary" holding faults_injected, kills, requests_lost, requests_duplicated,
+bytes_mismatched, requests_stuck, idle_invariant_violations, unhandled_errors (tracebacks
+and "never retrieved" lines in the daemons' logs), max_recovery_leases,
+max_recovery_leases_after_scheduler_restart (a scheduler fault's recovery counted from
+the restarted scheduler's start, not from the kill) and max_recovery_leases_after_fault
+(every fault's, from its end: a freeze's SIGCONT, a restart; with one prefill node no
+prefill runs while it is frozen). --quick: 6 kills, 10 faults on a smaller trace (a
+smoke run).
 """
 
 from __future__ import annotations
@@ -58,7 +68,8 @@ PROFILE = get_profile("demo")
 DAEMONS = ("scheduler", "p0", "d0", "d1")
 NODES = ("p0", "d0", "d1")
 #: Fault kinds and their weights (kills dominate: the target counts them).
-KINDS = {"sigkill": 4, "sigterm": 2, "sigstop": 1, "blocks": 1}
+KINDS = {"sigkill": 4, "sigterm": 2, "sigstop": 1, "sigstop_again": 1, "blocks": 1}
+STOPS_AGAIN = 3
 
 
 def settings(lease_ms: int) -> dict:
@@ -82,8 +93,62 @@ def draw(rng: random.Random, lease_s: float):
     if kind == "sigstop":
         who = rng.choice(NODES)
         return kind, who, stall(who, rng.uniform(1.5, 3.0) * lease_s)
+    if kind == "sigstop_again":
+        who = rng.choice(NODES)
+        return kind, who, stall_again(who, [rng.uniform(1.5, 3.0) * lease_s
+                                            for _ in range(STOPS_AGAIN)])
     how = rng.choice(DAMAGE_KINDS)
     return kind, how, damage_blocks(how, 0.25, rng)
+
+
+def stall_again(who: str, seconds: list[float]):
+    """Freeze ``who`` past its lease once per entry of ``seconds``, waiting (up to 30 s)
+    for it to register again between two freezes."""
+    def act(cluster: LocalCluster) -> None:
+        log = cluster.dir / "logs" / "scheduler.log"
+        for s in seconds:
+            before = _registrations(log, who)
+            stall(who, s)(cluster)
+            deadline = time.monotonic() + 30
+            while _registrations(log, who) <= before and time.monotonic() < deadline:
+                time.sleep(0.1)
+    return act
+
+
+def _registrations(log: Path, who: str) -> int:
+    try:
+        return log.read_text(errors="replace").count(f"group {who} registered")
+    except OSError:
+        return 0
+
+
+def idle_invariant(cluster: LocalCluster, bound_s: float = 60.0) -> list[str]:
+    """`dualpath ctl check` until it holds (bounded): [] or the last violations."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        r = subprocess.run([sys.executable, "-m", "dualpath.cli", "ctl", "check", "--json",
+                            "--config", str(cluster.config_path)],
+                           check=False, capture_output=True, text=True, timeout=60)
+        try:
+            rec = json.loads(r.stdout)
+        except json.JSONDecodeError:
+            rec = {"violations": [f"ctl check: exit {r.returncode}: {r.stderr[-300:]}"],
+                   "busy": {}}
+        if r.returncode == 0:
+            return []
+        if time.monotonic() > deadline:
+            return rec.get("violations") or [f"not idle: {rec.get('busy')}"]
+        time.sleep(0.5)
+
+
+def unhandled_errors(cluster: LocalCluster) -> list[str]:
+    """Lines of the daemons' logs that show an error nobody handled."""
+    out = []
+    for f in sorted((cluster.dir / "logs").glob("*.log")):
+        for line in f.read_text(errors="replace").splitlines():
+            if "never retrieved" in line or line.startswith("Traceback"):
+                out.append(f"{f.name}: {line[:200]}")
+    return out
 
 
 def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
@@ -127,6 +192,8 @@ def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
         f["recovery_s"] = recovery_s(run.records, f["struck_unix_s"])
         f["recovery_leases"] = f["recovery_s"] / lease_s
     return {"rounds": rounds, "finished": len(run.records),
+            "stuck": rounds - len(run.records) if "aborted" in out else 0,
+            "idle_violations": idle_invariant(cluster),
             "lost": rounds - len(run.records) + run.requests_lost,
             "duplicated": run.requests_duplicated, "bytes_mismatched": run.bytes_mismatched,
             "failed": run.requests_failed, "reexecutions": run.reexecutions,
@@ -153,11 +220,12 @@ def max_failed_attempts(cluster: LocalCluster, run) -> int:
     return max((x.failed_attempts for x in r.results), default=0)
 
 
-def summarize(replays: list[dict], wall_s: float, args) -> dict:
+def summarize(replays: list[dict], wall_s: float, args, unhandled: list[str]) -> dict:
     faults = [f for r in replays for f in r["faults"]]
     kills = [f for f in faults if f["kind"] in ("sigkill", "sigterm")]
     rec = [f["recovery_leases"] for f in faults]
     return {
+        "faults_injected": len(faults),
         "kills": len(kills),
         "kills_by_daemon": dict(Counter(f"{f['kind']} {f['target']}" for f in kills)),
         "faults": len(faults),
@@ -169,6 +237,9 @@ def summarize(replays: list[dict], wall_s: float, args) -> dict:
         "requests_duplicated": sum(r["duplicated"] for r in replays),
         "bytes_mismatched": sum(r["bytes_mismatched"] for r in replays),
         "requests_failed": sum(r["failed"] for r in replays),
+        "requests_stuck": sum(r["stuck"] for r in replays),
+        "idle_invariant_violations": sum(bool(r["idle_violations"]) for r in replays),
+        "unhandled_errors": len(unhandled),
         "reexecutions": sum(r["reexecutions"] for r in replays),
         "max_failed_attempts": max((r["max_failed_attempts"] for r in replays), default=0),
         "max_recovery_leases": round(max(rec, default=0.0), 2),
@@ -178,6 +249,11 @@ def summarize(replays: list[dict], wall_s: float, args) -> dict:
             (max(0.0, f["recovery_s"] - f["fault_s"]) / (args.lease_ms / 1000)
              for f in faults if f["target"] == "scheduler"), default=0.0), 2),
         "median_recovery_leases": round(statistics.median(rec), 2) if rec else 0.0,
+        # From the fault's end (a freeze's SIGCONT, a restart): with one prefill node no
+        # prefill runs while it is frozen, so recovery from the strike includes the freeze.
+        "max_recovery_leases_after_fault": round(max(
+            (max(0.0, f["recovery_s"] - f["fault_s"]) / (args.lease_ms / 1000)
+             for f in faults), default=0.0), 2),
         "lease_ms": args.lease_ms,
         "wall_s": round(wall_s, 1),
     }
@@ -205,16 +281,21 @@ def table(replays: list[dict], summary: dict) -> str:
               f"{s['requests_duplicated']}  bytes_mismatched {s['bytes_mismatched']}  "
               f"requests_failed {s['requests_failed']}  max_failed_attempts "
               f"{s['max_failed_attempts']}"),
+              (f"requests_stuck {s['requests_stuck']}  idle_invariant_violations "
+               f"{s['idle_invariant_violations']}  unhandled_errors {s['unhandled_errors']}"),
               (f"max_recovery_leases {s['max_recovery_leases']}  (median "
               f"{s['median_recovery_leases']}; lease {s['lease_ms']} ms)  wall {s['wall_s']} s"),
               ("max_recovery_leases_after_scheduler_restart "
-               f"{s['max_recovery_leases_after_scheduler_restart']}")]
+               f"{s['max_recovery_leases_after_scheduler_restart']}  "
+               f"max_recovery_leases_after_fault {s['max_recovery_leases_after_fault']}")]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=50, help="kills to strike (SIGKILL/SIGTERM)")
+    ap.add_argument("--faults", type=int, default=50, help="faults of any kind to strike "
+                    "in all (at least --kills)")
     ap.add_argument("--quick", action="store_true", help="6 kills on a smaller trace")
     ap.add_argument("--agents", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=6)
@@ -233,27 +314,33 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     if args.quick:
         args.kills, args.agents, args.rounds = min(args.kills, 6), 6, 4
+        args.faults = min(args.faults, 10)
     rng = random.Random(args.seed)
     replays: list[dict] = []
     t0 = time.monotonic()
     with LocalCluster(1, 2, settings=settings(args.lease_ms), work_dir=args.work_dir) as cluster:
         kills = 0
-        while kills < args.kills:
+        while kills < args.kills or sum(len(r["faults"]) for r in replays) < args.faults:
             r = one_replay(cluster, args, rng, len(replays), args.kills - kills)
             replays.append(r)
             kills += sum(f["kind"] in ("sigkill", "sigterm") for f in r["faults"])
             print(f"replay {len(replays)}: {r['finished']}/{r['rounds']} rounds, "
                   f"{len(r['faults'])} faults ({kills}/{args.kills} kills), lost "
                   f"{r['lost']}, duplicated {r['duplicated']}, wrong bytes "
-                  f"{r['bytes_mismatched']}{', ABORTED: ' + r['aborted'] if r['aborted'] else ''}",
+                  f"{r['bytes_mismatched']}, idle invariant "
+                  f"{'; '.join(r['idle_violations']) or 'holds'}"
+                  f"{', ABORTED: ' + r['aborted'] if r['aborted'] else ''}",
                   file=sys.stderr, flush=True)
-    summary = summarize(replays, time.monotonic() - t0, args)
+        unhandled = unhandled_errors(cluster)
+    summary = summarize(replays, time.monotonic() - t0, args, unhandled)
     print(table(replays, summary))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"summary": summary, "replays": replays}, fh, indent=1)
+            json.dump({"summary": summary, "replays": replays, "unhandled": unhandled}, fh,
+                  indent=1)
     bad = (summary["requests_lost"] or summary["requests_duplicated"]
-           or summary["bytes_mismatched"])
+           or summary["bytes_mismatched"] or summary["requests_stuck"]
+           or summary["idle_invariant_violations"])
     return 1 if bad else 0
 
 

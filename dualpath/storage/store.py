@@ -312,8 +312,13 @@ class BlockStore:
         try:
             dfd, name = self._block_dir(key, create=True)
         except OSError as e:
-            raise StorageError(e.errno or _errno.EIO, f"writing block {key.hex()}: the "
-                               "directory (a symlink or a file in the way?) of", final) from None
+            err = e.errno or _errno.EIO
+            # The cause first (read-only, no space, permission: StorageError says it);
+            # the guess only where the errno points at the path itself.
+            why = (" (a symlink or a file in the way?)"
+                   if err in (_errno.ENOTDIR, _errno.ELOOP, _errno.EEXIST) else "")
+            raise StorageError(err, f"writing block {key.hex()}: the directory{why} of",
+                               final) from None
         fd = -1
         tmp = f".{name}.{os.urandom(6).hex()}.tmp"
         try:

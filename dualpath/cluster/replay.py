@@ -555,10 +555,12 @@ class _ReplayState:
         late = [rid for rid, (_, t) in self.waiting.items() if now - t >= grace]
         out = []
         for rid in late:
-            res, _ = self.waiting.pop(rid)
+            res, told = self.waiting.pop(rid)
             self.without_timings += 1
             self.unverified_tokens += self.inflight[rid][0].plan.prompt_tokens
-            at = time.time()
+            # When the scheduler told us it had ended, not when the grace ran out (that
+            # read a fault's recovery as 10 s longer than it was).
+            at = time.time() - (now - told)
             out.append(self._finish(res, node_pb2.RequestTimings(
                 request_id=rid, first_token_unix_s=at, second_token_unix_s=at,
                 finish_unix_s=at, attempt=res.attempt), observe=False))

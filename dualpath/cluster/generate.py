@@ -22,15 +22,15 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from dualpath import rpc, tls
 from dualpath.engine.leader import RESULTS_PER_CALL
 from dualpath.engine.payload import Payload, encode_token_ids
-from dualpath.engine.peers import refuse_oversized
-from dualpath.errors import DualPathError
+from dualpath.engine.peers import Top, refuse_oversized, top_from_pb
+from dualpath.errors import DualPathError, UsageError
 from dualpath.v1 import node_pb2, node_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 _ENDED = (scheduler_pb2.REQUEST_STATE_FAILED, scheduler_pb2.REQUEST_STATE_CANCELLED)
@@ -69,6 +69,9 @@ class Generated:
     finish_unix_s: float
     finish_reason: str = ""          # vLLM's ("stop" or "length"); "" = not said
     assigned_unix_s: float = 0.0     # when a prefill node took it up (0 = not said)
+    # Each token's top logprobs (the sampled token first), when the sampling asked for
+    # them ("logprobs"); else empty.
+    top: list[Top] = field(default_factory=list)
 
 
 class _Sink(node_pb2_grpc.ReplaySinkServicer):
@@ -86,8 +89,12 @@ class _Sink(node_pb2_grpc.ReplaySinkServicer):
     async def Partial(self, request, context):
         cb = self.gen._partials.get(request.request_id)
         if cb is not None:
+            try:
+                top = [top_from_pb(t) for t in request.top]
+            except UsageError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             cb(request.attempt, request.offset, list(request.token_ids),
-               list(request.logprobs))
+               list(request.logprobs), top)
         return node_pb2.ReportAck()
 
 
@@ -104,7 +111,8 @@ class Generator:
         self.sink_listen = sink_listen
         self.sink_host = sink_host
         self._waiting: dict[str, asyncio.Future] = {}
-        self._partials: dict[str, Callable[[int, int, list[int], list[float]], None]] = {}
+        self._partials: dict[str, Callable[[int, int, list[int], list[float], list[Top]],
+                                           None]] = {}
         self._acks: list[str] = []      # results received, not yet acknowledged
         self._decoded: set[str] = set()  # DECODE_DONE recorded: only the sink's report due
         self._submitted: set[str] = set()  # accepted by the scheduler: polled
@@ -130,12 +138,13 @@ class Generator:
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = -1,
                        ignore_eos: bool = True, layerwise: bool = True,
                        cache_salt: str = "", sampling: dict | None = None,
-                       on_partial: Callable[[int, int, list[int], list[float]], None]
-                       | None = None) -> Generated:
+                       on_partial: Callable[[int, int, list[int], list[float], list[Top]],
+                                            None] | None = None) -> Generated:
         """Generate ``gen`` tokens after ``prompt`` (exactly, with ``ignore_eos``; else
         up to); ``hit_tokens`` is what the caller knows to be stored (rounded down to
         ``block_tokens``, below the prompt). ``on_partial(attempt, offset, ids,
-        logprobs)``: the tokens as they are generated (streaming; an attempt that
+        logprobs, top)``: the tokens as they are generated (``top``: their top logprobs,
+        when the sampling asks for them) (streaming; an attempt that
         fails may be followed by the next one's from offset 0)."""
         if self._closed:
             raise GenerationFailed(f"request {request_id}: the generator is closed")
@@ -181,7 +190,8 @@ class Generator:
                          t.attempt, t.prefill_node_id, t.decode_node_id,
                          int(t.prefill_read_bytes), int(t.decode_read_bytes), t0,
                          t.first_token_unix_s, t.second_token_unix_s, t.finish_unix_s,
-                         t.finish_reason, t.assigned_unix_s)
+                         t.finish_reason, t.assigned_unix_s,
+                         [top_from_pb(x) for x in t.output_top])
 
     def _kick(self) -> None:
         if not self._closed and (self._poller is None or self._poller.done()):

@@ -33,8 +33,12 @@ MODE_LAYERWISE = {"basic": False, "dualpath": True, "oracle": True}
 #: vLLM sampling parameters a request may carry beyond temperature, top_p and seed, and
 #: the check of each value (a bound on every size a caller chooses).
 SAMPLING_KEYS = ("stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "top_k", "min_p", "min_tokens")
+                 "repetition_penalty", "top_k", "min_p", "min_tokens", "logprobs",
+                 "logit_bias")
 MAX_STOPS = 16
+#: Top logprobs a request may ask for per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024           # biased tokens of one request
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 
@@ -69,6 +73,15 @@ def check_sampling(s: dict) -> dict:
             ok, what = _num(v, -1, 2 ** 31 - 1, True), "-1 (off) or a positive integer"
         elif k == "min_p":
             ok, what = _num(v, 0.0, 1.0), "a number between 0 and 1"
+        elif k == "logprobs":           # top logprobs per token (the instances list them)
+            ok, what = (_num(v, 0, MAX_LOGPROBS, True),
+                        f"an integer between 0 and {MAX_LOGPROBS}")
+        elif k == "logit_bias":         # token id (a string of digits, as in JSON) -> bias
+            ok = isinstance(v, dict) and len(v) <= MAX_LOGIT_BIAS and all(
+                isinstance(t, str) and t.isdigit() and len(t) <= 10 and int(t) < 2 ** 31
+                and _num(b, -100.0, 100.0) for t, b in v.items())
+            what = (f"an object of at most {MAX_LOGIT_BIAS} token ids (strings) to biases "
+                    "between -100 and 100")
         else:                            # min_tokens
             ok, what = _num(v, 0, 1 << 20, True), "an integer between 0 and 2^20"
         if not ok:

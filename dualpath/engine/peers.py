@@ -32,6 +32,7 @@ import grpc
 from dualpath.engine.errors import NeverFits, PeerUnavailable
 from dualpath.engine.layers import RemoteWatch
 from dualpath.engine.oob import GrpcChannels
+from dualpath.engine.payload import MAX_LOGPROBS
 from dualpath.errors import UsageError
 from dualpath.kv import placement_wire
 from dualpath.kv.placement import KvPlacement
@@ -85,6 +86,25 @@ class LoadOrder:
     first_block: int = 0            # the keys are prompt blocks [first_block, ...) (split)
 
 
+#: One generated token's top logprobs as vLLM lists them: (token ids, logprobs), the
+#: sampled token first, then the most likely ones.
+Top = tuple[tuple[int, ...], tuple[float, ...]]
+#: Entries of one Top: the sampled token and at most MAX_LOGPROBS others.
+MAX_TOP = MAX_LOGPROBS + 1
+
+
+def top_pb(t: Top) -> node_pb2.TopLogprobs:
+    return node_pb2.TopLogprobs(token_ids=list(t[0]), logprobs=list(t[1]))
+
+
+def top_from_pb(pb: node_pb2.TopLogprobs) -> Top:
+    """A peer's TopLogprobs, bounded (UsageError when malformed)."""
+    if len(pb.token_ids) != len(pb.logprobs) or len(pb.token_ids) > MAX_TOP:
+        raise UsageError(f"top logprobs: {len(pb.token_ids)} token ids and "
+                         f"{len(pb.logprobs)} logprobs (equal, at most {MAX_TOP})")
+    return tuple(int(i) for i in pb.token_ids), tuple(float(x) for x in pb.logprobs)
+
+
 @dataclass(frozen=True)
 class PrefillReport:
     request_id: str
@@ -98,6 +118,7 @@ class PrefillReport:
     kv_blocks: int = 0              # vLLM: leading prompt blocks complete in the DE buffer
     # vLLM: the prefill's token, its logprob, whether it ended the answer
     first_token: tuple[int, float, bool] | None = None
+    first_top: Top | None = None    # its top logprobs, when the request asks for them
     # When the PE fetched it, when its buffers were allocated (the DE's and the PE's),
     # and when its hit was staged (read): the TTFT breakdown (paper Fig. 12 left).
     phases: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -124,6 +145,7 @@ class Timings:
     attempt: int = 0
     output_token_ids: tuple[int, ...] = ()     # a real engine's generated tokens
     output_logprobs: tuple[float, ...] = ()
+    output_top: tuple[Top, ...] = ()    # when the request asks for top logprobs
     phases: tuple[float, float, float] = (0.0, 0.0, 0.0)   # PrefillReport.phases
     finish_reason: str = ""                    # a real engine's: "stop" or "length"
 
@@ -189,6 +211,7 @@ class PeerClient:
                 first_token_id=r.first_token[0] if r.first_token else 0,
                 first_token_logprob=r.first_token[1] if r.first_token else 0.0,
                 first_token_stops=bool(r.first_token and r.first_token[2]),
+                first_token_top=top_pb(r.first_top) if r.first_top else None,
                 assigned_unix_s=r.phases[0], allocated_unix_s=r.phases[1],
                 staged_unix_s=r.phases[2]),
             timeout=self.timeout_s))
@@ -210,12 +233,14 @@ class PeerClient:
         return False
 
     async def partial(self, sink: str, request_id: str, attempt: int, offset: int,
-                      ids: Sequence[int], logprobs: Sequence[float]) -> None:
+                      ids: Sequence[int], logprobs: Sequence[float],
+                      top: Sequence[Top] = ()) -> None:
         await self._call(sink, "ReplaySink.Partial",
                          node_pb2_grpc.ReplaySinkStub(self.channels.channel(sink)).Partial(
                              node_pb2.PartialTokens(
                                  request_id=request_id, attempt=attempt, offset=offset,
-                                 token_ids=list(ids), logprobs=list(logprobs)),
+                                 token_ids=list(ids), logprobs=list(logprobs),
+                                 top=[top_pb(t) for t in top]),
                              timeout=self.timeout_s))
 
     async def report(self, sink: str, timings: Sequence[Timings]) -> None:
@@ -272,5 +297,6 @@ def _timings_pb(t: Timings) -> node_pb2.RequestTimings:
         prefill_read_bytes=t.prefill_read_bytes, decode_read_bytes=t.decode_read_bytes,
         read_start_unix_s=t.read_span[0], read_end_unix_s=t.read_span[1], attempt=t.attempt,
         output_token_ids=list(t.output_token_ids), output_logprobs=list(t.output_logprobs),
+        output_top=[top_pb(x) for x in t.output_top],
         assigned_unix_s=t.phases[0], allocated_unix_s=t.phases[1], staged_unix_s=t.phases[2],
         finish_reason=t.finish_reason)

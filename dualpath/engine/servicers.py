@@ -22,7 +22,7 @@ from dualpath.engine.errors import RequestFailed, StaleAttempt
 from dualpath.engine.forward import STEPS_PER_ANSWER, PrefillForward
 from dualpath.engine.holdings import Holdings
 from dualpath.engine.payload import Payload
-from dualpath.engine.peers import LoadOrder, PrefillReport
+from dualpath.engine.peers import LoadOrder, PrefillReport, top_from_pb
 from dualpath.engine.vllm_engine import BufferBusy, FormatConflict, NotAttached, VllmEngine, Worker
 from dualpath.errors import DualPathError, TransferError, UsageError
 from dualpath.kv import placement_wire
@@ -244,6 +244,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             int(request.computed_from_tokens), int(request.kv_blocks),
             (int(request.first_token_id), float(request.first_token_logprob),
              bool(request.first_token_stops)) if request.has_first_token else None,
+            top_from_pb(request.first_token_top)
+            if request.has_first_token and request.HasField("first_token_top") else None,
             (request.assigned_unix_s, request.allocated_unix_s, request.staged_unix_s)))
         return node_pb2.PrefillDoneResponse()
 

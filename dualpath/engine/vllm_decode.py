@@ -24,7 +24,7 @@ import logging
 
 from dualpath import clock
 from dualpath.engine.errors import RequestFailed
-from dualpath.engine.peers import PrefillReport, Timings
+from dualpath.engine.peers import PrefillReport, Timings, Top
 from dualpath.engine.vllm_engine import VllmEngine
 from dualpath.engine.vllm_instance import InstanceError, VllmInstance
 from dualpath.errors import DualPathError
@@ -62,15 +62,17 @@ class VllmDecoder:
         # its prefill); the decode instance continues after it.
         head: list[int] = []
         head_lps: list[float] = []
+        head_top: list[Top] = []
         stops = False
         if done.first_token is not None:
             stops = done.first_token[2]
             head, head_lps = [done.first_token[0]], [done.first_token[1]]
+            head_top = [done.first_top] if done.first_top is not None else []
             timings.first_token_unix_s = done.done_unix_s or clock.unix_now()
             if stream is not None:
-                stream.grew(head, head_lps)
+                stream.grew(head, head_lps, head_top)
 
-        def on_tokens(got: list[int], lps: list[float]) -> None:
+        def on_tokens(got: list[int], lps: list[float], top: list[Top]) -> None:
             now = clock.unix_now()
             n = len(head) + len(got)
             if not timings.first_token_unix_s:
@@ -78,13 +80,13 @@ class VllmDecoder:
             if n >= 2 and not timings.second_token_unix_s:
                 timings.second_token_unix_s = now
             if stream is not None:
-                stream.grew(head + got, head_lps + lps)
+                stream.grew(head + got, head_lps + lps, head_top + top)
 
         rest = p.gen_tokens - len(head)
         # vLLM's finish reason: the prefill's when its first token ended the request.
         finish = "stop" if stops else ("length" if rest <= 0 else "")
         try:
-            out_ids, out_lps = [], []
+            out_ids, out_lps, out_top = [], [], []
             if rest > 0 and not stops:
                 out = await self.instance.complete(
                     ids + head, rest, request_id=st.request_id, ticket="",
@@ -92,7 +94,7 @@ class VllmDecoder:
                     temperature=p.temperature, top_p=p.top_p, seed=p.seed,
                     ignore_eos=p.ignore_eos, sampling=rest_sampling(p.sampling, len(head)),
                     on_tokens=on_tokens)
-                out_ids, out_lps = out.token_ids, out.logprobs
+                out_ids, out_lps, out_top = out.token_ids, out.logprobs, out.top
                 finish = out.finish_reason or finish
         except InstanceError as e:
             if e.unreachable:
@@ -105,6 +107,7 @@ class VllmDecoder:
                 await stream.close()
         timings.output_token_ids = tuple(head + out_ids)
         timings.output_logprobs = tuple(head_lps + out_lps)
+        timings.output_top = tuple(head_top + out_top)
         timings.finish_reason = finish
 
 
@@ -125,13 +128,14 @@ class _Streamer:
         self.node, self.request_id, self.attempt, self.sink = node, request_id, attempt, sink
         self.ids: list[int] = []
         self.lps: list[float] = []
+        self.top: list[Top] = []
         self.sent = 0
         self.more = asyncio.Event()
         self.done = False
         self.task = asyncio.ensure_future(self._run())
 
-    def grew(self, ids: list[int], lps: list[float]) -> None:
-        self.ids, self.lps = ids, lps
+    def grew(self, ids: list[int], lps: list[float], top: list[Top]) -> None:
+        self.ids, self.lps, self.top = ids, lps, top
         self.more.set()
 
     async def _run(self) -> None:
@@ -144,7 +148,8 @@ class _Streamer:
                 try:
                     await self.node.peers.partial(self.sink, self.request_id, self.attempt,
                                                   self.sent, self.ids[self.sent:n],
-                                                  self.lps[self.sent:n])
+                                                  self.lps[self.sent:n],
+                                                  self.top[self.sent:n])
                 except DualPathError as e:
                     if not warned:
                         warned = True

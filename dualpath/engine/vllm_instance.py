@@ -17,8 +17,9 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from dualpath.engine.peers import MAX_TOP, Top
 from dualpath.errors import DualPathError
 
 log = logging.getLogger("dualpath.engine")
@@ -38,6 +39,21 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    top: list[Top] = field(default_factory=list)   # when the sampling asks ("logprobs")
+
+
+def _top(entry: dict | None) -> Top:
+    """One token's top logprobs from vLLM's completions answer, asked for with
+    return_tokens_as_token_ids (keys "token_id:N", in vLLM's order)."""
+    if not isinstance(entry, dict) or len(entry) > MAX_TOP:
+        raise ValueError(f"top logprobs entry {entry!r:.100}")
+    ids, lps = [], []
+    for k, v in entry.items():
+        if not isinstance(k, str) or not k.startswith("token_id:"):
+            raise ValueError(f"top logprobs key {k!r:.60} (not token_id:N)")
+        ids.append(int(k[9:]))
+        lps.append(float(v))
+    return tuple(ids), tuple(lps)
 
 
 class VllmInstance:
@@ -97,11 +113,12 @@ class VllmInstance:
                        cache_salt: str = "", temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = -1, ignore_eos: bool = True,
                        sampling: dict | None = None,
-                       on_tokens: Callable[[list[int], list[float]], None] | None = None
-                       ) -> Completion:
+                       on_tokens: Callable[[list[int], list[float], list[Top]], None]
+                       | None = None) -> Completion:
         """Completion of ``prompt`` (token ids): greedy unless ``temperature``, exactly
         ``max_tokens`` tokens with ``ignore_eos`` (else up to), streamed:
-        ``on_tokens(ids, logprobs)`` with the tokens so far each time they grew."""
+        ``on_tokens(ids, logprobs, top)`` with the tokens so far each time they grew
+        (``top``: each one's top logprobs when the sampling asks for them, "logprobs")."""
         import aiohttp
 
         body = {"model": await self.model(), "prompt": [int(t) for t in prompt],
@@ -117,10 +134,14 @@ class VllmInstance:
             body["seed"] = int(seed)
         if cache_salt:
             body["cache_salt"] = cache_salt
-        if logprobs:
+        tops_asked = "logprobs" in (sampling or {})
+        if tops_asked:                  # their keys as token ids, not text
+            body["return_tokens_as_token_ids"] = True
+        elif logprobs:
             body["logprobs"] = 1
         ids: list[int] = []
         lps: list[float] = []
+        tops: list[Top] = []
         finish = ""
         where = f"POST {self.url}/v1/completions"
         try:
@@ -139,21 +160,25 @@ class VllmInstance:
                         raise InstanceError(f"{where}: {str(chunk['error'])[:300]}")
                     for c in chunk.get("choices", ()):
                         ids.extend(int(t) for t in c.get("token_ids") or ())
-                        if logprobs and c.get("logprobs"):
+                        if (logprobs or tops_asked) and c.get("logprobs"):
                             lps.extend(float(x) for x in c["logprobs"]["token_logprobs"])
+                            if tops_asked:
+                                tops.extend(_top(e) for e in c["logprobs"]["top_logprobs"])
                         finish = c.get("finish_reason") or finish
                     if on_tokens is not None and ids:
-                        on_tokens(ids, lps)
+                        on_tokens(ids, lps, tops)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
             raise InstanceError(f"{where}: {type(e).__name__}: {e}",
                                 unreachable=isinstance(e, (aiohttp.ClientConnectionError,
                                                            aiohttp.ClientPayloadError,
                                                            OSError))) from None
         short = len(ids) != max_tokens if ignore_eos else not 0 < len(ids) <= max_tokens
-        if short or (logprobs and len(lps) != len(ids)):
-            raise InstanceError(f"{where}: {len(ids)} tokens and {len(lps)} logprobs for "
-                                f"max_tokens {max_tokens} (finish reason {finish!r})")
-        return Completion(ids, lps, finish)
+        if short or (logprobs and len(lps) != len(ids)) or \
+                (tops_asked and len(tops) != len(ids)):
+            raise InstanceError(f"{where}: {len(ids)} tokens, {len(lps)} logprobs and "
+                                f"{len(tops)} top logprobs for max_tokens {max_tokens} "
+                                f"(finish reason {finish!r})")
+        return Completion(ids, lps, finish, tops)
 
     async def _call(self, method: str, path: str, body=None, json_reply: bool = True):
         import aiohttp

@@ -159,6 +159,7 @@ class VllmPrefillPath(PrefillPath):
                                    a.attempt, usable * T, out.whole_prefix(),
                                    (first.token_ids[0], first.logprobs[0],
                                     first.finish_reason == "stop"),
+                                   first.top[0] if first.top else None,
                                    # (the hit is read while vLLM computes, layer by
                                    # layer: no staging phase of its own)
                                    phases=(assigned, allocated, allocated))

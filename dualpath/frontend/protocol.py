@@ -13,18 +13,25 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from dualpath.engine.payload import SAMPLING_KEYS, check_sampling
+from dualpath.engine.payload import MAX_LOGPROBS, SAMPLING_KEYS, check_sampling
 from dualpath.errors import UsageError
 
+#: vLLM sampling fields taken from a body as they are (``logprobs`` is read per endpoint:
+#: an integer in completions, a flag beside ``top_logprobs`` in chat).
+_PASSED = tuple(k for k in SAMPLING_KEYS if k != "logprobs")
 #: Fields each endpoint accepts; any other one is a 400 naming it.
 COMPLETION_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p",
                                "seed", "stream", "logprobs", "ignore_eos", "user", "n",
-                               "stream_options", "return_token_ids", *SAMPLING_KEYS})
+                               "stream_options", "return_token_ids", "echo",
+                               "response_format", *_PASSED})
 CHAT_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens",
                          "temperature", "top_p", "seed", "stream", "logprobs", "user", "n",
-                         "ignore_eos", "stream_options", *SAMPLING_KEYS})
-ROLES = ("system", "user", "assistant", "developer")
+                         "ignore_eos", "stream_options", "top_logprobs", "tools",
+                         "tool_choice", "response_format", *_PASSED})
+ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_TOOLS = 128                 # function definitions in one chat request
 MAX_BATCH = 64                  # prompts in one completions request
+MAX_N = 16                      # choices of one prompt
 
 
 class ApiError(Exception):
@@ -67,12 +74,17 @@ class Call:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0           # completions: logprobs = N; chat: top_logprobs
+    echo: bool = False              # completions: the prompt's text before the answer's
+    return_token_ids: bool = False
+    n: int = 1                      # choices, each generated on its own (seed + index)
     ignore_eos: bool = False
     sampling: dict = field(default_factory=dict)   # vLLM's, passed to the instances
     prompt_ids: list[int] | None = None
     batch: list[str | list[int]] | None = None     # completions: several prompts
     prompt_text: str | None = None
     messages: list[dict] = field(default_factory=list)
+    tools: list[dict] | None = None   # chat: function definitions, for the template
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -91,7 +103,7 @@ def _number(body: dict, name: str, lo: float, hi: float, default, kind=float):
 def _sampling(body: dict) -> dict:
     """vLLM's further sampling fields (null = vLLM's default), checked; ``stop`` as a
     list. A value vLLM treats as off is left out."""
-    s = {k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None}
+    s = {k: body[k] for k in _PASSED if body.get(k) is not None}
     if isinstance(s.get("stop"), str):
         s["stop"] = [s["stop"]]
     for k, off in (("stop", []), ("stop_token_ids", []), ("presence_penalty", 0),
@@ -126,8 +138,7 @@ def _common(body, fields: frozenset, limits: Limits, chat: bool) -> Call:
     if model != limits.model:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves "
                        f"'{limits.model}'", param="model", code="model_not_found")
-    if _number(body, "n", 1, 1, 1, int) != 1:
-        raise bad("only n = 1 is supported", "n")
+    n = _number(body, "n", 1, MAX_N, 1, int)
     key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     max_tokens = _number(body, key, 1, limits.max_tokens, 16 if not chat else
                          min(limits.max_tokens, 1024), int)
@@ -140,21 +151,40 @@ def _common(body, fields: frozenset, limits: Limits, chat: bool) -> Call:
                 seed=_number(body, "seed", 0, 2 ** 63 - 1, -1, int),
                 stream=_flag(body, "stream"),
                 include_usage=bool(opts and opts.get("include_usage")),
-                ignore_eos=_flag(body, "ignore_eos"))
+                ignore_eos=_flag(body, "ignore_eos"), n=n)
+    if n > 1 and call.temperature < 1e-5:
+        raise bad(f"n must be 1 when using greedy sampling, got {n}.", "n")  # vLLM's words
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("'user' must be a string", "user")
     call.sampling = _sampling(body)
-    _flag(body, "return_token_ids")     # vLLM's; completions carry token_ids anyway
+    call.return_token_ids = _flag(body, "return_token_ids")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("'response_format' may be {\"type\": \"text\"} here (JSON output needs "
+                  "structured outputs, which this server does not carry from the prefill to "
+                  "the decode instance)", "response_format")
     return call
+
+
+def _ask_logprobs(call: Call, top: int) -> None:
+    """Logprobs with ``top`` alternatives per token: the instances list them."""
+    call.logprobs, call.top_logprobs = True, top
+    call.sampling["logprobs"] = top
 
 
 def parse_completion(body, limits: Limits) -> Call:
     call = _common(body, COMPLETION_FIELDS, limits, chat=False)
     lp = body.get("logprobs")
     if lp is not None:
-        if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 1:
-            raise bad("'logprobs' must be 0 or 1 (the sampled token's logprob)", "logprobs")
-        call.logprobs = lp == 1
+        if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS:
+            raise bad(f"'logprobs' must be an integer between 0 and {MAX_LOGPROBS} (top "
+                      "logprobs per token)", "logprobs")
+        _ask_logprobs(call, lp)
+    call.echo = _flag(body, "echo")
+    if call.echo and call.logprobs:
+        raise bad("'echo' with 'logprobs' asks for the prompt's logprobs, which this "
+                  "server does not compute (a DualPath prefill loads the prompt's KV from "
+                  "storage instead); ask for one of them", "echo")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                  # a batch of one
@@ -165,6 +195,9 @@ def parse_completion(body, limits: Limits) -> Call:
         if call.stream:
             raise bad("a batch of prompts is answered whole: stream each prompt on its "
                       "own request", "stream")
+        if call.n > 1:
+            raise bad("a batch of prompts takes n = 1; send each prompt with its n on its "
+                      "own request", "n")
         call.batch = [_one_prompt(p, limits) for p in prompt]
         return call
     one = _one_prompt(prompt, limits)
@@ -193,17 +226,69 @@ def _one_prompt(prompt, limits: Limits) -> str | list[int]:
 
 def parse_chat(body, limits: Limits) -> Call:
     call = _common(body, CHAT_FIELDS, limits, chat=True)
-    call.logprobs = _flag(body, "logprobs")
+    top = _number(body, "top_logprobs", 0, MAX_LOGPROBS, 0, int)
+    if _flag(body, "logprobs"):
+        _ask_logprobs(call, top)
+    elif top:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list", "messages")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or \
-                _content(m.get("content")) is None or set(m) - {"role", "content", "name"}:
-            raise bad(f"messages[{i}] must be {{role: one of {', '.join(ROLES)}, content: "
-                      "a string or a list of text parts}", f"messages[{i}]")
-    call.messages = [{"role": m["role"], "content": _content(m["content"])} for m in msgs]
+    call.messages = [_message(i, m) for i, m in enumerate(msgs)]
+    call.tools = _tools(body)
     return call
+
+
+def _message(i: int, m) -> dict:
+    """messages[i], checked: a role, text content (a string or text parts); an
+    assistant's tool_calls and a tool's tool_call_id go to the chat template as given."""
+    extra = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
+    ok = isinstance(m, dict) and m.get("role") in ROLES and \
+        not set(m) - {"role", "content", "name"} - extra.get(m.get("role"), set())
+    content = m.get("content") if ok else None
+    calls = m.get("tool_calls") if ok else None
+    if ok and content is None and m.get("role") == "assistant" and calls:
+        content = ""                    # an assistant turn of tool calls only
+    elif ok:
+        content = _content(content)
+    if not ok or content is None or (calls is not None and not (
+            isinstance(calls, list) and all(isinstance(c, dict) for c in calls))) or \
+            not isinstance(m.get("tool_call_id", ""), str):
+        raise bad(f"messages[{i}] must be {{role: one of {', '.join(ROLES)}, content: "
+                  "a string or a list of text parts}", f"messages[{i}]")
+    out = {"role": m["role"], "content": content}
+    for k in ("tool_calls", "tool_call_id", "name"):
+        if m.get(k) is not None:
+            out[k] = m[k]
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """``tools`` and ``tool_choice`` as vLLM's server takes them when it does not parse
+    tool calls itself (no --enable-auto-tool-choice): with tool_choice "none" the
+    definitions go to the chat template and the answer is the model's text; "auto" (the
+    default with tools) is vLLM's own 400; "required" or a named function needs
+    structured outputs, which a prefill/decode split does not carry (a 400)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise bad("'tool_choice' may be \"none\" or \"auto\" here (\"required\" and a "
+                  "named function need structured outputs, which this server does not "
+                  "carry from the prefill to the decode instance)", "tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise bad("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS or not all(
+            isinstance(t, dict) and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise bad(f"'tools' must be a list of at most {MAX_TOOLS} {{type: function, "
+                  "function: {name, description, parameters}}", "tools")
+    if choice in (None, "auto") and tools:
+        # vLLM's own answer without a tool-call parser (its default for tools is auto).
+        raise bad('"auto" tool choice requires --enable-auto-tool-choice and '
+                  "--tool-call-parser to be set", "tool_choice")
+    return tools or None
 
 
 def _content(c) -> str | None:
@@ -272,51 +357,86 @@ def usage(prompt: int, completion: int) -> dict:
             "total_tokens": prompt + completion}
 
 
-def answer(call: Call, rid: str, text: str, ids: list[int], lps: list[float],
+#: One token's alternatives as text: (their texts, their logprobs), the sampled first.
+TopText = tuple[list[str], tuple[float, ...]]
+#: vLLM's floor for a logprob in an answer (-inf is not JSON).
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(x: float) -> float:
+    return max(x, LOGPROB_FLOOR)
+
+
+def logprobs(call: Call, pieces: list[str], lps: list[float],
+             tops: list[TopText | None], offset: int = 0) -> dict | None:
+    """The ``logprobs`` object of a choice (or a chunk's), as vLLM's server makes it:
+    each token's text (``pieces``), its logprob, and its alternatives as the instance
+    listed them (the sampled token first). Completions: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (the first N + 1 entries, as a text -> logprob object) and
+    ``text_offset`` from ``offset``; chat: ``content`` with UTF-8 ``bytes`` and the first
+    ``top_logprobs`` entries. None when the call did not ask."""
+    if not call.logprobs:
+        return None
+    k = call.top_logprobs
+    if call.chat:
+        return {"content": [
+            {"token": p, "logprob": _lp(lp), "bytes": list(p.encode("utf-8", "replace")),
+             "top_logprobs": [{"token": tp, "logprob": _lp(tl),
+                               "bytes": list(tp.encode("utf-8", "replace"))}
+                              for i, (tp, tl) in enumerate(zip(*t)) if i < k]
+             if t is not None else []}
+            for p, lp, t in zip(pieces, lps, tops)]}
+    offsets = []
+    for p in pieces:
+        offsets.append(offset)
+        offset += len(p)
+    return {"text_offset": offsets, "token_logprobs": [_lp(x) for x in lps],
+            "tokens": list(pieces),
+            "top_logprobs": [{tp: _lp(tl) for i, (tp, tl) in enumerate(zip(*t)) if i <= k}
+                             if t is not None else None for t in tops]}
+
+
+def answer(call: Call, rid: str, text: str, ids: list[int], lp: dict | None,
            prompt_tokens: int, finish: str) -> dict:
-    """The non-streamed answer."""
+    """The non-streamed answer (``lp``: :func:`logprobs`)."""
     if call.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": finish,
-                  "logprobs": {"content": [{"token": str(t), "logprob": lp}
-                                           for t, lp in zip(ids, lps)]}
-                  if call.logprobs else None}
+                  "finish_reason": finish, "logprobs": lp}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish, "token_ids": ids,
-                  "logprobs": {"tokens": [str(t) for t in ids], "token_logprobs": lps}
-                  if call.logprobs else None}
+                  "logprobs": lp}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": call.created, "model": call.model,
             "choices": [choice], "usage": usage(prompt_tokens, len(ids))}
 
 
-def batch_answer(answers: list[dict]) -> dict:
-    """One answer of a batch of prompts: each prompt's choice at its index, as vLLM's
-    server answers; usage summed."""
+def batch_answer(answers: list[dict], *, one_prompt: bool = False) -> dict:
+    """One answer of a batch of prompts (or of n choices of ``one_prompt``): each
+    choice at its index, as vLLM's server answers; completion tokens summed, prompt
+    tokens summed over the prompts (counted once for n choices of one)."""
     out = dict(answers[0])
     out["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
-    out["usage"] = usage(sum(a["usage"]["prompt_tokens"] for a in answers),
-                         sum(a["usage"]["completion_tokens"] for a in answers))
+    prompt = (answers[0]["usage"]["prompt_tokens"] if one_prompt
+              else sum(a["usage"]["prompt_tokens"] for a in answers))
+    out["usage"] = usage(prompt, sum(a["usage"]["completion_tokens"] for a in answers))
     return out
 
 
-def chunk(call: Call, rid: str, text: str, ids: list[int], lps: list[float],
-          finish: str | None, first: bool = False) -> dict:
-    """One server-sent event of a streamed answer."""
+def chunk(call: Call, rid: str, text: str, ids: list[int], lp: dict | None,
+          finish: str | None, first: bool = False, index: int = 0) -> dict:
+    """One server-sent event of a streamed answer (``lp``: :func:`logprobs` of its
+    tokens, None when it has none)."""
     if call.chat:
         delta: dict = {"content": text}
         if first:
             delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "finish_reason": finish,
-                  "logprobs": {"content": [{"token": str(t), "logprob": lp}
-                                           for t, lp in zip(ids, lps)]}
-                  if call.logprobs and ids else None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish,
+                  "logprobs": lp if ids else None}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "token_ids": ids,
-                  "logprobs": {"tokens": [str(t) for t in ids], "token_logprobs": lps}
-                  if call.logprobs and ids else None}
+        choice = {"index": index, "text": text, "finish_reason": finish, "token_ids": ids,
+                  "logprobs": lp if ids else None}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": call.created, "model": call.model,
             "choices": [choice]}

@@ -172,7 +172,7 @@ class FrontEnd:
         if not self.tokens.available:
             raise api.bad("chat needs the model's tokenizer (frontend.tokenizer is not set)",
                           "messages")
-        ids = self.tokens.chat(call.messages)
+        ids = self.tokens.chat(call.messages, call.tools)
         return await self._serve(request, call, ids, "chatcmpl")
 
     def _text_ids(self, text: str) -> list[int]:
@@ -206,46 +206,74 @@ class FrontEnd:
                      prefix: str) -> web.StreamResponse:
         api.check_prompt_length(len(ids), self.limits)
         api.fit_to_context(call, len(ids), self.limits)
-        self._admit()
+        self._admit(call.n)
         rid = f"{prefix}-{uuid.uuid4().hex}"
+        seed = self._seed(call)
         try:
             if call.stream:
-                return await self._stream(request, call, ids, rid, self._seed(call))
-            body, s = await self._answer(call, ids, rid, self._seed(call))
-            return web.json_response(body, headers=s.headers())
+                return await self._stream(request, call, ids, rid, seed)
+            # n choices: each generated on its own, choice i with seed + i (as vLLM's
+            # parallel sampling seeds its children).
+            got = await asyncio.gather(*(self._answer(call, ids, rid, seed + i,
+                                                      _choice_id(rid, i, call.n))
+                                         for i in range(call.n)))
+            if call.n == 1:
+                body, s = got[0]
+                return web.json_response(body, headers=s.headers())
+            return web.json_response(api.batch_answer([b for b, _ in got],
+                                                      one_prompt=True))
         finally:
-            self._done()
+            self._done(call.n)
 
     async def _serve_batch(self, call: api.Call) -> web.Response:
         """A completions request with several prompts: each one a request of its own, at
         once; the answers as vLLM's server gives them (one choice per prompt)."""
         idss = [p if isinstance(p, list) else self._text_ids(p) for p in call.batch]
         calls = []
-        for ids in idss:
+        for p, ids in zip(call.batch, idss):
             api.check_prompt_length(len(ids), self.limits)
-            c = dataclasses.replace(call, batch=None)
+            c = dataclasses.replace(call, batch=None,
+                                    prompt_text=p if isinstance(p, str) else None)
             api.fit_to_context(c, len(ids), self.limits)
             calls.append(c)
         self._admit(len(idss))
         rid = f"cmpl-{uuid.uuid4().hex}"
         seed = self._seed(call)
         try:
-            got = await asyncio.gather(*(self._answer(c, ids, f"{rid}-{i}", seed)
+            got = await asyncio.gather(*(self._answer(c, ids, rid, seed, f"{rid}-{i}")
                                          for i, (c, ids) in enumerate(zip(calls, idss))))
         finally:
             self._done(len(idss))
-        body = api.batch_answer([b for b, _ in got])
-        body["id"] = rid
-        return web.json_response(body)
+        return web.json_response(api.batch_answer([b for b, _ in got]))
 
-    async def _answer(self, call: api.Call, ids: list[int], rid: str, seed: int
-                      ) -> tuple[dict, Served]:
-        """The non-streamed answer to one prompt, and what happened to it."""
-        g, s = await self._generate(call, ids, rid, seed, None)
+    def _echoed(self, call: api.Call, ids: list[int]) -> str:
+        """The prompt's text an echo shows first: as vLLM's server, none when the call
+        asks for token ids (they carry the prompt)."""
+        if not call.echo or call.return_token_ids:
+            return ""
+        return call.prompt_text if call.prompt_text is not None else self.tokens.decode(ids)
+
+    def _logprobs(self, call: api.Call, ids: list[int], lps: list[float], tops: list,
+                  offset: int = 0) -> dict | None:
+        """:func:`api.logprobs` of ``ids`` with their texts (and their alternatives')."""
+        if not call.logprobs:
+            return None
+        texts = [(self.tokens.pieces(list(t[0])), t[1]) for t in tops] \
+            if len(tops) == len(ids) else [None] * len(ids)
+        return api.logprobs(call, self.tokens.pieces(ids), lps, texts, offset)
+
+    async def _answer(self, call: api.Call, ids: list[int], rid: str, seed: int,
+                      cluster_id: str) -> tuple[dict, Served]:
+        """The non-streamed answer ``rid`` to one prompt (the cluster's request
+        ``cluster_id``), and what happened to it."""
+        g, s = await self._generate(call, ids, cluster_id, seed, None)
         finish = api.finish_reason(call, len(g.token_ids), g.finish_reason)
         text = api.cut_at_stop(
             self.tokens.decode(api.text_ids(call, g.token_ids, finish)), call, finish)
-        return api.answer(call, rid, text, g.token_ids, g.logprobs, len(ids), finish), s
+        body = api.answer(call, rid, self._echoed(call, ids) + text, g.token_ids,
+                          self._logprobs(call, g.token_ids, g.logprobs, g.top), len(ids),
+                          finish)
+        return body, s
 
     async def _generate(self, call: api.Call, ids: list[int], rid: str, seed: int,
                         on_partial) -> tuple[Generated, Served]:
@@ -280,15 +308,55 @@ class FrontEnd:
 
     async def _stream(self, request: web.Request, call: api.Call, ids: list[int],
                       rid: str, seed: int) -> web.StreamResponse:
+        """Server-sent events of the call's n choices (choice i with seed + i), each
+        streamed as its tokens come; then, once all ended, the usage (when asked), one
+        ": dualpath" comment per choice (what happened to it) and [DONE]. An error
+        ends the stream with its error object."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
+
+        async def write(obj) -> None:
+            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+        choices = [asyncio.ensure_future(self._stream_choice(call, ids, rid, seed + i, i,
+                                                             write))
+                   for i in range(call.n)]
+        try:
+            try:
+                got = await asyncio.gather(*choices)
+            except api.ApiError as e:
+                await write(e.body())
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            if call.include_usage:
+                u = api.chunk(call, rid, "", [], None, None)
+                u["choices"] = []
+                u["usage"] = api.usage(len(ids), sum(len(g.token_ids) for g, _ in got))
+                await write(u)
+            # What happened to each choice, as comment lines OpenAI clients skip.
+            for _, s in got:
+                await resp.write(f": dualpath {json.dumps(s.as_dict())}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            for c in choices:            # the client went away, or a choice failed
+                if not c.done():
+                    c.cancel()
+            await asyncio.gather(*choices, return_exceptions=True)
+
+    async def _stream_choice(self, call: api.Call, ids: list[int], rid: str, seed: int,
+                             index: int, write) -> tuple[Generated, Served]:
+        """Choice ``index`` of a streamed answer: its chunks as its tokens come, its
+        finish chunk; its tokens and what happened to it. ApiError when it failed."""
         sent: list[int] = []
         sent_lps: list[float] = []
-        state = {"attempt": 0, "diverged": False, "text": ""}
+        sent_top: list = []
+        state = {"attempt": 0, "diverged": False, "text": "", "offset": 0}
         queue: asyncio.Queue = asyncio.Queue()
 
-        def on_partial(attempt: int, offset: int, new: list[int], lps: list[float]) -> None:
+        def on_partial(attempt: int, offset: int, new: list[int], lps: list[float],
+                       top: list) -> None:
             if attempt < state["attempt"]:
                 return
             state["attempt"] = attempt
@@ -300,12 +368,11 @@ class FrontEnd:
                 elif pos == len(sent):
                     sent.append(t)
                     sent_lps.append(lps[i] if i < len(lps) else 0.0)
+                    sent_top.append(top[i] if i < len(top) else None)
             queue.put_nowait(None)
 
-        async def write(obj) -> None:
-            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
-
         shown = [0]
+        echo = self._echoed(call, ids)
 
         async def flush(final: bool, finish: str = "") -> None:
             n = len(sent)
@@ -320,45 +387,44 @@ class FrontEnd:
                 return
             delta = text[len(state["text"]):]
             state["text"] = text
-            await write(api.chunk(call, rid, delta, sent[shown[0]:n], sent_lps[shown[0]:n],
-                                  None, first=shown[0] == 0))
+            new = sent[shown[0]:n]
+            tops = sent_top[shown[0]:n]
+            lp = self._logprobs(call, new, sent_lps[shown[0]:n],
+                                tops if all(t is not None for t in tops) else [],
+                                state["offset"])
+            if lp is not None and "tokens" in lp and lp["tokens"]:
+                state["offset"] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            await write(api.chunk(call, rid, (echo if shown[0] == 0 else "") + delta, new,
+                                  lp, None, first=shown[0] == 0, index=index))
             shown[0] = n
 
-        task = asyncio.ensure_future(self._generate(call, ids, rid, seed, on_partial))
+        task = asyncio.ensure_future(self._generate(
+            call, ids, _choice_id(rid, index, call.n), seed, on_partial))
         try:
             while not task.done():
                 getter = asyncio.ensure_future(queue.get())
                 await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
                 getter.cancel()
                 await flush(False)
-            try:
-                g, s = task.result()
-            except api.ApiError as e:
-                await write(e.body())
-                await resp.write(b"data: [DONE]\n\n")
-                return resp
+            g, s = task.result()         # (an ApiError goes to _stream)
             if sent != g.token_ids[:len(sent)] or state["diverged"]:
-                err = api.ApiError(500, "a retried attempt generated other tokens than "
+                raise api.ApiError(500, "a retried attempt generated other tokens than "
                                    "those already streamed", type_="server_error",
                                    code="stream_diverged")
-                await write(err.body())
-                await resp.write(b"data: [DONE]\n\n")
-                return resp
             sent[len(sent):] = g.token_ids[len(sent):]
             sent_lps[len(sent_lps):] = g.logprobs[len(sent_lps):]
+            sent_top[len(sent_top):] = g.top[len(sent_top):] if g.top else \
+                [None] * (len(sent) - len(sent_top))
             finish = api.finish_reason(call, len(g.token_ids), g.finish_reason)
             await flush(True, finish)
-            await write(api.chunk(call, rid, "", [], [], finish))
-            if call.include_usage:
-                u = api.chunk(call, rid, "", [], [], None)
-                u["choices"] = []
-                u["usage"] = api.usage(len(ids), len(g.token_ids))
-                await write(u)
-            # What happened to it, as a comment line OpenAI clients skip.
-            await resp.write(f": dualpath {json.dumps(s.as_dict())}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
+            await write(api.chunk(call, rid, "", [], None, finish, index=index))
+            return g, s
         finally:
             if not task.done():          # the client went away
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+
+def _choice_id(rid: str, index: int, n: int) -> str:
+    """The cluster's request id of choice ``index`` of answer ``rid``."""
+    return rid if n == 1 else f"{rid}-{index}"

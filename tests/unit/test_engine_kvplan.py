@@ -203,8 +203,11 @@ def test_pe_layer_fill_covers_every_prompt_byte_exactly_once(hit_blocks, miss):
     ({"stop": ["x"] * 17}, "stop"), ({"stop": [""]}, "stop"), ({"stop": "x"}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"top_k": 1.5}, "top_k"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"min_p": 2}, "min_p"),
-    ({"min_tokens": True}, "min_tokens"), ({"logit_bias": {}}, "logit_bias"),
-    ({"repetition_penalty": 0}, "repetition_penalty")])
+    ({"min_tokens": True}, "min_tokens"), ({"logit_bias": []}, "logit_bias"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias")])
 def test_payload_refuses_sampling_fields_out_of_bounds_naming_them(sampling, needle):
     with pytest.raises(UsageError, match=needle):
         _payload(sampling=sampling)
@@ -219,3 +222,25 @@ def test_each_instance_gets_its_share_of_min_tokens():
     assert rest_sampling(s, 1) == {"min_tokens": 4, "top_k": 3}
     assert rest_sampling({"min_tokens": 1}, 1) == {"min_tokens": 0}
     assert first_token_sampling({"top_k": 3}) == {"top_k": 3}
+
+
+def test_top_logprobs_on_the_wire_are_bounded():
+    from dualpath.engine.peers import MAX_TOP, top_from_pb, top_pb
+    from dualpath.v1 import node_pb2
+
+    t = ((5, 7), (-0.5, -1.25))
+    assert top_from_pb(top_pb(t)) == t
+    with pytest.raises(UsageError, match="top logprobs"):
+        top_from_pb(node_pb2.TopLogprobs(token_ids=[1, 2], logprobs=[0.0]))
+    with pytest.raises(UsageError, match="top logprobs"):
+        top_from_pb(node_pb2.TopLogprobs(token_ids=list(range(MAX_TOP + 1)),
+                                         logprobs=[0.0] * (MAX_TOP + 1)))
+
+
+def test_an_instances_top_logprobs_are_read_by_token_id_in_its_order():
+    from dualpath.engine.vllm_instance import _top
+
+    assert _top({"token_id:7": -0.1, "token_id:3": -2.5}) == ((7, 3), (-0.1, -2.5))
+    for bad in ({"hello": -1.0}, None, {f"token_id:{i}": 0.0 for i in range(22)}):
+        with pytest.raises(ValueError):
+            _top(bad)

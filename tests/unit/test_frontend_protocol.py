@@ -35,8 +35,12 @@ def test_a_token_id_completion_parses_with_openai_defaults():
     ({"model": "m", "prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "m", "prompt": [1], "temperature": 3}, 400, "temperature"),
     ({"model": "m", "prompt": [1], "temperature": "hot"}, 400, "temperature"),
-    ({"model": "m", "prompt": [1], "n": 2}, 400, "n"),
-    ({"model": "m", "prompt": [1], "logprobs": 5}, 400, "logprobs"),
+    ({"model": "m", "prompt": [1], "n": 17}, 400, "n"),
+    ({"model": "m", "prompt": [[1], [2]], "n": 2}, 400, "n"),
+    ({"model": "m", "prompt": [1], "logprobs": 21}, 400, "logprobs"),
+    ({"model": "m", "prompt": [1], "logprobs": True}, 400, "logprobs"),
+    ({"model": "m", "prompt": [1], "logprobs": 2, "echo": True}, 400, "echo"),
+    ({"model": "m", "prompt": [1], "echo": 1}, 400, "echo"),
     ({"model": "m", "prompt": [-1]}, 400, "token ids"),
     ({"model": "m", "prompt": [True]}, 400, "prompt"),
     ({"model": "m", "prompt": ""}, 400, "empty"),
@@ -67,13 +71,14 @@ def test_chat_messages_are_checked():
 def test_answers_have_the_openai_shapes():
     c = api.parse_completion({"model": "m", "prompt": [1], "logprobs": 1,
                               "max_tokens": 2}, LIM)
-    a = api.answer(c, "cmpl-1", "ab", [5, 6], [-0.5, -1.0], 1, api.finish_reason(c, 2))
+    lp = api.logprobs(c, ["a", "b"], [-0.5, -1.0], [None, None])
+    a = api.answer(c, "cmpl-1", "ab", [5, 6], lp, 1, api.finish_reason(c, 2))
     assert a["object"] == "text_completion" and a["choices"][0]["finish_reason"] == "length"
     assert a["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, -1.0]
     assert a["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
     chat = api.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]},
                           LIM)
-    ch = api.chunk(chat, "chatcmpl-1", "a", [5], [-0.5], None, first=True)
+    ch = api.chunk(chat, "chatcmpl-1", "a", [5], None, None, first=True)
     assert ch["object"] == "chat.completion.chunk"
     assert ch["choices"][0]["delta"] == {"content": "a", "role": "assistant"}
     assert api.finish_reason(chat, 3) == "stop"
@@ -177,3 +182,92 @@ def test_a_batch_of_prompts_is_parsed_prompt_by_prompt_and_answered_whole():
     b = api.batch_answer([one, {**one, "choices": [{"index": 0, "text": "b"}]}])
     assert [(c["index"], c["text"]) for c in b["choices"]] == [(0, "a"), (1, "b")]
     assert b["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+
+
+def test_top_logprobs_are_asked_of_the_instances_and_shaped_as_vllms():
+    c = api.parse_completion({"model": "m", "prompt": [1], "logprobs": 2}, LIM)
+    assert c.logprobs and c.top_logprobs == 2 and c.sampling["logprobs"] == 2
+    # The instance lists the sampled token first, then the top 2 (here it is not
+    # among them, so 3 entries); completions show the first N + 1, as text.
+    tops = [(["x", "y", "z"], (-2.0, -0.1, -0.3)), (["b", "c"], (-0.2, -float("inf")))]
+    lp = api.logprobs(c, ["x", " b"], [-2.0, -0.2], tops)
+    assert lp == {"text_offset": [0, 1], "token_logprobs": [-2.0, -0.2],
+                  "tokens": ["x", " b"],
+                  "top_logprobs": [{"x": -2.0, "y": -0.1, "z": -0.3},
+                                   {"b": -0.2, "c": -9999.0}]}
+    assert api.logprobs(c, ["q"], [-1.0], [None], offset=7)["text_offset"] == [7]
+    # Chat: logprobs true + top_logprobs N: each token with its UTF-8 bytes and the
+    # first N entries.
+    ch = api.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                         "logprobs": True, "top_logprobs": 1}, LIM)
+    assert ch.sampling["logprobs"] == 1
+    lp = api.logprobs(ch, ["é"], [-0.5], [(["é", "e"], (-0.5, -1.5))])
+    assert lp == {"content": [{"token": "é", "logprob": -0.5, "bytes": [195, 169],
+                               "top_logprobs": [{"token": "é", "logprob": -0.5,
+                                                 "bytes": [195, 169]}]}]}
+    plain = api.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                            "logprobs": True}, LIM)
+    assert plain.sampling["logprobs"] == 0
+    assert api.logprobs(plain, ["a"], [-1.0], [(["a"], (-1.0,))])["content"][0][
+        "top_logprobs"] == []
+    e = _err(api.parse_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2})
+    assert e.param == "top_logprobs"
+    none = api.parse_completion({"model": "m", "prompt": [1]}, LIM)
+    assert "logprobs" not in none.sampling and api.logprobs(none, [], [], []) is None
+
+
+def test_n_choices_and_echo_parse_and_answer_as_vllms():
+    e = _err(api.parse_completion, {"model": "m", "prompt": "hi", "n": 2, "temperature": 0})
+    assert e.param == "n" and "greedy" in e.message          # vLLM's 400
+    c = api.parse_completion({"model": "m", "prompt": "hi", "n": 3, "echo": True}, LIM)
+    assert c.n == 3 and c.echo and c.prompt_text == "hi"
+    answers = [api.answer(c, "cmpl-1", f"hi{i}", [i, i], None, 4, "length")
+               for i in range(3)]
+    b = api.batch_answer(answers, one_prompt=True)
+    assert [x["index"] for x in b["choices"]] == [0, 1, 2]
+    assert [x["text"] for x in b["choices"]] == ["hi0", "hi1", "hi2"]
+    # The prompt counted once, every choice's tokens.
+    assert b["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    assert api.batch_answer(answers)["usage"]["prompt_tokens"] == 12   # three prompts
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                         "parameters": {"type": "object", "properties": {
+                                             "city": {"type": "string"}}}}}
+
+
+def test_tools_go_to_the_chat_template_and_tool_turns_are_kept():
+    c = api.parse_chat({"model": "m", "tools": [TOOL], "tool_choice": "none", "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, LIM)
+    assert c.tools == [TOOL]
+    assert c.messages[1]["content"] == "" and c.messages[1]["tool_calls"][0]["id"] == "c1"
+    assert c.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    user = [{"role": "user", "content": "x"}]
+    for body, param in [({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [TOOL], "tool_choice": {"type": "function"}},
+                         "tool_choice"),
+                        ({"tool_choice": "auto"}, "tool_choice"),
+                        ({"tools": [TOOL]}, "tool_choice"),         # auto, as vLLM's
+                        ({"tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
+                        ({"tools": [{"type": "function"}]}, "tools"),
+                        ({"tools": [TOOL] * 129}, "tools")]:
+        assert _err(api.parse_chat, {"model": "m", "messages": user, **body}).param == param
+    e = _err(api.parse_chat, {"model": "m", "messages": [
+        {"role": "user", "content": "x", "tool_call_id": "c1"}]})
+    assert e.param == "messages[0]"
+
+
+def test_logit_bias_is_passed_and_response_format_text_only():
+    c = api.parse_completion({"model": "m", "prompt": [1], "logit_bias": {"5": -100},
+                              "response_format": {"type": "text"}}, LIM)
+    assert c.sampling["logit_bias"] == {"5": -100}
+    e = _err(api.parse_completion, {"model": "m", "prompt": [1],
+                                    "response_format": {"type": "json_object"}})
+    assert e.param == "response_format"
+    assert _err(api.parse_completion, {"model": "m", "prompt": [1],
+                                       "logit_bias": {"a": 1}}).param == "logit_bias"

@@ -29,7 +29,8 @@ from dualpath.v1 import admin_pb2, scheduler_pb2
 from dualpath.vllm.driver import EngineProcess
 from dualpath.vllm.local import ENGINE_ENV, PlainVllm, engine_args
 from dualpath.vllm.pd import VllmPdCluster
-from tests.vllm.conftest import Conversation, close
+from tests.faults.conftest import wait_idle_invariant
+from tests.vllm.conftest import TOL, Conversation, close
 
 T = 128
 API_KEY = "test-key-0123456789abcdef"
@@ -215,6 +216,30 @@ def test_sigkill_of_a_decode_daemon_mid_decode_ends_in_a_recompute(rig):
     if rig.topology == "1p2d":
         assert b["g"].decode_node_id != victim[0]
         rig.pd.restart_node(victim[0])
+    wait_idle_invariant(rig.pd.cluster)     # nothing leaked on either node
+
+
+@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
+def test_sigkill_of_the_prefill_daemon_mid_prefill_ends_in_a_recompute(rig):
+    """The prefill node daemon is SIGKILLed while its prefill stages the hit (its
+    instance keeps running, its connector's node gone) and started again: the request's
+    next attempt gives the oracle's tokens and logprobs, and once idle no node holds
+    anything."""
+    conv = Conversation(seed=707, first=2000, append=300, gen=16)
+    prompt = list(conv.context)
+    a = rig.turn(prompt, conv.gen, 0)
+    stored = len(prompt) + conv.gen - 1
+    conv.advance(a["token_ids"])
+    prompt = list(conv.context)
+
+    def kill(view) -> None:
+        rig.pd.kill_node("p0")
+        rig.pd.restart_node("p0")
+    at = _At(scheduler_pb2.REQUEST_STATE_ASSIGNED, kill)
+    b = rig.turn(prompt, conv.gen, stored, "prefill", during=at)
+    assert at.fired and b["g"].attempt >= 2, "the kill did not hit a running prefill"
+    assert close(b, rig.oracle.generate(prompt, conv.gen))
+    wait_idle_invariant(rig.pd.cluster)
 
 
 @pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
@@ -241,6 +266,7 @@ def test_sigkill_of_a_vllm_instance_mid_request_ends_in_a_recompute(rig, side):
     b = rig.turn(prompt, gen, stored, "prefill", during=at)
     assert at.fired and b["g"].attempt >= 2, "the kill did not hit a running request"
     assert close(b, rig.oracle.generate(prompt, gen))
+    wait_idle_invariant(rig.pd.cluster)
 
 
 # ------------------------------------------------------------------ the front end
@@ -558,6 +584,16 @@ def test_the_openai_api_answers_as_vllms_own_server(rig, plain):
     b = ref.completions.create(**base, extra_body={"stop_token_ids": [tok[5]]})
     _same(a, b, "stop_token_ids")
     assert a.choices[0].finish_reason == "stop" and a.usage.completion_tokens <= 6
+    # logit_bias: the greedy first token banned on both instances, as on vLLM's one.
+    ban = {str(tok[0]): -100}
+    a = dp.completions.create(**base, logit_bias=ban, extra_body={"return_token_ids": True})
+    b = ref.completions.create(**base, logit_bias=ban, extra_body={"return_token_ids": True})
+    _same(a, b, "logit_bias")
+    assert tok[0] not in (a.choices[0].model_extra or {}).get("token_ids", [])
+    # response_format text is plain text (JSON formats are refused, naming the field).
+    _same(dp.completions.create(**base, extra_body={"response_format": {"type": "text"}}),
+          ref.completions.create(**base, extra_body={"response_format": {"type": "text"}}),
+          "response_format text")
     # A batch of prompts: one choice per prompt, usage summed.
     other = Conversation(seed=77, first=200, append=10, gen=8).context
     batch = {**base, "prompt": [prompt, other]}
@@ -572,6 +608,70 @@ def test_the_openai_api_answers_as_vllms_own_server(rig, plain):
         model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True)
         if c.choices)
     assert sa == b.choices[0].message.content
+    _same_logprobs_echo_and_n(dp, ref, base, msgs)
+
+
+def _close_map(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= TOL for k in a)
+
+
+def _same_logprobs_echo_and_n(dp, ref, base: dict, msgs: list) -> None:
+    import openai
+
+    """Top logprobs as text (completions: tokens, text_offset, the N + 1 alternatives;
+    chat: tokens, bytes, the N alternatives), echo, and n choices (also streamed), as
+    vLLM's server gives them (logprobs within TOL: the decode instance computes the
+    last block apart)."""
+    a = dp.completions.create(**base, logprobs=3)
+    b = ref.completions.create(**base, logprobs=3)
+    _same(a, b, "logprobs=3")
+    la, lb = a.choices[0].logprobs, b.choices[0].logprobs
+    assert la.tokens == lb.tokens and la.text_offset == lb.text_offset
+    assert all(abs(x - y) <= TOL for x, y in zip(la.token_logprobs, lb.token_logprobs))
+    assert len(la.top_logprobs) == len(lb.top_logprobs) == 24
+    assert all(_close_map(x, y) for x, y in zip(la.top_logprobs, lb.top_logprobs)), \
+        (la.top_logprobs[:2], lb.top_logprobs[:2])
+    chat = {"model": "tiny", "messages": msgs, "max_tokens": 8, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    a, b = dp.chat.completions.create(**chat), ref.chat.completions.create(**chat)
+    _same(a, b, "chat top_logprobs=2")
+    ca, cb = a.choices[0].logprobs.content, b.choices[0].logprobs.content
+    assert [(x.token, x.bytes) for x in ca] == [(x.token, x.bytes) for x in cb]
+    assert [[(t.token, t.bytes) for t in x.top_logprobs] for x in ca] == \
+        [[(t.token, t.bytes) for t in x.top_logprobs] for x in cb]
+    assert all(abs(x.logprob - y.logprob) <= TOL for x, y in zip(ca, cb))
+    # Tools, as vLLM's server takes them without a tool-call parser: into the template.
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    chat = {"model": "tiny", "messages": msgs, "max_tokens": 8, "temperature": 0,
+            "tools": [tool], "tool_choice": "none"}
+    _same(dp.chat.completions.create(**chat), ref.chat.completions.create(**chat), "tools")
+    del chat["tool_choice"]             # "auto": vLLM's 400 without a tool-call parser
+    for client in (dp, ref):
+        with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+            client.chat.completions.create(**chat)
+    # Echo: the prompt's text first (a text prompt, as a user sends it).
+    text = {**base, "prompt": "The capital of France is", "max_tokens": 8}
+    _same(dp.completions.create(**text, echo=True), ref.completions.create(**text, echo=True),
+          "echo")
+    # n = 2: refused when greedy, as vLLM refuses it; sampled, two choices (their tokens
+    # are not vLLM's: the decode instance's random stream starts after the first token),
+    # whole and streamed, usage counting the prompt once.
+    for client in (dp, ref):
+        with pytest.raises(openai.BadRequestError, match="greedy"):
+            client.completions.create(**base, n=2)
+    sampled = {**base, "temperature": 0.8, "seed": 7, "n": 2,
+               "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    a = dp.completions.create(**sampled)
+    b = ref.completions.create(**sampled)
+    assert [c.index for c in a.choices] == [c.index for c in b.choices] == [0, 1]
+    assert a.usage.model_dump() == b.usage.model_dump()
+    streamed = {0: [], 1: []}
+    for c in dp.completions.create(**sampled, stream=True):
+        for ch in c.choices:
+            streamed[ch.index] += (ch.model_extra or {}).get("token_ids") or []
+    assert [len(streamed[i]) for i in (0, 1)] == [24, 24]
 
 
 def _same_batch(a, b) -> None:

@@ -9,8 +9,10 @@ runs, the main thread strikes faults one after another with random gaps (uniform
 [--gap-min-s, --gap-max-s]), at most --faults-per-replay of them, each of a kind drawn at random (weights in KINDS): SIGKILL
 + restart or SIGTERM + restart of the scheduler, p0, d0 or d1 (these are the *kills*),
 SIGSTOP of a node for 1.5-3 leases then SIGCONT, the same three times in a row
-(sigstop_again: each time the node registers again before the next), and a random
-quarter of the stored blocks corrupted, truncated or deleted. A restart is part of its
+(sigstop_again: each time the node registers again before the next), with --netns a
+node cut off the network for 1.5-3 leases then healed (partition: each node in a
+network namespace of its own behind a veth, its veth's bridge end down: a silent drop),
+and a random quarter of the stored blocks corrupted, truncated or deleted. A restart is part of its
 fault; the next gap starts after it. Replays continue until --kills kills and --faults
 faults in all have struck.
 
@@ -39,6 +41,7 @@ smoke run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -59,6 +62,7 @@ from dualpath.cluster.faults import (
     terminate_and_restart,
 )
 from dualpath.cluster.local import LocalCluster
+from dualpath.cluster.netns import Namespaces, available
 from dualpath.cluster.replay import ReplayAborted, replay_local
 from dualpath.cluster.run import make_trace
 from dualpath.kv.profiles import get_profile
@@ -81,9 +85,24 @@ def settings(lease_ms: int) -> dict:
             "storage": {"snic_gbit_per_s": 0.5}}
 
 
-def draw(rng: random.Random, lease_s: float):
-    """A random fault: (kind, target, action)."""
-    kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+def partition(nets: Namespaces, who: str, seconds: float):
+    """Cut ``who`` off the network for ``seconds``, then heal it."""
+    def act(cluster: LocalCluster) -> None:
+        nets.cut(who)
+        try:
+            time.sleep(seconds)
+        finally:
+            nets.heal(who)
+    return act
+
+
+def draw(rng: random.Random, lease_s: float, nets: Namespaces | None = None):
+    """A random fault: (kind, target, action); partitions only with ``nets``."""
+    kinds = {**KINDS, **({"partition": 2} if nets is not None else {})}
+    kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
+    if kind == "partition":
+        who = rng.choice(NODES)
+        return kind, who, partition(nets, who, rng.uniform(1.5, 3.0) * lease_s)
     if kind == "sigkill":
         who = rng.choice(DAEMONS)
         return kind, who, kill_and_restart(who)
@@ -152,7 +171,7 @@ def unhandled_errors(cluster: LocalCluster) -> list[str]:
 
 
 def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
-               kills_left: int) -> dict:
+               kills_left: int, nets: Namespaces | None = None) -> dict:
     """A replay with faults striking while it runs (kills at most ``kills_left``, other
     kinds then)."""
     trace = make_trace(args.agents, context_scale=args.context_scale, max_rounds=args.rounds,
@@ -164,7 +183,9 @@ def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
         try:
             out["run"] = replay_local(cluster, trace, PROFILE,
                                       timeout_s=args.replay_timeout_s, give_up_s=60,
-                                      seed=args.seed + index)
+                                      seed=args.seed + index,
+                                      **({"sink_listen": f"{nets.bridge_ip}:0"}
+                                         if nets is not None else {}))
         except ReplayAborted as e:
             out["run"], out["aborted"] = e.run, str(e)
 
@@ -175,9 +196,9 @@ def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
     while worker.is_alive() and len(faults) < args.faults_per_replay:
         worker.join(rng.uniform(args.gap_min_s, args.gap_max_s))
         if worker.is_alive():
-            kind, who, act = draw(rng, lease_s)
+            kind, who, act = draw(rng, lease_s, nets)
             while kind in ("sigkill", "sigterm") and kills_left <= 0:
-                kind, who, act = draw(rng, lease_s)
+                kind, who, act = draw(rng, lease_s, nets)
             t0, struck = time.monotonic(), time.time()
             act(cluster)
             kills_left -= kind in ("sigkill", "sigterm")
@@ -291,6 +312,18 @@ def table(replays: list[dict], summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _cluster(args, nets: Namespaces | None) -> LocalCluster:
+    if nets is None:
+        return LocalCluster(1, 2, settings=settings(args.lease_ms), work_dir=args.work_dir)
+    return LocalCluster(
+        1, 2, settings=settings(args.lease_ms), work_dir=args.work_dir, host=nets.bridge_ip,
+        node_settings={n: {"engine": {"control_listen": f"{nets.ip[n]}:0",
+                                      "metrics_listen": f"{nets.ip[n]}:0"},
+                           "transfer": {"tcp_listen": nets.ip[n]}} for n in NODES},
+        tls_ips=tuple(nets.ip.values()),
+        node_launchers={n: nets.launcher(n) for n in NODES})
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=50, help="kills to strike (SIGKILL/SIGTERM)")
@@ -307,6 +340,8 @@ def main(argv=None) -> int:
     ap.add_argument("--faults-per-replay", type=int, default=5,
                     help="at most this many faults strike one replay; then it finishes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--netns", action="store_true", help="each node in a network namespace "
+                    "of its own (needs root and iproute2), and partitions among the faults")
     ap.add_argument("--work-dir", default="", help="keep the cluster's logs here")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
@@ -318,10 +353,22 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     replays: list[dict] = []
     t0 = time.monotonic()
-    with LocalCluster(1, 2, settings=settings(args.lease_ms), work_dir=args.work_dir) as cluster:
+    if args.netns and available():
+        ap.error(f"--netns: {available()}")
+    nets = Namespaces(list(NODES)) if args.netns else None
+    try:
+        cluster = _cluster(args, nets)
+    except BaseException:
+        if nets is not None:
+            nets.close()
+        raise
+    with contextlib.ExitStack() as stack:
+        if nets is not None:
+            stack.callback(nets.close)
+        stack.enter_context(cluster)
         kills = 0
         while kills < args.kills or sum(len(r["faults"]) for r in replays) < args.faults:
-            r = one_replay(cluster, args, rng, len(replays), args.kills - kills)
+            r = one_replay(cluster, args, rng, len(replays), args.kills - kills, nets)
             replays.append(r)
             kills += sum(f["kind"] in ("sigkill", "sigterm") for f in r["faults"])
             print(f"replay {len(replays)}: {r['finished']}/{r['rounds']} rounds, "

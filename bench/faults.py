@@ -57,6 +57,7 @@ from dualpath.cluster.faults import (
     DAMAGE_KINDS,
     damage_blocks,
     kill_and_restart,
+    partition,
     recovery_s,
     stall,
     terminate_and_restart,
@@ -83,17 +84,6 @@ def settings(lease_ms: int) -> dict:
             "transfer": {"timeout_s": 5.0, "recover_attempts": 1},
             "buffers": {"pe_buffer_mib": 128, "de_buffer_mib": 128},
             "storage": {"snic_gbit_per_s": 0.5}}
-
-
-def partition(nets: Namespaces, who: str, seconds: float):
-    """Cut ``who`` off the network for ``seconds``, then heal it."""
-    def act(cluster: LocalCluster) -> None:
-        nets.cut(who)
-        try:
-            time.sleep(seconds)
-        finally:
-            nets.heal(who)
-    return act
 
 
 def draw(rng: random.Random, lease_s: float, nets: Namespaces | None = None):

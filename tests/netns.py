@@ -15,24 +15,16 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from dualpath.cluster.netns import available
+
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-def available() -> str:
-    """'' when namespaces can be made here, else why not."""
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "the ip command (iproute2) is missing"
-    return ""
 
 
 class NetnsPair:

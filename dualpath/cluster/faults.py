@@ -3,8 +3,9 @@ vocabulary of the fault suite (tests/faults/) and bench/faults.py.
 
 Each maker returns an *action* ``act(cluster)`` that breaks something real and, where
 the fault is a process stopping, starts it again before returning: SIGKILL or SIGTERM
-(and a restart) of the scheduler or a node, SIGSTOP for a while then SIGCONT, stored
-blocks corrupted, truncated or deleted, the disk under the store filled. Actions run on
+(and a restart) of the scheduler or a node, SIGSTOP for a while then SIGCONT, a node cut
+off the network for a while then healed (its cluster in network namespaces: netns.py),
+stored blocks corrupted, truncated or deleted, the disk under the store filled. Actions run on
 the thread that owns the cluster (a restarted process dies with the thread that forked
 it: PR_SET_PDEATHSIG).
 
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dualpath.cluster.local import LocalCluster
+from dualpath.cluster.netns import Namespaces
 from dualpath.storage.format import HEADER_BYTES
 from dualpath.trace.report import RequestRecord
 
@@ -65,6 +67,17 @@ def stall(name: str, seconds: float) -> Action:
             time.sleep(seconds)
         finally:
             cluster.signal(name, signal.SIGCONT)
+    return act
+
+
+def partition(nets: Namespaces, name: str, seconds: float) -> Action:
+    """Cut node ``name`` off the network (``nets``) for ``seconds``, then heal it."""
+    def act(cluster: LocalCluster) -> None:
+        nets.cut(name)
+        try:
+            time.sleep(seconds)
+        finally:
+            nets.heal(name)
     return act
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 
+from dualpath.cluster.faults import partition
 from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.netns import Namespaces, available
 from tests.faults.conftest import (
@@ -61,19 +62,6 @@ def netns_cluster(tmp_path):
             c.stop()
     finally:
         nets.close()
-
-
-def partition(nets: Namespaces, node: str, seconds: float):
-    """Cut ``node`` off for ``seconds``, then heal it."""
-    import time
-
-    def act(cluster) -> None:
-        nets.cut(node)
-        try:
-            time.sleep(seconds)
-        finally:
-            nets.heal(node)
-    return act
 
 
 @pytest.mark.parametrize("victim", ["p0", "d0"])

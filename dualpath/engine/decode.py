@@ -85,7 +85,9 @@ class DecodeState:
     read_bytes: int = 0
     read_span: tuple[float, float] = (0.0, 0.0)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    loads: list[asyncio.Task] = field(default_factory=list)   # its loads into the PE
     owner: Identity | None = None               # the node that prepared it (mutual TLS)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)   # dropped, released
 
 
 class NotYours(RequestFailed):
@@ -167,26 +169,36 @@ class DecodePath:
 
     async def stop(self, rid: str, attempt: int, caller: Identity | None) -> bool:
         """Engine.CancelRequest from the PE that prepared ``rid`` (the servicer checked):
-        its writes for ``attempt`` (0 = any) ended, so drop the state without a fence and
-        return once this node's tasks for it (a load into the PE's memory) ended, those
-        of a state dropped earlier (the scheduler's cancel) included: the answer means
-        "my writes ended", whatever became of the state. A fence left by an earlier drop
-        of that PE's attempt is released. True when it was here (held or still ending)."""
+        its writes for ``attempt`` (0 = any) ended; return once this node's writes into
+        the PE's memory for it (its loads) ended, whatever became of the state: "not
+        known" is never said while a load of a dropped state still writes.
+
+        - held and decoding (PrefillDone came): it is the PE's fence asking about a load
+          still writing; the decode goes on, the answer waits for the loads;
+        - held otherwise (that attempt or an older one): dropped without a fence, its
+          tasks ended;
+        - a newer attempt held: left alone;
+        - states dropped earlier whose tasks are ending (the scheduler's cancel, a newer
+          attempt's PrepareRequest): waited for until released.
+        A fence left by an earlier drop of that PE's attempt is released. True when it
+        was here (held or still ending)."""
         self.node.fences.settled(rid, attempt, caller)
         st = self.requests.get(rid)
-        if st is not None and attempt and attempt < st.attempt:
-            raise StaleAttempt(f"CancelRequest of {rid} for attempt {attempt}; attempt "
-                               f"{st.attempt} is held here")
-        ending = [s for s in self.ending.get(rid, ()) if not attempt or s.attempt <= attempt]
-        live = [t for s in ending for t in s.tasks if not t.done()]
-        if st is not None:
+        if st is not None and st.decoding and attempt in (0, st.attempt):
+            live = [t for t in st.loads if not t.done()]
+            if live:
+                await asyncio.wait(live)
+            return True
+        held = st is not None and (not attempt or attempt >= st.attempt)
+        if held:
             del self.requests[rid]
             await self._end(st, fence=False)
-        if live:
-            await asyncio.wait(live)
+        ending = [s for s in self.ending.get(rid, ()) if not attempt or s.attempt <= attempt]
+        for s in ending:
+            await s.ended.wait()
         if ending:      # an earlier drop fenced its slots once its tasks ended: ours now
             self.node.fences.settled(rid, attempt, caller)
-        return st is not None or bool(ending)
+        return held or bool(ending)
 
     def state(self, rid: str, attempt: int) -> DecodeState:
         """The state of ``rid`` for a message of ``attempt`` (0 = unsaid): KeyError when
@@ -223,16 +235,17 @@ class DecodePath:
             if not t.cancelling():
                 t.cancel()
         cancelled = False
-        if live:
-            mine = self.ending.setdefault(st.request_id, [])
-            mine.append(st)
-            try:
+        mine = self.ending.setdefault(st.request_id, [])
+        mine.append(st)
+        try:
+            if live:
                 cancelled = await waited_out(*live)
-            finally:
-                mine.remove(st)
-                if not mine and self.ending.get(st.request_id) is mine:
-                    del self.ending[st.request_id]
-        self._release(st, fence)
+            self._release(st, fence)
+        finally:
+            mine.remove(st)
+            if not mine and self.ending.get(st.request_id) is mine:
+                del self.ending[st.request_id]
+            st.ended.set()
         if cancelled:
             raise asyncio.CancelledError
 
@@ -312,7 +325,9 @@ class DecodePath:
             raise StaleAttempt(f"{order.request_id} (attempt {st.attempt}) was dropped here "
                                f"while connecting to {order.target_peer}; its load order "
                                "is not carried out")
-        st.tasks.append(self.node.spawn(self.load_hit_kv(st, order)))
+        t = self.node.spawn(self.load_hit_kv(st, order))
+        st.tasks.append(t)
+        st.loads.append(t)
 
     def start_decode(self, st: DecodeState, done: PrefillReport) -> None:
         """The PE finished: decode ``st`` (once)."""

@@ -99,3 +99,73 @@ def test_a_cancel_waits_for_the_load_of_a_request_the_scheduler_dropped_first():
         assert await d.stop("r1", 1, None) is False     # now truly not known
 
     asyncio.run(main())
+
+
+def _writing_load(writes_end: asyncio.Event):
+    async def load():                     # a load with WRITEs in flight: a cancel waits
+        try:                              # for them (kvio.write_layers)
+            await writes_end.wait()
+        except asyncio.CancelledError:
+            await writes_end.wait()
+            raise
+    return asyncio.ensure_future(load())
+
+
+def test_a_fence_asking_after_prefill_done_waits_for_the_load_and_leaves_the_decode():
+    async def main(writes_end: asyncio.Event, decoding: asyncio.Event):
+        d = _path(asyncio.Event(), [])
+        st = DecodeState("r1", engine=None, payload=None, spans=[None], buffer=Slots(),
+                         pe_address="pe", attempt=1)
+        st.decoding = True                # PrefillDone came; the load still writes
+        load = _writing_load(writes_end)
+        decode = asyncio.ensure_future(decoding.wait())
+        st.tasks += [load, decode]
+        st.loads.append(load)
+        d.requests["r1"] = st
+        stop = asyncio.ensure_future(d.stop("r1", 1, None))    # the PE's fence asks
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not stop.done(), "answered while the load still writes into the PE"
+        writes_end.set()
+        assert await asyncio.wait_for(stop, 10) is True
+        assert d.requests["r1"] is st and not decode.cancelled() and not decode.done()
+        assert not st.buffer.released    # the decode still reads its prompt's blocks
+
+    _run(main, 2)
+
+
+def test_a_cancel_of_an_older_attempt_waits_for_it_and_leaves_the_newer_one():
+    async def main(writes_end: asyncio.Event):
+        d = _path(asyncio.Event(), [])
+        d.node.fences.hold = lambda *a, **kw: None
+        old = DecodeState("r1", engine=None, payload=None, spans=[None], buffer=Slots(),
+                          pe_address="pe", attempt=1)
+        old.tasks.append(_writing_load(writes_end))
+        d.requests["r1"] = old
+        d.cancel("r1")                    # dropped (a newer attempt came) while writing
+        new = DecodeState("r1", engine=None, payload=None, spans=[None], buffer=Slots(),
+                          pe_address="pe", attempt=2)
+        d.requests["r1"] = new
+        await asyncio.sleep(0)
+        stop = asyncio.ensure_future(d.stop("r1", 1, None))    # no StaleAttempt
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not stop.done()
+        writes_end.set()
+        assert await asyncio.wait_for(stop, 10) is True
+        assert d.requests["r1"] is new and not new.buffer.released
+
+    _run(main, 1)
+
+
+def _run(main, events: int) -> None:
+    """``main(*events)``; the events are set however it ends, so a failed check cannot
+    leave a load waiting for its writes for ever (the loop's end would hang)."""
+    async def go():
+        evs = [asyncio.Event() for _ in range(events)]
+        try:
+            await main(*evs)
+        finally:
+            for e in evs:
+                e.set()
+    asyncio.run(go())

@@ -206,7 +206,8 @@ class VllmEngine:
         self._persists: set[asyncio.Task] = set()
         self._warned_cap = False
         self.offer = offer                     # the buffer, shared with same-host workers
-        self._held: dict[int, tuple[Reservation, float]] = {}   # worker_copies loads
+        # worker_copies loads: (slots, deadline, the worker that holds them)
+        self._held: dict[int, tuple[Reservation, float, str]] = {}
         self._load_ids = itertools.count(1)
         # P/D prefills this node drives: request -> its staged hit (dualpath/engine/
         # vllm_stage.py), found only with the request's ticket.
@@ -278,12 +279,33 @@ class VllmEngine:
                 f"worker {worker.name} has model {worker.model_id} in KV format "
                 f"{fmt.signature()}; this node serves {self.model_id} in "
                 f"{self.space.fmt.signature()} (one model per node daemon)")
+        for name in [n for n, x in self.workers.items()
+                     if n != worker.name and x.tp_rank == worker.tp_rank]:
+            self._forget_worker(name, worker.name)
         self.workers[worker.name] = worker
         self.attached.set()
         log.info("%s: vLLM worker %s attached (rank %d of %d, %d KV blocks of %d tokens)",
                  self.node_id, worker.name, worker.tp_rank, worker.tp_size,
                  worker.placement.num_units, fmt.unit_tokens)
         return self.space
+
+    def _forget_worker(self, name: str, successor: str) -> None:
+        """``successor`` took the place of worker ``name`` (its instance was started
+        again: that process is gone, and with it any WRITE of its): the saves lent to
+        it and the loads it never ended give their slots back now, not after their
+        deadlines (120 s, 600 s). A stage's slots went back only with them: a prefill
+        instance killed mid-request left 18 of 136 PE-buffer slots taken (the idle
+        invariant)."""
+        del self.workers[name]
+        saves = [sid for sid, s in self._saves.items() if s.worker == name]
+        for sid in saves:
+            self._saves.pop(sid).res.release()
+        loads = [lid for lid, (_, _, w) in self._held.items() if w == name]
+        for lid in loads:
+            self.end_load(lid)
+        log.info("%s: vLLM worker %s took the place of %s; %d saves and %d loads it left "
+                 "open give their slots back", self.node_id, successor, name, len(saves),
+                 len(loads))
 
     def _worker(self, name: str) -> Worker:
         w = self.workers.get(name)
@@ -408,7 +430,7 @@ class VllmEngine:
             yield LoadStep(0, failed)
             if worker_copies:
                 lid = next(self._load_ids)
-                self._held[lid] = (res, time.monotonic() + self.HOLD_S)
+                self._held[lid] = (res, time.monotonic() + self.HOLD_S, w.name)
                 held, res = res, None            # the worker gives it back (end_load)
                 slots = tuple(held.slots)
                 try:
@@ -587,7 +609,7 @@ class VllmEngine:
     def _expire(self) -> None:
         """Take back the slots of worker_copies loads never ended (their worker died)."""
         now = time.monotonic()
-        for lid in [lid for lid, (_, d) in self._held.items() if d < now]:
+        for lid in [lid for lid, (_, d, _) in self._held.items() if d < now]:
             log.warning("%s: load %d was never ended by its worker; slots taken back",
                         self.node_id, lid)
             self.end_load(lid)

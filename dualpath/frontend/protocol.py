@@ -154,6 +154,9 @@ def _common(body, fields: frozenset, limits: Limits, chat: bool) -> Call:
                 ignore_eos=_flag(body, "ignore_eos"), n=n)
     if n > 1 and call.temperature < 1e-5:
         raise bad(f"n must be 1 when using greedy sampling, got {n}.", "n")  # vLLM's words
+    if call.seed + n - 1 > 2 ** 63 - 1:     # choice i samples with seed + i
+        raise bad("'seed' + n - 1 must be at most 2^63 - 1 (choice i samples with seed + "
+                  "i)", "seed")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("'user' must be a string", "user")
     call.sampling = _sampling(body)
@@ -274,6 +277,9 @@ def _tools(body: dict) -> list[dict] | None:
         raise bad("'tool_choice' may be \"none\" or \"auto\" here (\"required\" and a "
                   "named function need structured outputs, which this server does not "
                   "carry from the prefill to the decode instance)", "tool_choice")
+    if tools == []:
+        raise bad("`tools` must not be an empty array. Either provide at least one tool or "
+                  "omit the field entirely.", "tools")                    # vLLM's words
     if tools is None:
         if choice not in (None, "none"):
             raise bad("When using `tool_choice`, `tools` must be set.", "tool_choice")

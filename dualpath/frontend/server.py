@@ -214,9 +214,8 @@ class FrontEnd:
                 return await self._stream(request, call, ids, rid, seed)
             # n choices: each generated on its own, choice i with seed + i (as vLLM's
             # parallel sampling seeds its children).
-            got = await asyncio.gather(*(self._answer(call, ids, rid, seed + i,
-                                                      _choice_id(rid, i, call.n))
-                                         for i in range(call.n)))
+            got = await _all(self._answer(call, ids, rid, seed + i, _choice_id(rid, i, call.n))
+                             for i in range(call.n))
             if call.n == 1:
                 body, s = got[0]
                 return web.json_response(body, headers=s.headers())
@@ -240,8 +239,8 @@ class FrontEnd:
         rid = f"cmpl-{uuid.uuid4().hex}"
         seed = self._seed(call)
         try:
-            got = await asyncio.gather(*(self._answer(c, ids, rid, seed, f"{rid}-{i}")
-                                         for i, (c, ids) in enumerate(zip(calls, idss))))
+            got = await _all(self._answer(c, ids, rid, seed, f"{rid}-{i}")
+                             for i, (c, ids) in enumerate(zip(calls, idss)))
         finally:
             self._done(len(idss))
         return web.json_response(api.batch_answer([b for b, _ in got]))
@@ -428,3 +427,17 @@ class FrontEnd:
 def _choice_id(rid: str, index: int, n: int) -> str:
     """The cluster's request id of choice ``index`` of answer ``rid``."""
     return rid if n == 1 else f"{rid}-{index}"
+
+
+async def _all(aws) -> list:
+    """Every one of ``aws`` at once; when one fails, the others are cancelled and
+    awaited before the error goes on (none keeps generating unanswered, and the
+    admission count given back is true)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -220,6 +220,9 @@ def test_top_logprobs_are_asked_of_the_instances_and_shaped_as_vllms():
 def test_n_choices_and_echo_parse_and_answer_as_vllms():
     e = _err(api.parse_completion, {"model": "m", "prompt": "hi", "n": 2, "temperature": 0})
     assert e.param == "n" and "greedy" in e.message          # vLLM's 400
+    e = _err(api.parse_completion, {"model": "m", "prompt": "hi", "n": 2,
+                                    "seed": 2 ** 63 - 1})
+    assert e.param == "seed"
     c = api.parse_completion({"model": "m", "prompt": "hi", "n": 3, "echo": True}, LIM)
     assert c.n == 3 and c.echo and c.prompt_text == "hi"
     answers = [api.answer(c, "cmpl-1", f"hi{i}", [i, i], None, 4, "length")
@@ -255,7 +258,8 @@ def test_tools_go_to_the_chat_template_and_tool_turns_are_kept():
                         ({"tools": [TOOL]}, "tool_choice"),         # auto, as vLLM's
                         ({"tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
                         ({"tools": [{"type": "function"}]}, "tools"),
-                        ({"tools": [TOOL] * 129}, "tools")]:
+                        ({"tools": [TOOL] * 129}, "tools"),
+                        ({"tools": []}, "tools")]:
         assert _err(api.parse_chat, {"model": "m", "messages": user, **body}).param == param
     e = _err(api.parse_chat, {"model": "m", "messages": [
         {"role": "user", "content": "x", "tool_call_id": "c1"}]})

@@ -443,7 +443,7 @@ def test_front_end_chat_and_text_prompts_stream_text(rig):
 @pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
 @pytest.mark.parametrize("case", ["no_key", "wrong_key", "unknown_field", "wrong_model",
                                   "too_long", "too_many_tokens", "not_json", "too_big",
-                                  "n2", "bad_messages"])
+                                  "greedy_n2", "bad_messages"])
 def test_front_end_bad_input_gets_an_openai_error_naming_it(rig, case):
     ok = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}
     call = {
@@ -455,7 +455,7 @@ def test_front_end_bad_input_gets_an_openai_error_naming_it(rig, case):
         "too_many_tokens": (400, {"body": {**ok, "max_tokens": 65}}, "max_tokens"),
         "not_json": (400, {"raw": b"{not json"}, "JSON"),
         "too_big": (413, {"raw": b" " * 70000}, "65536"),
-        "n2": (400, {"body": {**ok, "n": 2}}, "n"),
+        "greedy_n2": (400, {"body": {**ok, "n": 2, "temperature": 0}}, "greedy"),
         "bad_messages": (400, {"body": {"model": "tiny", "messages": [{"role": "robot",
                                                                        "content": "hi"}]},
                                    "path": "/v1/chat/completions"}, "messages[0]"),

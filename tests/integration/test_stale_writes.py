@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import numpy as np
 import pytest
 
@@ -140,8 +139,9 @@ async def _run(de: NodeDaemon, pe: TransferEngine, pe_addr: str, peers: PeerClie
     while de.fences.blocks:
         await asyncio.sleep(0.05)
     assert pool.free == free + len(old.slots)
-    with pytest.raises(grpc.aio.AioRpcError) as e:      # old cancel: refused, 2 intact
-        await engine_pb2_grpc.EngineStub(peers.channels.channel(de.address)).CancelRequest(
-            engine_pb2.CancelRequestRequest(request_id=rid, attempt=1), timeout=10)
-    assert e.value.code() == grpc.StatusCode.ABORTED
+    # The old attempt's cancel is answered (its writes ended long ago: nothing of it is
+    # running), and attempt 2 is left intact. (It was refused ABORTED, which a PE took
+    # as no answer: its fence asked again for 600 s with its slots held.)
+    await engine_pb2_grpc.EngineStub(peers.channels.channel(de.address)).CancelRequest(
+        engine_pb2.CancelRequestRequest(request_id=rid, attempt=1), timeout=10)
     assert de.path.requests[rid] is st

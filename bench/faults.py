@@ -59,8 +59,10 @@ from dualpath.cluster.faults import (
     kill_and_restart,
     partition,
     recovery_s,
+    registrations,
     stall,
     terminate_and_restart,
+    wait_idle,
 )
 from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.netns import Namespaces, available
@@ -126,28 +128,17 @@ def stall_again(who: str, seconds: list[float]):
 
 def _registrations(log: Path, who: str) -> int:
     try:
-        return log.read_text(errors="replace").count(f"group {who} registered")
+        return registrations(log.read_text(errors="replace"), who)
     except OSError:
         return 0
 
 
 def idle_invariant(cluster: LocalCluster, bound_s: float = 60.0) -> list[str]:
     """`dualpath ctl check` until it holds (bounded): [] or the last violations."""
-    deadline = time.monotonic() + bound_s
-    while True:
-        r = subprocess.run([sys.executable, "-m", "dualpath.cli", "ctl", "check", "--json",
-                            "--config", str(cluster.config_path)],
-                           check=False, capture_output=True, text=True, timeout=60)
-        try:
-            rec = json.loads(r.stdout)
-        except json.JSONDecodeError:
-            rec = {"violations": [f"ctl check: exit {r.returncode}: {r.stderr[-300:]}"],
-                   "busy": {}}
-        if r.returncode == 0:
-            return []
-        if time.monotonic() > deadline:
-            return rec.get("violations") or [f"not idle: {rec.get('busy')}"]
-        time.sleep(0.5)
+    rc, rec = wait_idle(cluster, bound_s)
+    if rc == 0:
+        return []
+    return rec.get("violations") or [f"not idle: {rec.get('busy')}"]
 
 
 def unhandled_errors(cluster: LocalCluster) -> list[str]:

@@ -17,9 +17,13 @@ Threads: the cluster's owner thread; nothing here is asynchronous.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -146,3 +150,32 @@ def recovery_s(records: Sequence[RequestRecord], struck_unix_s: float) -> float:
     was)."""
     hit = [r.finish_s for r in records if r.submit_s < struck_unix_s < r.finish_s]
     return max(hit, default=struck_unix_s) - struck_unix_s
+
+
+def registrations(log: str, group: str) -> int:
+    """Times ``group`` registered, in the scheduler's log text."""
+    return len(re.findall(rf" group {group} registered by ", log))
+
+
+def idle_check(cluster: LocalCluster) -> tuple[int, dict]:
+    """`dualpath ctl check --json` against the cluster (its admin config), as an
+    operator runs it: exit code and record (the idle invariant: dualpath/engine/holdings.py)."""
+    p = subprocess.run([sys.executable, "-m", "dualpath.cli", "ctl", "check", "--json",
+                        "--config", str(cluster.config_path)],
+                       check=False, capture_output=True, text=True, timeout=60)
+    try:
+        return p.returncode, json.loads(p.stdout)
+    except json.JSONDecodeError:
+        why = f"ctl check: exit {p.returncode}: {p.stderr[-300:]}"
+        return p.returncode, {"violations": [why], "busy": {}}
+
+
+def wait_idle(cluster: LocalCluster, bound_s: float = 60.0) -> tuple[int, dict]:
+    """:func:`idle_check` until it holds or ``bound_s`` passed (a decode node's
+    write-back drains for a while after the last request): its last answer."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        rc, rec = idle_check(cluster)
+        if rc == 0 or time.monotonic() > deadline:
+            return rc, rec
+        time.sleep(0.5)

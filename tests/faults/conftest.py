@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -38,7 +37,13 @@ from pathlib import Path
 import pytest
 
 from dualpath import tls
-from dualpath.cluster.faults import kill_and_restart, recovery_s, stall
+from dualpath.cluster.faults import (  # noqa: F401 - registrations: the tests' too
+    kill_and_restart,
+    recovery_s,
+    registrations,
+    stall,
+    wait_idle,
+)
 from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.replay import ReplayRun, replay_local
 from dualpath.cluster.run import make_trace
@@ -158,30 +163,13 @@ def wait_unfenced(cluster: LocalCluster, bound_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def idle_check(cluster: LocalCluster) -> tuple[int, dict]:
-    """`dualpath ctl check --json` against the cluster (its admin config): exit code and
-    record."""
-    p = subprocess.run([sys.executable, "-m", "dualpath.cli", "ctl", "check",
-                        "--json", "--config", str(cluster.config_path)],
-                       check=False, capture_output=True, text=True, timeout=60)
-    try:
-        return p.returncode, json.loads(p.stdout)
-    except json.JSONDecodeError:
-        return p.returncode, {"stdout": p.stdout, "stderr": p.stderr[-2000:]}
-
-
 def wait_idle_invariant(cluster: LocalCluster, bound_s: float = 60.0) -> None:
     """Once the run is over the cluster is idle, and then every node holds nothing: its
     pools whole, no fence, an empty read queue, no request state (`dualpath ctl check`;
     a decode node's write-back drains first: a liveness bound only)."""
-    deadline = time.monotonic() + bound_s
-    while True:
-        rc, rec = idle_check(cluster)
-        if rc == 0:
-            assert rec["ok"] and len(rec["nodes"]) == len(cluster.node_ids()), rec
-            return
-        assert time.monotonic() < deadline, f"idle invariant broken: {rec}"
-        time.sleep(0.5)
+    rc, rec = wait_idle(cluster, bound_s)
+    assert rc == 0, f"idle invariant broken: {rec}"
+    assert rec["ok"] and len(rec["nodes"]) == len(cluster.node_ids()), rec
 
 
 def check(name: str, cluster: LocalCluster, run: ReplayRun, fault: Fault, *,
@@ -252,10 +240,6 @@ def eventually(what: str, ok: Callable[[], bool], bound_s: float = 60.0) -> None
     while not ok():
         assert time.monotonic() < deadline, f"not within {bound_s:g} s: {what}"
         time.sleep(0.1)
-
-
-def registrations(log: str, group: str) -> int:
-    return len(re.findall(rf" group {group} registered by ", log))
 
 
 def lapses(log: str, group: str) -> int:

@@ -6,7 +6,7 @@ node's.
 
 - Without a cluster certificate nothing completes: ExchangeEndpoint (which hands out
   region keys and data-plane credentials) and PrepareRequest fail at the handshake.
-- A client identity may read StorageReads and ForwardSteps, nothing node-to-node
+- A client identity may read StorageReads, ForwardSteps and Holdings, nothing node-to-node
   (PERMISSION_DENIED).
 - A request prepared by node p0 cannot be ordered, watched, finished or cancelled by
   node p1, nor prepared again by it (PERMISSION_DENIED).
@@ -78,6 +78,8 @@ out["reads"] = call("reads", lambda: node.StorageReads(node_pb2.StorageReadsRequ
                                                        timeout=10))
 out["steps"] = call("steps", lambda: node.ForwardSteps(node_pb2.ForwardStepsRequest(),
                                                        timeout=10))
+out["holdings"] = call("holdings", lambda: node.Holdings(node_pb2.HoldingsRequest(),
+                                                         timeout=10))
 print(json.dumps(out))
 '''
 
@@ -148,13 +150,15 @@ def _attack(ns, victim, who: str | None, request: str = "r-attack",
 @pytest.mark.parametrize("who", [None, "other:node/p0"])
 def test_no_cluster_certificate_gets_nothing(ns, victim, who):
     out = _attack(ns, victim, who)
-    for call in ("exchange", "prepare", "done", "watch", "cancel", "reads", "steps"):
+    for call in ("exchange", "prepare", "done", "watch", "cancel", "reads", "steps",
+                 "holdings"):
         assert out[call]["ok"] is False and out[call]["code"] == "UNAVAILABLE", (call, out)
 
 
 def test_a_client_identity_reads_figures_but_calls_nothing_node_to_node(ns, victim):
     out = _attack(ns, victim, "client/c")
     assert out["reads"]["ok"] is True
+    assert out["holdings"]["ok"] is True and "de_buffer" in out["holdings"]["reply"], out
     # Past the identity check: a decode node has no forward steps to give.
     assert out["steps"]["code"] == "FAILED_PRECONDITION", out
     for call in ("exchange", "prepare", "done", "watch", "cancel"):

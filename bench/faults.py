@@ -55,12 +55,15 @@ from pathlib import Path
 from dualpath import tls
 from dualpath.cluster.faults import (
     DAMAGE_KINDS,
+    affected,
     damage_blocks,
     kill_and_restart,
     partition,
     recovery_s,
     registrations,
+    service_s,
     stall,
+    taken_up_again_s,
     terminate_and_restart,
     wait_idle,
 )
@@ -190,9 +193,26 @@ def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
     run = out["run"]
     if "aborted" in out:
         out["aborted"] += "\n" + scheduler_view(cluster)
+    struck_at = [f["struck_unix_s"] for f in faults]
+    calm = [service_s(r, t) for r, t in zip(run.records, run.timings)
+            if not any(r.submit_s < s < r.finish_s for s in struck_at)]
+    calm_s = statistics.median(calm) if calm else 0.0
     for f in faults:
         f["recovery_s"] = recovery_s(run.records, f["struck_unix_s"])
         f["recovery_leases"] = f["recovery_s"] / lease_s
+        ended = f["struck_unix_s"] + f["fault_s"]
+        f["taken_up_again_s"] = taken_up_again_s(run.records, run.timings,
+                                                 f["struck_unix_s"], ended)
+        hit = affected(run.records, run.timings, f["struck_unix_s"])
+        # The slowest service of a round the fault met and a prefill node took up again
+        # after it ended, over the replay's median of rounds no fault met: a stall the
+        # fault left behind shows here (a round that rode through a freeze does not).
+        again = [service_s(r, t) for r, t in hit if t.assigned_unix_s >= ended]
+        f["service_vs_calm"] = max(again, default=0.0) / calm_s if calm_s else 0.0
+        f["rounds"] = [{"attempt": t.attempt,
+                        "assigned_s": round(t.assigned_unix_s - ended, 2),
+                        "finish_s": round(r.finish_s - ended, 2),
+                        "service_s": round(service_s(r, t), 2)} for r, t in hit]
     return {"rounds": rounds, "finished": len(run.records),
             "stuck": rounds - len(run.records) if "aborted" in out else 0,
             "idle_violations": idle_invariant(cluster),
@@ -256,6 +276,14 @@ def summarize(replays: list[dict], wall_s: float, args, unhandled: list[str]) ->
         "max_recovery_leases_after_fault": round(max(
             (max(0.0, f["recovery_s"] - f["fault_s"]) / (args.lease_ms / 1000)
              for f in faults), default=0.0), 2),
+        # From the fault's end until every round it met was taken up by a prefill node
+        # again (its final attempt): the cluster's recovery without the service time of
+        # the round it runs again (a round of this trace takes 1-2 leases by itself).
+        "max_taken_up_again_leases": round(max(
+            (f["taken_up_again_s"] / (args.lease_ms / 1000) for f in faults),
+            default=0.0), 2),
+        "max_affected_service_vs_calm": round(max(
+            (f["service_vs_calm"] for f in faults), default=0.0), 2),
         "lease_ms": args.lease_ms,
         "wall_s": round(wall_s, 1),
     }
@@ -289,7 +317,9 @@ def table(replays: list[dict], summary: dict) -> str:
               f"{s['median_recovery_leases']}; lease {s['lease_ms']} ms)  wall {s['wall_s']} s"),
               ("max_recovery_leases_after_scheduler_restart "
                f"{s['max_recovery_leases_after_scheduler_restart']}  "
-               f"max_recovery_leases_after_fault {s['max_recovery_leases_after_fault']}")]
+               f"max_recovery_leases_after_fault {s['max_recovery_leases_after_fault']}"),
+              (f"max_taken_up_again_leases {s['max_taken_up_again_leases']}  "
+               f"max_affected_service_vs_calm {s['max_affected_service_vs_calm']}")]
     return "\n".join(lines)
 
 

@@ -10,7 +10,9 @@ the thread that owns the cluster (a restarted process dies with the thread that 
 it: PR_SET_PDEATHSIG).
 
 :func:`recovery_s` measures what a fault cost: from the moment it struck until every
-round that was in flight then had finished.
+round that was in flight then had finished. :func:`taken_up_again_s` measures the
+cluster's own part of it: from the fault's end until each of those rounds was taken up
+by a prefill node again (without the service time of the round run again).
 
 Threads: the cluster's owner thread; nothing here is asynchronous.
 """
@@ -150,6 +152,32 @@ def recovery_s(records: Sequence[RequestRecord], struck_unix_s: float) -> float:
     was)."""
     hit = [r.finish_s for r in records if r.submit_s < struck_unix_s < r.finish_s]
     return max(hit, default=struck_unix_s) - struck_unix_s
+
+
+def affected(records: Sequence[RequestRecord], timings: Sequence, struck_unix_s: float
+             ) -> list[tuple[RequestRecord, object]]:
+    """The rounds in flight when a fault struck at ``struck_unix_s``, each with its
+    timings (node.proto RequestTimings: ``records`` and ``timings`` pair up)."""
+    return [(r, t) for r, t in zip(records, timings)
+            if r.submit_s < struck_unix_s < r.finish_s]
+
+
+def taken_up_again_s(records: Sequence[RequestRecord], timings: Sequence,
+                     struck_unix_s: float, ended_unix_s: float) -> float:
+    """From a fault's end (``ended_unix_s``) until every round in flight when it struck
+    was taken up by a prefill node again (its final attempt's assignment; a round whose
+    final attempt was assigned before the strike was never interrupted): the cluster's
+    own recovery, without the re-executed round's service time (0 when none)."""
+    points = [max(struck_unix_s, t.assigned_unix_s)
+              for _, t in affected(records, timings, struck_unix_s)]
+    return max(0.0, max(points, default=ended_unix_s) - ended_unix_s)
+
+
+def service_s(record: RequestRecord, timing) -> float:
+    """A round's service time: from its final attempt's assignment to its last token
+    (from its submission when the assignment is not known)."""
+    start = timing.assigned_unix_s or record.submit_s
+    return record.finish_s - start
 
 
 def registrations(log: str, group: str) -> int:

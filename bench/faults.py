@@ -65,6 +65,7 @@ from dualpath.cluster.faults import (
     stall,
     taken_up_again_s,
     terminate_and_restart,
+    unhandled_errors,
     wait_idle,
 )
 from dualpath.cluster.local import LocalCluster
@@ -142,16 +143,6 @@ def idle_invariant(cluster: LocalCluster, bound_s: float = 60.0) -> list[str]:
     if rc == 0:
         return []
     return rec.get("violations") or [f"not idle: {rec.get('busy')}"]
-
-
-def unhandled_errors(cluster: LocalCluster) -> list[str]:
-    """Lines of the daemons' logs that show an error nobody handled."""
-    out = []
-    for f in sorted((cluster.dir / "logs").glob("*.log")):
-        for line in f.read_text(errors="replace").splitlines():
-            if "never retrieved" in line or line.startswith("Traceback"):
-                out.append(f"{f.name}: {line[:200]}")
-    return out
 
 
 def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
@@ -389,7 +380,7 @@ def main(argv=None) -> int:
                   f"{'; '.join(r['idle_violations']) or 'holds'}"
                   f"{', ABORTED: ' + r['aborted'] if r['aborted'] else ''}",
                   file=sys.stderr, flush=True)
-        unhandled = unhandled_errors(cluster)
+        unhandled = unhandled_errors(cluster.dir / "logs")
     summary = summarize(replays, time.monotonic() - t0, args, unhandled)
     print(table(replays, summary))
     if args.json:

@@ -180,6 +180,20 @@ def service_s(record: RequestRecord, timing) -> float:
     return record.finish_s - start
 
 
+def unhandled_errors(log_dir: Path) -> list[str]:
+    """Lines of the daemons' logs in ``log_dir`` that show an error nobody handled (a
+    traceback, "never retrieved"); vLLM's own logs (``vllm-*``) are not ours to judge: a
+    killed peer's tracebacks are expected there."""
+    out = []
+    for f in sorted(log_dir.glob("*.log")):
+        if f.name.startswith("vllm-"):
+            continue
+        for line in f.read_text(errors="replace").splitlines():
+            if "never retrieved" in line or line.startswith("Traceback"):
+                out.append(f"{f.name}: {line[:200]}")
+    return out
+
+
 def registrations(log: str, group: str) -> int:
     """Times ``group`` registered, in the scheduler's log text."""
     return len(re.findall(rf" group {group} registered by ", log))

@@ -42,3 +42,11 @@ async def to_the_end(aw: Awaitable[T]) -> T:
         if not fut.cancelled():
             fut.exception()
         raise
+
+
+def retrieved(f: asyncio.Future) -> asyncio.Future:
+    """``f``, its error marked seen once it ends: for a future whose awaiter may be gone
+    first (a forward closing, a stage let go before its instance asked for it); else
+    asyncio logs "exception was never retrieved" with a traceback."""
+    f.add_done_callback(lambda x: x.cancelled() or x.exception())
+    return f

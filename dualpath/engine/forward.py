@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dualpath import clock
-from dualpath.aio import waited_out
+from dualpath.aio import retrieved, waited_out
 from dualpath.buffers.pool import Reservation
 from dualpath.engine.emulated import EngineRank
 from dualpath.engine.errors import RequestFailed
@@ -380,7 +380,7 @@ class PrefillForward:
                     except Exception as err:  # noqa: BLE001 - that request fails alone
                         m.error = err
                         continue
-                m.sends[layer] = _retrieved(asyncio.ensure_future(self._send(m, layer)))
+                m.sends[layer] = retrieved(asyncio.ensure_future(self._send(m, layer)))
         self._record(plan, left, attention, w0, time.monotonic() - t0)
         for eid, ms in plan.items():
             q = self.queues[eid]
@@ -407,7 +407,7 @@ class PrefillForward:
                 await asyncio.gather(m.sends[reuse], return_exceptions=True)
             if m.start:
                 await m.entry.job.load(layer, m.window(layer), m.start)
-        m.loads[layer] = _retrieved(asyncio.ensure_future(go()))
+        m.loads[layer] = retrieved(asyncio.ensure_future(go()))
 
     async def _send(self, m: _Member, layer: int) -> None:
         if not m.entry.job.moves_kv:
@@ -452,11 +452,3 @@ class PrefillForward:
         mean = sum(rec.attention_s) / len(ids)
         if mean > 0:
             mt.attention_max_avg.observe(max(rec.attention_s) / mean)
-
-
-def _retrieved(f: asyncio.Future) -> asyncio.Future:
-    """``f``, its error marked seen once it ends: _finish gathers it, but a forward that
-    closes first (the node stopping) never does, and asyncio then logged "Future
-    exception was never retrieved" with a traceback (a decode node dying mid-push)."""
-    f.add_done_callback(lambda x: x.cancelled() or x.exception())
-    return f

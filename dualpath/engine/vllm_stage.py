@@ -21,6 +21,7 @@ import asyncio
 import hmac
 from collections.abc import Awaitable, Callable, Sequence
 
+from dualpath.aio import retrieved
 from dualpath.buffers.pool import Reservation
 from dualpath.engine.layers import LayerSource
 
@@ -70,8 +71,9 @@ class Stage:
                  res: Reservation, source: LayerSource, first: Awaitable[int],
                  usable: Awaitable[int], release: Callable[[Reservation], None],
                  on_saved: Callable[[list[bytes], Reservation], None],
-                 computed: Sequence[bytes] = ()):
+                 computed: Sequence[bytes] = (), salt: str = ""):
         self.request_id = request_id
+        self.salt = salt                # the request's cache salt (its prefix cache's)
         self.ticket = ticket
         self.keys = keys
         self.index = {k: i for i, k in enumerate(keys)}
@@ -82,8 +84,10 @@ class Stage:
         self.computed = {k: len(keys) + i for i, k in enumerate(computed)}
         self.res = res
         self.source = source
-        self.first = asyncio.ensure_future(first)
-        self.usable = asyncio.ensure_future(usable)
+        # Retrieved: a stage let go before its instance asked (the instance died, the DE
+        # dropped the request) leaves their errors unawaited.
+        self.first = retrieved(asyncio.ensure_future(first))
+        self.usable = retrieved(asyncio.ensure_future(usable))
         self._release = release
         self.on_saved = on_saved
         self.refs = 1                   # the owner's (the prefill path)

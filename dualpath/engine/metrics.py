@@ -42,6 +42,14 @@ class NodeMetrics:
         self.recomputed_blocks = m.counter(
             registry, "dualpath_node_hit_blocks_recomputed_total",
             "Hit blocks missing or corrupt in storage that the PE computed instead.")
+        self.instance_cache_blocks = m.counter(
+            registry, "dualpath_node_hit_blocks_in_instance_cache_total",
+            "Hit blocks a vLLM prefill was not staged for: its instance's own prefix "
+            "cache held the whole hit (engine/instance_cache.py).")
+        self.held_by_instance = m.counter(
+            registry, "dualpath_node_prompt_blocks_held_by_instance_total",
+            "Prompt blocks a vLLM decode node asked not to be sent: its instance's own "
+            "prefix cache held them (engine/instance_cache.py).")
         self.fenced_blocks = m.gauge(
             registry, "dualpath_node_fenced_blocks",
             "Buffer or HBM blocks held back until the peer that may still write into them "

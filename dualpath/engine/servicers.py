@@ -209,7 +209,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
                                int(request.hit_tokens), request.read_side,
                                Payload.decode(request.payload), ident, request.attempt,
                                int(request.decode_read_tokens))
-            buffer, slots = await self.decode.prepare(call)
+            buffer, slots, held = await self.decode.prepare(call)
         except NotYours as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except StaleAttempt as e:
@@ -221,7 +221,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         if buffer is None:
             return node_pb2.PrepareRequestResponse()
         return node_pb2.PrepareRequestResponse(buffer=placement_wire.to_pb(buffer),
-                                               slots=slots)
+                                               slots=slots, held_blocks=held)
 
     async def StorageReads(self, request, context):
         await self.callers.require(context, ("node", "admin", "client"))
@@ -275,7 +275,8 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
         try:
             placement = placement_wire.from_pb(request.placement, "Attach placement")
             worker = Worker(request.worker_name, request.model_id, request.tp_rank,
-                            request.tp_size or 1, placement, request.host_memory)
+                            request.tp_size or 1, placement, request.host_memory,
+                            request.prefix_caching)
             space = self.engine.attach(worker)
             shm_name, shm_token = self.engine.share_with(worker)
         except DualPathError as e:

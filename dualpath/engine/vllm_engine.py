@@ -41,6 +41,7 @@ from dualpath import faults
 from dualpath.aio import to_the_end, waited_out
 from dualpath.buffers.pool import Reservation
 from dualpath.buffers.region import PinnedRegion
+from dualpath.engine.instance_cache import InstanceCache
 from dualpath.engine.kvio import write_layers
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.layers import LocalArrivals
@@ -86,6 +87,7 @@ class Worker:
     tp_size: int
     placement: KvPlacement
     host_memory: bool = False   # its KV is host memory: it can copy from a shared buffer
+    prefix_caching: bool = False    # vLLM's own prefix cache is on
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,12 @@ class VllmEngine:
         # P/D prefills this node drives: request -> its staged hit (dualpath/engine/
         # vllm_stage.py), found only with the request's ticket.
         self.stages: dict[str, Stage] = {}
+        #: What the attached instance's own prefix cache likely holds (None: its prefix
+        #: cache is off, or no worker attached): instance_cache.py.
+        self.instance_cache: InstanceCache | None = None
+        #: Requests this node's decode drives -> their cache salt: the blocks the
+        #: instance loads or saves for them count in ``instance_cache`` under it.
+        self.salts: dict[str, str] = {}
         self.attached = asyncio.Event()        # a worker attached (the KV space exists)
         self._bad_tickets = 0
 
@@ -283,6 +291,10 @@ class VllmEngine:
                      if n != worker.name and x.tp_rank == worker.tp_rank]:
             self._forget_worker(name, worker.name)
         self.workers[worker.name] = worker
+        # A worker that attaches is a new instance (or this daemon is new): what its
+        # prefix cache holds is known from here on.
+        self.instance_cache = (InstanceCache(worker.placement.num_units // fmt.units)
+                               if worker.prefix_caching else None)
         self.attached.set()
         log.info("%s: vLLM worker %s attached (rank %d of %d, %d KV blocks of %d tokens)",
                  self.node_id, worker.name, worker.tp_rank, worker.tp_size,
@@ -479,6 +491,7 @@ class VllmEngine:
                         failed = tuple(range(ok, len(keys)))
                         self.metrics.connector_loaded_bytes.inc(nbytes)
                     yield LoadStep(done, failed, last, nbytes)
+            self._instance_has(request_id, keys[:ok])
             if failed:
                 self.metrics.connector_load_failed_blocks.inc(len(failed))
                 log.warning("%s: load of %s: %d of %d hit blocks missing or corrupt; vLLM "
@@ -677,10 +690,20 @@ class VllmEngine:
             s.res.release()
             return 0
         if s.stage is not None:
+            if self.instance_cache is not None:  # vLLM computed them: it holds them now
+                self.instance_cache.add(s.stage.salt, s.keys)
             s.stage.on_saved(s.keys, s.res)      # it owns the slots now
             return len(s.keys)
+        self._instance_has(s.request_id, s.keys)
         self._commit(s)
         return len(s.keys)
+
+    def _instance_has(self, request_id: str, keys: Sequence[bytes]) -> None:
+        """The instance loaded or computed ``keys`` for a request this node's decode
+        drives: its prefix cache holds them now."""
+        salt = self.salts.get(request_id)
+        if self.instance_cache is not None and salt is not None and keys:
+            self.instance_cache.add(salt, keys)
 
     def _commit(self, s: _Save) -> None:
         """``s``'s blocks count as stored (write-back) and are persisted in the

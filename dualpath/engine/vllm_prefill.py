@@ -75,6 +75,13 @@ class VllmPrefillPath(PrefillPath):
         spans = block_spans(ids, T)
         keys = [s.key for s in spans[:prompt // T]]         # the full blocks
         local, remote = self._parts(a)
+        if self._in_instance(keys[:local + remote], p.cache_salt):
+            # The instance's own prefix cache holds the whole hit: stage none of it. Its
+            # saves send every prompt block to the DE (from the first: the connector saves
+            # from the staged blocks on); where the hint was wrong, vLLM computes.
+            n.metrics.instance_cache_blocks.inc(local + remote)
+            self.space.read_queue.forget(rid)      # the reads expected since assign()
+            local = remote = 0
         planned = local + remote
         if local and remote:
             local, remote = await self._split_stored(keys[:planned], local, remote)
@@ -133,7 +140,8 @@ class VllmPrefillPath(PrefillPath):
             stage = Stage(rid, ticket, keys[:hit], res, source,
                           _combine(first_parts, local), _combine(usable_parts, local),
                           release=lambda r: r is None or r.release(),
-                          on_saved=out.on_saved, computed=keys[hit:])
+                          on_saved=out.on_saved, computed=keys[hit:],
+                          salt=p.cache_salt)
             eng.stages[rid] = stage
             try:
                 # Oracle: the instance's own prefix cache holds the hit; every prompt
@@ -170,6 +178,12 @@ class VllmPrefillPath(PrefillPath):
             # while the DE is told): a skipped release leaks the slots for good.
             await to_the_end(self._let_go(de, rid, a.attempt, prep is not None and not
                                           finished, stage, res, reader, out, watch))
+
+    def _in_instance(self, keys: list[bytes], salt: str) -> bool:
+        """Whether the instance's prefix cache likely holds all of ``keys`` (a hint:
+        dualpath/engine/instance_cache.py)."""
+        cache = self.vllm.instance_cache
+        return bool(keys) and cache is not None and cache.leading(salt, keys) == len(keys)
 
     async def _let_go(self, de: str, rid: str, attempt: int, tell: bool, stage, res,
                       reader, out, watch) -> None:
@@ -245,7 +259,9 @@ def first_token_sampling(s: dict) -> dict:
 
 class _ToDecode:
     """A request's prompt blocks on their way from PE-buffer slots to the same blocks of
-    the DE buffer (``prep``'s slots), and which of them arrived whole there."""
+    the DE buffer (``prep``'s slots), and which of them arrived whole there. The leading
+    ``prep.held`` blocks are not sent: the decode instance holds them in its own prefix
+    cache (they count as there)."""
 
     def __init__(self, n, space, rid: str, de: str, prep, keys: list[bytes]):
         self.n, self.space, self.rid, self.de, self.prep = n, space, rid, de, prep
@@ -253,7 +269,8 @@ class _ToDecode:
         self.index = {key: i for i, key in enumerate(keys)}
         self.units = prep.buffer.units_of_slots(prep.slots)
         self.pushes: list[asyncio.Future] = []
-        self.sent: set[int] = set()
+        self.held = prep.held
+        self.sent: set[int] = set(range(self.held))
 
     def push(self, src: Reservation, first: int, nblocks: int, source=None,
              done=None) -> asyncio.Future:
@@ -261,14 +278,17 @@ class _ToDecode:
         blocks of the DE buffer (each layer once ``source`` has it); ``done``: how many
         of them turned out usable (a read that ended short), else all."""
         k, T = self.space.fmt.units, self.space.fmt.block_tokens
+        skip = min(nblocks, max(0, self.held - first))     # the DE's instance has them
 
         async def go() -> None:
+            if skip == nblocks:
+                return
             try:
                 await write_layers(self.n.transfer, self.de, self.space.buffer,
-                                   self.space.buffer_units(src)[:nblocks * k],
+                                   self.space.buffer_units(src)[skip * k:nblocks * k],
                                    self.prep.buffer,
-                                   self.units[first * k:(first + nblocks) * k], 0,
-                                   nblocks * T, source=source)
+                                   self.units[(first + skip) * k:(first + nblocks) * k], 0,
+                                   (nblocks - skip) * T, source=source)
             except TransferError as err:
                 raise PeerUnavailable(f"sending KV of {self.rid} to {self.de}: {err}") \
                     from err

@@ -72,6 +72,7 @@ class AgentSettings:
     save_timeout_s: float = 60.0
     tp_rank: int = 0
     tp_size: int = 1
+    prefix_caching: bool = False      # vLLM's own prefix cache is on (told to the node)
 
 
 @dataclass(frozen=True)
@@ -321,7 +322,7 @@ class WorkerAgent:
         reply = await self.stub.Attach(connector_pb2.AttachRequest(
             worker_name=self.name, model_id=s.model_id, tp_rank=s.tp_rank,
             tp_size=s.tp_size, placement=placement_wire.to_pb(self.placement),
-            host_memory=host), timeout=30)
+            host_memory=host, prefix_caching=s.prefix_caching), timeout=30)
         if reply.transport != self.transfer.transport:
             raise UsageError(f"node daemon {s.node_address} uses transport {reply.transport}, "
                              f"this worker {self.transfer.transport}: set [transport] kind "

@@ -153,7 +153,9 @@ class DualPathConnector(KVConnectorBase_V1):
                        self.settings.lookup_timeout_s, self.settings.config.tls),
                 self.block_size, self.settings.block_units)
         else:
-            self._worker = WorkerSide(self.settings, self.model_id)
+            self._worker = WorkerSide(
+                self.settings, self.model_id,
+                prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
         mc = vllm_config.model_config
         self._geometry = (mc.get_head_size(), mc.get_total_num_kv_heads())
         log.info("DualPath connector (%s): node %s, model %s, vLLM %s (supported %s)",

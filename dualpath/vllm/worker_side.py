@@ -47,9 +47,10 @@ class StepStats:
 
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, model_id: str, tp_rank: int = 0,
-                 tp_size: int = 1):
+                 tp_size: int = 1, prefix_caching: bool = False):
         self.settings = settings
         self.model_id = model_id
+        self.prefix_caching = prefix_caching
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.agent: WorkerAgent | None = None
         self.kv: KvTensors | None = None
@@ -69,7 +70,8 @@ class WorkerSide:
             transport=cfg.transport, transfer=cfg.transfer, lane=cfg.kv_lane, tls=cfg.tls,
             load_timeout_s=self.settings.load_timeout_s,
             save_timeout_s=self.settings.save_timeout_s, tp_rank=self.tp_rank,
-            tp_size=self.tp_size, shared_buffer=self.settings.shared_buffer),
+            tp_size=self.tp_size, shared_buffer=self.settings.shared_buffer,
+            prefix_caching=self.prefix_caching),
             kv.ranges, kv.placement)
         a = self.agent.start()
         log.info("DualPath connector (worker): %d layers of %s KV (%s layout), format %s, "

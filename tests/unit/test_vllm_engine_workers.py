@@ -34,7 +34,8 @@ def test_a_worker_taking_a_dead_ones_place_gets_its_lent_saves_back(tmp_path):
             def worker(name: str, rank: int = 0):
                 return SimpleNamespace(name=name, tp_rank=rank, tp_size=1, model_id="m",
                                        placement=SimpleNamespace(fmt=eng.space.fmt,
-                                                                 num_units=8))
+                                                                 num_units=8),
+                                       prefix_caching=False)
             eng.attach(worker("old"))
             sid, _ = await eng.begin_save("r1", "old", KEYS[:2])
             assert pool.free == pool.capacity - 2

@@ -8,7 +8,8 @@ Method
   greedy, ignore_eos, streamed, return_token_ids):
     dualpath  `dualpath up --engine vllm` as a user gets it (dualpath/vllm/pd.py): a
               scheduler, one prefill and one decode node each beside its own vLLM
-              instance (prefix cache off: every hit comes through DualPath), the front
+              instance (vLLM's prefix cache on, as `up` runs it; off with
+              --no-dualpath-prefix-caching: every hit comes through DualPath), the front
               end; the default buffers, derived from the model (up --concurrency 4)
     vllm      one plain `python -m vllm.entrypoints.openai.api_server`, prefix caching
               on, on all the cores DualPath's two instances share, with their two KV

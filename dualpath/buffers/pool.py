@@ -93,6 +93,17 @@ class Reservation:
             out.append(Reservation(self.pool, [self.slots[i]]))
         return out
 
+    def hand_over_range(self, first: int, stop: int) -> Reservation:
+        """Move blocks ``[first, stop)`` into one reservation of their own (its block i is
+        block ``first + i`` here; its new owner releases it); this one keeps and later
+        releases the rest."""
+        self._check_live()
+        idx = range(first, stop)
+        if not 0 <= first < stop <= len(self.slots) or any(i in self._handed for i in idx):
+            raise UsageError(f"blocks [{first}, {stop}) cannot be handed over")
+        self._handed.update(idx)
+        return Reservation(self.pool, [self.slots[i] for i in idx])
+
     def release(self) -> None:
         """Give the slots back (idempotent); waiting reservations may then proceed."""
         if not self._released:

@@ -88,6 +88,9 @@ class DecodeState:
     loads: list[asyncio.Task] = field(default_factory=list)   # its loads into the PE
     owner: Identity | None = None               # the node that prepared it (mutual TLS)
     ended: asyncio.Event = field(default_factory=asyncio.Event)   # dropped, released
+    # vLLM: leading prompt blocks the decode instance likely holds (the PE sends none of
+    # them; their slots are never written: node.proto PrepareRequestResponse.held_blocks)
+    held: int = 0
 
 
 class NotYours(RequestFailed):
@@ -249,9 +252,10 @@ class DecodePath:
         if cancelled:
             raise asyncio.CancelledError
 
-    async def prepare(self, req: PrepareCall) -> tuple[KvPlacement | None, list[int]]:
-        """Reserve DE-buffer slots for ``req``'s prompt: the buffer's placement and the
-        slots (None, [] for an oracle request)."""
+    async def prepare(self, req: PrepareCall) -> tuple[KvPlacement | None, list[int], int]:
+        """Reserve DE-buffer slots for ``req``'s prompt: the buffer's placement, the
+        slots (None, [] for an oracle request) and the leading prompt blocks the decode
+        instance likely holds already (vLLM's prefix cache; the PE sends none of them)."""
         n = self.node
         e = self.ranks.get(req.decode_engine_id)
         if e is None:
@@ -292,6 +296,9 @@ class DecodePath:
                                "overtaken while it waited for buffer slots")
         st = DecodeState(rid, e, p, spans, res, req.prefill_address, attempt=req.attempt,
                          owner=req.owner)
+        if res is not None and self.decoder is not None:
+            st.held = self.decoder.held(p, spans)
+            n.metrics.held_by_instance.inc(st.held)
         self.requests[rid] = st
         if req.decode_read_tokens:  # (an older attempt's expectation ends either way)
             self.space.read_queue.expect(rid, req.decode_read_tokens)
@@ -299,8 +306,8 @@ class DecodePath:
             self.space.read_queue.forget(rid)
         e.tokens.setdefault(rid, req.prompt_tokens)
         if res is None:
-            return None, []
-        return self.space.buffer, list(res.slots)
+            return None, [], 0
+        return self.space.buffer, list(res.slots), st.held
 
     async def accept_order(self, order: LoadOrder) -> None:
         """Start a LOAD_HIT_KV order (the DE read path)."""

@@ -71,6 +71,7 @@ class Prepared:
 
     buffer: KvPlacement | None
     slots: tuple[int, ...]
+    held: int = 0       # leading blocks the DE's instance holds: not sent (node.proto)
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,8 @@ class PeerClient:
             timeout=PREPARE_WAIT_S))
         if not r.slots:
             return Prepared(None, ())
-        return Prepared(placement_wire.from_pb(r.buffer, f"DE buffer of {de}"), tuple(r.slots))
+        return Prepared(placement_wire.from_pb(r.buffer, f"DE buffer of {de}"), tuple(r.slots),
+                        min(int(r.held_blocks), len(r.slots)))
 
     async def order_load(self, de: str, o: LoadOrder) -> None:
         await self._call(de, "SubmitTransferOrder", self._engine(de).SubmitTransferOrder(

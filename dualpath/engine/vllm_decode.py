@@ -48,14 +48,22 @@ class VllmDecoder:
         adopted = None
         if st.buffer is not None:
             # The leading full blocks the PE completed here; the decode instance
-            # computes the prompt's partial last block with the first token.
+            # computes the prompt's partial last block with the first token. Blocks
+            # below ``held`` were not sent (the instance holds them): never adopted.
             n = min(done.kv_blocks, prompt // T, len(st.spans))
-            if n:
-                adopted = self.engine.adopt(st.request_id, [s.key for s in st.spans[:n]],
-                                            st.buffer)
-            else:
+            held = min(st.held, n)
+            keys = [s.key for s in st.spans[held:n]]
+            if keys and not held:
+                adopted = self.engine.adopt(st.request_id, keys, st.buffer)
+            elif keys:
+                adopted = self.engine.adopt(st.request_id, keys,
+                                            st.buffer.hand_over_range(held, n))
+            if not keys or held:
                 st.buffer.release()
             st.buffer = None            # the engine's now (released once persisted)
+        # The blocks its instance loads or computes for this request count under its
+        # cache salt (instance_cache.py).
+        self.engine.salts[st.request_id] = p.cache_salt
         stream = _Streamer(self.node, st.request_id, st.attempt, p.sink) \
             if p.stream and p.sink else None
         # The prefill sampled the first token (as a single instance does at the end of
@@ -101,6 +109,7 @@ class VllmDecoder:
                 self.instance.mark_down(str(e))
             raise RequestFailed(f"decode instance: {e}") from None
         finally:
+            self.engine.salts.pop(st.request_id, None)
             if adopted is not None:
                 self.engine.release_adopted(adopted)
             if stream is not None:
@@ -109,6 +118,16 @@ class VllmDecoder:
         timings.output_logprobs = tuple(head_lps + out_lps)
         timings.output_top = tuple(head_top + out_top)
         timings.finish_reason = finish
+
+
+    def held(self, p, spans) -> int:
+        """The leading full prompt blocks (of ``spans``) the decode instance likely holds
+        in its own prefix cache (0 when it is off, or for an oracle request)."""
+        cache = self.engine.instance_cache
+        if cache is None or p.oracle:
+            return 0
+        full = p.prompt_tokens // self.engine.space.fmt.block_tokens
+        return cache.leading(p.cache_salt, [s.key for s in spans[:full]])
 
 
 def rest_sampling(s: dict, head: int) -> dict:

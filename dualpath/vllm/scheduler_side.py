@@ -171,7 +171,10 @@ class SchedulerSide:
         first = num_computed_tokens // T
         if first >= cap:
             return 0
-        hit = st.staged if st.ticket else self.lookup(keys)
+        # Past vLLM's local hit only: the blocks it holds need not be stored or in the
+        # node's DRAM (a P/D decode instance's own prefix cache holds the leading blocks
+        # its node was not sent).
+        hit = st.staged if st.ticket else first + self.lookup(keys[first:])
         return max(0, (hit - first) * T)
 
     def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:

@@ -45,6 +45,23 @@ def test_slots_are_page_aligned_disjoint_blocks():
         r.block(0)
 
 
+def test_a_range_handed_over_is_released_by_its_new_owner_alone():
+    pool = _pool(4)
+    r = pool.try_reserve(4)
+    part = r.hand_over_range(1, 3)
+    assert part.slots == r.slots[1:3]
+    with pytest.raises(UsageError, match="handed over"):
+        r.flat(1)
+    with pytest.raises(UsageError, match="cannot be handed over"):
+        r.hand_over_range(2, 4)                    # block 2 is part's already
+    with pytest.raises(UsageError, match="cannot be handed over"):
+        r.hand_over_range(3, 3)                    # empty
+    r.release()
+    assert pool.free == 2                          # blocks 0 and 3
+    part.release()
+    assert pool.free == 4
+
+
 def test_full_pool_makes_callers_wait_until_a_release():
     async def main():
         pool = _pool(4)

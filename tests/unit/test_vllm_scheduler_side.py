@@ -68,6 +68,19 @@ def test_hits_start_after_the_local_prefix_and_stop_at_a_hole():
     assert s.matched_tokens(_req("r", tokens), 3) == 0  # a local hit inside a block
 
 
+def test_a_block_vllm_holds_itself_need_not_be_stored():
+    """The lookup asks only past vLLM's local hit: a P/D decode instance's own prefix
+    cache holds the leading blocks its node was not sent (nor stored, perhaps)."""
+    store = Store()
+    tokens = list(range(50, 50 + 5 * T + 1))
+    keys = block_keys(tokens, T)
+    store.keys.update(keys[:2] + keys[3:])             # a hole at block 2
+    s = SchedulerSide(store, T)
+    assert s.matched_tokens(_req("r", tokens), 3 * T) == 2 * T    # blocks 3 and 4
+    store.keys.clear()
+    assert s.matched_tokens(_req("r", tokens), 3 * T) == 0
+
+
 def test_a_plan_loads_into_the_allocated_blocks_and_saves_what_becomes_full():
     store = Store()
     prompt = list(range(10, 10 + 3 * T + 2))            # 3 full blocks + 2 tokens

@@ -468,19 +468,27 @@ def test_front_end_bad_input_gets_an_openai_error_naming_it(rig, case):
     assert needle in (err["message"] + str(err.get("param")) + str(err.get("code"))), err
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["through-dualpath",
+                                                             "instance-cache"])
 def test_concurrent_requests_on_one_stored_prefix_wait_their_turn_and_are_the_oracle(
-        tmp_path_factory, model_dirs, oracle):
+        tmp_path_factory, model_dirs, oracle, prefix_caching):
     """K = 4 requests at once, each a 6,144-token stored prefix plus its own suffix, on
     buffers sized for 2 requests of the full context (up --concurrency 2): the others
     wait their turn in the pools. Every request is served at its first attempt with the
     oracle's tokens, no load fails, no node loses its lease, and once idle every pool
     is full again. (Before, a decode node's loads reserved a second copy of the blocks it
-    held: this stalled for minutes and failed requests after five attempts.)"""
+    held: this stalled for minutes and failed requests after five attempts.)
+
+    With vLLM's own prefix cache on in the instances (as `up` runs them), the prefill
+    instance computed the prefix first, so its node stages none of the four hits: no
+    byte read from storage on either side, every hit block counted as the instance's;
+    and the decode instance loaded it for the first turn, so none of it is sent to the
+    decode node again; the same tokens."""
     import random
 
     tmp = tmp_path_factory.mktemp("load")
     pd = VllmPdCluster(model_dirs["tiny"], max_model_len=8192, concurrency=2,
-                       work_dir=str(tmp / "cluster")).start()
+                       work_dir=str(tmp / "cluster"), prefix_caching=prefix_caching).start()
     r = Rig(pd, oracle)
     try:
         assert pd.buffers.request_blocks == 65
@@ -500,9 +508,19 @@ def test_concurrent_requests_on_one_stored_prefix_wait_their_turn_and_are_the_or
             # Read from storage, or (a DE read) copied from blocks the decode node still
             # holds for another of them: never more than the hit.
             assert g.prefill_read_bytes + g.decode_read_bytes <= 48 * BLOCK_BYTES
+            if prefix_caching:
+                assert g.prefill_read_bytes == g.decode_read_bytes == 0, g
             ref = oracle.generate(p, 8)
             assert close({"token_ids": g.token_ids, "logprobs": g.logprobs}, ref)
         pd.wait_written()
+        in_instance = pd.node_metrics("p0").get(
+            "dualpath_node_hit_blocks_in_instance_cache_total", 0)
+        assert in_instance == (4 * 48 if prefix_caching else 0)
+        # The decode instance loaded the prefix for the first turn: none of it is sent
+        # again.
+        held = pd.node_metrics("d0").get(
+            "dualpath_node_prompt_blocks_held_by_instance_total", 0)
+        assert held == (4 * 48 if prefix_caching else 0)
         for nid in ("p0", "d0"):
             assert pd.registrations(nid) == 1, f"{nid} registered again (lost its lease)"
             m = pd.node_metrics(nid)

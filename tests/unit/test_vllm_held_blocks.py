@@ -1,0 +1,136 @@
+"""Prompt blocks a vLLM decode instance holds in its own prefix cache are not sent
+(node.proto PrepareRequestResponse.held_blocks): the prefill node WRITEs none of them
+(dualpath/engine/vllm_prefill.py _ToDecode) and the decode node adopts none of their
+slots, which were never written (dualpath/engine/vllm_decode.py): a lookup must never
+find such a slot's bytes under a block's key."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from dualpath.buffers.pool import BlockPool, slot_stride
+from dualpath.engine import vllm_prefill
+from dualpath.engine.instance_cache import InstanceCache
+from dualpath.engine.peers import Prepared
+from dualpath.engine.vllm_decode import VllmDecoder
+from dualpath.kv.layout import BlockLayout
+from dualpath.kv.prefix import block_keys
+from dualpath.kv.profiles import get_profile
+from dualpath.storage.store import aligned_bytes
+
+T = 4
+LAY = BlockLayout.of(get_profile("demo"))
+IDS = list(range(100, 100 + 5 * T + 2))        # 5 full blocks and 2 tokens
+KEYS = block_keys(IDS, T)[:5]
+
+
+def _pool(slots: int) -> BlockPool:
+    mem = aligned_bytes(slots * slot_stride(LAY))
+    return BlockPool("de buffer", mem, LAY, region_addr=mem.ctypes.data)
+
+
+def _to_decode(monkeypatch, held: int):
+    writes = []
+
+    async def write_layers(transfer, peer, src, src_units, dst, dst_units, first, stop,
+                           source=None):
+        writes.append((list(src_units), list(dst_units), first, stop))
+        return 0
+    monkeypatch.setattr(vllm_prefill, "write_layers", write_layers)
+    space = SimpleNamespace(fmt=SimpleNamespace(units=1, block_tokens=T), buffer="pe",
+                            buffer_units=lambda res: [10 + i for i in range(len(res))])
+    prep = Prepared(SimpleNamespace(units_of_slots=lambda slots: [20 + s for s in slots]),
+                    tuple(range(5)), held)
+    node = SimpleNamespace(transfer=None)
+    return vllm_prefill._ToDecode(node, space, "r", "de", prep, KEYS), writes
+
+
+def test_blocks_the_decode_instance_holds_are_not_written(monkeypatch):
+    async def main():
+        out, writes = _to_decode(monkeypatch, held=3)
+        assert out.whole_prefix() == 3             # held counts as there
+        out.push([0] * 2, 0, 2)                    # blocks 0, 1: all held
+        out.push([0] * 5, 0, 5)                    # blocks 0..4: 3 and 4 go
+        await out.wait()
+        assert writes == [([13, 14], [23, 24], 0, 2 * T)]
+        assert out.whole_prefix() == 5
+    asyncio.run(main())
+
+
+def test_nothing_held_sends_everything(monkeypatch):
+    async def main():
+        out, writes = _to_decode(monkeypatch, held=0)
+        assert out.whole_prefix() == 0
+        out.push([0] * 5, 0, 5)
+        await out.wait()
+        assert writes == [([10, 11, 12, 13, 14], [20, 21, 22, 23, 24], 0, 5 * T)]
+    asyncio.run(main())
+
+
+class _Engine:
+    def __init__(self):
+        self.space = SimpleNamespace(fmt=SimpleNamespace(block_tokens=T))
+        self.instance_cache = InstanceCache(16)
+        self.salts: dict[str, str] = {}
+        self.adopted = []
+        self.salt_seen = None
+
+    def adopt(self, rid, keys, res):
+        self.adopted.append((list(keys), tuple(res.slots)))
+        return res
+
+    def release_adopted(self, res):
+        res.release()
+
+
+class _Instance:
+    def __init__(self, engine: _Engine):
+        self.engine = engine
+
+    async def complete(self, ids, n, **kw):
+        self.engine.salt_seen = self.engine.salts.get(kw["request_id"])
+        return SimpleNamespace(token_ids=[7] * n, logprobs=[-0.5] * n, top=[],
+                               finish_reason="length")
+
+
+def _decode(held: int):
+    eng = _Engine()
+    pool = _pool(6)
+    res = pool.try_reserve(6)                     # 5 full blocks and the partial one
+    payload = SimpleNamespace(prompt_tokens=len(IDS), token_ids=lambda n, tok: IDS,
+                              stream=False, sink="", gen_tokens=3, cache_salt="s",
+                              temperature=0.0, top_p=1.0, seed=-1, ignore_eos=True,
+                              sampling={}, oracle=False)
+    st = SimpleNamespace(payload=payload, request_id="r", attempt=1, buffer=res,
+                         spans=[SimpleNamespace(key=k) for k in KEYS], held=held)
+    done = SimpleNamespace(kv_blocks=5, first_token=(1, -0.1, False), first_top=None,
+                           done_unix_s=1.0)
+    timings = SimpleNamespace(first_token_unix_s=0.0, second_token_unix_s=0.0)
+    dec = VllmDecoder(SimpleNamespace(tokens=None), eng, _Instance(eng))
+    return eng, pool, res, dec, st, done, timings
+
+
+def test_the_decode_node_adopts_only_the_blocks_it_was_sent():
+    eng, pool, res, dec, st, done, timings = _decode(held=2)
+    asyncio.run(dec.run(st, done, timings))
+    assert eng.adopted == [(KEYS[2:5], res.slots[2:5])]
+    assert pool.free == pool.capacity              # the rest at once, the adopted after
+    assert eng.salt_seen == "s" and eng.salts == {}
+    assert timings.output_token_ids == (1, 7, 7)
+
+
+def test_nothing_held_adopts_every_block_sent():
+    eng, _, res, dec, st, done, timings = _decode(held=0)
+    asyncio.run(dec.run(st, done, timings))
+    assert eng.adopted == [(KEYS, res.slots)]
+
+
+def test_held_is_the_leading_full_blocks_in_the_instance_cache():
+    eng, _, _, dec, st, _, _ = _decode(held=0)
+    eng.instance_cache.add("s", KEYS[:3] + KEYS[4:])
+    assert dec.held(st.payload, st.spans) == 3
+    assert dec.held(SimpleNamespace(**{**vars(st.payload), "cache_salt": ""}),
+                    st.spans) == 0
+    eng.instance_cache = None                      # vLLM's prefix cache off
+    assert dec.held(st.payload, st.spans) == 0

@@ -297,7 +297,9 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
                                      request.request_id, request.ticket)
         except DualPathError as e:
             await self._abort(context, e)
-        return connector_pb2.LookupResponse(hit_blocks=hit, worker_attached=attached)
+        stage = self.engine.stage_for(request.request_id, request.ticket)
+        return connector_pb2.LookupResponse(hit_blocks=hit, worker_attached=attached,
+                                            unsent_blocks=stage.unsent if stage else 0)
 
     async def Load(self, request, context):
         await self.callers.require(context, own=True)

@@ -141,7 +141,7 @@ class VllmPrefillPath(PrefillPath):
                           _combine(first_parts, local), _combine(usable_parts, local),
                           release=lambda r: r is None or r.release(),
                           on_saved=out.on_saved, computed=keys[hit:],
-                          salt=p.cache_salt)
+                          salt=p.cache_salt, unsent=prep.held)
             eng.stages[rid] = stage
             try:
                 # Oracle: the instance's own prefix cache holds the hit; every prompt

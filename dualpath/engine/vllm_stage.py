@@ -71,9 +71,12 @@ class Stage:
                  res: Reservation, source: LayerSource, first: Awaitable[int],
                  usable: Awaitable[int], release: Callable[[Reservation], None],
                  on_saved: Callable[[list[bytes], Reservation], None],
-                 computed: Sequence[bytes] = (), salt: str = ""):
+                 computed: Sequence[bytes] = (), salt: str = "", unsent: int = 0):
         self.request_id = request_id
         self.salt = salt                # the request's cache salt (its prefix cache's)
+        # Leading prompt blocks its DE is not sent (its instance holds them): the
+        # instance need not save them.
+        self.unsent = unsent
         self.ticket = ticket
         self.keys = keys
         self.index = {k: i for i, k in enumerate(keys)}

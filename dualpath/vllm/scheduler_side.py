@@ -89,20 +89,27 @@ class Lookup:
         self.node_address = node_address
         self._warned = 0.0
 
-    def __call__(self, keys: list[bytes], request_id: str = "", ticket: str = "") -> int:
+    def __call__(self, keys: list[bytes]) -> int:
+        """Leading ``keys`` the node holds (stored or in its DRAM)."""
+        return self.staged(keys, "", "")[0]
+
+    def staged(self, keys: list[bytes], request_id: str, ticket: str) -> tuple[int, int]:
+        """A P/D prefill's (``ticket``) leading staged hit blocks, and the leading prompt
+        blocks its decode node is not sent (not to be saved)."""
         if not keys:
-            return 0
+            return 0, 0
         try:
-            return self.stub.Lookup(connector_pb2.LookupRequest(
+            r = self.stub.Lookup(connector_pb2.LookupRequest(
                 model_id=self.model_id, block_keys=keys, request_id=request_id,
-                ticket=ticket), timeout=self.timeout_s).hit_blocks
+                ticket=ticket), timeout=self.timeout_s)
+            return r.hit_blocks, r.unsent_blocks
         except grpc.RpcError as e:
             now = time.monotonic()
             if now - self._warned > 10:
                 self._warned = now
                 log.warning("DualPath: hit lookup at node %s failed (%s %s); computing "
                             "instead", self.node_address, e.code().name, e.details())
-            return 0
+            return 0, 0
 
     def close(self) -> None:
         self.channel.close()
@@ -120,6 +127,7 @@ class _Req:
     ticket: str = ""
     save_all: bool = False
     staged: int = 0                  # P/D prefill (ticket): leading blocks its node staged
+    unsent: int = 0                  # P/D prefill: leading blocks its DE is not sent
 
     def __post_init__(self):
         rid, self.ticket, self.save_all = dualpath_params(self.request)
@@ -165,7 +173,8 @@ class SchedulerSide:
             # A P/D prefill: its node staged the hit and sends the DE every block from
             # the staged ones on, so its saves start there even where vLLM's own prefix
             # cache had more (below, _plan); asked even when vLLM has it all.
-            st.staged = self.lookup(keys, st.tag, st.ticket) if keys else 0
+            st.staged, st.unsent = (self.lookup.staged(keys, st.tag, st.ticket) if keys
+                                    else (0, 0))
         if num_computed_tokens % T:
             return 0             # a local hit ending inside a DualPath block: none of ours
         first = num_computed_tokens // T
@@ -226,8 +235,9 @@ class SchedulerSide:
             # to save all, from the first block, vLLM's local hits too).
             st.stored = 0 if st.stored < 0 and st.save_all and st.ticket else base
             if st.ticket and not st.save_all:
-                # vLLM's local hits past the staged blocks are the DE's too: save them.
-                st.stored = min(st.stored, st.staged)
+                # vLLM's local hits past the staged blocks are the DE's too: save them;
+                # not those its DE is not sent (its decode instance holds them).
+                st.stored = max(min(st.stored, st.staged), st.unsent)
         full = (computed + scheduled) // T
         if full > st.stored:
             keys = self._keys(st, full * T)[st.stored:full]

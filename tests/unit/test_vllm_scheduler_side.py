@@ -149,3 +149,39 @@ def test_block_units_make_one_dualpath_block_of_several_engine_blocks():
     s.after_alloc(r, [4, 5, 6, 7, 8], 2 * T)
     plan = s.build([_new("r", [4, 5, 6, 7, 8], 2 * T)], _cached([]), {"r": 2 * T + 1})
     assert plan.loads[0].units == [4, 5] and plan.saves[0].units == [6, 7]
+
+
+class Staged(Store):
+    """A node's answer for a staged P/D prefill: (staged hit blocks, blocks not sent)."""
+
+    def __init__(self, staged: int, unsent: int):
+        super().__init__()
+        self.answer = (staged, unsent)
+
+    def staged(self, keys, request_id, ticket):
+        assert ticket == "t"
+        return self.answer
+
+
+def _ticketed(rid, tokens):
+    r = _req(rid, tokens)
+    r.kv_transfer_params = {"dualpath": {"request_id": rid, "ticket": "t"}}
+    return r
+
+
+def _first_saves(unsent: int) -> list:
+    """A P/D prefill whose instance holds 4 of its 5 full blocks itself (nothing
+    staged) and whose DE is not sent ``unsent`` of them: the blocks it saves."""
+    tokens = list(range(10, 10 + 5 * T + 1))
+    s = SchedulerSide(Staged(0, unsent), T)
+    r = _ticketed("r", tokens)
+    assert s.matched_tokens(r, 4 * T) == 0
+    s.after_alloc(r, list(range(6)), 0)
+    plan = s.build([_new("r", range(6), 4 * T)], _cached([]), {"r": T + 1})
+    keys = block_keys(tokens, T)
+    return [[keys.index(k) for k in sv.keys] for sv in plan.saves]
+
+
+def test_a_pd_prefill_saves_every_block_its_decode_node_needs_and_no_other():
+    assert _first_saves(0) == [[0, 1, 2, 3, 4]]   # vLLM's local hits too: the DE's
+    assert _first_saves(3) == [[3, 4]]            # the DE's instance holds 0..2

@@ -89,8 +89,10 @@ class DecodeState:
     owner: Identity | None = None               # the node that prepared it (mutual TLS)
     ended: asyncio.Event = field(default_factory=asyncio.Event)   # dropped, released
     # vLLM: leading prompt blocks the decode instance likely holds (the PE sends none of
-    # them; their slots are never written: node.proto PrepareRequestResponse.held_blocks)
+    # them: node.proto PrepareRequestResponse.held_blocks), and the first block with a
+    # slot (``buffer`` block i is prompt block base + i; 0 when this node reads for the PE)
     held: int = 0
+    base: int = 0
 
 
 class NotYours(RequestFailed):
@@ -252,10 +254,13 @@ class DecodePath:
         if cancelled:
             raise asyncio.CancelledError
 
-    async def prepare(self, req: PrepareCall) -> tuple[KvPlacement | None, list[int], int]:
+    async def prepare(self, req: PrepareCall
+                      ) -> tuple[KvPlacement | None, list[int], int, int]:
         """Reserve DE-buffer slots for ``req``'s prompt: the buffer's placement, the
-        slots (None, [] for an oracle request) and the leading prompt blocks the decode
-        instance likely holds already (vLLM's prefix cache; the PE sends none of them)."""
+        slots (None, [] for an oracle request), the leading prompt blocks the decode
+        instance likely holds already (vLLM's prefix cache; the PE sends none of them)
+        and the first block with a slot (those held get none unless this node reads
+        part of the hit for the PE: its reads land in its slots)."""
         n = self.node
         e = self.ranks.get(req.decode_engine_id)
         if e is None:
@@ -286,7 +291,10 @@ class DecodePath:
         # An emulated oracle moves no KV; a real engine's decode needs its prompt's KV
         # in any mode (the oracle only skips storage reads).
         moves_kv = not p.oracle or self.decoder is not None
-        res = await self.space.pool.reserve(len(spans)) if moves_kv else None
+        cached = (min(self.decoder.held(p, spans), len(spans) - 1)   # one slot at least
+                  if moves_kv and self.decoder is not None else 0)
+        base = 0 if req.decode_read_tokens else cached
+        res = await self.space.pool.reserve(len(spans) - base) if moves_kv else None
         if self.requests.get(rid) is not None or \
                 (req.attempt and req.attempt < self.assigned.get(rid, 0)):
             # Overtaken while waiting for slots (a newer attempt, or a cancel of it).
@@ -295,10 +303,8 @@ class DecodePath:
             raise StaleAttempt(f"PrepareRequest of {rid} (attempt {req.attempt}) was "
                                "overtaken while it waited for buffer slots")
         st = DecodeState(rid, e, p, spans, res, req.prefill_address, attempt=req.attempt,
-                         owner=req.owner)
-        if res is not None and self.decoder is not None:
-            st.held = self.decoder.held(p, spans)
-            n.metrics.held_by_instance.inc(st.held)
+                         owner=req.owner, held=cached, base=base)
+        n.metrics.held_by_instance.inc(cached)
         self.requests[rid] = st
         if req.decode_read_tokens:  # (an older attempt's expectation ends either way)
             self.space.read_queue.expect(rid, req.decode_read_tokens)
@@ -306,8 +312,8 @@ class DecodePath:
             self.space.read_queue.forget(rid)
         e.tokens.setdefault(rid, req.prompt_tokens)
         if res is None:
-            return None, [], 0
-        return self.space.buffer, list(res.slots), st.held
+            return None, [], 0, 0
+        return self.space.buffer, list(res.slots), cached, base
 
     async def accept_order(self, order: LoadOrder) -> None:
         """Start a LOAD_HIT_KV order (the DE read path)."""
@@ -318,7 +324,8 @@ class DecodePath:
         if len(order.target_units) != len(order.keys) * k:
             raise UsageError(f"order for {len(order.keys)} blocks names "
                              f"{len(order.target_units)} target units, not {len(order.keys) * k}")
-        if st.buffer is None or order.first_block + len(order.keys) > len(st.spans):
+        if st.buffer is None or order.first_block + len(order.keys) > len(st.spans) \
+                or st.base:
             raise UsageError(f"{st.request_id}: order for {len(order.keys)} blocks does not fit")
         if order.target.fmt != self.space.fmt:
             raise UsageError(f"{st.request_id}: target KV format {order.target.fmt.signature()}"

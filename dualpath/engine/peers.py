@@ -72,6 +72,7 @@ class Prepared:
     buffer: KvPlacement | None
     slots: tuple[int, ...]
     held: int = 0       # leading blocks the DE's instance holds: not sent (node.proto)
+    base: int = 0       # slots[i] holds prompt block base + i (0 or held)
 
 
 @dataclass(frozen=True)
@@ -183,8 +184,12 @@ class PeerClient:
             timeout=PREPARE_WAIT_S))
         if not r.slots:
             return Prepared(None, ())
+        held, base = int(r.held_blocks), int(r.first_slot_block)
+        if base not in (0, held):
+            raise PeerUnavailable(f"{job.request_id}: {de} answered slots from block {base} "
+                                  f"with {held} blocks held")
         return Prepared(placement_wire.from_pb(r.buffer, f"DE buffer of {de}"), tuple(r.slots),
-                        min(int(r.held_blocks), len(r.slots)))
+                        held, base)
 
     async def order_load(self, de: str, o: LoadOrder) -> None:
         await self._call(de, "SubmitTransferOrder", self._engine(de).SubmitTransferOrder(

@@ -209,7 +209,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
                                int(request.hit_tokens), request.read_side,
                                Payload.decode(request.payload), ident, request.attempt,
                                int(request.decode_read_tokens))
-            buffer, slots, held = await self.decode.prepare(call)
+            buffer, slots, held, base = await self.decode.prepare(call)
         except NotYours as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except StaleAttempt as e:
@@ -221,7 +221,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         if buffer is None:
             return node_pb2.PrepareRequestResponse()
         return node_pb2.PrepareRequestResponse(buffer=placement_wire.to_pb(buffer),
-                                               slots=slots, held_blocks=held)
+                                               slots=slots, held_blocks=held,
+                                               first_slot_block=base)
 
     async def StorageReads(self, request, context):
         await self.callers.require(context, ("node", "admin", "client"))

@@ -53,12 +53,13 @@ class VllmDecoder:
             n = min(done.kv_blocks, prompt // T, len(st.spans))
             held = min(st.held, n)
             keys = [s.key for s in st.spans[held:n]]
-            if keys and not held:
+            at = held - st.base          # block ``held``'s index in the buffer
+            if keys and not at:          # its blocks from ``held`` on: the whole of it
                 adopted = self.engine.adopt(st.request_id, keys, st.buffer)
             elif keys:
                 adopted = self.engine.adopt(st.request_id, keys,
-                                            st.buffer.hand_over_range(held, n))
-            if not keys or held:
+                                            st.buffer.hand_over_range(at, at + len(keys)))
+            if not keys or at:
                 st.buffer.release()
             st.buffer = None            # the engine's now (released once persisted)
         # The blocks its instance loads or computes for this request count under its
@@ -118,7 +119,6 @@ class VllmDecoder:
         timings.output_logprobs = tuple(head_lps + out_lps)
         timings.output_top = tuple(head_top + out_top)
         timings.finish_reason = finish
-
 
     def held(self, p, spans) -> int:
         """The leading full prompt blocks (of ``spans``) the decode instance likely holds

@@ -77,8 +77,9 @@ class VllmPrefillPath(PrefillPath):
         local, remote = self._parts(a)
         if self._in_instance(keys[:local + remote], p.cache_salt):
             # The instance's own prefix cache holds the whole hit: stage none of it. Its
-            # saves send every prompt block to the DE (from the first: the connector saves
-            # from the staged blocks on); where the hint was wrong, vLLM computes.
+            # saves send the prompt blocks on to the DE (those its instance does not hold:
+            # the connector saves past the staged and the unsent blocks); where the hint
+            # was wrong, vLLM computes.
             n.metrics.instance_cache_blocks.inc(local + remote)
             self.space.read_queue.forget(rid)      # the reads expected since assign()
             local = remote = 0
@@ -97,14 +98,17 @@ class VllmPrefillPath(PrefillPath):
             prep = await n.peers.prepare(de, PrepareJob(
                 rid, a.decode_engine_id, n.address, prompt, a.hit_tokens,
                 side_of(local, remote), a.payload_bytes, a.attempt, remote * T))
-            if prep.buffer is None or len(prep.slots) != len(spans):
-                raise PeerUnavailable(f"{rid}: the DE prepared {len(prep.slots)} blocks, "
-                                      f"{len(spans)} needed")
+            if prep.buffer is None or prep.base + len(prep.slots) != len(spans):
+                raise PeerUnavailable(f"{rid}: the DE prepared {len(prep.slots)} blocks "
+                                      f"from block {prep.base}, {len(spans)} needed")
             out = _ToDecode(n, space, rid, de, prep, keys)
             ticket = secrets.token_hex(16)
-            # The hit's slots and those of the blocks the instance computes, taken
-            # whole (vllm_stage.py): the saves then need no reservation of their own.
-            res = await space.pool.reserve(len(keys)) if keys else None
+            # The hit's slots and those of the blocks the instance computes and saves
+            # (not those its DE holds: prep.held), taken whole (vllm_stage.py): the saves
+            # then need no reservation of their own.
+            saved = max(hit, prep.held)
+            slots = hit + len(keys) - saved
+            res = await space.pool.reserve(slots) if slots else None
             allocated = clock.unix_now()
             t_read = time.time()
             sources: list[LayerSource] = []
@@ -140,7 +144,7 @@ class VllmPrefillPath(PrefillPath):
             stage = Stage(rid, ticket, keys[:hit], res, source,
                           _combine(first_parts, local), _combine(usable_parts, local),
                           release=lambda r: r is None or r.release(),
-                          on_saved=out.on_saved, computed=keys[hit:],
+                          on_saved=out.on_saved, computed=keys[saved:],
                           salt=p.cache_salt, unsent=prep.held)
             eng.stages[rid] = stage
             try:
@@ -269,7 +273,7 @@ class _ToDecode:
         self.index = {key: i for i, key in enumerate(keys)}
         self.units = prep.buffer.units_of_slots(prep.slots)
         self.pushes: list[asyncio.Future] = []
-        self.held = prep.held
+        self.held, self.base = prep.held, prep.base       # units[i]: block base + i
         self.sent: set[int] = set(range(self.held))
 
     def push(self, src: Reservation, first: int, nblocks: int, source=None,
@@ -287,7 +291,8 @@ class _ToDecode:
                 await write_layers(self.n.transfer, self.de, self.space.buffer,
                                    self.space.buffer_units(src)[skip * k:nblocks * k],
                                    self.prep.buffer,
-                                   self.units[(first + skip) * k:(first + nblocks) * k], 0,
+                                   self.units[(first + skip - self.base) * k:
+                                              (first + nblocks - self.base) * k], 0,
                                    (nblocks - skip) * T, source=source)
             except TransferError as err:
                 raise PeerUnavailable(f"sending KV of {self.rid} to {self.de}: {err}") \

@@ -30,7 +30,7 @@ def _pool(slots: int) -> BlockPool:
     return BlockPool("de buffer", mem, LAY, region_addr=mem.ctypes.data)
 
 
-def _to_decode(monkeypatch, held: int):
+def _to_decode(monkeypatch, held: int, base: int = 0):
     writes = []
 
     async def write_layers(transfer, peer, src, src_units, dst, dst_units, first, stop,
@@ -41,7 +41,7 @@ def _to_decode(monkeypatch, held: int):
     space = SimpleNamespace(fmt=SimpleNamespace(units=1, block_tokens=T), buffer="pe",
                             buffer_units=lambda res: [10 + i for i in range(len(res))])
     prep = Prepared(SimpleNamespace(units_of_slots=lambda slots: [20 + s for s in slots]),
-                    tuple(range(5)), held)
+                    tuple(range(5 - base)), held, base)
     node = SimpleNamespace(transfer=None)
     return vllm_prefill._ToDecode(node, space, "r", "de", prep, KEYS), writes
 
@@ -54,6 +54,18 @@ def test_blocks_the_decode_instance_holds_are_not_written(monkeypatch):
         out.push([0] * 5, 0, 5)                    # blocks 0..4: 3 and 4 go
         await out.wait()
         assert writes == [([13, 14], [23, 24], 0, 2 * T)]
+        assert out.whole_prefix() == 5
+    asyncio.run(main())
+
+
+def test_held_blocks_without_slots_shift_the_rest(monkeypatch):
+    """The DE gave no slot to the held blocks (it reads none of the hit): its slots
+    start at block 3."""
+    async def main():
+        out, writes = _to_decode(monkeypatch, held=3, base=3)
+        out.push([0] * 5, 0, 5)
+        await out.wait()
+        assert writes == [([13, 14], [20, 21], 0, 2 * T)]
         assert out.whole_prefix() == 5
     asyncio.run(main())
 
@@ -94,16 +106,16 @@ class _Instance:
                                finish_reason="length")
 
 
-def _decode(held: int):
+def _decode(held: int, base: int = 0):
     eng = _Engine()
     pool = _pool(6)
-    res = pool.try_reserve(6)                     # 5 full blocks and the partial one
+    res = pool.try_reserve(6 - base)              # 5 full blocks and the partial one
     payload = SimpleNamespace(prompt_tokens=len(IDS), token_ids=lambda n, tok: IDS,
                               stream=False, sink="", gen_tokens=3, cache_salt="s",
                               temperature=0.0, top_p=1.0, seed=-1, ignore_eos=True,
                               sampling={}, oracle=False)
     st = SimpleNamespace(payload=payload, request_id="r", attempt=1, buffer=res,
-                         spans=[SimpleNamespace(key=k) for k in KEYS], held=held)
+                         spans=[SimpleNamespace(key=k) for k in KEYS], held=held, base=base)
     done = SimpleNamespace(kv_blocks=5, first_token=(1, -0.1, False), first_top=None,
                            done_unix_s=1.0)
     timings = SimpleNamespace(first_token_unix_s=0.0, second_token_unix_s=0.0)
@@ -118,6 +130,13 @@ def test_the_decode_node_adopts_only_the_blocks_it_was_sent():
     assert pool.free == pool.capacity              # the rest at once, the adopted after
     assert eng.salt_seen == "s" and eng.salts == {}
     assert timings.output_token_ids == (1, 7, 7)
+
+
+def test_held_blocks_without_slots_adopt_the_whole_reservation():
+    eng, pool, res, dec, st, done, timings = _decode(held=2, base=2)
+    asyncio.run(dec.run(st, done, timings))
+    assert eng.adopted == [(KEYS[2:5], res.slots)]   # block 2 in its first slot
+    assert pool.free == pool.capacity
 
 
 def test_nothing_held_adopts_every_block_sent():

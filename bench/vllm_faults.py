@@ -2,7 +2,10 @@
 """Faults at random times during agentic conversations on a vLLM P/D cluster: totals.
 
 Method. A VllmPdCluster (1 prefill node, 2 decode nodes, each beside its own `vllm
-serve` with DualPath's connector; vLLM's CPU build, the tiny model unless --model; TCP
+serve` with DualPath's connector; vLLM's prefix cache on in each instance, as `up` runs
+them, so the blocks an instance holds are neither staged nor sent (docs/vllm.md; off
+with --no-prefix-caching: every hit through DualPath); vLLM's CPU build, the tiny model
+unless --model; TCP
 provider on loopback; lease --lease-ms; a slow storage NIC so that a read is in flight
 when a fault strikes) serves --agents conversations at once: each turn's prompt is the
 previous context, the tokens generated for it and --append new token ids (seeded), with
@@ -185,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gap-max-s", type=float, default=8.0)
     ap.add_argument("--request-timeout-s", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="vLLM's prefix cache in the instances (as `up` runs them)")
     ap.add_argument("--work-dir", default="", help="keep the cluster's logs here")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
@@ -197,7 +202,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     pd = VllmPdCluster(model, decode_nodes=2, work_dir=str(work / "cluster"),
-                       max_model_len=MAX_MODEL_LEN,
+                       max_model_len=MAX_MODEL_LEN, prefix_caching=args.prefix_caching,
                        settings={"storage": {"snic_gbit_per_s": args.snic_gbit},
                                  "scheduler": {"lease_ms": args.lease_ms}}).start()
     loop = asyncio.new_event_loop()
@@ -244,6 +249,7 @@ def main(argv=None) -> int:
     summary = {
         "engine": "vLLM (CPU build), real model",
         "model": model.name,
+        "prefix_caching": args.prefix_caching,
         "faults_injected": len(faults),
         "kills": sum(1 for f in faults if f["kind"] in KILLS),
         "by_kind": dict(by_kind),

@@ -34,7 +34,7 @@ import secrets
 import time
 
 from dualpath import clock
-from dualpath.aio import to_the_end
+from dualpath.aio import retrieved, to_the_end
 from dualpath.buffers.pool import Reservation
 from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EngineRank
@@ -298,7 +298,9 @@ class _ToDecode:
                 raise PeerUnavailable(f"sending KV of {self.rid} to {self.de}: {err}") \
                     from err
             self.arrived(first, nblocks if done is None else min(nblocks, await done))
-        f = asyncio.ensure_future(go())
+        # Retrieved: a save the instance ends after the attempt settled its pushes
+        # starts one nobody gathers (bench/vllm_faults.py: its DE killed meanwhile).
+        f = retrieved(asyncio.ensure_future(go()))
         self.pushes.append(f)
         return f
 

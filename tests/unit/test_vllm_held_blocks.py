@@ -7,6 +7,7 @@ find such a slot's bytes under a block's key."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from types import SimpleNamespace
 
 from dualpath.buffers.pool import BlockPool, slot_stride
@@ -68,6 +69,27 @@ def test_held_blocks_without_slots_shift_the_rest(monkeypatch):
         assert writes == [([13, 14], [20, 21], 0, 2 * T)]
         assert out.whole_prefix() == 5
     asyncio.run(main())
+
+
+def test_a_push_that_fails_after_the_attempt_settled_is_not_reported(monkeypatch):
+    """A save the instance ends after the attempt let go starts a push nobody gathers;
+    its DE dead, it fails: asyncio must not report an unretrieved error."""
+    seen: list = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda _l, ctx: seen.append(ctx))
+        out, _ = _to_decode(monkeypatch, held=0)
+
+        async def refused(*a, **kw):
+            raise vllm_prefill.TransferError("peer is unreachable: connection refused")
+        monkeypatch.setattr(vllm_prefill, "write_layers", refused)
+        out.push([0] * 5, 0, 5)
+        await asyncio.sleep(0.01)
+        out.pushes.clear()                         # nobody holds it any more
+        gc.collect()
+        await asyncio.sleep(0)
+    asyncio.run(main())
+    assert [c for c in seen if "never retrieved" in c.get("message", "")] == []
 
 
 def test_nothing_held_sends_everything(monkeypatch):

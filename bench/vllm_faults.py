@@ -34,7 +34,8 @@ Prints a table per fault kind and the totals; --json PATH writes the same record
 "summary" holding faults_injected, kills, turns, requests_failed, requests_hung,
 tokens_mismatched, max_logprob_diff, retried_turns (turns that needed a second attempt:
 the faults that met a request), max_attempts, idle_invariant_violations,
-unhandled_errors and wall_s.
+unhandled_errors, blocks_in_instance_cache and blocks_held_by_decode_instances (the
+blocks the instances' prefix caches spared, since each node last started) and wall_s.
 """
 
 from __future__ import annotations
@@ -237,6 +238,10 @@ def main(argv=None) -> int:
         rc, rec = wait_idle(pd.cluster, 120)
         idle = [] if rc == 0 else (rec.get("violations") or [f"not idle: {rec.get('busy')}"])
         unhandled = unhandled_errors(pd.dir / "logs")
+        # What the instances' own prefix caches spared, since each node last started.
+        spared = {n: {k: pd.node_metrics(n).get(f"dualpath_node_{k}_total", 0.0)
+                      for k in ("hit_blocks_in_instance_cache",
+                                "prompt_blocks_held_by_instance")} for n in NODES}
         if not stuck:
             loop.run_until_complete(gen.close())
     finally:
@@ -262,6 +267,12 @@ def main(argv=None) -> int:
         "retried_turns": sum(1 for t in done if t.attempt >= 2),
         "max_attempts": max((t.attempt for t in done), default=0),
         "idle_invariant_violations": len(idle),
+        # Since each node's last start: hit blocks not staged (prefill node) and prompt
+        # blocks not sent (decode nodes) because an instance held them.
+        "blocks_in_instance_cache": int(sum(v["hit_blocks_in_instance_cache"]
+                                            for v in spared.values())),
+        "blocks_held_by_decode_instances": int(sum(v["prompt_blocks_held_by_instance"]
+                                                   for v in spared.values())),
         "unhandled_errors": len(unhandled),
         "lease_ms": args.lease_ms,
         "wall_s": round(time.monotonic() - t0, 1),
@@ -279,6 +290,8 @@ def main(argv=None) -> int:
           f"requests_hung {summary['requests_hung']}  idle_invariant_violations "
           f"{summary['idle_invariant_violations']}  unhandled_errors "
           f"{summary['unhandled_errors']}  wall {summary['wall_s']} s")
+    print(f"blocks_in_instance_cache {summary['blocks_in_instance_cache']}  "
+          f"blocks_held_by_decode_instances {summary['blocks_held_by_decode_instances']}")
     for t in turns:
         if t.error:
             print(f"  agent {t.agent} turn {t.index}: {t.error[:300]}")

@@ -188,8 +188,14 @@ def unhandled_errors(log_dir: Path) -> list[str]:
     for f in sorted(log_dir.glob("*.log")):
         if f.name.startswith("vllm-"):
             continue
-        for line in f.read_text(errors="replace").splitlines():
-            if "never retrieved" in line or line.startswith("Traceback"):
+        lines = f.read_text(errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            if "never retrieved" in line:
+                # asyncio's next line names the future and its exception
+                nxt = lines[i + 1][:300] if i + 1 < len(lines) else ""
+                out.append(f"{f.name}: {line[:200]} | {nxt}")
+            elif line.startswith("Traceback") and not (
+                    i >= 2 and "never retrieved" in lines[i - 2]):
                 out.append(f"{f.name}: {line[:200]}")
     return out
 

@@ -222,8 +222,10 @@ class PrefillForward:
                                 f"({'per ' + str(DEPTH) + ' layers' if layerwise else 'all layers'}); "
                                 f"{rank.engine_id} has {rank.hbm.capacity}")
         loop = asyncio.get_running_loop()
+        # ``done`` retrieved: a request whose prefill went away first (withdrawn, the
+        # node stopping) may still be failed by its step's push (bench/faults.py).
         e = _Entry(rank, job, PrefillWork(rid, cached, job.prompt_tokens - cached),
-                   layerwise, loop.create_future(), loop.create_future())
+                   layerwise, retrieved(loop.create_future()), loop.create_future())
         self.entries[rid] = e
         self.queues[rank.engine_id].append(e)
         self._kick()

@@ -59,6 +59,15 @@ RECONNECT_AFTER = 5
 #: the scheduler bounds it by a third of the lease).
 IDLE_WAIT_MS = 1000
 
+
+def fetch_deadline_s(lease_ms: int, wait_ms: int) -> float:
+    """A Fetch's deadline: the scheduler's hold (at most a third of the lease) and half a
+    lease to answer (0.25-5 s). A fetch stuck past it would lose the lease anyway: a
+    connection that died silently (a partition healed, its peer's side reset) must be
+    given up in time to fetch again on a new one, not after seconds of a lapsed lease."""
+    lease_s = lease_ms / 1000 if lease_ms > 0 else 10.0
+    return min(wait_ms / 1000, lease_s / 3) + min(5.0, max(0.25, lease_s / 2))
+
 #: After ReleaseGroup, how long a stopping node lets the peers hear of the hand-back (the
 #: scheduler's cancel rides on their next fetch, a held one woken at once) before it
 #: stops its own work: their prefills are cancelled, not failed by an aborted load.
@@ -118,6 +127,7 @@ class Leader:
         self.lease_id = 0
         self.registrations = 0
         self._failed_calls = 0
+        self.lease_ms = 0                 # the scheduler's, from the last registration
         self._last_status_log = 0.0
         self._connect()
 
@@ -194,7 +204,10 @@ class Leader:
                             f"{'retrying' if self.lease_id else 'not registered yet'}")
                 if e.code() in _RETRIED:
                     self._failed_calls += 1
-                    if self._failed_calls % RECONNECT_AFTER == 0:
+                    # A fetch unanswered within its deadline: the connection is suspect
+                    # (one that died silently holds every call on it); a new one at once.
+                    if self._failed_calls % RECONNECT_AFTER == 0 or \
+                            e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                         await self._reconnect()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
@@ -251,6 +264,7 @@ class Leader:
             self.cancel(rid)
         ms = self.fetch_interval_ms or r.fetch_interval_ms or 20
         self.fetch_interval_s = ms / 1000.0
+        self.lease_ms = r.lease_ms
         log.info("%s: group registered (lease %d, fetch every %d ms); %d running requests "
                  "claimed, %d refused", self.node_id, r.lease_id, ms, len(claims), len(refused))
         self.status(f"registered with scheduler {self.scheduler_address}: lease {r.lease_id}, "
@@ -287,7 +301,8 @@ class Leader:
                 r = await self.scheduler.Fetch(scheduler_pb2.FetchRequest(
                     group_id=self.node_id, lease_id=self.lease_id,
                     engines=[self._status(e) for e in self.ranks], completions=done,
-                    wait_ms=IDLE_WAIT_MS if idle else 0), timeout=5 + IDLE_WAIT_MS / 1000)
+                    wait_ms=IDLE_WAIT_MS if idle else 0),
+                    timeout=fetch_deadline_s(self.lease_ms, IDLE_WAIT_MS if idle else 0))
             finally:
                 self._polling = False
         except grpc.aio.AioRpcError:

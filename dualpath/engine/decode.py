@@ -324,9 +324,11 @@ class DecodePath:
         if len(order.target_units) != len(order.keys) * k:
             raise UsageError(f"order for {len(order.keys)} blocks names "
                              f"{len(order.target_units)} target units, not {len(order.keys) * k}")
-        if st.buffer is None or order.first_block + len(order.keys) > len(st.spans) \
-                or st.base:
+        if st.buffer is None or order.first_block + len(order.keys) > len(st.spans):
             raise UsageError(f"{st.request_id}: order for {len(order.keys)} blocks does not fit")
+        if st.base:
+            raise UsageError(f"{st.request_id}: a read order, but it was prepared with no "
+                             f"read here: its first {st.base} blocks have no slots")
         if order.target.fmt != self.space.fmt:
             raise UsageError(f"{st.request_id}: target KV format {order.target.fmt.signature()}"
                              f" is not ours ({self.space.fmt.signature()})")

@@ -169,3 +169,24 @@ def _run(main, events: int) -> None:
             for e in evs:
                 e.set()
     asyncio.run(go())
+
+
+def test_an_order_into_a_reservation_without_the_held_blocks_slots_is_refused():
+    """A decode node that reads none of the hit for the PE gives the blocks its instance
+    holds no slot (PrepareRequestResponse.first_slot_block): a read order for that
+    request would land in the wrong slots, so it is refused before it starts."""
+    from dualpath.errors import UsageError
+
+    async def main():
+        spawned: list = []
+        d = _path(asyncio.Event(), spawned)
+        st = DecodeState("r1", engine=None, payload=None, spans=[None, None, None],
+                         buffer=Slots(), pe_address="pe", attempt=1, held=2, base=2)
+        d.requests["r1"] = st
+        order = LoadOrder("r1", "pe/e0", "pe/e0", [bytes(16)], "pe",
+                          KvPlacement.full_blocks(FMT, "hbm", 1024, 4), [0], 1, 0)
+        with pytest.raises(UsageError, match="first 2 blocks have no slots"):
+            await d.accept_order(order)
+        return spawned
+
+    assert asyncio.run(main()) == []

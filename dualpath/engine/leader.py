@@ -61,12 +61,14 @@ IDLE_WAIT_MS = 1000
 
 
 def fetch_deadline_s(lease_ms: int, wait_ms: int) -> float:
-    """A Fetch's deadline: the scheduler's hold (at most a third of the lease) and half a
-    lease to answer (0.25-5 s). A fetch stuck past it would lose the lease anyway: a
-    connection that died silently (a partition healed, its peer's side reset) must be
-    given up in time to fetch again on a new one, not after seconds of a lapsed lease."""
+    """A Fetch's deadline: the scheduler's hold (at most a third of the lease) and a
+    lease to answer (0.25-5 s). Its arrival renewed the lease; a fetch unanswered for a
+    whole lease after that would lose it anyway: a connection that died silently (a
+    partition healed, its peer's side reset) must be given up then, to fetch again on a
+    new one, not after seconds of a lapsed lease. Not sooner: a scheduler slow to answer
+    on a loaded host is no reason to reconnect."""
     lease_s = lease_ms / 1000 if lease_ms > 0 else 10.0
-    return min(wait_ms / 1000, lease_s / 3) + min(5.0, max(0.25, lease_s / 2))
+    return min(wait_ms / 1000, lease_s / 3) + min(5.0, max(0.25, lease_s))
 
 #: After ReleaseGroup, how long a stopping node lets the peers hear of the hand-back (the
 #: scheduler's cancel rides on their next fetch, a held one woken at once) before it

@@ -31,9 +31,11 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -57,6 +59,19 @@ from dualpath.transfer import TransferEngine
 log = logging.getLogger("dualpath.engine")
 
 MANIFEST = "namespace.json"     # in a namespace's store directory: its model and format
+
+
+def write_manifest(manifest: Path, data: dict) -> None:
+    """Write a store namespace's manifest atomically. Every node sharing the store may
+    write it at once (their workers attach together): each through a temporary file of
+    its own, so none renames another's away (a shared name failed one node's Attach
+    with FileNotFoundError, and its vLLM instance with it)."""
+    tmp = manifest.with_name(f".{manifest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, manifest)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class NotAttached(DualPathError):
@@ -248,11 +263,9 @@ class VllmEngine:
         self.space.writeback = _PendingBlocks(self._pending)
         manifest = self.space.store.dir / MANIFEST
         if not manifest.exists():
-            tmp = manifest.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"model_id": model_id, "format": {
+            write_manifest(manifest, {"model_id": model_id, "format": {
                 "layers": fmt.layers, "unit_tokens": fmt.unit_tokens,
-                "row_bytes": list(fmt.row_bytes), "units": fmt.units}}))
-            os.replace(tmp, manifest)
+                "row_bytes": list(fmt.row_bytes), "units": fmt.units}})
         log.info("%s: KV format %s of model %s: store namespace %s, %d buffer slots of "
                  "%d bytes", self.node_id, fmt.signature(), model_id, self.namespace,
                  self.space.pool.capacity, self.space.layout.full_bytes)

@@ -82,6 +82,8 @@ class Turn:
     error: str = ""
     hung: bool = False
     seconds: float = 0.0
+    mismatched: int | None = None       # against plain vLLM (None: not compared)
+    max_diff: float = 0.0
 
 
 class Conversations:
@@ -262,8 +264,8 @@ def main(argv=None) -> int:
         "turns_done": len(done),
         "requests_failed": sum(1 for t in turns if t.error and not t.hung),
         "requests_hung": sum(1 for t in turns if t.hung) + (1 if stuck else 0),
-        "tokens_mismatched": sum(getattr(t, "mismatched", 0) for t in done),
-        "max_logprob_diff": max((getattr(t, "max_diff", 0.0) for t in done), default=0.0),
+        "tokens_mismatched": sum(t.mismatched or 0 for t in done),
+        "max_logprob_diff": max((t.max_diff for t in done), default=0.0),
         "retried_turns": sum(1 for t in done if t.attempt >= 2),
         "max_attempts": max((t.attempt for t in done), default=0),
         "idle_invariant_violations": len(idle),
@@ -303,7 +305,7 @@ def main(argv=None) -> int:
                        "turns": [{"agent": t.agent, "turn": t.index, "prompt_tokens":
                                   len(t.prompt), "hit_tokens": t.hit, "attempt": t.attempt,
                                   "error": t.error, "seconds": round(t.seconds, 2),
-                                  "mismatched": getattr(t, "mismatched", None)}
+                                  "mismatched": t.mismatched}
                                  for t in turns],
                        "idle_violations": idle, "unhandled": unhandled}, fh, indent=1)
     bad = (summary["tokens_mismatched"] or summary["requests_hung"]

@@ -294,13 +294,12 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
         if not request.block_keys:          # a worker's heartbeat
             return connector_pb2.LookupResponse(hit_blocks=0, worker_attached=attached)
         try:
-            hit = self.engine.lookup(request.model_id, list(request.block_keys),
-                                     request.request_id, request.ticket)
+            hit, unsent = self.engine.lookup(request.model_id, list(request.block_keys),
+                                             request.request_id, request.ticket)
         except DualPathError as e:
             await self._abort(context, e)
-        stage = self.engine.stage_for(request.request_id, request.ticket)
         return connector_pb2.LookupResponse(hit_blocks=hit, worker_attached=attached,
-                                            unsent_blocks=stage.unsent if stage else 0)
+                                            unsent_blocks=unsent)
 
     async def Load(self, request, context):
         await self.callers.require(context, own=True)

@@ -363,21 +363,22 @@ class VllmEngine:
         return st
 
     def lookup(self, model_id: str, keys: Sequence[bytes], request_id: str = "",
-               ticket: str = "") -> int:
+               ticket: str = "") -> tuple[int, int]:
         """How many leading ``keys`` the store holds (0 before a worker attached); for
-        a staged P/D prefill (its ticket), the leading keys of its staged hit."""
+        a staged P/D prefill (its ticket), the leading keys of its staged hit, and the
+        leading prompt blocks its DE is not sent (else 0)."""
         self._check_keys(keys, "Lookup")
         if self.space is None:
             self._restore(model_id)
         if self.space is None or model_id != self.model_id:
-            return 0
+            return 0, 0
         stage = self.stage_for(request_id, ticket)
         if stage is not None:
             first, n = stage.match(keys)
             hit = n if first == 0 else 0
             self.metrics.connector_lookups.inc()
             self.metrics.connector_lookup_hit_blocks.inc(hit)
-            return hit
+            return hit, stage.unsent
         cap = self.space.pool.capacity
         hit = self.space.store.leading(keys[:cap], self._pending)
         if hit == cap < len(keys) and not self._warned_cap:
@@ -386,7 +387,7 @@ class VllmEngine:
                         "raise buffers.pe_buffer_mib to load more", self.node_id, cap)
         self.metrics.connector_lookups.inc()
         self.metrics.connector_lookup_hit_blocks.inc(hit)
-        return hit
+        return hit, 0
 
     # ------------------------------------------------------------------ load
 
@@ -504,7 +505,7 @@ class VllmEngine:
                         failed = tuple(range(ok, len(keys)))
                         self.metrics.connector_loaded_bytes.inc(nbytes)
                     yield LoadStep(done, failed, last, nbytes)
-            self._instance_has(request_id, keys[:ok])
+            self._instance_has(self.salts.get(request_id), keys[:ok])
             if failed:
                 self.metrics.connector_load_failed_blocks.inc(len(failed))
                 log.warning("%s: load of %s: %d of %d hit blocks missing or corrupt; vLLM "
@@ -703,18 +704,17 @@ class VllmEngine:
             s.res.release()
             return 0
         if s.stage is not None:
-            if self.instance_cache is not None:  # vLLM computed them: it holds them now
-                self.instance_cache.add(s.stage.salt, s.keys)
+            self._instance_has(s.stage.salt, s.keys)   # vLLM computed them
             s.stage.on_saved(s.keys, s.res)      # it owns the slots now
             return len(s.keys)
-        self._instance_has(s.request_id, s.keys)
+        self._instance_has(self.salts.get(s.request_id), s.keys)
         self._commit(s)
         return len(s.keys)
 
-    def _instance_has(self, request_id: str, keys: Sequence[bytes]) -> None:
-        """The instance loaded or computed ``keys`` for a request this node's decode
-        drives: its prefix cache holds them now."""
-        salt = self.salts.get(request_id)
+    def _instance_has(self, salt: str | None, keys: Sequence[bytes]) -> None:
+        """The instance loaded or computed ``keys`` for a request of cache salt ``salt``
+        (a staged prefill's, or a decode's in ``salts``; None: not a request this node
+        drives): its prefix cache holds them now."""
         if self.instance_cache is not None and salt is not None and keys:
             self.instance_cache.add(salt, keys)
 

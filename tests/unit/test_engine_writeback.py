@@ -175,54 +175,40 @@ def test_a_cancelled_layered_read_ends_its_pool_reads_before_it_returns(tmp_path
     task returns only once every read in flight has ended."""
     import threading
     import time
-    from types import SimpleNamespace
 
-    from prometheus_client import CollectorRegistry
-
-    from dualpath.buffers.region import PinnedRegion
     from dualpath.engine.layers import LocalArrivals
-    from dualpath.engine.metrics import NodeMetrics
-    from dualpath.engine.vllm_engine import VllmEngine
-    from dualpath.kv.placement import KvFormat
-    from dualpath.storage.config import StorageConfig
+    from tests.unit.vllm_engine_rig import small_vllm_engine
 
     async def main():
-        region = PinnedRegion(8 << 20, huge_pages="off", lock=False)
-        eng = VllmEngine(node_id="p0", storage=StorageConfig(dir=str(tmp_path),
-                                                             direct_io="off"),
-                         transfer=SimpleNamespace(), region=region, region_name="pe_buffer",
-                         limiter=None, metrics=NodeMetrics(CollectorRegistry(), "prefill"))
-        eng._open_space("m", KvFormat(2, 4, (64,)))
-        space = eng.space
-        store = space.store
-        assert store.layered()
-        for i, k in enumerate(KEYS[:2]):
-            store.write(k, np.full(space.layout.full_bytes, i + 1, np.uint8))
-        lock, reading, started = threading.Lock(), [0], threading.Event()
-        real = store.read_layer
+        async with small_vllm_engine(tmp_path) as eng:
+            space = eng.space
+            store = space.store
+            assert store.layered()
+            for i, k in enumerate(KEYS[:2]):
+                store.write(k, np.full(space.layout.full_bytes, i + 1, np.uint8))
+            lock, reading, started = threading.Lock(), [0], threading.Event()
+            real = store.read_layer
 
-        def slow(block, layer, dst):
-            with lock:
-                reading[0] += 1
-            started.set()
-            time.sleep(0.3)
-            try:
-                return real(block, layer, dst)
-            finally:
+            def slow(block, layer, dst):
                 with lock:
-                    reading[0] -= 1
+                    reading[0] += 1
+                started.set()
+                time.sleep(0.3)
+                try:
+                    return real(block, layer, dst)
+                finally:
+                    with lock:
+                        reading[0] -= 1
 
-        store.read_layer = slow
-        res = await space.pool.reserve(2)
-        ok, task = await eng.read_layered("r", KEYS[:2], res, LocalArrivals())
-        assert ok == 2
-        assert await asyncio.to_thread(started.wait, 5.0)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        assert reading[0] == 0            # nothing still writes into res's slots
-        res.release()
-        await eng.close()
-        region.close()
+            store.read_layer = slow
+            res = await space.pool.reserve(2)
+            ok, task = await eng.read_layered("r", KEYS[:2], res, LocalArrivals())
+            assert ok == 2
+            assert await asyncio.to_thread(started.wait, 5.0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert reading[0] == 0            # nothing still writes into res's slots
+            res.release()
 
     asyncio.run(main())
 

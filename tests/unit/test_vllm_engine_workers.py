@@ -9,26 +9,16 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from prometheus_client import CollectorRegistry
 
-from dualpath.buffers.region import PinnedRegion
-from dualpath.engine.metrics import NodeMetrics
-from dualpath.engine.vllm_engine import NotAttached, VllmEngine
-from dualpath.kv.placement import KvFormat
-from dualpath.storage.config import StorageConfig
+from dualpath.engine.vllm_engine import NotAttached
+from tests.unit.vllm_engine_rig import small_vllm_engine
 
 KEYS = [bytes([i]) * 16 for i in range(1, 5)]
 
 
 def test_a_worker_taking_a_dead_ones_place_gets_its_lent_saves_back(tmp_path):
     async def main():
-        region = PinnedRegion(8 << 20, huge_pages="off", lock=False)
-        eng = VllmEngine(node_id="p0", storage=StorageConfig(dir=str(tmp_path),
-                                                             direct_io="off"),
-                         transfer=SimpleNamespace(), region=region, region_name="pe_buffer",
-                         limiter=None, metrics=NodeMetrics(CollectorRegistry(), "prefill"))
-        try:
-            eng._open_space("m", KvFormat(2, 4, (64,)))
+        async with small_vllm_engine(tmp_path) as eng:
             pool = eng.space.pool
 
             def worker(name: str, rank: int = 0):
@@ -45,8 +35,5 @@ def test_a_worker_taking_a_dead_ones_place_gets_its_lent_saves_back(tmp_path):
             assert pool.free == pool.capacity and set(eng.workers) == {"new"}
             with pytest.raises(NotAttached):
                 eng.end_save(sid, True)      # the dead worker's save is gone
-        finally:
-            await eng.close()
-            region.close()
 
     asyncio.run(main())

@@ -1,0 +1,31 @@
+"""A small VllmEngine over a real pinned region and store, no worker attached: the
+model "m" in KV format KvFormat(2, 4, (64,)) opened (unit tests of its buffer and
+store bookkeeping)."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+
+from dualpath.buffers.region import PinnedRegion
+from dualpath.engine.metrics import NodeMetrics
+from dualpath.engine.vllm_engine import VllmEngine
+from dualpath.kv.placement import KvFormat
+from dualpath.storage.config import StorageConfig
+
+
+@contextlib.asynccontextmanager
+async def small_vllm_engine(tmp_path):
+    """A prefill node's VllmEngine on an 8 MiB region under ``tmp_path``; closed after."""
+    region = PinnedRegion(8 << 20, huge_pages="off", lock=False)
+    eng = VllmEngine(node_id="p0", storage=StorageConfig(dir=str(tmp_path), direct_io="off"),
+                     transfer=SimpleNamespace(), region=region, region_name="pe_buffer",
+                     limiter=None, metrics=NodeMetrics(CollectorRegistry(), "prefill"))
+    try:
+        eng._open_space("m", KvFormat(2, 4, (64,)))
+        yield eng
+    finally:
+        await eng.close()
+        region.close()

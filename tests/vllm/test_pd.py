@@ -35,6 +35,12 @@ from tests.vllm.conftest import TOL, Conversation, close
 T = 128
 API_KEY = "test-key-0123456789abcdef"
 BLOCK_BYTES = 4 * T * 256          # a Full Block of the tiny model
+# A first turn whose prompt ends 8 tokens short of a block: its 16 generated tokens fill
+# that block on the decode instance, so the next turn's hit holds a block the prefill
+# instance never computed. Its own prefix cache cannot serve the whole hit
+# (engine/instance_cache.py), the prefill stages it from the slow store, and a kill aimed
+# at that prefill finds it still running.
+FIRST_PAST_THE_PE = 16 * T - 8
 
 
 class Rig:
@@ -225,7 +231,7 @@ def test_sigkill_of_the_prefill_daemon_mid_prefill_ends_in_a_recompute(rig):
     instance keeps running, its connector's node gone) and started again: the request's
     next attempt gives the oracle's tokens and logprobs, and once idle no node holds
     anything."""
-    conv = Conversation(seed=707, first=2000, append=300, gen=16)
+    conv = Conversation(seed=707, first=FIRST_PAST_THE_PE, append=300, gen=16)
     prompt = list(conv.context)
     a = rig.turn(prompt, conv.gen, 0)
     stored = len(prompt) + conv.gen - 1
@@ -250,8 +256,8 @@ def test_sigkill_of_a_vllm_instance_mid_request_ends_in_a_recompute(rig, side):
     its group back while the instance does not answer (the request waits in the
     scheduler's queue instead of spending its retries), registers again once it does,
     and the request's next attempt gives the oracle's tokens and logprobs."""
-    conv = Conversation(seed=505 if side == "decode" else 606, first=2000, append=300,
-                        gen=16)
+    conv = Conversation(seed=505 if side == "decode" else 606, first=FIRST_PAST_THE_PE,
+                        append=300, gen=16)
     prompt = list(conv.context)
     a = rig.turn(prompt, conv.gen, 0)
     stored = len(prompt) + conv.gen - 1

@@ -10,7 +10,8 @@ runs the DE read path's LOAD_HIT_KV orders, and takes PrefillDone; this is what 
     are persisted through the storage-NIC limiter (hits already stored are skipped) ->
     one streamed /v1/completions request to the decode instance: its connector finds
     the prompt's blocks, loads them asynchronously (layer by layer from the shared
-    buffer), computes the rest of the prompt (under one block) and generates exactly
+    buffer), the partial last one too when the PE sent it (else it computes that
+    block), computes the first token and generates exactly
     ``gen_tokens`` tokens, persisting every block that fills -> the DRAM copies are let go
     (once persisted) -> the tokens and their logprobs go with the timings.
 
@@ -47,18 +48,22 @@ class VllmDecoder:
         T = self.engine.space.fmt.block_tokens
         adopted = None
         if st.buffer is not None:
-            # The leading full blocks the PE completed here; the decode instance
-            # computes the prompt's partial last block with the first token. Blocks
-            # below ``held`` were not sent (the instance holds them): never adopted.
-            n = min(done.kv_blocks, prompt // T, len(st.spans))
+            # The leading blocks the PE completed here: the full ones, and the partial
+            # last one when its tokens came too (then the decode instance computes the
+            # first token only, else that block with it). Blocks below ``held`` were not
+            # sent (the instance holds them): never adopted.
+            full = prompt // T
+            n = min(done.kv_blocks, full, len(st.spans))
+            tail = n == full < min(done.kv_blocks, len(st.spans))
             held = min(st.held, n)
-            keys = [s.key for s in st.spans[held:n]]
+            keys = [s.key for s in st.spans[held:n + tail]]
             at = held - st.base          # block ``held``'s index in the buffer
             if keys and not at:          # its blocks from ``held`` on: the whole of it
-                adopted = self.engine.adopt(st.request_id, keys, st.buffer)
+                adopted = self.engine.adopt(st.request_id, keys, st.buffer, tail)
             elif keys:
                 adopted = self.engine.adopt(st.request_id, keys,
-                                            st.buffer.hand_over_range(at, at + len(keys)))
+                                            st.buffer.hand_over_range(at, at + len(keys)),
+                                            tail)
             if not keys or at:
                 st.buffer.release()
             st.buffer = None            # the engine's now (released once persisted)

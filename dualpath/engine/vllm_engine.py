@@ -131,6 +131,7 @@ class _Save:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     stage: Stage | None = None       # a P/D prefill's save: its blocks go to the DE
     held: bool = False               # adopted DE-buffer blocks: kept until released
+    transient: int = 0               # its last ``transient`` keys are never persisted
 
 
 class _InPlace:
@@ -735,7 +736,7 @@ class VllmEngine:
         try:
             for i, key in enumerate(s.keys):
                 try:
-                    if space.store.contains(key):
+                    if i >= len(s.keys) - s.transient or space.store.contains(key):
                         continue
                     if self.limiter is not None:
                         # The NIC's write direction (ratelimit.RateLimiter: full
@@ -776,13 +777,18 @@ class VllmEngine:
             self._pending.pop(key, None)
         self.metrics.connector_pending_blocks.set(len(self._pending))
 
-    def adopt(self, request_id: str, keys: list[bytes], res) -> _Save:
+    def adopt(self, request_id: str, keys: list[bytes], res, tail: bool = False
+              ) -> _Save:
         """A P/D request's prompt blocks, in DE-buffer slots ``res`` (block i in slot
         i): counted as committed saves (lookups hit them, loads copy them from DRAM) and
         persisted through the storage-NIC limiter like any save, but kept in DRAM until
-        :meth:`release_adopted` (the decode instance loaded them). ``res`` is theirs."""
+        :meth:`release_adopted` (the decode instance loaded them). ``res`` is theirs.
+        ``tail``: the last key is the prompt's partial last block (its key covers its
+        own tokens only, so only a lookup of exactly that prompt finds it): served from
+        DRAM like the others, never persisted."""
         self._check_keys(keys, "adopt")
-        s = _Save(0, "", request_id, list(keys), res, float("inf"), held=True)
+        s = _Save(0, "", request_id, list(keys), res, float("inf"), held=True,
+                  transient=1 if tail and keys else 0)
         self._commit(s)
         return s
 

@@ -74,6 +74,10 @@ class VllmPrefillPath(PrefillPath):
         ids = p.token_ids(prompt, n.tokens)
         spans = block_spans(ids, T)
         keys = [s.key for s in spans[:prompt // T]]         # the full blocks
+        # The partial last block: the instance saves its tokens too, and they go to the
+        # DE with the rest, so the decode instance computes the first token only, not
+        # the prompt's last block again (docs/vllm.md, "The partial last block").
+        tail = [spans[-1].key] if prompt % T else []
         local, remote = self._parts(a)
         if self._in_instance(keys[:local + remote], p.cache_salt):
             # The instance's own prefix cache holds the whole hit: stage none of it. Its
@@ -101,13 +105,13 @@ class VllmPrefillPath(PrefillPath):
             if prep.buffer is None or prep.base + len(prep.slots) != len(spans):
                 raise PeerUnavailable(f"{rid}: the DE prepared {len(prep.slots)} blocks "
                                       f"from block {prep.base}, {len(spans)} needed")
-            out = _ToDecode(n, space, rid, de, prep, keys)
+            out = _ToDecode(n, space, rid, de, prep, keys + tail)
             ticket = secrets.token_hex(16)
             # The hit's slots and those of the blocks the instance computes and saves
             # (not those its DE holds: prep.held), taken whole (vllm_stage.py): the saves
             # then need no reservation of their own.
             saved = max(hit, prep.held)
-            slots = hit + len(keys) - saved
+            slots = hit + len(keys) + len(tail) - saved
             res = await space.pool.reserve(slots) if slots else None
             allocated = clock.unix_now()
             t_read = time.time()
@@ -144,7 +148,7 @@ class VllmPrefillPath(PrefillPath):
             stage = Stage(rid, ticket, keys[:hit], res, source,
                           _combine(first_parts, local), _combine(usable_parts, local),
                           release=lambda r: r is None or r.release(),
-                          on_saved=out.on_saved, computed=keys[saved:],
+                          on_saved=out.on_saved, computed=keys[saved:] + tail,
                           salt=p.cache_salt, unsent=prep.held)
             eng.stages[rid] = stage
             try:
@@ -265,7 +269,10 @@ class _ToDecode:
     """A request's prompt blocks on their way from PE-buffer slots to the same blocks of
     the DE buffer (``prep``'s slots), and which of them arrived whole there. The leading
     ``prep.held`` blocks are not sent: the decode instance holds them in its own prefix
-    cache (they count as there)."""
+    cache (they count as there). ``keys``: the prompt's blocks, its partial last block
+    too when it has one (sent whole, like the others: on vLLM's CPU backend a block's K
+    plane is stored element-major, [head_size, block_size], so a range of its tokens is
+    no range of bytes; the bytes past its tokens are never read)."""
 
     def __init__(self, n, space, rid: str, de: str, prep, keys: list[bytes]):
         self.n, self.space, self.rid, self.de, self.prep = n, space, rid, de, prep

@@ -9,8 +9,11 @@ view into one allocation: one range).
 Layouts understood (anything else is refused, naming the shape):
 
 - CPU_ATTN: ``[num_blocks, kv_heads, block_size, 2 * head_size]``, read by the backend
-  as ``[num_blocks, kv_heads, 2 * block_size, head_size]``: per head a K plane of
-  ``block_size`` rows, then a V plane. Segments: (head, K), (head, V) of head-size rows.
+  as ``[num_blocks, kv_heads, 2 * block_size, head_size]``: per head a K plane, then a V
+  plane of ``block_size`` rows. Segments: (head, K), (head, V) of head-size "rows". The
+  K plane's bytes are element-major, ``[head_size, block_size]`` (what the kernel
+  writes; tests/unit/test_vllm_placement.py), so its "rows" are not tokens: DualPath
+  moves vLLM CPU blocks whole, never a range of their tokens.
 - Flash-attention style ``[2, num_blocks, block_size, kv_heads, head_size]`` (NHD): K and
   V planes of whole blocks; one segment each of kv_heads x head_size rows.
 - ``[2, num_blocks, kv_heads, block_size, head_size]`` (HND): per plane and head.

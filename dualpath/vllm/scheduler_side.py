@@ -42,6 +42,10 @@ class LoadSpec:
     keys: list[bytes]
     units: list[int]                 # engine block ids, block_units per key
     ticket: str = ""                 # the node's ticket for that request (P/D)
+    # The last block is the prompt's partial last block. vLLM writes the next token's KV
+    # into its engine block before the forward waits for a layer's load, and a block's
+    # bytes are moved whole: the worker loads that block before the forward starts.
+    tail: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,8 @@ class _Req:
     save_all: bool = False
     staged: int = 0                  # P/D prefill (ticket): leading blocks its node staged
     unsent: int = 0                  # P/D prefill: leading blocks its DE is not sent
+    tail: bytes = b""                # the partial last prompt block's key, when it loads
+    tail_saved: bool = False         # P/D prefill: its partial last block was saved
 
     def __post_init__(self):
         rid, self.ticket, self.save_all = dualpath_params(self.request)
@@ -145,6 +151,18 @@ class SchedulerSide:
         self.block_tokens = unit_tokens * block_units
         self.reqs: dict[str, _Req] = {}
         self.hit_tokens_total = 0
+
+    def _tail_key(self, st: _Req, stop: int) -> tuple[bytes, int]:
+        """(key, tokens) of the partial block of tokens ``[stop // T * T, stop)`` (its
+        key chains its own tokens only, so it names exactly that prompt's partial last
+        block), or (b"", 0) when ``stop`` ends a block."""
+        T = self.block_tokens
+        full, tail = divmod(stop, T)
+        if not tail:
+            return b"", 0
+        keys = self._keys(st, full * T)
+        parent = keys[-1] if keys else ROOT_KEY
+        return chain_key(parent, st.request.all_token_ids[full * T:stop]), tail
 
     def _keys(self, st: _Req, tokens: int) -> list[bytes]:
         """Keys of the request's first ``tokens // T`` blocks (extending the chain)."""
@@ -175,15 +193,26 @@ class SchedulerSide:
             # cache had more (below, _plan); asked even when vLLM has it all.
             st.staged, st.unsent = (self.lookup.staged(keys, st.tag, st.ticket) if keys
                                     else (0, 0))
+        st.tail = b""
         if num_computed_tokens % T:
             return 0             # a local hit ending inside a DualPath block: none of ours
         first = num_computed_tokens // T
-        if first >= cap:
-            return 0
         # Past vLLM's local hit only: the blocks it holds need not be stored or in the
         # node's DRAM (a P/D decode instance's own prefix cache holds the leading blocks
         # its node was not sent).
-        hit = st.staged if st.ticket else first + self.lookup(keys[first:])
+        if st.ticket:
+            return max(0, (st.staged - first) * T) if first < cap else 0
+        # A P/D decode: its node may hold the prompt's partial last block (all but the
+        # last token, which vLLM computes), which the prefill sent with the rest; asked
+        # for in the same lookup, after the full blocks.
+        tail, extra = self._tail_key(st, prompt - 1) if self.units == 1 else (b"", 0)
+        if first >= cap and not tail:
+            return 0
+        found = self.lookup(keys[first:] + ([tail] if tail else []))
+        hit = first + min(found, cap - first)
+        if tail and found > cap - first:
+            st.tail = tail
+            return (hit - first) * T + extra
         return max(0, (hit - first) * T)
 
     def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -196,6 +225,8 @@ class SchedulerSide:
         T = self.block_tokens
         a = st.local // T
         b = a + num_external_tokens // T
+        if not num_external_tokens % T:
+            st.tail = b""                # (vLLM took less than the tail: none of it)
         st.load = (a, b)
         st.units = list(block_ids)
         self.hit_tokens_total += num_external_tokens
@@ -229,7 +260,11 @@ class SchedulerSide:
             a, b = st.load
             st.load = None
             keys = self._keys(st, b * T)[a:b]
-            plan.loads.append(LoadSpec(st.tag, keys, st.units[a * k:b * k], st.ticket))
+            tail = bool(st.tail)
+            if tail:                     # the partial last block after them
+                keys, b = keys + [st.tail], b + 1
+            plan.loads.append(LoadSpec(st.tag, keys, st.units[a * k:b * k], st.ticket,
+                                       tail))
         if st.stored < 0 or base < st.stored:
             # First schedule, or computed tokens went back: save from there (or, asked
             # to save all, from the first block, vLLM's local hits too).
@@ -244,6 +279,16 @@ class SchedulerSide:
             plan.saves.append(SaveSpec(st.tag, keys, st.units[st.stored * k:full * k],
                                        st.ticket))
             st.stored = full
+        if st.ticket and k == 1 and not st.tail_saved:
+            # A P/D prefill: the step that computes the prompt's last tokens saves its
+            # partial last block too, for the DE (its node sends that block's own tokens
+            # on; the decode instance then computes the first token only).
+            prompt = len(st.request.prompt_token_ids or ())
+            tail, _ = self._tail_key(st, prompt)
+            if tail and computed + scheduled >= prompt and len(st.units) > prompt // T:
+                st.tail_saved = True
+                plan.saves.append(SaveSpec(st.tag, [tail],
+                                           st.units[prompt // T:prompt // T + 1], st.ticket))
 
     def finished(self, request_id: str) -> None:
         self.reqs.pop(request_id, None)

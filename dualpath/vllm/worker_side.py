@@ -85,9 +85,30 @@ class WorkerSide:
                                                        spec.ticket))
 
     def start_loads(self, plan: StepPlan) -> None:
+        k = self.kv.placement.fmt.units
+        tails = []
         for spec in plan.loads:
-            self._loads.append((self.agent.load(spec.request_id, spec.keys, spec.units,
-                                                spec.ticket), spec.units))
+            keys, units = spec.keys, spec.units
+            if spec.tail:
+                # A prompt's partial last block (a P/D decode): vLLM writes the next
+                # token's KV into its engine block before the forward waits for the
+                # layer, and the load moves the block whole, so it lands before the
+                # forward starts (the rest loads layer by layer meanwhile).
+                h = self.agent.load(spec.request_id, keys[-1:], units[-k:], spec.ticket)
+                self._loads.append((h, units[-k:]))
+                tails.append(h)
+                keys, units = keys[:-1], units[:-k]
+            if keys:
+                self._loads.append((self.agent.load(spec.request_id, keys, units,
+                                                    spec.ticket), units))
+        last = self.kv.placement.fmt.layers - 1
+        for h in tails:
+            if not h.wait_layer(last, self.settings.load_timeout_s):
+                log.warning("DualPath: load of %s's partial last block made no progress "
+                            "for %.0f s; fencing the KV memory and recomputing",
+                            h.request_id, self.settings.load_timeout_s)
+                self.agent.fence()
+                h.give_up("timed out")
 
     def wait_layer(self, layer_name: str) -> None:
         if not self._loads:

@@ -137,6 +137,52 @@ def test_a_vllm_decode_nodes_reads_find_its_own_blocks_still_in_write_back(tmp_p
     asyncio.run(main())
 
 
+def test_an_adopted_partial_last_block_is_served_and_never_persisted(tmp_path):
+    """A P/D request's partial last block, adopted with its full blocks: a lookup finds
+    it while the decode instance may load it; only the full blocks reach the store, and
+    every slot goes back once the request let go."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from dualpath.buffers.region import PinnedRegion
+    from dualpath.engine.metrics import NodeMetrics
+    from dualpath.engine.vllm_engine import VllmEngine
+    from dualpath.kv.placement import KvFormat
+    from dualpath.storage.config import StorageConfig
+
+    async def main():
+        region = PinnedRegion(8 << 20, huge_pages="off", lock=False)
+        eng = VllmEngine(node_id="d0", storage=StorageConfig(dir=str(tmp_path)),
+                         transfer=SimpleNamespace(), region=region, region_name="de_buffer",
+                         limiter=None, metrics=NodeMetrics(CollectorRegistry(), "decode"))
+        eng._open_space("m", KvFormat(2, 4, (64,)))
+        space = eng.space
+        eng.model_id = "m"
+        held = space.pool.try_reserve(3)
+        tail = KEYS[5]                             # (any key: the tail's own)
+        s = eng.adopt("r", KEYS[:2] + [tail], held, tail=True)
+        for _ in range(100):
+            if space.store.contains(KEYS[1]):
+                break
+            await asyncio.sleep(0.01)
+        assert space.store.contains(KEYS[1])
+        assert eng.lookup("m", KEYS[:2] + [tail])[0] == 3     # held: found
+        assert space.pool.free == space.pool.capacity - 3
+        eng.release_adopted(s)
+        for _ in range(100):
+            if space.pool.free == space.pool.capacity:
+                break
+            await asyncio.sleep(0.01)
+        assert space.pool.free == space.pool.capacity
+        assert not space.store.contains(tail)
+        assert eng.lookup("m", KEYS[:2] + [tail])[0] == 2     # let go: gone
+        await eng.close()
+        region.close()
+
+    asyncio.run(main())
+
+
 def test_a_request_with_fewer_blocks_to_write_goes_first(tmp_path):
     """The emulated DE ranks each request's blocks by how many it writes (engine/
     decode.py): paced by the write direction, a first round's whole prompt does not

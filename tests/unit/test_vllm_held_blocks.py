@@ -16,7 +16,7 @@ from dualpath.engine.instance_cache import InstanceCache
 from dualpath.engine.peers import Prepared
 from dualpath.engine.vllm_decode import VllmDecoder
 from dualpath.kv.layout import BlockLayout
-from dualpath.kv.prefix import block_keys
+from dualpath.kv.prefix import block_keys, chain_key
 from dualpath.kv.profiles import get_profile
 from dualpath.storage.store import aligned_bytes
 
@@ -24,6 +24,7 @@ T = 4
 LAY = BlockLayout.of(get_profile("demo"))
 IDS = list(range(100, 100 + 5 * T + 2))        # 5 full blocks and 2 tokens
 KEYS = block_keys(IDS, T)[:5]
+TAIL = chain_key(KEYS[-1], IDS[5 * T:])          # the partial last block's key
 
 
 def _pool(slots: int) -> BlockPool:
@@ -31,7 +32,7 @@ def _pool(slots: int) -> BlockPool:
     return BlockPool("de buffer", mem, LAY, region_addr=mem.ctypes.data)
 
 
-def _to_decode(monkeypatch, held: int, base: int = 0):
+def _to_decode(monkeypatch, held: int, base: int = 0, tail: bool = False):
     writes = []
 
     async def write_layers(transfer, peer, src, src_units, dst, dst_units, first, stop,
@@ -42,8 +43,10 @@ def _to_decode(monkeypatch, held: int, base: int = 0):
     space = SimpleNamespace(fmt=SimpleNamespace(units=1, block_tokens=T), buffer="pe",
                             buffer_units=lambda res: [10 + i for i in range(len(res))])
     prep = Prepared(SimpleNamespace(units_of_slots=lambda slots: [20 + s for s in slots]),
-                    tuple(range(5 - base)), held, base)
+                    tuple(range(5 + tail - base)), held, base)
     node = SimpleNamespace(transfer=None)
+    if tail:
+        return vllm_prefill._ToDecode(node, space, "r", "de", prep, KEYS + [TAIL]), writes
     return vllm_prefill._ToDecode(node, space, "r", "de", prep, KEYS), writes
 
 
@@ -102,6 +105,30 @@ def test_nothing_held_sends_everything(monkeypatch):
     asyncio.run(main())
 
 
+def test_the_partial_last_block_goes_to_the_slot_after_the_full_ones(monkeypatch):
+    """The instance saves the prompt's partial last block (2 tokens) after its full
+    blocks: it goes whole to the DE's slot after them (a K plane is element-major on
+    vLLM's CPU backend: no byte range holds just its tokens), and counts in
+    PrefillDone.kv_blocks once there (one past the full blocks)."""
+    async def main():
+        out, writes = _to_decode(monkeypatch, held=3, tail=True)
+        pool = _pool(3)
+        full = pool.try_reserve(2)
+        out.on_saved(KEYS[3:], full)               # blocks 3, 4: whole
+        await out.wait()
+        assert out.whole_prefix() == 5
+        part = pool.try_reserve(1)
+        out.on_saved([TAIL], part)
+        await out.wait()
+        assert writes[-1] == ([10], [25], 0, T)    # the 6th slot
+        assert out.whole_prefix() == 6
+        out.push([0] * 6, 0, 6)                    # a staged whole: 3, 4 and the tail
+        await out.wait()
+        assert writes[-1] == ([13, 14, 15], [23, 24, 25], 0, 3 * T)
+        assert pool.free == pool.capacity          # each save's slots let go
+    asyncio.run(main())
+
+
 class _Engine:
     def __init__(self):
         self.space = SimpleNamespace(fmt=SimpleNamespace(block_tokens=T))
@@ -110,8 +137,8 @@ class _Engine:
         self.adopted = []
         self.salt_seen = None
 
-    def adopt(self, rid, keys, res):
-        self.adopted.append((list(keys), tuple(res.slots)))
+    def adopt(self, rid, keys, res, tail=False):
+        self.adopted.append((list(keys), tuple(res.slots)) + ((True,) if tail else ()))
         return res
 
     def release_adopted(self, res):
@@ -128,7 +155,7 @@ class _Instance:
                                finish_reason="length")
 
 
-def _decode(held: int, base: int = 0):
+def _decode(held: int, base: int = 0, kv_blocks: int = 5):
     eng = _Engine()
     pool = _pool(6)
     res = pool.try_reserve(6 - base)              # 5 full blocks and the partial one
@@ -137,8 +164,9 @@ def _decode(held: int, base: int = 0):
                               temperature=0.0, top_p=1.0, seed=-1, ignore_eos=True,
                               sampling={}, oracle=False)
     st = SimpleNamespace(payload=payload, request_id="r", attempt=1, buffer=res,
-                         spans=[SimpleNamespace(key=k) for k in KEYS], held=held, base=base)
-    done = SimpleNamespace(kv_blocks=5, first_token=(1, -0.1, False), first_top=None,
+                         spans=[SimpleNamespace(key=k) for k in KEYS + [TAIL]], held=held,
+                         base=base)
+    done = SimpleNamespace(kv_blocks=kv_blocks, first_token=(1, -0.1, False), first_top=None,
                            done_unix_s=1.0)
     timings = SimpleNamespace(first_token_unix_s=0.0, second_token_unix_s=0.0)
     dec = VllmDecoder(SimpleNamespace(tokens=None), eng, _Instance(eng))
@@ -175,3 +203,16 @@ def test_held_is_the_leading_full_blocks_in_the_instance_cache():
                     st.spans) == 0
     eng.instance_cache = None                      # vLLM's prefix cache off
     assert dec.held(st.payload, st.spans) == 0
+
+
+def test_the_partial_last_block_is_adopted_only_when_it_came():
+    """kv_blocks one past the full blocks: the PE sent the partial last block's tokens,
+    adopted with the rest as the tail (served, never persisted); kv_blocks = 5: it did
+    not come, and its slot is no lookup's."""
+    eng, pool, res, dec, st, done, timings = _decode(held=2, kv_blocks=6)
+    asyncio.run(dec.run(st, done, timings))
+    assert eng.adopted == [(KEYS[2:5] + [TAIL], res.slots[2:6], True)]
+    assert pool.free == pool.capacity
+    eng, _, res, dec, st, done, timings = _decode(held=0, kv_blocks=5)
+    asyncio.run(dec.run(st, done, timings))
+    assert eng.adopted == [(KEYS, res.slots)]

@@ -67,3 +67,23 @@ def test_unknown_or_mixed_layouts_are_refused_naming_the_shape():
         describe_kv_caches({"a": torch.zeros(NB, H, 2 * D, B).transpose(2, 3)}, B, D, H)
     with pytest.raises(UsageError, match="no KV cache tensors"):
         describe_kv_caches({}, B, D, H)
+
+
+def test_the_cpu_backend_stores_a_blocks_k_plane_element_major():
+    """What vLLM's CPU kernel really writes (ops.cpu_attn_reshape_and_cache): a block's
+    V plane holds token rows, but its K plane is [head_size, block_size], each element
+    of every token together. So only whole blocks move as bytes: a range of a block's
+    tokens is no range of its K plane (the P/D decode node's partial last block is
+    moved whole, and before the forward: dualpath/vllm/worker_side.py)."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    nb, h, b, d = 2, 2, 32, 32
+    kv = torch.zeros(nb, h, b, 2 * d)
+    kc, vc = kv.view(nb, h, 2 * b, d).chunk(2, dim=2)
+    n = 3
+    key = (torch.arange(n * h * d, dtype=torch.float32) + 1).view(n, h, d)
+    ops.cpu_attn_reshape_and_cache(key, -key, kc, vc, torch.arange(b, b + n), "vec")
+    k_plane = kv.view(nb, h, 2 * b, d)[1, 0, :b].reshape(-1)      # block 1, head 0
+    v_plane = kv.view(nb, h, 2 * b, d)[1, 0, b:].reshape(-1)
+    assert torch.equal(v_plane[d:2 * d], -key[1, 0])               # token 1: one row
+    assert torch.equal(k_plane.view(d, b)[:, 1], key[1, 0])        # token 1: a column
+    assert not torch.equal(k_plane[d:2 * d], key[1, 0])

@@ -8,7 +8,7 @@ was loaded (or went back to being computed after a failed load)."""
 
 from types import SimpleNamespace
 
-from dualpath.kv.prefix import block_keys
+from dualpath.kv.prefix import ROOT_KEY, block_keys, chain_key
 from dualpath.vllm.scheduler_side import SchedulerSide
 
 T = 4
@@ -179,9 +179,89 @@ def _first_saves(unsent: int) -> list:
     s.after_alloc(r, list(range(6)), 0)
     plan = s.build([_new("r", range(6), 4 * T)], _cached([]), {"r": T + 1})
     keys = block_keys(tokens, T)
-    return [[keys.index(k) for k in sv.keys] for sv in plan.saves]
+    tail = chain_key(keys[-1], tokens[5 * T:])       # (saved too: the DE's as well)
+    return [[keys.index(k) if k != tail else "tail" for k in sv.keys]
+            for sv in plan.saves]
 
 
 def test_a_pd_prefill_saves_every_block_its_decode_node_needs_and_no_other():
-    assert _first_saves(0) == [[0, 1, 2, 3, 4]]   # vLLM's local hits too: the DE's
-    assert _first_saves(3) == [[3, 4]]            # the DE's instance holds 0..2
+    assert _first_saves(0) == [[0, 1, 2, 3, 4], ["tail"]]   # local hits too: the DE's
+    assert _first_saves(3) == [[3, 4], ["tail"]]            # its instance holds 0..2
+
+
+def test_a_pd_prefill_saves_its_partial_last_block_in_the_step_that_computes_it():
+    """The prompt's partial last block (3 tokens) is saved under the key of its own
+    tokens, into its engine block, once: in the step whose tokens reach the prompt's
+    end, not before (a chunked prefill) and not again."""
+    tokens = list(range(10, 10 + 3 * T + 3))
+    keys = block_keys(tokens, T)
+    tail = chain_key(keys[-1], tokens[3 * T:])
+    s = SchedulerSide(Staged(0, 0), T)
+    r = _ticketed("r", tokens)
+    assert s.matched_tokens(r, 0) == 0
+    s.after_alloc(r, [4, 5, 6, 7], 0)
+    plan = s.build([_new("r", [4, 5, 6, 7], 0)], _cached([]), {"r": 2 * T})   # a chunk
+    assert [sv.keys for sv in plan.saves] == [keys[:2]]
+    plan = s.build([], _cached([("r", None, 2 * T)]), {"r": T + 3})           # the rest
+    assert [(sv.keys, sv.units) for sv in plan.saves] == [(keys[2:3], [6]), ([tail], [7])]
+    r.all_token_ids += [1]                               # decoded: block 3 fills
+    plan = s.build([], _cached([("r", None, 3 * T + 3)]), {"r": 1})
+    assert [sv.keys for sv in plan.saves] == [block_keys(r.all_token_ids, T)[3:]]
+    # Not a P/D prefill (no ticket): no partial block is ever saved.
+    s = SchedulerSide(Store(), T)
+    r = _req("q", tokens)
+    s.matched_tokens(r, 0)
+    s.after_alloc(r, [4, 5, 6, 7], 0)
+    plan = s.build([_new("q", [4, 5, 6, 7], 0)], _cached([]), {"q": len(tokens)})
+    assert [sv.keys for sv in plan.saves] == [keys]
+
+
+def test_a_pd_decode_loads_the_partial_last_block_its_node_holds():
+    """The decode instance's prompt is the prefill's and its first token: when the node
+    holds the prefill's partial last block (all but that token), the hit covers it too
+    and the load takes it into the request's next engine block; vLLM computes the last
+    token only. Without it, the full blocks as before."""
+    prefill = list(range(10, 10 + 3 * T + 2))            # 3 full blocks and 2 tokens
+    keys = block_keys(prefill, T)
+    tail = chain_key(keys[-1], prefill[3 * T:])
+    tokens = prefill + [99]                               # + the first token
+    store = Store()
+    store.keys.update(keys + [tail])
+    s = SchedulerSide(store, T)
+    r = _req("r", tokens)
+    assert s.matched_tokens(r, T) == 2 * T + 2            # vLLM holds block 0 itself
+    assert store.calls == 1                               # one lookup, tail and all
+    s.after_alloc(r, [4, 5, 6, 7], 2 * T + 2)
+    plan = s.build([_new("r", [4, 5, 6, 7], 3 * T + 2)], _cached([]), {"r": 1})
+    (load,) = plan.loads
+    assert (load.keys, load.units, load.tail) == (keys[1:] + [tail], [5, 6, 7], True)
+    assert not plan.saves                                 # block 3 is not full yet
+    store.keys.discard(tail)
+    q = _req("q", tokens)
+    assert s.matched_tokens(q, 0) == 3 * T                # the full blocks only
+    s.after_alloc(q, [1, 2, 3, 8], 3 * T)
+    (load,) = s.build([_new("q", [1, 2, 3, 8], 3 * T)], _cached([]), {"q": 3}).loads
+    assert load.keys == keys and not load.tail
+    # vLLM holds every full block itself: the tail alone.
+    store.keys.add(tail)
+    assert s.matched_tokens(_req("w", tokens), 3 * T) == 2
+    # A tail never follows a hole, nor goes with DualPath blocks of several units.
+    store.keys.discard(keys[1])
+    assert s.matched_tokens(_req("x", tokens), 0) == T
+    store.keys.update(keys)
+    assert SchedulerSide(store, T // 2, block_units=2).matched_tokens(_req("y", tokens), 0) \
+        == 3 * T
+    assert chain_key(ROOT_KEY, prefill[:T]) == keys[0]
+
+
+def test_vllm_taking_fewer_external_tokens_than_the_tail_loads_no_tail():
+    prefill = list(range(10, 10 + 2 * T + 2))
+    keys = block_keys(prefill, T)
+    store = Store()
+    store.keys.update(keys + [chain_key(keys[-1], prefill[2 * T:])])
+    s = SchedulerSide(store, T)
+    r = _req("r", prefill + [5])
+    assert s.matched_tokens(r, 0) == 2 * T + 2
+    s.after_alloc(r, [1, 2, 3], 2 * T)                    # vLLM cut it to whole blocks
+    (load,) = s.build([_new("r", [1, 2, 3], 2 * T)], _cached([]), {"r": 3}).loads
+    assert load.keys == keys

@@ -4,10 +4,13 @@ KV cache, against the single-instance oracle (vLLM's own prefix cache).
 
 Every turn goes through the scheduler: the prefill node stages the hit (its own reads,
 the decode node's, or both), drives its instance for the prompt, and sends every prompt
-block to the decode node's buffer; the decode node's instance loads them and generates.
-Equal greedy tokens and logprobs within conftest.TOL (another computation split than the
-oracle's: the decode instance recomputes the partial last block) mean the KV that crossed
-both nodes is the KV; a flipped byte is far outside it.
+block to the decode node's buffer, its partial last block too; the decode node's
+instance loads them all and computes the first token only, then generates. Equal greedy
+tokens and logprobs within conftest.TOL (the split reads, the recomputes after a fault
+and the partial block computed again where it did not come are other computation splits
+than the oracle's) mean the KV that crossed both nodes is the KV; a flipped byte, or a
+first token's KV overwritten by a late copy of its block, is far outside it (0.1 in
+logprob at the second token, measured when the partial block loaded layer by layer).
 """
 
 from __future__ import annotations

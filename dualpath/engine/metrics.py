@@ -50,6 +50,13 @@ class NodeMetrics:
             registry, "dualpath_node_prompt_blocks_held_by_instance_total",
             "Prompt blocks a vLLM decode node asked not to be sent: its instance's own "
             "prefix cache held them (engine/instance_cache.py).")
+        self.loop_stalls = m.counter(
+            registry, "dualpath_node_event_loop_stalls_total",
+            "Times the node's event loop ran no callback for over a second (its log "
+            "names where its thread was: dualpath/stall.py).")
+        self.loop_stalled = m.counter(
+            registry, "dualpath_node_event_loop_stalled_seconds_total",
+            "Seconds the node's event loop spent in those stalls.")
         self.fenced_blocks = m.gauge(
             registry, "dualpath_node_fenced_blocks",
             "Buffer or HBM blocks held back until the peer that may still write into them "

@@ -78,6 +78,7 @@ from dualpath.kv.synth import SyntheticKV
 from dualpath.lane import describe as describe_lane
 from dualpath.scheduler.core.batching import fit_attention
 from dualpath.sdnotify import Notifier
+from dualpath.stall import StallWatch
 from dualpath.storage.ratelimit import gbit_to_bytes_per_s
 from dualpath.storage.read_queue import ReadQueue
 from dualpath.trace.model import trajectory_token_ids
@@ -132,10 +133,18 @@ class NodeDaemon:
 
     # ------------------------------------------------------------ start-up
 
+    def _stalled(self, seconds: float) -> None:
+        self.metrics.loop_stalls.inc()
+        self.metrics.loop_stalled.inc(seconds)
+
     async def start(self) -> None:
         cfg, ecfg, s = self.cfg, self.cfg.engine, self.cfg.storage
         st = self._stack
         tls.log_mode(cfg.tls, f"node {self.node_id}", log)
+        # A blocked event loop is late for every lease, deadline and peer at once: say
+        # where it was blocked (dualpath/stall.py).
+        stall = StallWatch(f"node {self.node_id}", on_stall=self._stalled).start()
+        st.callback(stall.close)
         self.callers = Callers(cfg.tls, self.node_id)
         self.channels = GrpcChannels(cfg.tls)
         st.push_async_callback(self.channels.close)

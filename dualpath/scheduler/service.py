@@ -61,6 +61,7 @@ from dualpath.scheduler.core.scheduler import Scheduler
 from dualpath.scheduler.groupcommit import GroupCommit
 from dualpath.scheduler.journal import Batch, Journal, JournalError, open_scheduler
 from dualpath.sdnotify import Notifier
+from dualpath.stall import StallWatch
 from dualpath.v1 import admin_pb2, admin_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("dualpath.scheduler")
@@ -884,6 +885,8 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
     stop = stop or asyncio.Event()
     svc.on_fatal = stop.set
     notifier, watchdog = Notifier(), None     # systemd's Type=notify (deploy/*.service)
+    # Where a blocked loop is blocked (its lag: dualpath_scheduler_event_loop_lag_seconds).
+    stall = StallWatch("scheduler").start()
     journald.set_fields(DUALPATH_ROLE="scheduler")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -926,6 +929,7 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
         await set_serving(server, False)
         await server.stop(5.0)
     finally:
+        stall.close()
         if watchdog is not None:
             watchdog.cancel()
         notifier.close()

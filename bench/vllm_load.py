@@ -14,6 +14,11 @@ Method
     vllm      one plain `python -m vllm.entrypoints.openai.api_server`, prefix caching
               on, on all the cores DualPath's two instances share, with their two KV
               caches' worth of KV cache (2 x --kv-cache-gib)
+    vllm-1c   (--one-core-reference, on by default; the concurrent case only) the same
+              plain vLLM bound to one core, as each of DualPath's two instances is: how
+              much of the gap is the host's two cores cut in two (a burst's prefills run
+              on one core, then its decodes on the other, where plain vLLM runs both on
+              two), and how much is DualPath's own
   The systems run one at a time, alternated within each repetition (the idle one costs
   ~1% of a core).
   Cases:
@@ -34,8 +39,9 @@ Method
   lease losses (a group registered again); both must be 0.
 
 Prints a table and writes the same record as JSON (--json) with a ``summary``:
-concurrent_hit_wall_vs_vllm_max (K = 4 and 8), agentic_jct_vs_vllm, idle_cores,
-startup_s, tokens_mismatched, load_timeouts, lease_losses.
+concurrent_hit_wall_vs_vllm_max (K = 4 and 8), concurrent_hit_wall_vs_vllm_one_core (per
+K), agentic_jct_vs_vllm, idle_cores, startup_s, tokens_mismatched, load_timeouts,
+lease_losses.
 """
 
 from __future__ import annotations
@@ -184,6 +190,9 @@ def main(argv=None) -> int:
                     help="repetitions of the agentic case (each prefills every agent's "
                     "first context on both systems: minutes with SmolLM2 on 2 cores)")
     ap.add_argument("--cases", default="concurrent,agentic")
+    ap.add_argument("--one-core-reference", action=argparse.BooleanOptionalAction,
+                    default=True, help="also run the concurrent case on plain vLLM bound "
+                    "to one core, as each DualPath instance is")
     ap.add_argument("--idle-s", type=float, default=10.0)
     ap.add_argument("--work-dir", default="", help="keep the systems' logs here")
     ap.add_argument("--json", metavar="PATH")
@@ -212,6 +221,9 @@ def main(argv=None) -> int:
                  "concurrent": {}, "agentic": {}, "startup_s": {}, "idle_cores": {}}
     plain = PlainVllm(model, args.max_model_len, 2 * args.kv_cache_gib, work,
                       core_slices(1)[0])
+    one = (PlainVllm(model, args.max_model_len, args.kv_cache_gib, work / "one-core",
+                     core_slices(2)[1]) if args.one_core_reference and "concurrent" in cases
+           else None)
     pd = VllmPdCluster(model, work_dir=str(work / "dualpath"), max_model_len=args.max_model_len,
                        kv_cache_gib=args.kv_cache_gib, frontend={},
                        prefix_caching=args.dualpath_prefix_caching)
@@ -226,6 +238,11 @@ def main(argv=None) -> int:
         first_served(pd.frontend_url, model.name)
         rec["startup_s"]["dualpath"] = time.monotonic() - t0
         urls = {"vllm": plain.url, "dualpath": pd.frontend_url}
+        if one is not None:
+            (work / "one-core").mkdir(exist_ok=True)
+            one.start()
+            first_served(one.url, model.name)
+            urls["vllm-1c"] = one.url
         time.sleep(3)                       # let start-up work settle before idling
         rec["idle_cores"]["dualpath"] = idle_cores(lambda: _dualpath_pids(pd), args.idle_s)
         rec["idle_cores"]["vllm"] = idle_cores(lambda: _group(plain.proc.pid),
@@ -234,18 +251,21 @@ def main(argv=None) -> int:
         rng = random.Random(args.seed)
         for rep in range(args.reps):
             order = ["dualpath", "vllm"] if rep % 2 == 0 else ["vllm", "dualpath"]
+            corder = order + (["vllm-1c"] if one is not None else [])
+            if rep % 2 and one is not None:
+                corder = corder[::-1]
             if "concurrent" in cases:
                 # One stored history per repetition (storing it is a full prefill);
                 # each K's suffixes are new, so no K hits another's.
                 prefix = [rng.randrange(vocab) for _ in range(args.prefix_tokens)]
-                for sysname in order:
+                for sysname in corder:
                     asyncio.run(store(urls[sysname], model.name, prefix, f"s{rep}"))
                 pd.wait_written()            # stored: on disk, not only in write-back
                 for k in ks:
                     sufs = [[rng.randrange(vocab) for _ in range(args.suffix_tokens)]
                             for _ in range(k)]
                     toks = {}
-                    for sysname in order:
+                    for sysname in corder:
                         wall, toks[sysname] = asyncio.run(concurrent(
                             urls[sysname], model.name, prefix, sufs, args.gen,
                             f"c{rep}-{k}-{sysname}"))
@@ -255,7 +275,7 @@ def main(argv=None) -> int:
                             pd.wait_written()
                     mismatched += sum(a != b for a, b in zip(toks["dualpath"], toks["vllm"]))
                     print(f"rep {rep} K={k}: " + ", ".join(
-                        f"{s} {rec['concurrent'][str(k)][s][-1]:.2f} s" for s in order),
+                        f"{s} {rec['concurrent'][str(k)][s][-1]:.2f} s" for s in corder),
                         flush=True)
             if "agentic" in cases and rep < args.agentic_reps:
                 trace = _trace(args, rep, scale)
@@ -284,6 +304,8 @@ def main(argv=None) -> int:
     finally:
         pd.stop()
         plain.stop()
+        if one is not None:
+            one.stop()
         pd.cleanup(keep=bool(args.work_dir))
     return report(rec, ks, args)
 
@@ -303,32 +325,38 @@ def report(rec: dict, ks: list[int], args) -> int:
     med = statistics.median
     print(f"\nDualPath under load ({rec['settings']['model']}, context "
           f"{args.max_model_len}; medians of {args.reps} alternated repetitions)")
-    print("| case | DualPath P/D (s) | plain vLLM (s) | DualPath / vLLM |")
-    print("|---|---|---|---|")
-    ratios = {}
+    print("| case | DualPath P/D (s) | plain vLLM (s) | DualPath / vLLM | plain vLLM, one "
+          "core (s) | DualPath / vLLM on one core |")
+    print("|---|---|---|---|---|---|")
+    ratios, ratios1 = {}, {}
     for k in ks:
         c = rec["concurrent"].get(str(k))
         if not c:
             continue
         d, v = med(c["dualpath"]), med(c["vllm"])
         ratios[k] = d / v
+        v1 = med(c["vllm-1c"]) if c.get("vllm-1c") else None
+        if v1:
+            ratios1[k] = d / v1
         print(f"| K={k} concurrent on a stored {args.prefix_tokens}-token prefix, wall "
-              f"| {d:.2f} | {v:.2f} | {d / v:.2f} |")
+              f"| {d:.2f} | {v:.2f} | {d / v:.2f} | "
+              + (f"{v1:.2f} | {d / v1:.2f} |" if v1 else "| |"))
     agentic = None
     if rec["agentic"]:
         d = med(s["jct_s"] for s in rec["agentic"]["dualpath"])
         v = med(s["jct_s"] for s in rec["agentic"]["vllm"])
         agentic = d / v
         print(f"| agentic, {args.agents} agents x {args.rounds} rounds, JCT | {d:.2f} | "
-              f"{v:.2f} | {agentic:.2f} |")
+              f"{v:.2f} | {agentic:.2f} | | |")
     for what, unit in (("startup_s", "s"), ("idle_cores", "cores")):
         r = rec[what]
         print(f"| {what} ({unit}) | {r['dualpath']:.3f} | {r['vllm']:.3f} | "
-              f"{r['dualpath'] / r['vllm']:.2f} |")
+              f"{r['dualpath'] / r['vllm']:.2f} | | |")
     high = [ratios[k] for k in (4, 8) if k in ratios]
     rec["summary"] = {
         "concurrent_hit_wall_vs_vllm": {str(k): r for k, r in ratios.items()},
         "concurrent_hit_wall_vs_vllm_max": max(high) if high else None,
+        "concurrent_hit_wall_vs_vllm_one_core": {str(k): r for k, r in ratios1.items()},
         "agentic_jct_vs_vllm": agentic,
         "idle_cores": rec["idle_cores"]["dualpath"],
         "idle_cores_vllm": rec["idle_cores"]["vllm"],

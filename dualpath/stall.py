@@ -27,7 +27,7 @@ class StallWatch:
     """See the module docstring. Start it from the loop's own thread; ``close()`` is
     idempotent."""
 
-    def __init__(self, name: str, threshold_s: float = 1.0, period_s: float = 0.25,
+    def __init__(self, name: str, threshold_s: float = 1.0, period_s: float = 0.5,
                  on_stall: Callable[[float], None] | None = None):
         self.name = name
         self.threshold_s = threshold_s

@@ -8,11 +8,19 @@ no-op every ``period_s``; when the loop has not run one for ``threshold_s`` it l
 per stall, the Python stack of the loop's thread (where it is blocked), and when the
 loop runs again, how long the stall lasted. ``on_stall(seconds)`` counts each one
 (metrics). The thread only reads: it never touches the loop's state.
+
+A C call that keeps the GIL stops every Python thread, this one too: then nobody can
+look. For that the thread keeps :func:`faulthandler.dump_traceback_later` armed two
+thresholds ahead (its timer is a C thread that needs no GIL): if this thread has not
+re-armed it by then, every thread's stack goes to stderr, the holder's among them, and
+once this thread runs again it logs how long the process ran no Python (a SIGSTOP looks
+the same).
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import sys
 import threading
@@ -49,17 +57,40 @@ class StallWatch:
         self._thread.start()
         return self
 
+    def _arm(self) -> None:
+        """Every thread's stack to the process's stderr if this thread does not call
+        again within two thresholds (a no-op where stderr is no file)."""
+        try:
+            faulthandler.dump_traceback_later(2 * self.threshold_s, file=sys.__stderr__)
+        except (AttributeError, ValueError, OSError):
+            pass
+
     def _pong(self) -> None:
         self._last = time.monotonic()
 
     def _run(self) -> None:
         assert self._loop is not None
-        while not self._stop.wait(self.period_s):
+        tick = time.monotonic()
+        while True:
+            self._arm()
+            if self._stop.wait(self.period_s):
+                return
+            now = time.monotonic()
+            if now - tick > self.period_s + self.threshold_s:
+                log.warning("%s: no Python thread ran for %.1f s (a C call holding the "
+                            "GIL, the process stopped, or the host starved)%s", self.name,
+                            now - tick - self.period_s,
+                            "; every thread's stack is above" if now - tick - self.period_s
+                            > 2 * self.threshold_s else "")
+                if self.on_stall is not None:
+                    self.on_stall(now - tick - self.period_s)
+                self._last = now         # the loop had no chance either: not its stall
+            tick = now
             try:
                 self._loop.call_soon_threadsafe(self._pong)
             except RuntimeError:         # the loop closed
                 return
-            now, last = time.monotonic(), self._last
+            last = self._last
             if now - last > self.threshold_s:
                 if not self._stalled_since:
                     self._stalled_since = last
@@ -76,6 +107,7 @@ class StallWatch:
 
     def close(self) -> None:
         self._stop.set()
+        faulthandler.cancel_dump_traceback_later()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.period_s + 1)
         self._thread = None

@@ -40,3 +40,33 @@ def test_a_loop_that_runs_reports_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="dualpath.stall"):
         asyncio.run(main())
     assert stalls == [] and "blocked" not in caplog.text
+
+
+def test_a_process_that_ran_no_python_is_told_apart_from_a_blocked_loop(caplog):
+    """The watch thread itself did not run (a C call holding the GIL, a SIGSTOP): it
+    says so, counts it, and does not blame the loop."""
+    stalls: list[float] = []
+
+    async def main():
+        w = StallWatch("t", threshold_s=0.3, period_s=0.05, on_stall=stalls.append).start()
+        await asyncio.sleep(0.1)
+        w._stop.wait = _oversleep(w._stop.wait)      # its next wait lasts 0.8 s
+        await asyncio.sleep(1.2)
+        w.close()
+    with caplog.at_level(logging.WARNING, logger="dualpath.stall"):
+        asyncio.run(main())
+    assert "no Python thread ran for" in caplog.text
+    assert "event loop blocked" not in caplog.text
+    assert len(stalls) == 1 and stalls[0] > 0.5
+
+
+def _oversleep(wait):
+    once = [True]
+
+    def w(timeout):
+        if once[0]:
+            once[0] = False
+            time.sleep(0.8)
+            return False
+        return wait(timeout)
+    return w

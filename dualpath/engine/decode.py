@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,6 +102,9 @@ class NotYours(RequestFailed):
 
 #: Bounds on what a PrepareRequest may ask the DE to allocate for.
 MAX_PROMPT_TOKENS = 1 << 24
+#: Requests whose cancelled attempt a DE remembers (a PrepareRequest of it that arrives
+#: late, after the cancel, is refused): the oldest are forgotten first.
+CANCELLED_REMEMBERED = 16384
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,11 @@ class DecodePath:
         # Dropped states whose tasks have not ended yet (a load may still be writing into
         # its PE's memory): Engine.CancelRequest waits for them, found or not.
         self.ending: dict[str, list[DecodeState]] = {}
+        # request -> the newest attempt its PE cancelled here: a PrepareRequest of that
+        # attempt or an older one that arrives after the cancel (it was on its way
+        # through a partition, or the PE gave up waiting for its answer) must not
+        # prepare a state nobody will end (bounded: CANCELLED_REMEMBERED).
+        self.cancelled: OrderedDict[str, int] = OrderedDict()
 
     def assign(self, e: EngineRank, a) -> None:
         """Count assignment ``a`` on engine ``e`` (tokens, HBM promised) until it ends; a
@@ -186,8 +195,11 @@ class DecodePath:
         - states dropped earlier whose tasks are ending (the scheduler's cancel, a newer
           attempt's PrepareRequest): waited for until released.
         A fence left by an earlier drop of that PE's attempt is released. True when it
-        was here (held or still ending)."""
+        was here (held or still ending). That attempt (when said) is remembered as
+        cancelled: its PrepareRequest, should it come later, is refused."""
         self.node.fences.settled(rid, attempt, caller)
+        if attempt:
+            self._cancelled(rid, attempt)
         st = self.requests.get(rid)
         if st is not None and st.decoding and attempt in (0, st.attempt):
             live = [t for t in st.loads if not t.done()]
@@ -204,6 +216,11 @@ class DecodePath:
         if ending:      # an earlier drop fenced its slots once its tasks ended: ours now
             self.node.fences.settled(rid, attempt, caller)
         return held or bool(ending)
+
+    def _cancelled(self, rid: str, attempt: int) -> None:
+        self.cancelled[rid] = max(attempt, self.cancelled.pop(rid, 0))
+        while len(self.cancelled) > CANCELLED_REMEMBERED:
+            self.cancelled.popitem(last=False)
 
     def state(self, rid: str, attempt: int) -> DecodeState:
         """The state of ``rid`` for a message of ``attempt`` (0 = unsaid): KeyError when
@@ -282,6 +299,9 @@ class DecodePath:
         if req.attempt and req.attempt < held:
             raise StaleAttempt(f"PrepareRequest of {rid} for attempt {req.attempt}; attempt "
                                f"{held} is held here")
+        if req.attempt and req.attempt <= self.cancelled.get(rid, 0):
+            raise StaleAttempt(f"PrepareRequest of {rid} for attempt {req.attempt}: its "
+                               "prefill node cancelled that attempt here already")
         if old is not None:            # a newer attempt (or the same one again): start over
             del self.requests[rid]
             n.spawn(self._end(old, fence=not old.decoding))
@@ -296,7 +316,8 @@ class DecodePath:
         base = 0 if req.decode_read_tokens else cached
         res = await self.space.pool.reserve(len(spans) - base) if moves_kv else None
         if self.requests.get(rid) is not None or \
-                (req.attempt and req.attempt < self.assigned.get(rid, 0)):
+                (req.attempt and (req.attempt < self.assigned.get(rid, 0)
+                                  or req.attempt <= self.cancelled.get(rid, 0))):
             # Overtaken while waiting for slots (a newer attempt, or a cancel of it).
             if res is not None:
                 res.release()

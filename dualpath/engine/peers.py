@@ -23,7 +23,9 @@ Threads: the node's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -49,6 +51,8 @@ REPORTS_PER_CALL = 1024
 #: About how many bytes one Report call carries at most (a quarter of gRPC's default
 #: 4 MiB receive limit): a real engine's timings carry its generated tokens.
 REPORT_BYTES_PER_CALL = 1 << 20
+
+log = logging.getLogger("dualpath.engine")
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,21 @@ class PeerClient:
         with contextlib.suppress(PeerUnavailable):
             await self.stop(peer, request_id, attempt, timeout_s=2.0)
             return True
+        return False
+
+    async def cancel_until_answered(self, peer: str, request_id: str, attempt: int,
+                                    tries: int = 6) -> bool:
+        """:meth:`cancel`, tried again (1, 2, 4... s apart; about a minute in all) until
+        the peer answers: for a PrepareRequest whose answer never came, which may still
+        arrive there (through a partition) and prepare a state nobody would end; the
+        peer refuses it once it knows the attempt cancelled. True when it answered."""
+        for i in range(tries):
+            if await self.cancel(peer, request_id, attempt):
+                return True
+            if i + 1 < tries:
+                await asyncio.sleep(2.0 ** i)
+        log.warning("%s: %s never answered the cancel of attempt %d (its lease ends what "
+                    "it holds)", request_id, peer, attempt)
         return False
 
     async def partial(self, sink: str, request_id: str, attempt: int, offset: int,

@@ -247,6 +247,12 @@ class PrefillPath:
                                          phases=(assigned, allocated, staged)))
             finished = True
         finally:
+            if prep is None and not finished:
+                # The PrepareRequest never answered (it failed, or we were cancelled
+                # while it was on its way): it may still reach the DE and prepare a
+                # state nobody ends. The DE refuses it once it knows the attempt
+                # cancelled; told in the background, nothing here waits for it.
+                n.spawn(n.peers.cancel_until_answered(de, rid, a.attempt))
             # Run to its end whatever cancels us meanwhile (a scheduler cancel landing
             # while the DE is told): a skipped release leaks the slots for good.
             await to_the_end(self._let_go(de, rid, a.attempt,

@@ -182,6 +182,10 @@ class VllmPrefillPath(PrefillPath):
             await self._done(de, report)
             finished = True
         finally:
+            if prep is None and not finished:
+                # The PrepareRequest never answered: the DE must refuse it should it
+                # still come (prefill.py says why); told in the background.
+                n.spawn(n.peers.cancel_until_answered(de, rid, a.attempt))
             # Run to its end whatever cancels us meanwhile (a scheduler cancel landing
             # while the DE is told): a skipped release leaks the slots for good.
             await to_the_end(self._let_go(de, rid, a.attempt, prep is not None and not

@@ -27,6 +27,7 @@ FMT = KvFormat.flat(BlockLayout(2, 4, 8))
 
 class Slots:
     released = False
+    slots = (0,)
 
     def release(self):
         self.released = True
@@ -41,7 +42,7 @@ def _path(connect_gate: asyncio.Event, spawned: list):
         return asyncio.ensure_future(coro)
 
     d = DecodePath.__new__(DecodePath)
-    d.requests, d.assigned, d.ending = {}, {}, {}
+    d.requests, d.assigned, d.ending, d.cancelled = {}, {}, {}, {}
     d.space = SimpleNamespace(fmt=FMT, read_queue=SimpleNamespace(forget=lambda rid: None))
     d.node = SimpleNamespace(transfer=SimpleNamespace(connect=connect), spawn=spawn,
                              fences=SimpleNamespace(settled=lambda *a: None))
@@ -190,3 +191,92 @@ def test_an_order_into_a_reservation_without_the_held_blocks_slots_is_refused():
         return spawned
 
     assert asyncio.run(main()) == []
+
+
+class _Pool:
+    def __init__(self):
+        self.held = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def reserve(self, n):
+        await self.gate.wait()
+        s = Slots()
+        self.held.append(s)
+        return s
+
+
+def _preparing_path():
+    from dualpath.engine.decode import PrepareCall
+
+    d = _path(asyncio.Event(), [])
+    d.decoder = None
+    d.ranks = {"de/e0": SimpleNamespace(tokens={})}
+    d.space.buffer = "de_buffer"
+    d.space.pool = _Pool()
+    d.node.tokens = None
+    d.node.metrics = SimpleNamespace(held_by_instance=SimpleNamespace(inc=lambda n: None))
+    payload = SimpleNamespace(prompt_tokens=8, oracle=False,
+                              token_ids=lambda n, source: list(range(n)))
+
+    def call(attempt):
+        return PrepareCall("r1", "de/e0", "pe", 8, 4, 0, payload, attempt=attempt)
+    return d, call
+
+
+def test_a_prepare_that_comes_after_its_attempts_cancel_is_refused():
+    """The prefill node gave up on its PrepareRequest (no answer: a partition) and told
+    the DE the attempt is cancelled; the PrepareRequest, still on its way, arrives
+    after: it must not prepare a state nobody would ever end (the soak's leak: 7
+    de_buffer slots and 384 read-queue tokens held until the node's lease was lost). A
+    newer attempt is prepared as usual."""
+    async def main():
+        d, call = _preparing_path()
+        assert not await d.stop("r1", 2, None)            # "not known": remembered
+        with pytest.raises(StaleAttempt, match="cancelled that attempt"):
+            await d.prepare(call(2))
+        assert d.requests == {} and d.space.pool.held == []
+        await d.prepare(call(3))
+        assert d.requests["r1"].attempt == 3
+
+    asyncio.run(main())
+
+
+def test_a_cancel_landing_while_the_prepare_waits_for_slots_ends_it_there():
+    async def main():
+        d, call = _preparing_path()
+        d.space.pool.gate.clear()                         # the pool is full for now
+        preparing = asyncio.ensure_future(d.prepare(call(2)))
+        await asyncio.sleep(0)
+        await d.stop("r1", 2, None)
+        d.space.pool.gate.set()
+        with pytest.raises(StaleAttempt, match="overtaken"):
+            await preparing
+        assert d.requests == {} and all(s.released for s in d.space.pool.held)
+
+    asyncio.run(main())
+
+
+def test_a_prefill_node_tells_the_cancel_until_the_decode_node_answers(monkeypatch):
+    """The cancel of an unanswered PrepareRequest is tried again until the DE answers
+    (through the partition that held the prepare back), a bounded number of times."""
+    from dualpath.engine import peers as peers_mod
+    from dualpath.engine.errors import PeerUnavailable
+
+    calls = []
+
+    async def stop(peer, rid, attempt, timeout_s):
+        calls.append((peer, rid, attempt))
+        if len(calls) < 3:
+            raise PeerUnavailable("cut off")
+
+    async def no_sleep(s):
+        pass
+    monkeypatch.setattr(peers_mod.asyncio, "sleep", no_sleep)
+    pc = peers_mod.PeerClient.__new__(peers_mod.PeerClient)
+    pc.stop = stop
+    assert asyncio.run(pc.cancel_until_answered("de", "r1", 2)) is True
+    assert calls == [("de", "r1", 2)] * 3
+    calls.clear()
+    assert asyncio.run(pc.cancel_until_answered("de", "r1", 2, tries=2)) is False
+    assert len(calls) == 2

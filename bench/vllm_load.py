@@ -18,9 +18,12 @@ Method
               plain vLLM bound to one core, as each of DualPath's two instances is: how
               much of the gap is the host's two cores cut in two (a burst's prefills run
               on one core, then its decodes on the other, where plain vLLM runs both on
-              two), and how much is DualPath's own
-  The systems run one at a time, alternated within each repetition (the idle one costs
-  ~1% of a core).
+              two), and how much is DualPath's own. It runs the same cases (the same
+              prefixes and suffixes) once the other two have stopped: resident beside
+              them, bound to the decode instance's core, it slowed DualPath's K = 8 from
+              9.6 s to 17.5 s although idle
+  The two systems run one at a time, alternated within each repetition (the idle one
+  costs ~1% of a core).
   Cases:
     concurrent  K = 1, 2, 4, 8 requests at once, each a stored --prefix-tokens history
                 (one per repetition, stored by one request first, its write-back
@@ -224,6 +227,7 @@ def main(argv=None) -> int:
     one = (PlainVllm(model, args.max_model_len, args.kv_cache_gib, work / "one-core",
                      core_slices(2)[1]) if args.one_core_reference and "concurrent" in cases
            else None)
+    cases_run: list[tuple[int, list[int], int, list[list[int]]]] = []   # for vllm-1c
     pd = VllmPdCluster(model, work_dir=str(work / "dualpath"), max_model_len=args.max_model_len,
                        kv_cache_gib=args.kv_cache_gib, frontend={},
                        prefix_caching=args.dualpath_prefix_caching)
@@ -238,11 +242,6 @@ def main(argv=None) -> int:
         first_served(pd.frontend_url, model.name)
         rec["startup_s"]["dualpath"] = time.monotonic() - t0
         urls = {"vllm": plain.url, "dualpath": pd.frontend_url}
-        if one is not None:
-            (work / "one-core").mkdir(exist_ok=True)
-            one.start()
-            first_served(one.url, model.name)
-            urls["vllm-1c"] = one.url
         time.sleep(3)                       # let start-up work settle before idling
         rec["idle_cores"]["dualpath"] = idle_cores(lambda: _dualpath_pids(pd), args.idle_s)
         rec["idle_cores"]["vllm"] = idle_cores(lambda: _group(plain.proc.pid),
@@ -251,21 +250,19 @@ def main(argv=None) -> int:
         rng = random.Random(args.seed)
         for rep in range(args.reps):
             order = ["dualpath", "vllm"] if rep % 2 == 0 else ["vllm", "dualpath"]
-            corder = order + (["vllm-1c"] if one is not None else [])
-            if rep % 2 and one is not None:
-                corder = corder[::-1]
             if "concurrent" in cases:
                 # One stored history per repetition (storing it is a full prefill);
                 # each K's suffixes are new, so no K hits another's.
                 prefix = [rng.randrange(vocab) for _ in range(args.prefix_tokens)]
-                for sysname in corder:
+                for sysname in order:
                     asyncio.run(store(urls[sysname], model.name, prefix, f"s{rep}"))
                 pd.wait_written()            # stored: on disk, not only in write-back
                 for k in ks:
                     sufs = [[rng.randrange(vocab) for _ in range(args.suffix_tokens)]
                             for _ in range(k)]
+                    cases_run.append((rep, prefix, k, sufs))
                     toks = {}
-                    for sysname in corder:
+                    for sysname in order:
                         wall, toks[sysname] = asyncio.run(concurrent(
                             urls[sysname], model.name, prefix, sufs, args.gen,
                             f"c{rep}-{k}-{sysname}"))
@@ -275,7 +272,7 @@ def main(argv=None) -> int:
                             pd.wait_written()
                     mismatched += sum(a != b for a, b in zip(toks["dualpath"], toks["vllm"]))
                     print(f"rep {rep} K={k}: " + ", ".join(
-                        f"{s} {rec['concurrent'][str(k)][s][-1]:.2f} s" for s in corder),
+                        f"{s} {rec['concurrent'][str(k)][s][-1]:.2f} s" for s in order),
                         flush=True)
             if "agentic" in cases and rep < args.agentic_reps:
                 trace = _trace(args, rep, scale)
@@ -304,10 +301,29 @@ def main(argv=None) -> int:
     finally:
         pd.stop()
         plain.stop()
-        if one is not None:
-            one.stop()
         pd.cleanup(keep=bool(args.work_dir))
+    if one is not None and cases_run:
+        one_core(one, model.name, cases_run, args.gen, rec, work)
     return report(rec, ks, args)
+
+
+def one_core(one: PlainVllm, model: str, cases_run, gen: int, rec: dict, work: Path) -> None:
+    """The concurrent cases again on plain vLLM bound to one core, alone on the host."""
+    (work / "one-core").mkdir(exist_ok=True)
+    try:
+        one.start()
+        first_served(one.url, model)
+        stored = -1
+        for rep, prefix, k, sufs in cases_run:
+            if rep != stored:
+                asyncio.run(store(one.url, model, prefix, f"s{rep}"))
+                stored = rep
+            wall, _ = asyncio.run(concurrent(one.url, model, prefix, sufs, gen,
+                                             f"c{rep}-{k}-vllm-1c"))
+            rec["concurrent"][str(k)].setdefault("vllm-1c", []).append(wall)
+            print(f"rep {rep} K={k}: vllm-1c {wall:.2f} s", flush=True)
+    finally:
+        one.stop()
 
 
 def _dualpath_faults(pd: VllmPdCluster) -> tuple[int, int]:

@@ -97,10 +97,9 @@ def test_a_stop_gives_pending_slots_back_unwritten_after_a_bounded_wait(tmp_path
     asyncio.run(main())
 
 
-def test_a_vllm_decode_nodes_reads_find_its_own_blocks_still_in_write_back(tmp_path):
-    """The DE read path's LOAD_HIT_KV reads go through KvSpace.read: a block the node's
-    vLLM write-back still holds (an agent's previous round, decoded here) is copied from
-    DRAM, not found missing and recomputed."""
+def _vllm_engine(tmp_path, limiter):
+    """A decode node's VllmEngine over a real store in ``tmp_path``, its KV space open
+    (model "m"); and its region, for the caller to close."""
     from types import SimpleNamespace
 
     from prometheus_client import CollectorRegistry
@@ -111,13 +110,21 @@ def test_a_vllm_decode_nodes_reads_find_its_own_blocks_still_in_write_back(tmp_p
     from dualpath.kv.placement import KvFormat
     from dualpath.storage.config import StorageConfig
 
+    region = PinnedRegion(8 << 20, huge_pages="off", lock=False)
+    eng = VllmEngine(node_id="d0", storage=StorageConfig(dir=str(tmp_path)),
+                     transfer=SimpleNamespace(), region=region, region_name="de_buffer",
+                     limiter=limiter, metrics=NodeMetrics(CollectorRegistry(), "decode"))
+    eng._open_space("m", KvFormat(2, 4, (64,)))
+    return eng, region
+
+
+def test_a_vllm_decode_nodes_reads_find_its_own_blocks_still_in_write_back(tmp_path):
+    """The DE read path's LOAD_HIT_KV reads go through KvSpace.read: a block the node's
+    vLLM write-back still holds (an agent's previous round, decoded here) is copied from
+    DRAM, not found missing and recomputed."""
     async def main():
         lim = GatedLimiter()
-        region = PinnedRegion(8 << 20, huge_pages="off", lock=False)
-        eng = VllmEngine(node_id="d0", storage=StorageConfig(dir=str(tmp_path)),
-                         transfer=SimpleNamespace(), region=region, region_name="de_buffer",
-                         limiter=lim, metrics=NodeMetrics(CollectorRegistry(), "decode"))
-        eng._open_space("m", KvFormat(2, 4, (64,)))
+        eng, region = _vllm_engine(tmp_path, lim)
         space = eng.space
         held = space.pool.try_reserve(2)
         for i in range(2):
@@ -141,22 +148,8 @@ def test_an_adopted_partial_last_block_is_served_and_never_persisted(tmp_path):
     """A P/D request's partial last block, adopted with its full blocks: a lookup finds
     it while the decode instance may load it; only the full blocks reach the store, and
     every slot goes back once the request let go."""
-    from types import SimpleNamespace
-
-    from prometheus_client import CollectorRegistry
-
-    from dualpath.buffers.region import PinnedRegion
-    from dualpath.engine.metrics import NodeMetrics
-    from dualpath.engine.vllm_engine import VllmEngine
-    from dualpath.kv.placement import KvFormat
-    from dualpath.storage.config import StorageConfig
-
     async def main():
-        region = PinnedRegion(8 << 20, huge_pages="off", lock=False)
-        eng = VllmEngine(node_id="d0", storage=StorageConfig(dir=str(tmp_path)),
-                         transfer=SimpleNamespace(), region=region, region_name="de_buffer",
-                         limiter=None, metrics=NodeMetrics(CollectorRegistry(), "decode"))
-        eng._open_space("m", KvFormat(2, 4, (64,)))
+        eng, region = _vllm_engine(tmp_path, None)
         space = eng.space
         eng.model_id = "m"
         held = space.pool.try_reserve(3)

@@ -154,11 +154,12 @@ class DecodePath:
         # Dropped states whose tasks have not ended yet (a load may still be writing into
         # its PE's memory): Engine.CancelRequest waits for them, found or not.
         self.ending: dict[str, list[DecodeState]] = {}
-        # request -> the newest attempt its PE cancelled here: a PrepareRequest of that
-        # attempt or an older one that arrives after the cancel (it was on its way
-        # through a partition, or the PE gave up waiting for its answer) must not
-        # prepare a state nobody will end (bounded: CANCELLED_REMEMBERED).
-        self.cancelled: OrderedDict[str, int] = OrderedDict()
+        # request -> (the newest attempt a PE cancelled here, that PE's identity): a
+        # PrepareRequest of that attempt or an older one from the same PE that arrives
+        # after the cancel (it was on its way through a partition, or the PE gave up
+        # waiting for its answer) must not prepare a state nobody ends (bounded:
+        # CANCELLED_REMEMBERED). Another caller's cancel never refuses a PE's prepare.
+        self.cancelled: OrderedDict[str, tuple[int, Identity | None]] = OrderedDict()
 
     def assign(self, e: EngineRank, a) -> None:
         """Count assignment ``a`` on engine ``e`` (tokens, HBM promised) until it ends; a
@@ -199,7 +200,7 @@ class DecodePath:
         cancelled: its PrepareRequest, should it come later, is refused."""
         self.node.fences.settled(rid, attempt, caller)
         if attempt:
-            self._cancelled(rid, attempt)
+            self._cancelled(rid, attempt, caller)
         st = self.requests.get(rid)
         if st is not None and st.decoding and attempt in (0, st.attempt):
             live = [t for t in st.loads if not t.done()]
@@ -217,10 +218,19 @@ class DecodePath:
             self.node.fences.settled(rid, attempt, caller)
         return held or bool(ending)
 
-    def _cancelled(self, rid: str, attempt: int) -> None:
-        self.cancelled[rid] = max(attempt, self.cancelled.pop(rid, 0))
+    def _cancelled(self, rid: str, attempt: int, caller: Identity | None) -> None:
+        old = self.cancelled.pop(rid, None)
+        if old is not None and old[1] == caller:
+            attempt = max(attempt, old[0])
+        self.cancelled[rid] = (attempt, caller)
         while len(self.cancelled) > CANCELLED_REMEMBERED:
             self.cancelled.popitem(last=False)
+
+    def _was_cancelled(self, req: PrepareCall) -> bool:
+        """Whether ``req``'s attempt was cancelled here already by the PE asking now."""
+        got = self.cancelled.get(req.request_id)
+        return bool(req.attempt) and got is not None and req.attempt <= got[0] \
+            and got[1] == req.owner
 
     def state(self, rid: str, attempt: int) -> DecodeState:
         """The state of ``rid`` for a message of ``attempt`` (0 = unsaid): KeyError when
@@ -299,7 +309,7 @@ class DecodePath:
         if req.attempt and req.attempt < held:
             raise StaleAttempt(f"PrepareRequest of {rid} for attempt {req.attempt}; attempt "
                                f"{held} is held here")
-        if req.attempt and req.attempt <= self.cancelled.get(rid, 0):
+        if self._was_cancelled(req):
             raise StaleAttempt(f"PrepareRequest of {rid} for attempt {req.attempt}: its "
                                "prefill node cancelled that attempt here already")
         if old is not None:            # a newer attempt (or the same one again): start over
@@ -316,8 +326,8 @@ class DecodePath:
         base = 0 if req.decode_read_tokens else cached
         res = await self.space.pool.reserve(len(spans) - base) if moves_kv else None
         if self.requests.get(rid) is not None or \
-                (req.attempt and (req.attempt < self.assigned.get(rid, 0)
-                                  or req.attempt <= self.cancelled.get(rid, 0))):
+                (req.attempt and req.attempt < self.assigned.get(rid, 0)) or \
+                self._was_cancelled(req):
             # Overtaken while waiting for slots (a newer attempt, or a cancel of it).
             if res is not None:
                 res.release()

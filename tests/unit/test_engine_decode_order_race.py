@@ -219,8 +219,9 @@ def _preparing_path():
     payload = SimpleNamespace(prompt_tokens=8, oracle=False,
                               token_ids=lambda n, source: list(range(n)))
 
-    def call(attempt):
-        return PrepareCall("r1", "de/e0", "pe", 8, 4, 0, payload, attempt=attempt)
+    def call(attempt, owner=None):
+        return PrepareCall("r1", "de/e0", "pe", 8, 4, 0, payload, attempt=attempt,
+                           owner=owner)
     return d, call
 
 
@@ -238,6 +239,18 @@ def test_a_prepare_that_comes_after_its_attempts_cancel_is_refused():
         assert d.requests == {} and d.space.pool.held == []
         await d.prepare(call(3))
         assert d.requests["r1"].attempt == 3
+
+    asyncio.run(main())
+
+
+def test_another_callers_cancel_refuses_no_prepare():
+    """Only the PE that cancelled its attempt has its late prepare refused: a cancel
+    from any other cluster identity (it names a request it does not own) blocks no one."""
+    async def main():
+        d, call = _preparing_path()
+        assert not await d.stop("r1", 99, "spiffe://dualpath/node/intruder")
+        await d.prepare(call(2, owner="spiffe://dualpath/node/p0"))
+        assert d.requests["r1"].attempt == 2
 
     asyncio.run(main())
 

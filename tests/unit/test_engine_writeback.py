@@ -97,49 +97,28 @@ def test_a_stop_gives_pending_slots_back_unwritten_after_a_bounded_wait(tmp_path
     asyncio.run(main())
 
 
-def _vllm_engine(tmp_path, limiter):
-    """A decode node's VllmEngine over a real store in ``tmp_path``, its KV space open
-    (model "m"); and its region, for the caller to close."""
-    from types import SimpleNamespace
-
-    from prometheus_client import CollectorRegistry
-
-    from dualpath.buffers.region import PinnedRegion
-    from dualpath.engine.metrics import NodeMetrics
-    from dualpath.engine.vllm_engine import VllmEngine
-    from dualpath.kv.placement import KvFormat
-    from dualpath.storage.config import StorageConfig
-
-    region = PinnedRegion(8 << 20, huge_pages="off", lock=False)
-    eng = VllmEngine(node_id="d0", storage=StorageConfig(dir=str(tmp_path)),
-                     transfer=SimpleNamespace(), region=region, region_name="de_buffer",
-                     limiter=limiter, metrics=NodeMetrics(CollectorRegistry(), "decode"))
-    eng._open_space("m", KvFormat(2, 4, (64,)))
-    return eng, region
-
-
 def test_a_vllm_decode_nodes_reads_find_its_own_blocks_still_in_write_back(tmp_path):
     """The DE read path's LOAD_HIT_KV reads go through KvSpace.read: a block the node's
     vLLM write-back still holds (an agent's previous round, decoded here) is copied from
     DRAM, not found missing and recomputed."""
+    from tests.unit.vllm_engine_rig import small_vllm_engine
+
     async def main():
         lim = GatedLimiter()
-        eng, region = _vllm_engine(tmp_path, lim)
-        space = eng.space
-        held = space.pool.try_reserve(2)
-        for i in range(2):
-            held.flat(i)[:] = i + 7
-        eng.release_adopted(eng.adopt("prev", KEYS[:2], held))
-        await asyncio.sleep(0.05)
-        assert lim.asked and not space.store.contains(KEYS[0])     # not written yet
-        out = await space.pool.reserve(2)
-        got = await space.read("next", KEYS[:2], out)
-        assert got.usable == 2 and got.nbytes == 0                 # no storage read
-        assert [int(out.flat(i)[0]) for i in range(2)] == [7, 8]
-        out.release()
-        lim.gate.set()
-        await eng.close()
-        region.close()
+        async with small_vllm_engine(tmp_path, role="decode", limiter=lim) as eng:
+            space = eng.space
+            held = space.pool.try_reserve(2)
+            for i in range(2):
+                held.flat(i)[:] = i + 7
+            eng.release_adopted(eng.adopt("prev", KEYS[:2], held))
+            await asyncio.sleep(0.05)
+            assert lim.asked and not space.store.contains(KEYS[0])     # not written yet
+            out = await space.pool.reserve(2)
+            got = await space.read("next", KEYS[:2], out)
+            assert got.usable == 2 and got.nbytes == 0                 # no storage read
+            assert [int(out.flat(i)[0]) for i in range(2)] == [7, 8]
+            out.release()
+            lim.gate.set()
 
     asyncio.run(main())
 
@@ -148,30 +127,30 @@ def test_an_adopted_partial_last_block_is_served_and_never_persisted(tmp_path):
     """A P/D request's partial last block, adopted with its full blocks: a lookup finds
     it while the decode instance may load it; only the full blocks reach the store, and
     every slot goes back once the request let go."""
+    from tests.unit.vllm_engine_rig import small_vllm_engine
+
     async def main():
-        eng, region = _vllm_engine(tmp_path, None)
-        space = eng.space
-        eng.model_id = "m"
-        held = space.pool.try_reserve(3)
-        tail = KEYS[5]                             # (any key: the tail's own)
-        s = eng.adopt("r", KEYS[:2] + [tail], held, tail=True)
-        for _ in range(100):
-            if space.store.contains(KEYS[1]):
-                break
-            await asyncio.sleep(0.01)
-        assert space.store.contains(KEYS[1])
-        assert eng.lookup("m", KEYS[:2] + [tail])[0] == 3     # held: found
-        assert space.pool.free == space.pool.capacity - 3
-        eng.release_adopted(s)
-        for _ in range(100):
-            if space.pool.free == space.pool.capacity:
-                break
-            await asyncio.sleep(0.01)
-        assert space.pool.free == space.pool.capacity
-        assert not space.store.contains(tail)
-        assert eng.lookup("m", KEYS[:2] + [tail])[0] == 2     # let go: gone
-        await eng.close()
-        region.close()
+        async with small_vllm_engine(tmp_path, role="decode") as eng:
+            space = eng.space
+            eng.model_id = "m"
+            held = space.pool.try_reserve(3)
+            tail = KEYS[5]                             # (any key: the tail's own)
+            s = eng.adopt("r", KEYS[:2] + [tail], held, tail=True)
+            for _ in range(100):
+                if space.store.contains(KEYS[1]):
+                    break
+                await asyncio.sleep(0.01)
+            assert space.store.contains(KEYS[1])
+            assert eng.lookup("m", KEYS[:2] + [tail])[0] == 3     # held: found
+            assert space.pool.free == space.pool.capacity - 3
+            eng.release_adopted(s)
+            for _ in range(100):
+                if space.pool.free == space.pool.capacity:
+                    break
+                await asyncio.sleep(0.01)
+            assert space.pool.free == space.pool.capacity
+            assert not space.store.contains(tail)
+            assert eng.lookup("m", KEYS[:2] + [tail])[0] == 2     # let go: gone
 
     asyncio.run(main())
 

@@ -17,12 +17,16 @@ from dualpath.storage.config import StorageConfig
 
 
 @contextlib.asynccontextmanager
-async def small_vllm_engine(tmp_path):
-    """A prefill node's VllmEngine on an 8 MiB region under ``tmp_path``; closed after."""
+async def small_vllm_engine(tmp_path, *, role: str = "prefill", limiter=None):
+    """A prefill (or ``role="decode"``) node's VllmEngine on an 8 MiB region under
+    ``tmp_path``, its write-back paced by ``limiter`` (None: unlimited); closed after."""
+    decode = role == "decode"
     region = PinnedRegion(8 << 20, huge_pages="off", lock=False)
-    eng = VllmEngine(node_id="p0", storage=StorageConfig(dir=str(tmp_path), direct_io="off"),
-                     transfer=SimpleNamespace(), region=region, region_name="pe_buffer",
-                     limiter=None, metrics=NodeMetrics(CollectorRegistry(), "prefill"))
+    eng = VllmEngine(node_id="d0" if decode else "p0",
+                     storage=StorageConfig(dir=str(tmp_path), direct_io="off"),
+                     transfer=SimpleNamespace(), region=region,
+                     region_name="de_buffer" if decode else "pe_buffer",
+                     limiter=limiter, metrics=NodeMetrics(CollectorRegistry(), role))
     try:
         eng._open_space("m", KvFormat(2, 4, (64,)))
         yield eng

@@ -54,7 +54,7 @@ class VllmDecoder:
             # sent (the instance holds them): never adopted.
             full = prompt // T
             n = min(done.kv_blocks, full, len(st.spans))
-            tail = n == full < min(done.kv_blocks, len(st.spans))
+            tail = n == full and min(done.kv_blocks, len(st.spans)) > full
             held = min(st.held, n)
             keys = [s.key for s in st.spans[held:n + tail]]
             at = held - st.base          # block ``held``'s index in the buffer

@@ -131,7 +131,7 @@ class _Save:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     stage: Stage | None = None       # a P/D prefill's save: its blocks go to the DE
     held: bool = False               # adopted DE-buffer blocks: kept until released
-    transient: int = 0               # its last ``transient`` keys are never persisted
+    tail: bool = False               # its last key is a partial last block: never persisted
 
 
 class _InPlace:
@@ -736,7 +736,7 @@ class VllmEngine:
         try:
             for i, key in enumerate(s.keys):
                 try:
-                    if i >= len(s.keys) - s.transient or space.store.contains(key):
+                    if (s.tail and i == len(s.keys) - 1) or space.store.contains(key):
                         continue
                     if self.limiter is not None:
                         # The NIC's write direction (ratelimit.RateLimiter: full
@@ -787,8 +787,7 @@ class VllmEngine:
         own tokens only, so only a lookup of exactly that prompt finds it): served from
         DRAM like the others, never persisted."""
         self._check_keys(keys, "adopt")
-        s = _Save(0, "", request_id, list(keys), res, float("inf"), held=True,
-                  transient=1 if tail and keys else 0)
+        s = _Save(0, "", request_id, list(keys), res, float("inf"), held=True, tail=tail)
         self._commit(s)
         return s
 

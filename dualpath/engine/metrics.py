@@ -50,6 +50,10 @@ class NodeMetrics:
             registry, "dualpath_node_prompt_blocks_held_by_instance_total",
             "Prompt blocks a vLLM decode node asked not to be sent: its instance's own "
             "prefix cache held them (engine/instance_cache.py).")
+        self.partial_blocks_loaded = m.counter(
+            registry, "dualpath_node_partial_prompt_blocks_loaded_total",
+            "Prompts' partial last blocks a vLLM decode instance loaded from this node "
+            "(sent by the prefill node): it computed the first token only.")
         self.loop_stalls = m.counter(
             registry, "dualpath_node_event_loop_stalls_total",
             "Times the node's event loop ran no callback for over a second (its log "

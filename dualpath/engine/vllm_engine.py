@@ -434,6 +434,9 @@ class VllmEngine:
         in_place = None
         if stage is None and all(key in self._pending for key in keys):
             in_place = _InPlace([self._pending[key] for key in keys])
+            # A P/D prompt's partial last block (adopted, never stored: only here).
+            self.metrics.partial_blocks_loaded.inc(
+                sum(s.tail and j == len(s.keys) - 1 for s, j in in_place.held))
         res = (stage.view(first, len(keys)) if stage is not None
                else in_place if in_place is not None
                else await space.pool.reserve(len(keys)))

@@ -151,7 +151,8 @@ class DualPathConnector(KVConnectorBase_V1):
             self._sched = SchedulerSide(
                 Lookup(self.settings.node_address, self.model_id,
                        self.settings.lookup_timeout_s, self.settings.config.tls),
-                self.block_size, self.settings.block_units)
+                self.block_size, self.settings.block_units,
+                partial_tails=kvt.kv_role == "kv_consumer")
         else:
             self._worker = WorkerSide(
                 self.settings, self.model_id,

@@ -142,12 +142,16 @@ class _Req:
 
 class SchedulerSide:
     """See the module docstring. ``unit_tokens`` = vLLM's block size; ``block_units``
-    engine blocks per DualPath block."""
+    engine blocks per DualPath block; ``partial_tails``: a P/D decode instance's (vLLM's
+    ``kv_consumer``), whose node may hold a prompt's partial last block, sent by the
+    prefill node; no other instance looks for one (no store holds them)."""
 
-    def __init__(self, lookup, unit_tokens: int, block_units: int = 1):
+    def __init__(self, lookup, unit_tokens: int, block_units: int = 1,
+                 partial_tails: bool = False):
         self.lookup = lookup
         self.unit_tokens = unit_tokens
         self.units = block_units
+        self.partial_tails = partial_tails and block_units == 1
         self.block_tokens = unit_tokens * block_units
         self.reqs: dict[str, _Req] = {}
         self.hit_tokens_total = 0
@@ -205,7 +209,7 @@ class SchedulerSide:
         # A P/D decode: its node may hold the prompt's partial last block (all but the
         # last token, which vLLM computes), which the prefill sent with the rest; asked
         # for in the same lookup, after the full blocks.
-        tail, extra = self._tail_key(st, prompt - 1) if self.units == 1 else (b"", 0)
+        tail, extra = self._tail_key(st, prompt - 1) if self.partial_tails else (b"", 0)
         if first >= cap and not tail:
             return 0
         found = self.lookup(keys[first:] + ([tail] if tail else []))

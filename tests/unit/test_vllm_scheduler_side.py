@@ -21,6 +21,7 @@ class Store:
 
     def __call__(self, keys):
         self.calls += 1
+        self.last = list(keys)
         n = 0
         for k in keys:
             if k not in self.keys:
@@ -227,7 +228,10 @@ def test_a_pd_decode_loads_the_partial_last_block_its_node_holds():
     tokens = prefill + [99]                               # + the first token
     store = Store()
     store.keys.update(keys + [tail])
-    s = SchedulerSide(store, T)
+    plain = SchedulerSide(store, T)                       # not a decode instance
+    assert plain.matched_tokens(_req("p", tokens), 0) == 3 * T and tail not in store.last
+    store.calls = 0
+    s = SchedulerSide(store, T, partial_tails=True)
     r = _req("r", tokens)
     assert s.matched_tokens(r, T) == 2 * T + 2            # vLLM holds block 0 itself
     assert store.calls == 1                               # one lookup, tail and all
@@ -249,8 +253,8 @@ def test_a_pd_decode_loads_the_partial_last_block_its_node_holds():
     store.keys.discard(keys[1])
     assert s.matched_tokens(_req("x", tokens), 0) == T
     store.keys.update(keys)
-    assert SchedulerSide(store, T // 2, block_units=2).matched_tokens(_req("y", tokens), 0) \
-        == 3 * T
+    assert SchedulerSide(store, T // 2, block_units=2, partial_tails=True).matched_tokens(
+        _req("y", tokens), 0) == 3 * T
     assert chain_key(ROOT_KEY, prefill[:T]) == keys[0]
 
 
@@ -259,7 +263,7 @@ def test_vllm_taking_fewer_external_tokens_than_the_tail_loads_no_tail():
     keys = block_keys(prefill, T)
     store = Store()
     store.keys.update(keys + [chain_key(keys[-1], prefill[2 * T:])])
-    s = SchedulerSide(store, T)
+    s = SchedulerSide(store, T, partial_tails=True)
     r = _req("r", prefill + [5])
     assert s.matched_tokens(r, 0) == 2 * T + 2
     s.after_alloc(r, [1, 2, 3], 2 * T)                    # vLLM cut it to whole blocks

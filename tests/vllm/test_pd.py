@@ -150,12 +150,21 @@ def test_a_pd_conversation_is_the_oracle_on_every_read_path(rig):
     names."""
     conv = Conversation(seed=101, first=300, append=200, gen=16)
     stored = 0
+    decoders = [n for n in rig.pd.metrics_ports if n.startswith("d")]
+
+    def partial_loaded() -> float:
+        return sum(rig.pd.node_metrics(n).get(
+            "dualpath_node_partial_prompt_blocks_loaded_total", 0.0) for n in decoders)
     for policy in ("scheduler", "prefill", "decode", "split", "scheduler"):
         prompt = list(conv.context)
+        before = partial_loaded()
         a = rig.turn(prompt, conv.gen, stored, policy)
         b = rig.oracle.generate(prompt, conv.gen)
         assert close(a, b), (policy, a, b)     # the decode instance's split differs
         _reads(a["g"], stored, len(prompt), policy)
+        # The prompt's partial last block came from the prefill and was loaded: the
+        # decode instance computed the first token only.
+        assert len(prompt) % T and partial_loaded() - before == 1, policy
         stored = len(prompt) + conv.gen - 1
         conv.advance(a["token_ids"])
 

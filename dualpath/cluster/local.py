@@ -42,6 +42,7 @@ from typing import Self
 
 from dualpath import tls
 from dualpath.cluster.lifetime import Janitor, child_env, kill_group
+from dualpath.cpus import on_cpus
 from dualpath.errors import DualPathError, UsageError
 
 log = logging.getLogger("dualpath.cluster")
@@ -136,6 +137,9 @@ class LocalCluster:
     #: node id -> the command prefix of that node instead of ``launcher`` (e.g.
     #: ``ip netns exec NS``: each node in a network namespace of its own).
     node_launchers: dict = field(default_factory=dict)
+    #: The cores of every process the cluster starts (its children inherit them; vLLM's
+    #: P/D cluster keeps them off its decode instances' cores); empty: anywhere.
+    cpus: tuple[int, ...] = ()
     #: More IP addresses the cluster's certificates are valid at (the nodes' own, when
     #: they listen beyond loopback).
     tls_ips: tuple[str, ...] = ()
@@ -221,7 +225,7 @@ class LocalCluster:
         env.setdefault("DUALPATH_LOG", "INFO")
         try:
             # Its own session, hence its own process group: what it starts dies with it.
-            prefix = self.launcher if launcher is None else launcher
+            prefix = [*on_cpus(self.cpus), *(self.launcher if launcher is None else launcher)]
             proc = subprocess.Popen([*prefix, sys.executable, "-m", "dualpath.cli",
                                      *argv],
                                     stdout=fh, stderr=subprocess.STDOUT, env=env,

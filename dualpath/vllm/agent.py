@@ -33,6 +33,7 @@ import numpy as np
 
 from dualpath import rpc, tls
 from dualpath.config_sections import KvLaneConfig, TransportConfig
+from dualpath.cpus import cpu_list
 from dualpath.engine.kvio import write_layer
 from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
 from dualpath.engine.shm import take_buffer
@@ -83,7 +84,7 @@ class Attached:
     buffer: KvPlacement               # the daemon's DRAM buffer (saves land there)
 
 
-def leave_engine_cores() -> str:
+def leave_enginecpu_list() -> str:
     """Move the calling thread, and so every thread it starts (gRPC's, the copier), off
     the cores the engine computes on; returns where it runs, for the log.
 
@@ -96,16 +97,12 @@ def leave_engine_cores() -> str:
     mine = os.sched_getaffinity(0)
     rest = set(range(os.cpu_count() or 1)) - mine
     if not rest:
-        return f"cores {_cores(mine)} (the engine's own: none is left to others)"
+        return f"cores {cpu_list(mine)} (the engine's own: none is left to others)"
     try:
         os.sched_setaffinity(0, rest)
     except OSError as e:              # the host's cpuset allows none of them
-        return f"cores {_cores(mine)} ({e.strerror} moving to {_cores(rest)})"
-    return f"cores {_cores(os.sched_getaffinity(0))} (the engine computes on {_cores(mine)})"
-
-
-def _cores(cpus: set[int]) -> str:
-    return ",".join(map(str, sorted(cpus)))
+        return f"cores {cpu_list(mine)} ({e.strerror} moving to {cpu_list(rest)})"
+    return f"cores {cpu_list(os.sched_getaffinity(0))} (the engine computes on {cpu_list(mine)})"
 
 
 class LoadHandle:
@@ -260,7 +257,7 @@ class WorkerAgent:
         return self._run(self._start(), timeout)
 
     def _run_loop(self) -> None:
-        self.cores = leave_engine_cores()
+        self.cores = leave_enginecpu_list()
         self._loop.run_forever()
 
     def _run(self, coro, timeout: float):

@@ -26,9 +26,10 @@ from pathlib import Path
 
 from dualpath.cluster.lifetime import child_env, exec_argv, kill_group, terminate_group
 from dualpath.cluster.local import ClusterError, LocalCluster, free_port, log_tail
+from dualpath.cpus import on_cpus
 from dualpath.errors import UsageError
 from dualpath.vllm.local import CONNECTOR, ENGINE_ENV
-from dualpath.vllm.sizing import core_slices, plan_buffers
+from dualpath.vllm.sizing import plan_buffers, plan_cores
 
 log = logging.getLogger("dualpath.cluster")
 
@@ -83,15 +84,18 @@ class VllmPdCluster:
         for sec, kv in (settings or {}).items():
             base.setdefault(sec, {}).update(kv)
         self.buffer_mib = {k: base["buffers"][k] for k in ("pe_buffer_mib", "de_buffer_mib")}
-        #: Each instance's cores (VLLM_CPU_OMP_THREADS_BIND), in node order.
-        self.cores = dict(zip(ids, core_slices(len(ids), cores)))
+        #: Each instance's cores (VLLM_CPU_OMP_THREADS_BIND), in node order, and the
+        #: control cores of every other process (dualpath/vllm/sizing.py).
+        self.core_plan = plan_cores(prefill_nodes, decode_nodes, cores)
+        self.cores = dict(zip(ids, self.core_plan.instances))
         per_node = {nid: {"engine": {
             "control_listen": f"127.0.0.1:{c}", "vllm_url": f"http://127.0.0.1:{h}",
             "metrics_listen": f"127.0.0.1:{self.metrics_ports[nid]}"}}
             for nid, (c, h) in self.ports.items()}
         self.cluster = LocalCluster(prefill_nodes=prefill_nodes, decode_nodes=decode_nodes,
                                     work_dir=work_dir, settings=base, node_settings=per_node,
-                                    start_timeout_s=min(start_timeout_s, 120.0))
+                                    start_timeout_s=min(start_timeout_s, 120.0),
+                                    cpus=self.core_plan.control)
         self.instances: dict[str, VllmInstanceProc] = {}
         #: [frontend] settings: start `dualpath frontend` too (None: no front end).
         self.frontend_settings = frontend
@@ -117,7 +121,8 @@ class VllmPdCluster:
         b = self.buffer_mib
         return (f"buffers: PE {b['pe_buffer_mib']} MiB, DE {b['de_buffer_mib']} MiB "
                 f"(derived: {self.buffers.describe()}); vLLM cores: "
-                + ", ".join(f"{nid} [{c}]" for nid, c in self.cores.items()))
+                + ", ".join(f"{nid} [{c}]" for nid, c in self.cores.items())
+                + f"; {self.core_plan.describe()}")
 
     def start(self) -> VllmPdCluster:
         log.info("vLLM P/D cluster: %s", self.describe())
@@ -206,7 +211,9 @@ class VllmPdCluster:
         with open(path, "ab") as fh:
             # It dies with us (pdeathsig), and its process group (vLLM's engine core and
             # workers) with the cluster's janitor when we are killed.
-            proc = subprocess.Popen(exec_argv(argv), stdout=fh, stderr=subprocess.STDOUT,
+            # Its API server (and its engine core's threads outside OpenMP) on the
+            # control cores: off the decode instances' cores.
+            proc = subprocess.Popen(on_cpus(self.core_plan.control) + exec_argv(argv), stdout=fh, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)
         if self.cluster._janitor is not None:
             self.cluster._janitor.watch(proc.pid)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dualpath import cpus
 from dualpath.errors import UsageError
 from dualpath.vllm import sizing
 
@@ -54,6 +55,37 @@ def test_each_instance_gets_its_own_cores(instances, cores, want):
     if instances <= len(cores):         # no core is given to two instances
         used = [c for part in got for c in _expand(part)]
         assert len(used) == len(set(used))
+
+
+@pytest.mark.parametrize("prefill,decode,cores,instances,control", [
+    # Fewer cores than instances + 1: the control processes stay off the decode core.
+    (1, 1, [0, 1], ("0", "1"), (0,)),
+    (1, 1, [0], ("0", "0"), (0,)),
+    # Every core computes for a decode instance: the prefill instance's cores.
+    (1, 2, [0, 1], ("0", "1", "0"), (0,)),
+    # Spare cores: the control processes get their own (one per 8 cores).
+    (1, 1, [0, 1, 2], ("1", "2"), (0,)),
+    (1, 1, list(range(16)), ("2-8", "9-15"), (0, 1)),
+    (2, 2, [4, 5, 6, 7, 8], ("5", "6", "7", "8"), (4,)),
+])
+def test_control_processes_run_off_the_decode_instances_cores(prefill, decode, cores,
+                                                               instances, control):
+    plan = sizing.plan_cores(prefill, decode, cores)
+    assert (plan.instances, plan.control) == (instances, control)
+    decoding = {c for part in plan.instances[prefill:] for c in cpus.parse_cpus(part)}
+    if len(cores) > len(decoding):
+        assert not decoding & set(plan.control)
+    assert set(plan.control) <= set(cores)
+    with pytest.raises(UsageError, match="no CPU cores"):
+        sizing.plan_cores(prefill, decode, [])
+
+
+def test_cpu_lists_round_trip():
+    assert cpus.cpu_list([5, 0, 1, 2, 2]) == "0-2,5"
+    assert cpus.parse_cpus("0-2,5") == [0, 1, 2, 5]
+    assert cpus.parse_cpus(cpus.cpu_list([3, 9, 10])) == [3, 9, 10]
+    assert cpus.on_cpus([]) == []
+    assert cpus.on_cpus([1, 0]) == ["taskset", "-c", "0-1"]
 
 
 def _expand(part: str) -> list[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ import urllib.request
 
 import pytest
 
+from dualpath import cpus
 from dualpath.cluster.generate import Generator
 from dualpath.cluster.run import make_trace
 from dualpath.trace.model import stream_token_ids
@@ -312,6 +314,47 @@ def _http(rig, path: str, body=None, *, key: str | None = API_KEY, raw: bytes | 
 
 
 @pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
+def _allowed(pid: int) -> dict[int, set[int]]:
+    """thread id -> the cores it may run on, for every thread of ``pid``."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as fh:
+            line = next(x for x in fh if x.startswith("Cpus_allowed_list:"))
+        out[int(tid)] = set(cpus.parse_cpus(line.split(":", 1)[1]))
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        kids = [int(x) for x in fh.read().split()]
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def test_no_control_process_runs_on_a_decode_instances_cores(rig):
+    """The scheduler, the node daemons (restarted ones too: the kill tests ran), the
+    front end and vLLM's API servers run on the plan's control cores; each decode
+    instance's engine computes on its own cores, which none of them shares where the
+    host has a core to spare."""
+    pd, plan = rig.pd, rig.pd.core_plan
+    control = set(plan.control)
+    procs = {"scheduler": pd.cluster.scheduler.pid,
+             **{n.node_id: n.proc.pid for n in pd.cluster.nodes},
+             **{f"vllm-{nid}": i.proc.pid for nid, i in pd.instances.items()}}
+    if pd.frontend is not None:
+        procs["frontend"] = pd.frontend.pid
+    for name, pid in procs.items():
+        threads = _allowed(pid)
+        assert all(a == control for a in threads.values()), (name, control, threads)
+    for nid, inst in pd.instances.items():
+        own = set(cpus.parse_cpus(pd.cores[nid]))
+        engine = [t for k in _children(inst.proc.pid) for t in _allowed(k).values()]
+        assert own in engine, (nid, own, engine)     # its OpenMP thread, on its cores
+    decoding = {c for nid, part in pd.cores.items() if nid.startswith("d")
+                for c in cpus.parse_cpus(part)}
+    if os.sched_getaffinity(0) - decoding:
+        assert not decoding & control, (decoding, control)
+
+
 def test_front_end_token_id_completions_are_the_oracle_streamed_or_not(rig):
     conv = Conversation(seed=707, first=300, append=100, gen=12)
     for _ in range(2):                      # the second turn hits what the first stored

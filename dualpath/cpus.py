@@ -31,3 +31,4 @@ def on_cpus(cpus: Iterable[int]) -> list[str]:
     its children, inherit them); [] for no binding."""
     cpus = list(cpus)
     return ["taskset", "-c", cpu_list(cpus)] if cpus else []
+

@@ -15,13 +15,16 @@ refused at once, naming the key to raise.
 
 Cores. vLLM's CPU build binds each instance's OpenMP threads; left to itself every
 instance on a host picks the same cores (all on core 0 on a small host). Each instance
-gets its own slice of the cores this process may run on, and everything else (the
-scheduler, the node daemons, the front end, vLLM's API servers) runs on the control
-cores (:func:`plan_cores`): never on a decode instance's cores where the host leaves any
-other. A decode step is one OpenMP thread per core walking every layer; a daemon or an
-API server that lands on its core preempts it and the whole step waits (measured on a
-2-core host: the decode instance's step 0.53 s with the control processes floating over
-both cores, 0.16 s with them on the prefill instance's core).
+gets its own slice of the cores this process may run on. Everything else (the
+scheduler, the node daemons, the front end, vLLM's API servers and engine cores) runs
+on control cores of its own when the host has more cores than instances, as vLLM's own
+CPU binding reserves cores for its scheduler (:func:`plan_cores`); on a host with no
+core to spare it runs wherever the kernel puts it. Measured on a 2-core host, 1P1D
+(bench/vllm_load.py): with the control processes confined to the prefill instance's
+core, that core ran the prefill, both engine cores' busy-wait for their workers, two
+API servers and every daemon; the scheduler's event loop waited 1 s at a time for the
+CPU, a node lost its lease, and K = 8 concurrent requests took 16.9 s instead of
+9.6-11.4 s.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualpath.buffers.pool import SLOT_ALIGN
-from dualpath.cpus import cpu_list, parse_cpus
+from dualpath.cpus import cpu_list
 from dualpath.errors import UsageError
 
 #: vLLM's CPU block size (the KV block of the instances; DualPath's block_tokens with
@@ -135,14 +138,10 @@ class CorePlan:
 
 
 def plan_cores(prefill: int, decode: int, cores: list[int] | None = None) -> CorePlan:
-    """The cores of ``prefill`` + ``decode`` instances and of the control processes.
-
-    With more cores than instances, the control processes get their own (one per 8
-    cores, at least one) and the instances share the rest. Otherwise the instances
-    share the cores (:func:`core_slices`) and the control processes run on the cores no
-    decode instance computes on, else on the prefill instances' cores: a prefill step
-    is one burst of compute that a preemption delays by its length, a decode step a
-    chain of small ones that every preemption stalls."""
+    """The cores of ``prefill`` + ``decode`` instances and of the control processes:
+    with more cores than instances, one per 8 cores (at least one) for the control
+    processes and the rest cut among the instances (:func:`core_slices`); otherwise the
+    instances share them all and so do the control processes."""
     cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
     n = prefill + decode
     if not cores:
@@ -150,11 +149,7 @@ def plan_cores(prefill: int, decode: int, cores: list[int] | None = None) -> Cor
     if len(cores) > n:
         own = min(max(1, len(cores) // 8), len(cores) - n)
         return CorePlan(tuple(core_slices(n, cores[own:])), tuple(cores[:own]))
-    slices = core_slices(n, cores)
-    decoding = {c for part in slices[prefill:] for c in parse_cpus(part)}
-    control = [c for c in cores if c not in decoding] or sorted(
-        {c for part in slices[:prefill] for c in parse_cpus(part)})
-    return CorePlan(tuple(slices), tuple(control))
+    return CorePlan(tuple(core_slices(n, cores)), tuple(cores))
 
 
 def _contiguous(part: list[int]) -> bool:

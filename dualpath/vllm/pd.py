@@ -76,8 +76,14 @@ class VllmPdCluster:
         #: ``concurrency`` (dualpath/vllm/sizing.py); [buffers] in ``settings`` wins.
         self.buffers = plan_buffers(self.model, max_model_len, concurrency)
         self.scheduler_metrics_port = free_port()
+        # Nodes fetch every 20 ms (the scheduler's default), not the local cluster's 5:
+        # a busy node fetches every interval, and at 5 ms the fetches of a 1P1D
+        # cluster took 0.3 of a core (a K = 8 burst: scheduler 1.2-1.6 CPU s, nodes
+        # 1.4-1.8, against 0.45 and 0.74 at 20 ms) from instances whose requests take
+        # seconds.
         base = {"engine": {"kind": "vllm"},
-                "scheduler": {"metrics_listen": f"127.0.0.1:{self.scheduler_metrics_port}"},
+                "scheduler": {"metrics_listen": f"127.0.0.1:{self.scheduler_metrics_port}",
+                              "fetch_interval_ms": 20},
                 "buffers": {"pe_buffer_mib": self.buffers.mib,
                             "de_buffer_mib": self.buffers.mib},
                 "transport": {"kind": "tcp"}}

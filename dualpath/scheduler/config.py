@@ -74,9 +74,12 @@ class SchedulerConfig:
                             "at any instant; full: also power loss (an fsync per call that "
                             "changes durable state).", choices=("normal", "full"))
     max_failed_attempts: int = key(5, "A request whose attempts failed this many times (a "
-                                   "FAILED report, or the lease of a group holding it lost) "
-                                   "ends FAILED, reported to its submitter.", min=1,
-                                   max=U32_MAX)
+                                   "FAILED report) ends FAILED, reported to its submitter.",
+                                   min=1, max=U32_MAX)
+    max_lost_attempts: int = key(20, "A request whose attempts were lost this many times "
+                                 "with a node whose lease lapsed (killed, frozen or cut off "
+                                 "while it held the request: the node's fault, counted "
+                                 "apart from failures) ends FAILED.", min=1, max=U32_MAX)
     retry_backoff_ms: int = key(100, "Backoff after a request's first failed attempt; it "
                                 "doubles with each further failure, jittered to between "
                                 "half and all of it.", min=0, max=U32_MAX)

@@ -7,7 +7,7 @@ Python ships it. A log of our own would need the framing, checksums and compacti
 SQLite already has.
 
 What is journaled (docs/reliability.md): a request when it is submitted (with its spec
-and payload), every change of its attempt number or failure count, its end (outcome,
+and payload), every change of its attempt number or failure and lost counts, its end (outcome,
 attempt, reason, payload digest), that its submitter took the result (reported), the
 trimming of old ended requests, and the lease and arrival counters (so lease ids and
 arrival order never repeat after a restart). Not journaled: placements, PREFILL_DONE and
@@ -26,7 +26,7 @@ killed at any instant (the commit is in the WAL file; fsync at checkpoints); ``"
 fsyncs every commit and so also survives power loss, at the price of one fsync per
 group commit.
 
-Layout (schema 2): integer keys only, so every insert appends at the right edge of its
+Layout (schema 3; 2 had no ``lost`` column, added on open): integer keys only, so every insert appends at the right edge of its
 B-tree and no index on the text id has to be kept. ``requests`` holds the live ones,
 keyed by arrival number ``seq`` (updated in place at an attempt change); at its end a
 request's row moves to ``ended``, keyed by ``finish_seq`` (its payload dropped, the
@@ -36,7 +36,8 @@ the left edge. An id submitted again after the scheduler forgot it gets a new se
 deleted ``TRIM_CHUNK`` at a time, so the file holds up to that many ended rows more than
 ``finished_requests_kept``, and ``load`` returns them all (the caller keeps the newest
 ``finished_requests_kept``, as the core does). A schema-1 file (one table keyed by the
-text id) is converted on open, in one transaction.
+text id) is converted on open, in one transaction, and so is a schema-2 file (its live
+requests lost no attempt yet: 0).
 
 The journal file is locked while open (``locking_mode = EXCLUSIVE``): a second scheduler
 on the same file fails at start-up instead of interleaving its writes.
@@ -54,7 +55,7 @@ from dualpath.errors import DualPathError
 from dualpath.scheduler.core.model import Finished, Outcome, Params, Request
 from dualpath.scheduler.core.scheduler import Scheduler
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SYNC_MODES = ("normal", "full")
 # Ended rows are deleted this many at a time (one range delete instead of one per end).
 TRIM_CHUNK = 1024
@@ -73,7 +74,8 @@ CREATE TABLE IF NOT EXISTS requests (    -- live requests
     payload BLOB NOT NULL,
     attempt INTEGER NOT NULL,
     failures INTEGER NOT NULL,
-    error TEXT NOT NULL
+    error TEXT NOT NULL,
+    lost INTEGER NOT NULL DEFAULT 0      -- attempts lost with a node (schema 3)
 );
 CREATE TABLE IF NOT EXISTS ended (       -- ended requests, in the order they ended
     finish_seq INTEGER PRIMARY KEY,      -- the rowid
@@ -87,28 +89,36 @@ CREATE TABLE IF NOT EXISTS ended (       -- ended requests, in the order they en
     hit_tokens INTEGER NOT NULL,
     max_new_tokens INTEGER NOT NULL,
     payload_crc INTEGER NOT NULL,
-    reported INTEGER NOT NULL
+    reported INTEGER NOT NULL,
+    lost INTEGER NOT NULL DEFAULT 0      -- attempts lost with a node (schema 3)
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 
-# Schema 1 (one table keyed by the text id) -> 2, in one transaction.
+# Schema 2 -> 3: the live requests' lost attempts (none counted before).
+_MIGRATE_2 = """
+ALTER TABLE requests ADD COLUMN lost INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE ended ADD COLUMN lost INTEGER NOT NULL DEFAULT 0;
+"""
+
+# Schema 1 (one table keyed by the text id) -> 3, in one transaction.
 _MIGRATE_1 = """
 ALTER TABLE requests RENAME TO requests_1;
 DROP INDEX IF EXISTS requests_finish;
 """ + _SCHEMA + """
 INSERT INTO requests SELECT seq, id, prompt_tokens, hit_tokens, max_new_tokens,
-    COALESCE(payload, x''), attempt, failures, error FROM requests_1 WHERE outcome = 0;
+    COALESCE(payload, x''), attempt, failures, error, 0 FROM requests_1 WHERE outcome = 0;
 INSERT INTO ended SELECT finish_seq, seq, id, outcome, attempt, failures, error,
-    prompt_tokens, hit_tokens, max_new_tokens, payload_crc, reported
+    prompt_tokens, hit_tokens, max_new_tokens, payload_crc, reported, 0
     FROM requests_1 WHERE outcome != 0;
 DROP TABLE requests_1;
 """
 
 _SQL = {
-    "new": "INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    "attempt": "UPDATE requests SET attempt = ?, failures = ?, error = ? WHERE seq = ?",
-    "end": "INSERT INTO ended VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    "new": "INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    "attempt": "UPDATE requests SET attempt = ?, failures = ?, error = ?, lost = ? "
+               "WHERE seq = ?",
+    "end": "INSERT INTO ended VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     "gone": "DELETE FROM requests WHERE seq = ?",           # with each end
     "reported": "UPDATE ended SET reported = 1 WHERE finish_seq = ?",
     "trim": "DELETE FROM ended WHERE finish_seq <= ?",
@@ -120,13 +130,13 @@ _SQL = {
 def _row(kind: str, x) -> tuple:
     if kind == "new":
         return (x.seq, x.request_id, x.prompt_tokens, x.hit_tokens, x.max_new_tokens,
-                x.payload, x.attempt, x.failures, x.error)
+                x.payload, x.attempt, x.failures, x.error, x.lost)
     if kind == "attempt":
-        return (x.attempt, x.failures, x.error, x.seq)
+        return (x.attempt, x.failures, x.error, x.lost, x.seq)
     if kind == "end":
         k = x.spec_key
         return (x.finish_seq, x.seq, x.request_id, int(x.outcome), x.attempt, x.failures,
-                x.error, k[0], k[1], k[2], k[3], int(x.reported))
+                x.error, k[0], k[1], k[2], k[3], int(x.reported), x.lost)
     return (x.finish_seq,)    # reported
 
 
@@ -213,12 +223,15 @@ class Journal:
             db.execute("BEGIN IMMEDIATE")     # takes the exclusive lock now
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version == 1:
-                db.executescript("BEGIN;" + _MIGRATE_1 + "PRAGMA user_version = 2; COMMIT;")
+                db.executescript("BEGIN;" + _MIGRATE_1 + "PRAGMA user_version = 3; COMMIT;")
+            elif version == 2:
+                db.executescript("BEGIN;" + _MIGRATE_2 + "PRAGMA user_version = 3; COMMIT;")
             elif version in (0, SCHEMA_VERSION):
                 db.executescript(_SCHEMA)     # (executescript commits)
             else:
                 raise JournalError(f"journal {self.path}: schema version {version}, this "
-                                   f"scheduler reads {SCHEMA_VERSION} (and converts 1)")
+                                   f"scheduler reads {SCHEMA_VERSION} (and converts 1 "
+                                   "and 2)")
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except sqlite3.OperationalError as e:
             self.close()
@@ -293,12 +306,12 @@ class Journal:
         ended: dict[str, Finished] = {}
         top_seq = 0
         for (seq, rid, prompt, hit, max_new, payload, attempt, failures,
-             error) in db.execute("SELECT * FROM requests"):
+             error, lost) in db.execute("SELECT * FROM requests"):
             live[rid] = Request(rid, prompt, hit, max_new, payload, seq, attempt=attempt,
-                                failures=failures, error=error)
+                                failures=failures, lost=lost, error=error)
             top_seq = max(top_seq, seq)
         for (finish_seq, seq, rid, outcome, attempt, failures, error, prompt, hit, max_new,
-             crc, reported) in db.execute("SELECT * FROM ended"):
+             crc, reported, lost) in db.execute("SELECT * FROM ended"):
             top_seq = max(top_seq, seq)
             other = live.get(rid) or ended.get(rid)
             if other is not None and other.seq > seq:
@@ -306,7 +319,7 @@ class Journal:
             live.pop(rid, None)
             ended[rid] = Finished(rid, Outcome(outcome), attempt, failures, error,
                                   (prompt, hit, max_new, crc), 0.0, finish_seq,
-                                  bool(reported), seq)
+                                  bool(reported), seq, lost=lost)
         meta = dict(db.execute("SELECT key, value FROM meta"))
         return (sorted(live.values(), key=lambda r: r.seq),
                 sorted(ended.values(), key=lambda f: f.finish_seq),

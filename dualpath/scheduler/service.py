@@ -125,6 +125,7 @@ def params_from_config(cfg: SchedulerConfig, profile: ModelProfile | None = None
                   default_read_tokens_per_s=cfg.storage_read_bytes_per_s
                   / profile.kv_bytes_per_token,
                   max_failed_attempts=cfg.max_failed_attempts,
+                  max_lost_attempts=cfg.max_lost_attempts,
                   retry_backoff_s=cfg.retry_backoff_ms / 1000.0,
                   retry_backoff_max_s=cfg.retry_backoff_max_ms / 1000.0,
                   peer_avoid_s=cfg.peer_avoid_ms / 1000.0,
@@ -158,7 +159,10 @@ class SchedulerMetrics:
                                   "Requests sent back to a queue head (lease loss, failure).")
         self.failed_attempts = m.counter(
             registry, "dualpath_scheduler_failed_attempts_total",
-            "Attempts given up as failures (FAILED reports, leases lost): the failure rate.")
+            "Attempts given up as failures (FAILED reports): the failure rate.")
+        self.lost_attempts = m.counter(
+            registry, "dualpath_scheduler_lost_attempts_total",
+            "Attempts lost with a node whose lease lapsed (counted apart from failures).")
         self.failed = m.counter(registry, "dualpath_scheduler_requests_failed_total",
                                 "Requests ended FAILED: their failure budget was spent.")
         self.cancelled = m.counter(registry, "dualpath_scheduler_requests_cancelled_total",
@@ -205,7 +209,8 @@ class SchedulerMetrics:
         for s in ("up", "down"):
             self.groups.labels(s)
         self._seen = {"submitted": 0, "completed": 0, "requeued": 0, "placed": 0,
-                      "rejected": 0, "failed_attempts": 0, "failed": 0, "cancelled": 0}
+                      "rejected": 0, "failed_attempts": 0, "lost_attempts": 0, "failed": 0,
+                      "cancelled": 0}
         self._seen_paths = {s: 0 for s in _PATH_LABEL}
 
     def observe_fetch(self, role: Role, seconds: float) -> None:
@@ -225,6 +230,7 @@ class SchedulerMetrics:
                                     ("placed", c.decode_assigned, self.placements),
                                     ("failed_attempts", c.failed_attempts,
                                      self.failed_attempts),
+                                    ("lost_attempts", c.lost_attempts, self.lost_attempts),
                                     ("failed", c.failed, self.failed),
                                     ("cancelled", c.cancelled, self.cancelled)):
             metric.inc(value - self._seen[name])

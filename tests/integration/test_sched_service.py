@@ -229,11 +229,12 @@ def test_lease_expiry_through_the_service_with_an_injected_clock():
             groups = {g.group_id: g for g in (await c.list_groups()).groups}
             assert groups["pe0"].state == admin_pb2.GROUP_STATE_DOWN
             assert groups["de0"].state == admin_pb2.GROUP_STATE_UP
-            # Their attempts failed: they wait out a backoff (retry_backoff_ms 100), and
-            # the DE is told to drop the attempt that was given up.
+            # Their attempts were lost with pe0 (not failed: no backoff, the lost budget
+            # counts them), and the DE is told to drop the attempt that was given up.
             st = await c.stats()
             assert (st.prefill_queue_requests, st.prefilling_requests) == (0, 0)
-            assert (st.backoff_requests, st.failed_attempts_total) == (3, 3)
+            assert (st.backoff_requests, st.failed_attempts_total) == (0, 0)
+            assert svc.core.counters.lost_attempts == 3
             assert st.requeued_requests_total == 3
             assert await code_of(c.fetch("pe0", pe.lease_id, status(pe_eng))) == \
                 grpc.StatusCode.FAILED_PRECONDITION

@@ -34,14 +34,15 @@ from dualpath.scheduler.journal import Batch, Journal, JournalError, open_schedu
 from tests.unit.test_sched_properties import audit
 
 P = Params(alpha_tokens=10**9, beta_tokens=10**9, lease_s=5.0, max_failed_attempts=3,
+           max_lost_attempts=2,
            retry_backoff_s=0.2, retry_backoff_max_s=1.0, peer_avoid_s=1.0,
            finished_requests_kept=6)
 
 
 def snapshot(s):
-    live = {rid: (r.attempt, r.failures, r.error, r.prompt_tokens, r.hit_tokens,
+    live = {rid: (r.attempt, r.failures, r.lost, r.error, r.prompt_tokens, r.hit_tokens,
                   r.max_new_tokens, r.payload) for rid, r in s.requests.items()}
-    ended = {rid: (f.outcome, f.attempt, f.failures, f.error, f.reported, f.spec_key)
+    ended = {rid: (f.outcome, f.attempt, f.failures, f.lost, f.error, f.reported, f.spec_key)
              for rid, f in s.finished.items()}
     return live, ended
 
@@ -290,7 +291,56 @@ def test_a_schema_1_journal_is_converted_on_open(tmp_path):
     assert (seq, lease) == (8, 4)
     j.close()
     with contextlib.closing(sqlite3.connect(tmp_path / "j.sqlite")) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+
+
+SCHEMA_2 = """
+CREATE TABLE requests (seq INTEGER PRIMARY KEY, id TEXT NOT NULL,
+    prompt_tokens INTEGER NOT NULL, hit_tokens INTEGER NOT NULL,
+    max_new_tokens INTEGER NOT NULL, payload BLOB NOT NULL, attempt INTEGER NOT NULL,
+    failures INTEGER NOT NULL, error TEXT NOT NULL);
+CREATE TABLE ended (finish_seq INTEGER PRIMARY KEY, seq INTEGER NOT NULL, id TEXT NOT NULL,
+    outcome INTEGER NOT NULL, attempt INTEGER NOT NULL, failures INTEGER NOT NULL,
+    error TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, hit_tokens INTEGER NOT NULL,
+    max_new_tokens INTEGER NOT NULL, payload_crc INTEGER NOT NULL, reported INTEGER NOT NULL);
+CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT INTO requests VALUES (7, 'live', 100, 50, 10, x'7061', 2, 1, 'boom');
+INSERT INTO meta VALUES ('next_seq', 8);
+PRAGMA user_version = 2;
+"""
+
+
+def test_a_schema_2_journal_gains_the_lost_count_on_open_and_keeps_it(tmp_path):
+    path = tmp_path / "j.sqlite"
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.executescript(SCHEMA_2)
+    j = Journal(path)
+    live, _, seq, _ = j.load()
+    assert [(r.request_id, r.attempt, r.failures, r.lost, r.error) for r in live] == [
+        ("live", 2, 1, 0, "boom")]
+    s = open_scheduler(P, j, 0.0)
+    for gid, role in (("p0", Role.PREFILL), ("d0", Role.DECODE)):
+        s.register_group(gid, role, [EngineSpec(f"{gid}.0", 0, f"n-{gid}", "",
+                                                10**6 if role is Role.DECODE else 0)], 0.0)
+    now, r = 0.0, s.requests["live"]
+    while r.stage is not Stage.PREFILLING:      # the recovery hold ends; it is placed
+        now += 0.5
+        assert now < 60
+        for gid in ("d0", "p0"):
+            g = s.groups[gid]
+            s.fetch(gid, g.lease_id, [EngineReport(e.engine_id, 0, 0, 0, 10**6)
+                                      for e in g.engines], now)
+    placed = r.attempt
+    s.expire(now + 100.0)                  # both leases lapse: the attempt is lost
+    assert (r.attempt, r.failures, r.lost, r.stage) == (placed + 1, 1, 1, Stage.GLOBAL_QUEUE)
+    j.write(s.journal)
+    j.close()
+    j = Journal(path)
+    (r,), _, _, _ = j.load()
+    assert (r.attempt, r.failures, r.lost) == (placed + 1, 1, 1)
+    j.close()
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
 
 
 def test_a_newer_schema_is_refused(tmp_path):

@@ -63,11 +63,13 @@ def test_a_prefill_group_that_misses_its_deadline_gives_its_requests_back_at_the
     order = sorted(got[1:], key=lambda r: r.seq)
     assert list(s.global_queue) == order
     assert all(r.stage is Stage.GLOBAL_QUEUE and r.pe is None and r.de is None
-               and r.attempt == 2 and r.failures == 1 for r in order)
+               and r.attempt == 2 and r.failures == 0 and r.lost == 1 for r in order)
     for rid, g in des.items():
         assert rid in g.pending_cancel
     assert got[0].stage is Stage.DECODING  # finished prefill stays with its DE
-    assert s.counters.requeued == 3 and s.counters.failed_attempts == 3
+    # Lost with their node, not failed: the lost budget counts them, and no backoff.
+    assert s.counters.requeued == 3 and s.counters.lost_attempts == 3
+    assert s.counters.failed_attempts == 0
     # The old lease is dead; a re-registered group receives the requeued requests first.
     with pytest.raises(LeaseError):
         s.fetch("pe", pe.lease_id, reports(pe), now=4.6)

@@ -72,7 +72,8 @@ def audit(s: Scheduler) -> None:
                 assert r.pe is not None and r.pe.group.up
             where[r.request_id] += 1
         assert r.failures < s.params.max_failed_attempts
-        assert r.attempt >= r.failures + 1
+        assert r.lost < s.params.max_lost_attempts
+        assert r.attempt >= r.failures + r.lost + 1
     for rid, r in s.backoff.items():
         assert r.stage is Stage.BACKOFF and r.de is None and s.requests[rid] is r
         where[rid] += 1
@@ -92,9 +93,11 @@ def audit(s: Scheduler) -> None:
     assert s.held_bytes == sum(r.wire_bytes + REQUEST_FIXED_BYTES for r in s.requests.values())
     for f in s.finished.values():
         assert f.failures <= s.params.max_failed_attempts
-        # FAILED once the budget is spent, or at once by a final failure (no retry).
+        assert f.lost <= s.params.max_lost_attempts
+        # FAILED once a budget is spent, or at once by a final failure (no retry).
         assert (f.outcome is Outcome.FAILED) == (
-            f.failures == s.params.max_failed_attempts or f.final)
+            f.failures == s.params.max_failed_attempts or f.final
+            or f.lost == s.params.max_lost_attempts)
         assert not f.final or f.outcome is Outcome.FAILED
 
 
@@ -104,7 +107,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s = Scheduler(Params(alpha_tokens=ALPHA, beta_tokens=BETA, lease_s=LEASE_S,
                                   max_assignments_per_fetch=7, split_align_tokens=8,
                                   default_read_tokens_per_s=100.0,
-                                  max_failed_attempts=BUDGET))
+                                  max_failed_attempts=BUDGET, max_lost_attempts=BUDGET + 1))
         self.now = 0.0
         self.leases: dict[str, int] = {}
         self.roles: dict[str, Role] = {}

@@ -194,6 +194,35 @@ def test_unknown_blame_avoids_both_sides():
     assert r.pe.group.group_id != pe and r.de.group.group_id != de
 
 
+def test_an_attempt_lost_with_its_node_counts_against_the_lost_budget_not_the_failures():
+    """A group whose lease lapses (its node killed, frozen, cut off) takes its requests'
+    attempts with it: the node's fault, not the request's. They go back to the queue
+    head at once (no backoff, nothing avoided), count against ``max_lost_attempts``
+    only, and a request lost that many times ends FAILED: a budget with an end. (The
+    soak: five faults in 12 s on one request's nodes ended it FAILED against
+    max_failed_attempts, as if it had failed five times itself.)"""
+    s, gs = cluster(retry_backoff_s=10.0, max_failed_attempts=2, max_lost_attempts=4)
+    s.submit([RequestSpec(100, 0, 10, "r")])
+    now = 0.0
+    for lost in range(1, 4):
+        (r,) = run_to_pe(s, gs, now)
+        now += 10.0                           # every lease lapses
+        s.expire(now)
+        assert (r.stage, r.failures, r.lost, r.attempt) == (
+            Stage.GLOBAL_QUEUE, 0, lost, lost + 1), "no backoff, no failure counted"
+        assert not r.avoid
+        for gid, g in list(gs.items()):       # the nodes come back
+            gs[gid] = s.register_group(gid, g.role, specs(gid, g.role), now=now)
+        audit(s)
+    assert s.counters.lost_attempts == 3 and s.counters.failed_attempts == 0
+    run_to_pe(s, gs, now)
+    s.expire(now + 10.0)                      # the fourth: the budget is spent
+    f = s.finished["r"]
+    assert f.outcome is Outcome.FAILED and f.lost == 4 and f.failures == 0
+    assert "max_lost_attempts" in f.error and "lost its lease" in f.error
+    audit(s)
+
+
 def test_release_hands_work_back_without_counting_a_failure():
     s, gs = cluster(retry_backoff_s=0.0)
     s.submit([RequestSpec(100, 0, 10, f"r{i}") for i in range(4)])

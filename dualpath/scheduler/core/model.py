@@ -90,6 +90,7 @@ class Request:
     decode_read_tokens: int = 0
     attempt: int = 1                  # the current (or next) execution's number
     failures: int = 0                 # failed attempts so far (the budget's count)
+    lost: int = 0                     # attempts lost with a node (the lost budget's)
     error: str = ""                   # why the last attempt failed
     since: float = 0.0                # clock time of the last change of stage
     submitted: float | None = None    # clock time of its submission
@@ -280,6 +281,7 @@ class Finished:
     reported: bool = False            # the submitter acknowledged the result
     seq: int = 0                      # the request's arrival number (its journal key)
     final: bool = False               # FAILED by a final failure (not journaled)
+    lost: int = 0                     # attempts lost with a node
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +300,10 @@ class Params:
     max_queued_requests: int = 1_000_000
     default_read_tokens_per_s: float = 1.0  # node read rate when a group gives none
     max_failed_attempts: int = 5      # the budget: this many failed attempts end it FAILED
+    # Attempts lost with a node whose lease lapsed (killed, frozen or cut off while it
+    # held the request) count apart: the node's fault, not the request's; still a budget
+    # with an end (a request that takes its nodes down with it ends FAILED).
+    max_lost_attempts: int = 20
     retry_backoff_s: float = 0.0      # first backoff (doubles per failure, jittered)
     retry_backoff_max_s: float = 0.0
     peer_avoid_s: float = 0.0         # how long a failed request avoids the groups blamed
@@ -340,6 +346,7 @@ _PARAM_MINIMUM = {"alpha_tokens": 0, "beta_tokens": 0, "compute_quota_ms": 1,
                   "max_queued_requests": 1, "context_tokens": 1, "max_held_bytes": 1,
                   "max_payload_bytes": 0, "max_submit_requests": 1,
                   "max_fetch_reply_bytes": 1, "max_failed_attempts": 1,
+                  "max_lost_attempts": 1,
                   "finished_requests_kept": 0}
 
 #: Longest request id (bytes of UTF-8) a submit accepts.

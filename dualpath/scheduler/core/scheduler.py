@@ -17,10 +17,13 @@ holding it ending (lapsed, replaced or released), by a cancel, or by the recover
 ending unclaimed; then both sides are told to drop it (``pending_cancel``, delivered with
 their group's next fetch) and the request goes back to the head of the global queue with
 the next attempt number, in arrival order, ahead of newer work. A *failed* attempt
-(FAILED, lease lapsed) also counts against the budget (``max_failed_attempts``), waits a
+(a FAILED report) also counts against the budget (``max_failed_attempts``), waits a
 jittered exponential backoff (BACKOFF), and avoids the groups blamed for
-``peer_avoid_s`` unless they register again; a graceful release or a restart does not
-count. Completions that name another attempt are ignored, so a re-execution can never
+``peer_avoid_s`` unless they register again. An attempt *lost* with a group whose lease
+lapsed (its node killed, frozen or cut off) is the node's fault, not the request's: it
+counts against a budget of its own (``max_lost_attempts``, larger: a request that takes
+its nodes down with it still ends) and goes straight back to the queue head. A graceful
+release or a restart counts as neither. Completions that name another attempt are ignored, so a re-execution can never
 finish a request twice.
 
 Admission (docs/scheduler.md): each submitted request is admitted or rejected on its
@@ -111,6 +114,7 @@ class Counters:
     fetches: int = 0
     decode_assigned: int = 0
     failed_attempts: int = 0          # attempts given up as failures (the failure rate)
+    lost_attempts: int = 0            # attempts lost with a node whose lease lapsed
     failed: int = 0                   # requests ended FAILED (budget spent)
     cancelled: int = 0
     by_read_side: dict[ReadSide, int] = field(
@@ -222,7 +226,7 @@ class Scheduler:
                             (r.de is not None and r.de.group is old
                              and r.de.engine_id == c.engine_id)):
                         kept[c.request_id] = c
-                self._mark_down(old, now=now, keep=set(kept), failed=False,
+                self._mark_down(old, now=now, keep=set(kept),
                                 error=f"group {group_id} registered again")
             carried = old.pending_cancel
             for e in old.engines:
@@ -537,8 +541,7 @@ class Scheduler:
         self._check_owner(g, caller)
         if not g.up or g.lease_id != lease_id:
             return 0
-        return self._mark_down(g, now=now, failed=False,
-                               error=f"group {group_id} released its lease")
+        return self._mark_down(g, now=now, error=f"group {group_id} released its lease")
 
     @staticmethod
     def _check_owner(g: Group, caller: str) -> None:
@@ -556,7 +559,7 @@ class Scheduler:
             raise LeaseError(f"group {group_id}: lease {lease_id} is not current "
                              "(expired, replaced or released); register again")
         if now > g.deadline:
-            self._mark_down(g, now=now)
+            self._mark_down(g, now=now, lost=True)
             raise LeaseError(f"group {group_id}: lease {lease_id} expired "
                              f"{now - g.deadline:.3f} s ago; register again")
         g.deadline = now + self.params.lease_s
@@ -570,7 +573,7 @@ class Scheduler:
         backoffs that are due and the recovery hold once it is over."""
         late = [g for g in self.groups.values() if g.up and now > g.deadline]
         if late:
-            self._mark_down(*late, now=now)
+            self._mark_down(*late, now=now, lost=True)
         self._timers(now)
         return late
 
@@ -610,10 +613,11 @@ class Scheduler:
             self.global_queue.extendleft(reversed(left))
 
     def _mark_down(self, *groups: Group, now: float = 0.0, keep: set[str] = frozenset(),
-                   failed: bool = True, error: str = "") -> int:
+                   lost: bool = False, error: str = "") -> int:
         """Take groups out of service and give up what they held (all groups together so
-        that the requeued requests keep their arrival order), except the ``keep`` ids.
-        Returns how many requests were given back."""
+        that the requeued requests keep their arrival order), except the ``keep`` ids;
+        ``lost``: their leases lapsed, and the attempts count as lost. Returns how many
+        requests were given back."""
         down = set(groups)
         for g in groups:
             g.up = False
@@ -631,18 +635,19 @@ class Scheduler:
                 r.claim_de = None
         if held:
             names = ", ".join(sorted(g.group_id for g in groups))
-            self._requeue(held, now, failed=failed,
+            self._requeue(held, now, failed=False, lost=lost,
                           error=error or f"group {names} lost its lease")
         return len(held)
 
-    def _requeue(self, reqs: list[Request], now: float, *, failed: bool,
+    def _requeue(self, reqs: list[Request], now: float, *, failed: bool, lost: bool = False,
                  reporter: Group | None = None, error: str = "",
                  avoid: list[Group] = (), final: bool = False) -> None:
         """Give up the current attempt of each request and send it to the head of the
         global queue, in arrival order; the other side (not ``reporter``) is told to drop
         it. A failed attempt counts against the budget (ending FAILED when it is spent),
         avoids the ``avoid`` groups and waits out its backoff first; a ``final`` one
-        (no attempt can succeed) ends it FAILED at once."""
+        (no attempt can succeed) ends it FAILED at once. A ``lost`` one (its node's
+        lease lapsed) counts against the lost budget only."""
         reqs.sort(key=lambda r: r.seq)
         p = self.params
         ids = {id(r) for r in reqs}
@@ -673,6 +678,14 @@ class Scheduler:
                 if final or r.failures >= p.max_failed_attempts:
                     self._finish(r, Outcome.FAILED, now, error, final)   # ends with it
                     continue
+            elif lost and started:
+                r.lost += 1
+                r.error = error
+                self.counters.lost_attempts += 1
+                if r.lost >= p.max_lost_attempts:
+                    self._finish(r, Outcome.FAILED, now, f"{error} (attempt lost with its "
+                                 f"node {r.lost} times: max_lost_attempts)")
+                    continue
             if started:
                 r.attempt += 1
                 self._log("attempt", r)
@@ -702,7 +715,8 @@ class Scheduler:
         r.stage = Stage.DONE
         self._finish_seq += 1
         f = Finished(r.request_id, outcome, r.attempt, r.failures, error or r.error,
-                     self._spec_key(r), now, self._finish_seq, seq=r.seq, final=final)
+                     self._spec_key(r), now, self._finish_seq, seq=r.seq, final=final,
+                     lost=r.lost)
         self._remember(f)
         self._log("end", f)
         if outcome is Outcome.FAILED:

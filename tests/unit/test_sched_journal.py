@@ -316,6 +316,7 @@ def test_a_schema_2_journal_gains_the_lost_count_on_open_and_keeps_it(tmp_path):
         db.executescript(SCHEMA_2)
     j = Journal(path)
     live, _, seq, _ = j.load()
+    assert seq == 8
     assert [(r.request_id, r.attempt, r.failures, r.lost, r.error) for r in live] == [
         ("live", 2, 1, 0, "boom")]
     s = open_scheduler(P, j, 0.0)

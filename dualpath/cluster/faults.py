@@ -154,6 +154,14 @@ def recovery_s(records: Sequence[RequestRecord], struck_unix_s: float) -> float:
     return max(hit, default=struck_unix_s) - struck_unix_s
 
 
+def isolated(spans: Sequence[tuple[float, float]]) -> list[bool]:
+    """For each fault's span (struck, until: its end or its recovery's, whichever is
+    later), whether no other fault's span overlaps it: its recovery is its own, not a
+    sum of faults that struck one after another."""
+    return [not any(j != i and a < d and c < b for j, (c, d) in enumerate(spans))
+            for i, (a, b) in enumerate(spans)]
+
+
 def affected(records: Sequence[RequestRecord], timings: Sequence, struck_unix_s: float
              ) -> list[tuple[RequestRecord, object]]:
     """The rounds in flight when a fault struck at ``struck_unix_s``, each with its

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from dualpath.cluster.faults import affected, recovery_s, service_s, taken_up_again_s
+from dualpath.cluster.faults import (
+    affected,
+    isolated,
+    recovery_s,
+    service_s,
+    taken_up_again_s,
+)
 from dualpath.trace.report import RequestRecord
 
 
@@ -44,3 +50,10 @@ def test_a_fault_that_met_nothing_or_interrupted_nothing_costs_nothing():
 def test_service_is_from_the_final_assignment_or_the_submission():
     assert service_s(RECORDS[2], TIMINGS[2]) == 2.0
     assert service_s(RECORDS[2], timing(0.0)) == 7.0
+
+
+def test_a_fault_is_isolated_when_no_other_faults_span_overlaps_its_own():
+    # Spans (struck, until): 0-3 and 2-5 overlap; 6-7 stands alone; 7-9 only touches it.
+    assert isolated([(0, 3), (2, 5), (6, 7), (7, 9)]) == [False, False, True, True]
+    assert isolated([(1, 2)]) == [True]
+    assert isolated([]) == []

@@ -34,7 +34,11 @@ and "never retrieved" lines in the daemons' logs), max_recovery_leases,
 max_recovery_leases_after_scheduler_restart (a scheduler fault's recovery counted from
 the restarted scheduler's start, not from the kill) and max_recovery_leases_after_fault
 (every fault's, from its end: a freeze's SIGCONT, a restart; with one prefill node no
-prefill runs while it is frozen). --quick: 6 kills, 10 faults on a smaller trace (a
+prefill runs while it is frozen); and for the isolated faults alone (isolated_faults: no
+other fault struck between a fault's strike and the later of its end and its recovery;
+the soak strikes the next fault 0.2-1.5 s after one ended, so most recoveries add up
+several faults) max_recovery_leases_isolated_after_fault and
+max_taken_up_again_leases_isolated. --quick: 6 kills, 10 faults on a smaller trace (a
 smoke run).
 """
 

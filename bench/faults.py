@@ -247,6 +247,15 @@ def summarize(replays: list[dict], wall_s: float, args, unhandled: list[str]) ->
     kills = [f for f in faults if f["kind"] in ("sigkill", "sigterm")]
     rec = [f["recovery_leases"] for f in faults]
     alone = [f for f in faults if f["isolated"]]
+    lease_s = args.lease_ms / 1000
+
+    def after_fault(fs: list[dict]) -> float:
+        """The longest recovery of ``fs`` from the fault's end, in leases."""
+        return round(max((max(0.0, f["recovery_s"] - f["fault_s"]) / lease_s for f in fs),
+                         default=0.0), 2)
+
+    def taken_up(fs: list[dict]) -> float:
+        return round(max((f["taken_up_again_s"] / lease_s for f in fs), default=0.0), 2)
     return {
         "faults_injected": len(faults),
         "kills": len(kills),
@@ -268,31 +277,22 @@ def summarize(replays: list[dict], wall_s: float, args, unhandled: list[str]) ->
         "max_recovery_leases": round(max(rec, default=0.0), 2),
         # From the restarted scheduler's start (a scheduler fault's fault_s is the kill
         # or stop plus our restart of the process, ~1 s): the scheduler's own recovery.
-        "max_recovery_leases_after_scheduler_restart": round(max(
-            (max(0.0, f["recovery_s"] - f["fault_s"]) / (args.lease_ms / 1000)
-             for f in faults if f["target"] == "scheduler"), default=0.0), 2),
+        "max_recovery_leases_after_scheduler_restart": after_fault(
+            [f for f in faults if f["target"] == "scheduler"]),
         "median_recovery_leases": round(statistics.median(rec), 2) if rec else 0.0,
         # From the fault's end (a freeze's SIGCONT, a restart): with one prefill node no
         # prefill runs while it is frozen, so recovery from the strike includes the freeze.
-        "max_recovery_leases_after_fault": round(max(
-            (max(0.0, f["recovery_s"] - f["fault_s"]) / (args.lease_ms / 1000)
-             for f in faults), default=0.0), 2),
+        "max_recovery_leases_after_fault": after_fault(faults),
         # From the fault's end until every round it met was taken up by a prefill node
         # again (its final attempt): the cluster's recovery without the service time of
         # the round it runs again (a round of this trace takes 1-2 leases by itself).
-        "max_taken_up_again_leases": round(max(
-            (f["taken_up_again_s"] / (args.lease_ms / 1000) for f in faults),
-            default=0.0), 2),
+        "max_taken_up_again_leases": taken_up(faults),
         # The same two for the faults no other fault's span overlapped (the soak strikes
         # the next fault 0.2-1.5 s after one ended, mostly within its recovery: those
         # figures add up several faults).
         "isolated_faults": len(alone),
-        "max_recovery_leases_isolated_after_fault": round(max(
-            (max(0.0, f["recovery_s"] - f["fault_s"]) / (args.lease_ms / 1000)
-             for f in alone), default=0.0), 2),
-        "max_taken_up_again_leases_isolated": round(max(
-            (f["taken_up_again_s"] / (args.lease_ms / 1000) for f in alone),
-            default=0.0), 2),
+        "max_recovery_leases_isolated_after_fault": after_fault(alone),
+        "max_taken_up_again_leases_isolated": taken_up(alone),
         "max_affected_service_vs_calm": round(max(
             (f["service_vs_calm"] for f in faults), default=0.0), 2),
         "lease_ms": args.lease_ms,

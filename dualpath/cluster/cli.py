@@ -38,6 +38,11 @@ def register(sub) -> None:
                    help="--engine vllm: requests of full context each node holds KV for "
                    "at once; sizes the PE and DE buffers from the model's KV bytes per "
                    "token (more requests wait their turn; [buffers] in --config wins)")
+    p.add_argument("--cores", metavar="LIST",
+                   help="--engine vllm: the CPU cores the cluster runs on, e.g. 0-15 "
+                   "(default: all this process may use); each instance gets a slice of its "
+                   "own, the daemons and vLLM's API servers one core in 8 of them when "
+                   "there are more cores than instances, else they share them")
     p.set_defaults(func=_up)
 
     r = sub.add_parser("replay", help="replay an agentic trace (offline JCT or online "
@@ -180,8 +185,9 @@ def _load(args):
 def _up(args) -> int:
     if args.engine == "vllm":
         return _up_vllm(args)
-    if args.model:
-        raise UsageError("--model is for --engine vllm")
+    for flag, given in (("--model", args.model), ("--cores", args.cores)):
+        if given:
+            raise UsageError(f"{flag} is for --engine vllm")
     cfg, raw = _load(args)
     cluster = cluster_from_config(cfg, raw)
     stop = _start_then_wait_for_signals(cluster.start)
@@ -227,6 +233,7 @@ def _up_vllm(args) -> int:
     from pathlib import Path
 
     from dualpath.cluster.local import ClusterError
+    from dualpath.cpus import allowed_cpus
     from dualpath.rpc import check_free
     from dualpath.vllm import models
     from dualpath.vllm.pd import VllmPdCluster
@@ -249,6 +256,7 @@ def _up_vllm(args) -> int:
                        decode_nodes=cfg.cluster.decode_nodes, work_dir=cfg.cluster.work_dir,
                        settings=settings, max_model_len=args.max_model_len, frontend=fe,
                        concurrency=args.concurrency, prefix_caching=args.prefix_caching,
+                       cores=allowed_cpus(args.cores) if args.cores else None,
                        progress=lambda m: print(f"dualpath up: {m}", flush=True))
     print(f"dualpath up: {pd.describe()}", flush=True)
     rc = 1                       # a start that fails keeps the whole work directory

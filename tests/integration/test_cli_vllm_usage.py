@@ -12,6 +12,7 @@ from dualpath.cli import main
     (["replay", "--url", "http://127.0.0.1:1"], "--engine vllm"),
     (["replay", "--engine", "vllm", "--concurrency", "0"], "--concurrency"),
     (["up", "--model", "/x"], "--engine vllm"),
+    (["up", "--cores", "0"], "--cores is for --engine vllm"),
     (["up", "--engine", "vllm", "--model", "/nonexistent/model"], "config.json"),
     (["frontend", "--ready-file", "/nonexistent/dir/ready"], "--ready-file"),
 ])
@@ -52,6 +53,8 @@ def test_a_taken_front_end_port_is_refused_at_once_naming_it(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["up", "--engine", "vllm", "--concurrency", "0"], "concurrency"),
+    (["up", "--engine", "vllm", "--cores", "0-"], "--cores '0-': not a CPU list"),
+    (["up", "--engine", "vllm", "--cores", "99999"], "cores 99999 are not among those"),
 ])
 def test_bad_concurrency_exits_2(argv, needle, tmp_path, capsys):
     model = tmp_path / "m"

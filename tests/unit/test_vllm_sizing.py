@@ -93,3 +93,16 @@ def _expand(part: str) -> list[int]:
         a, b = map(int, part.split("-"))
         return list(range(a, b + 1))
     return [int(c) for c in part.split(",")]
+
+
+def test_the_cores_a_user_gives_are_checked_against_this_processs():
+    import os
+
+    mine = sorted(os.sched_getaffinity(0))
+    assert cpus.allowed_cpus(cpus.cpu_list(mine)) == mine
+    assert cpus.allowed_cpus(f"{mine[0]},{mine[0]}") == [mine[0]]
+    for bad in ("", "x", "3-", "-1"):
+        with pytest.raises(UsageError, match="not a CPU list"):
+            cpus.allowed_cpus(bad)
+    with pytest.raises(UsageError, match=f"cores {max(mine) + 1} are not among"):
+        cpus.allowed_cpus(str(max(mine) + 1))

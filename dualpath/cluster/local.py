@@ -138,7 +138,8 @@ class LocalCluster:
     #: ``ip netns exec NS``: each node in a network namespace of its own).
     node_launchers: dict = field(default_factory=dict)
     #: The cores of every process the cluster starts (its children inherit them; vLLM's
-    #: P/D cluster keeps them off its decode instances' cores); empty: anywhere.
+    #: P/D cluster gives them control cores of their own where the host has spare
+    #: ones, dualpath/vllm/sizing.py); empty: anywhere.
     cpus: tuple[int, ...] = ()
     #: More IP addresses the cluster's certificates are valid at (the nodes' own, when
     #: they listen beyond loopback).

@@ -7,10 +7,10 @@ Python ships it. A log of our own would need the framing, checksums and compacti
 SQLite already has.
 
 What is journaled (docs/reliability.md): a request when it is submitted (with its spec
-and payload), every change of its attempt number or failure and lost counts, its end (outcome,
-attempt, reason, payload digest), that its submitter took the result (reported), the
-trimming of old ended requests, and the lease and arrival counters (so lease ids and
-arrival order never repeat after a restart). Not journaled: placements, PREFILL_DONE and
+and payload), every change of its attempt number or its failed and lost counts, its end
+(outcome, attempt, reason, payload digest), that its submitter took the result
+(reported), the trimming of old ended requests, and the lease and arrival counters (so
+lease ids and arrival order never repeat after a restart). Not journaled: placements, PREFILL_DONE and
 engine loads: after a restart the groups' claims say what is running (the scheduler
 reconciles), and a request nobody claims runs again under a new attempt number.
 
@@ -26,8 +26,8 @@ killed at any instant (the commit is in the WAL file; fsync at checkpoints); ``"
 fsyncs every commit and so also survives power loss, at the price of one fsync per
 group commit.
 
-Layout (schema 3; 2 had no ``lost`` column, added on open): integer keys only, so every insert appends at the right edge of its
-B-tree and no index on the text id has to be kept. ``requests`` holds the live ones,
+Layout (schema 3; 2 had no ``lost`` columns): integer keys only, so every insert appends
+at the right edge of its B-tree and no index on the text id has to be kept. ``requests`` holds the live ones,
 keyed by arrival number ``seq`` (updated in place at an attempt change); at its end a
 request's row moves to ``ended``, keyed by ``finish_seq`` (its payload dropped, the
 core's digest of it kept), and the trim of the oldest ended ones is a range delete at

@@ -84,7 +84,7 @@ class Attached:
     buffer: KvPlacement               # the daemon's DRAM buffer (saves land there)
 
 
-def leave_enginecpu_list() -> str:
+def leave_engine_cores() -> str:
     """Move the calling thread, and so every thread it starts (gRPC's, the copier), off
     the cores the engine computes on; returns where it runs, for the log.
 
@@ -102,7 +102,8 @@ def leave_enginecpu_list() -> str:
         os.sched_setaffinity(0, rest)
     except OSError as e:              # the host's cpuset allows none of them
         return f"cores {cpu_list(mine)} ({e.strerror} moving to {cpu_list(rest)})"
-    return f"cores {cpu_list(os.sched_getaffinity(0))} (the engine computes on {cpu_list(mine)})"
+    return (f"cores {cpu_list(os.sched_getaffinity(0))} (the engine computes on "
+            f"{cpu_list(mine)})")
 
 
 class LoadHandle:
@@ -257,7 +258,7 @@ class WorkerAgent:
         return self._run(self._start(), timeout)
 
     def _run_loop(self) -> None:
-        self.cores = leave_enginecpu_list()
+        self.cores = leave_engine_cores()
         self._loop.run_forever()
 
     def _run(self, coro, timeout: float):

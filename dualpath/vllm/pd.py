@@ -217,10 +217,11 @@ class VllmPdCluster:
         with open(path, "ab") as fh:
             # It dies with us (pdeathsig), and its process group (vLLM's engine core and
             # workers) with the cluster's janitor when we are killed.
-            # Its API server (and its engine core's threads outside OpenMP) on the
-            # control cores: off the decode instances' cores.
-            proc = subprocess.Popen(on_cpus(self.core_plan.control) + exec_argv(argv), stdout=fh, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True)
+            # Its API server and engine core on the control cores (its OpenMP threads
+            # bind themselves to the instance's own).
+            proc = subprocess.Popen(on_cpus(self.core_plan.control) + exec_argv(argv),
+                                    stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
         if self.cluster._janitor is not None:
             self.cluster._janitor.watch(proc.pid)
         inst = VllmInstanceProc(node_id, proc, f"http://127.0.0.1:{http}", path)

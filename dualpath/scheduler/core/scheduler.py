@@ -23,8 +23,8 @@ jittered exponential backoff (BACKOFF), and avoids the groups blamed for
 lapsed (its node killed, frozen or cut off) is the node's fault, not the request's: it
 counts against a budget of its own (``max_lost_attempts``, larger: a request that takes
 its nodes down with it still ends) and goes straight back to the queue head. A graceful
-release or a restart counts as neither. Completions that name another attempt are ignored, so a re-execution can never
-finish a request twice.
+release or a restart counts as neither. Completions that name another attempt are
+ignored, so a re-execution can never finish a request twice.
 
 Admission (docs/scheduler.md): each submitted request is admitted or rejected on its
 own (INVALID, TOO_LARGE, DUPLICATE, QUEUE_FULL); the queue is bounded by requests and by

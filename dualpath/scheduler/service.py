@@ -768,6 +768,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             groups_up=up, groups_down=len(core.groups) - up, model_profile=svc.profile.name,
             backoff_requests=stages[Stage.BACKOFF], recovering_requests=stages[Stage.RECOVERING],
             failed_attempts_total=c.failed_attempts, failed_requests_total=c.failed,
+            lost_attempts_total=c.lost_attempts,
             cancelled_requests_total=c.cancelled, journal=svc.journal is not None)
 
     async def Drain(self, request, context):

@@ -30,6 +30,7 @@ NIC_NOTE = ("storage NIC: READ_MB/S is the reads the scheduler ordered on the no
 # Counters whose per-second rates the header shows: figure name -> StatsResponse field.
 RATES = {"submitted": "submitted_requests_total", "completed": "completed_requests_total",
          "failed": "failed_requests_total", "failed_attempts": "failed_attempts_total",
+         "lost_attempts": "lost_attempts_total",
          "requeued": "requeued_requests_total", "cancelled": "cancelled_requests_total"}
 
 

@@ -234,7 +234,7 @@ def test_lease_expiry_through_the_service_with_an_injected_clock():
             st = await c.stats()
             assert (st.prefill_queue_requests, st.prefilling_requests) == (0, 0)
             assert (st.backoff_requests, st.failed_attempts_total) == (0, 0)
-            assert svc.core.counters.lost_attempts == 3
+            assert st.lost_attempts_total == 3
             assert st.requeued_requests_total == 3
             assert await code_of(c.fetch("pe0", pe.lease_id, status(pe_eng))) == \
                 grpc.StatusCode.FAILED_PRECONDITION

@@ -52,8 +52,8 @@ dualpath top  sched:7000  2023-11-14T22:15:02Z  every 2 s  model ds27b  journal 
 params    alpha 4000000  beta 1500000  quota 250 ms  split_read on  groups 2 up, 0 down
 requests  queued 8 (global 5, group 2, prefill 1)  running 7 (prefilling 3, decoding 4)  \
 backoff 1  recovering 0
-per s     submitted 3.0  completed 0.5  failed 0.0  failed_attempts 0.0  requeued 0.0  \
-cancelled 0.0  (over 2.00 s)
+per s     submitted 3.0  completed 0.5  failed 0.0  failed_attempts 0.0  \
+lost_attempts 0.0  requeued 0.0  cancelled 0.0  (over 2.00 s)
 
 GROUP  ROLE     LEASE  LEASE_ID  FETCH_AGO_S  ENGINES  DRAINED  SEQ   TOK  QUEUED
 de1    decode   up            7          0.0        2        1    4  9000       2

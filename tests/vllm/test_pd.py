@@ -313,7 +313,6 @@ def _http(rig, path: str, body=None, *, key: str | None = API_KEY, raw: bytes | 
     return status, json.loads(text)
 
 
-@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
 def _allowed(pid: int) -> dict[int, set[int]]:
     """thread id -> the cores it may run on, for every thread of ``pid``."""
     out = {}
@@ -354,6 +353,7 @@ def test_every_process_runs_on_the_cores_the_plan_gives_it(rig):
         assert not computing & control, (computing, control)
 
 
+@pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
 def test_front_end_token_id_completions_are_the_oracle_streamed_or_not(rig):
     conv = Conversation(seed=707, first=300, append=100, gen=12)
     for _ in range(2):                      # the second turn hits what the first stored

@@ -205,13 +205,13 @@ def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
         # fault left behind shows here (a round that rode through a freeze does not).
         again = [service_s(r, t) for r, t in hit if t.assigned_unix_s >= ended]
         f["service_vs_calm"] = max(again, default=0.0) / calm_s if calm_s else 0.0
-        f["span"] = (f["struck_unix_s"],
-                     f["struck_unix_s"] + max(f["fault_s"], f["recovery_s"]))
         f["rounds"] = [{"attempt": t.attempt,
                         "assigned_s": round(t.assigned_unix_s - ended, 2),
                         "finish_s": round(r.finish_s - ended, 2),
                         "service_s": round(service_s(r, t), 2)} for r, t in hit]
-    for f, alone in zip(faults, isolated([f.pop("span") for f in faults])):
+    spans = [(f["struck_unix_s"], f["struck_unix_s"] + max(f["fault_s"], f["recovery_s"]))
+             for f in faults]
+    for f, alone in zip(faults, isolated(spans)):
         f["isolated"] = alone
     return {"rounds": rounds, "finished": len(run.records),
             "stuck": rounds - len(run.records) if "aborted" in out else 0,

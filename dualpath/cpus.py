@@ -24,11 +24,9 @@ def allowed_cpus(text: str, what: str = "--cores") -> list[int]:
     """The cores ``text`` names ("0-7,12"), each one this process may run on (else a
     UsageError naming the ones it may not, or the syntax)."""
     try:
-        cpus = sorted(set(parse_cpus(text)))
+        cpus = sorted(set(parse_cpus(text)))      # "" and "-1" do not parse
     except ValueError:
         raise UsageError(f"{what} {text!r}: not a CPU list (e.g. 0-7,12)") from None
-    if not cpus or cpus[0] < 0:
-        raise UsageError(f"{what} {text!r}: not a CPU list (e.g. 0-7,12)")
     mine = os.sched_getaffinity(0)
     outside = [c for c in cpus if c not in mine]
     if outside:

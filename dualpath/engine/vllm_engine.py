@@ -133,6 +133,10 @@ class _Save:
     held: bool = False               # adopted DE-buffer blocks: kept until released
     tail: bool = False               # its last key is a partial last block: never persisted
 
+    def is_tail(self, i: int) -> bool:
+        """Whether key ``i`` is the prompt's partial last block (never persisted)."""
+        return self.tail and i == len(self.keys) - 1
+
 
 class _InPlace:
     """A load's blocks that are all still in this node's write-back (a P/D request's
@@ -436,7 +440,7 @@ class VllmEngine:
             in_place = _InPlace([self._pending[key] for key in keys])
             # A P/D prompt's partial last block (adopted, never stored: only here).
             self.metrics.partial_blocks_loaded.inc(
-                sum(s.tail and j == len(s.keys) - 1 for s, j in in_place.held))
+                sum(s.is_tail(j) for s, j in in_place.held))
         res = (stage.view(first, len(keys)) if stage is not None
                else in_place if in_place is not None
                else await space.pool.reserve(len(keys)))
@@ -739,7 +743,7 @@ class VllmEngine:
         try:
             for i, key in enumerate(s.keys):
                 try:
-                    if (s.tail and i == len(s.keys) - 1) or space.store.contains(key):
+                    if s.is_tail(i) or space.store.contains(key):
                         continue
                     if self.limiter is not None:
                         # The NIC's write direction (ratelimit.RateLimiter: full

@@ -219,7 +219,7 @@ class VllmPdCluster:
             # workers) with the cluster's janitor when we are killed.
             # Its API server and engine core on the control cores (its OpenMP threads
             # bind themselves to the instance's own).
-            proc = subprocess.Popen(on_cpus(self.core_plan.control) + exec_argv(argv),
+            proc = subprocess.Popen(on_cpus(self.cluster.cpus) + exec_argv(argv),
                                     stdout=fh, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         if self.cluster._janitor is not None:

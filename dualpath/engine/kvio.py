@@ -52,8 +52,8 @@ async def write_layers(transfer: TransferEngine, peer: str, src: KvPlacement,
     it is in ``src`` (when given: layers still being read from storage);
     ``on_layer(n)`` after the n-th layer landed (n counts from 1). Returns the bytes
     moved. At most two layers are in flight; on an error, the other layer in flight is
-    waited for before raising, so nothing still reads ``src`` or writes ``dst`` once
-    this returns."""
+    waited for before raising, and on a cancel it is stopped (TransferEngine.write), so
+    nothing still reads ``src`` or writes ``dst`` once this returns."""
     order = list(range(src.fmt.layers) if layers is None else layers)
     if stop_token <= first_token:
         for n in range(1, len(order) + 1):
@@ -78,12 +78,20 @@ async def write_layers(transfer: TransferEngine, peer: str, src: KvPlacement,
         for n in range(1, len(order) + 1):
             if n < len(order):
                 inflight.append(await begin(n))
-            # Shielded: cancelling us must not abandon a write whose bytes are already
-            # on the wire; the finally below waits for them instead.
+            # Shielded: the handler below, not the await, decides what a cancel does to
+            # the writes in flight.
             total += await asyncio.shield(inflight[0])
             inflight.pop(0)
             if on_layer is not None:
                 on_layer(n)
+    except asyncio.CancelledError:
+        # Cancelled: give the writes in flight up. Each returns once the transfer engine
+        # stopped it (its connections reset: none of its bytes lands after), so the
+        # finally's wait is that, not the write's bound (a peer cut off would hold us
+        # there for transfer.timeout_s).
+        for f in inflight:
+            f.cancel()
+        raise
     finally:
         pending = [f for f in inflight if not f.done()]
         if pending:

@@ -69,8 +69,9 @@ class _Transfer:
     """One write(): its planned slices as uint64 rows (local offset, remote offset,
     length), read by ``dp_items_fill`` at post time, never walked in Python."""
 
-    __slots__ = ("abandoned", "done", "end", "fut", "lkey", "local_base", "nbytes",
-                 "nslices", "peer", "ptr", "remaining", "remote", "rows", "timer")
+    __slots__ = ("abandoned", "done", "end", "expired", "fut", "lkey", "local_base",
+                 "nbytes", "nslices", "peer", "ptr", "remaining", "remote", "rows",
+                 "stopped", "timer")
 
     def __init__(self, fut: asyncio.Future, peer: _Peer, rows: np.ndarray, region: Region,
                  remote: str):
@@ -83,6 +84,10 @@ class _Transfer:
         self.done = False           # data-path thread: resolved (or cancelled)
         self.abandoned = False      # loop: nobody awaits the future any more
         self.timer: asyncio.TimerHandle | None = None   # loop: the write's bound
+        # Loop: set when the write is given up (its awaiter cancelled, its bound past):
+        # resolved once the data-path thread stopped it (:meth:`TransferEngine._stop`).
+        self.stopped: asyncio.Future | None = None
+        self.expired: BaseException | None = None       # loop: the writer's error then
 
 
 class _Seg:
@@ -194,6 +199,7 @@ class TransferEngine:
         self._sleeping: str | None = None       # where the data-path thread sleeps, if it does
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+        self._stopping: set[_Transfer] = set()     # given up, not yet stopped (loop)
         # Data-path thread only.
         self._w_peers: dict[str, _Peer] = {}
         self._w_conns: dict[int, _Conn] = {}
@@ -314,19 +320,47 @@ class TransferEngine:
             if t.fut.cancelled():       # our caller was cancelled (not the engine closing)
                 t.timer.cancel()
                 t.abandoned = True
-                self._command(_Cancel(t))
+                await self._stop(t)
             raise
 
     def _expire(self, t: _Transfer, peer: str, bound: float) -> None:
-        """Loop: ``t`` is past its bound: its writer gets TransferTimeout, and the data-
-        path thread stops it and recovers the connections carrying it."""
+        """Loop: ``t`` is past its bound: the data-path thread stops it and recovers the
+        connections carrying it, then its writer gets TransferTimeout."""
         if t.fut.done():
             return
         t.abandoned = True
-        self._command(_Cancel(t))
-        t.fut.set_exception(TransferTimeout(
+        t.expired = TransferTimeout(
             f"write of {t.nbytes} bytes ({t.nslices} slices) to peer {peer!r} did not "
-            f"complete within {bound:.3g} s", errno=errno.ETIMEDOUT))
+            f"complete within {bound:.3g} s", errno=errno.ETIMEDOUT)
+        self._give_up(t, t.fut)
+
+    async def _stop(self, t: _Transfer) -> None:
+        """Loop: stop a write whose awaiter was cancelled and return once the data-path
+        thread has: the connections carrying it reset (a TCP connection closed abortively,
+        a QP's work requests flushed), none of it queued. A cancelled writer may then say
+        its writes ended (engine/fence.py) without waiting out the write's bound."""
+        f = self._loop.create_future()
+        self._give_up(t, f)
+        await f
+
+    def _give_up(self, t: _Transfer, f: asyncio.Future) -> None:
+        t.stopped = f
+        if self._dead is not None or self._state != "running":
+            self._stopped(t)          # no data-path thread to ask; close() fails the rest
+            return
+        self._stopping.add(t)
+        self._command(_Cancel(t))
+
+    def _stopped(self, t: _Transfer) -> None:
+        """Loop: the data-path thread stopped ``t`` (or there is no thread any more)."""
+        self._stopping.discard(t)
+        f, t.stopped = t.stopped, None
+        if f is None or f.done():
+            return
+        if t.expired is not None:
+            f.set_exception(t.expired)
+        else:
+            f.set_result(None)
 
     async def close(self) -> None:
         """Fail what is in flight, stop the data-path thread, close connections, regions
@@ -353,6 +387,8 @@ class TransferEngine:
         self._fail_everything(closed)
         self._deliver(self._events)
         self._events = []
+        for t in list(self._stopping):   # the thread is gone: nothing of them in flight
+            self._stopped(t)
         for p in reversed(list(self._peers.values())):
             for c in reversed(p.conns):
                 c.conn.close()
@@ -508,6 +544,8 @@ class TransferEngine:
                     t.fut.set_exception(exc)
             elif ev[0] == "recover":
                 self._start_recovery(ev[1])
+            elif ev[0] == "stopped":
+                self._stopped(ev[1])
 
     # ------------------------------------------------------------------ data-path thread
 
@@ -774,13 +812,16 @@ class TransferEngine:
 
     def _cancel(self, t: _Transfer) -> None:
         """A transfer timed out (or its awaiter was cancelled): stop it, and recover the
-        connections still carrying its slices: they are not making progress."""
-        if t.done:
-            return
-        t.done = True
-        for c in t.peer.conns:
-            if c.state == UP and any(s.transfer is t for s in c.fifo):
-                self._break(c, "a write timed out on it")
+        connections still carrying its slices (reset: nothing of it lands after this), then
+        tell the loop it stopped."""
+        if not t.done:
+            t.done = True
+            why = "a write timed out on it" if t.expired is not None else \
+                "a write given up by its caller was on it"
+            for c in t.peer.conns:
+                if c.state == UP and any(s.transfer is t for s in c.fifo):
+                    self._break(c, why)
+        self._events.append(("stopped", t))
 
     def _seg_done(self, s: _Seg) -> None:
         t = s.transfer

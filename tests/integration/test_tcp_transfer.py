@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import socket
+import time
 
 import pytest
 
@@ -235,6 +236,39 @@ def test_a_cancelled_write_is_cancelled_and_its_bound_never_fires():
                 await task
             await asyncio.sleep(0.5)        # past the bound: its timer went with it
         assert errors == []
+    run(main())
+
+
+def slow_to_stop(a: TransferEngine, delay_s: float) -> None:
+    """The data-path thread takes ``delay_s`` to stop a given-up write (as under load)."""
+    cancel = a._cancel
+
+    def slow(t):
+        time.sleep(delay_s)
+        cancel(t)
+    a._cancel = slow
+
+
+@pytest.mark.parametrize("how", ["cancelled", "past its bound"])
+def test_a_given_up_write_returns_only_once_its_connection_was_reset(how):
+    """A writer that gives a write up (cancelled: its request was dropped; or past its
+    bound) may then tell the peer its writes ended and let the memory go: that holds only
+    if nothing of the write is still queued or on the wire then (the fence's premise,
+    engine/fence.py). The write returns once the data-path thread reset the connection
+    carrying it, however long that takes; before, it returned at once, and a cancelled
+    writer's only safe course was to wait out the write's bound (transfer.timeout_s: a
+    peer cut off held a prefill that long)."""
+    async def main():
+        async with to_a_hole(0.3 if how == "past its bound" else 30.0) as a:
+            slow_to_stop(a, 0.3)
+            task = asyncio.ensure_future(a.write("hole", [(0, 0, 1 << 20)]))
+            await asyncio.sleep(0.1)
+            if how == "cancelled":
+                task.cancel()
+            with pytest.raises(asyncio.CancelledError if how == "cancelled"
+                               else TransferTimeout):
+                await task
+            assert a.stats["recoveries"] == 1     # reset before the writer heard
     run(main())
 
 

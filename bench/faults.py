@@ -30,15 +30,21 @@ cost model); every KV byte moves for real and is verified.
 Prints a table per fault kind and the totals; --json PATH writes the same record, its
 "summary" holding faults_injected, kills, requests_lost, requests_duplicated,
 bytes_mismatched, requests_stuck, idle_invariant_violations, unhandled_errors (tracebacks
-and "never retrieved" lines in the daemons' logs), max_recovery_leases,
+and "never retrieved" lines in the daemons' logs), episodes and max_recovery_leases (faults
+whose spans, strike to the later of its end and its recovery, overlap, directly or in a
+chain, are one episode; its recovery runs from the end of its last fault until every round
+any of them met had finished: the soak strikes the next fault 0.2-1.5 s after one ended,
+and a partition or freeze lasts 1.5-3 leases by itself, so this is the figure the cluster
+answers for), max_taken_up_again_leases_after_episode (the same until every such round
+was taken up by a prefill node again), max_recovery_leases_from_strike (per fault, from
+its strike: the fault itself and the faults that followed within its recovery included),
 max_recovery_leases_after_scheduler_restart (a scheduler fault's recovery counted from
 the restarted scheduler's start, not from the kill) and max_recovery_leases_after_fault
 (every fault's, from its end: a freeze's SIGCONT, a restart; with one prefill node no
-prefill runs while it is frozen); and for the isolated faults alone (isolated_faults: no
-other fault struck between a fault's strike and the later of its end and its recovery;
-the soak strikes the next fault 0.2-1.5 s after one ended, so most recoveries add up
-several faults) max_recovery_leases_isolated_after_fault and
-max_taken_up_again_leases_isolated. --quick: 6 kills, 10 faults on a smaller trace (a
+prefill runs while it is frozen); and for the isolated faults alone (isolated_faults: a
+fault that is an episode by itself) max_recovery_leases_isolated_after_fault and
+max_taken_up_again_leases_isolated. The table per fault kind gives recovery from the
+strike. --quick: 6 kills, 10 faults on a smaller trace (a
 smoke run).
 """
 
@@ -61,6 +67,8 @@ from dualpath.cluster.faults import (
     DAMAGE_KINDS,
     affected,
     damage_blocks,
+    episode_recovery_s,
+    episodes,
     isolated,
     kill_and_restart,
     partition,
@@ -211,8 +219,19 @@ def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
                         "service_s": round(service_s(r, t), 2)} for r, t in hit]
     spans = [(f["struck_unix_s"], f["struck_unix_s"] + max(f["fault_s"], f["recovery_s"]))
              for f in faults]
-    for f, alone in zip(faults, isolated(spans)):
-        f["isolated"] = alone
+    for f, alone, ep in zip(faults, isolated(spans), episodes(spans)):
+        f["isolated"], f["episode"] = alone, ep
+    eps = []
+    for ep in sorted({f["episode"] for f in faults}):
+        fs = [f for f in faults if f["episode"] == ep]
+        ended = max(f["struck_unix_s"] + f["fault_s"] for f in fs)
+        eps.append({"faults": [f"{f['kind']} {f['target']}" for f in fs],
+                    "fault_s": round(ended - min(f["struck_unix_s"] for f in fs), 2),
+                    "recovery_s": round(episode_recovery_s(
+                        [(f["struck_unix_s"], f["fault_s"], f["recovery_s"]) for f in fs]), 2),
+                    "taken_up_again_s": round(max(
+                        (f["struck_unix_s"] + f["fault_s"] + f["taken_up_again_s"] - ended
+                         for f in fs), default=0.0), 2)})
     return {"rounds": rounds, "finished": len(run.records),
             "stuck": rounds - len(run.records) if "aborted" in out else 0,
             "idle_violations": idle_invariant(cluster),
@@ -221,7 +240,7 @@ def one_replay(cluster: LocalCluster, args, rng: random.Random, index: int,
             "failed": run.requests_failed, "reexecutions": run.reexecutions,
             "bytes_verified": run.bytes_verified,
             "max_failed_attempts": max_failed_attempts(cluster, run),
-            "aborted": out.get("aborted", ""), "faults": faults}
+            "aborted": out.get("aborted", ""), "faults": faults, "episodes": eps}
 
 
 def scheduler_view(cluster: LocalCluster) -> str:
@@ -247,6 +266,7 @@ def summarize(replays: list[dict], wall_s: float, args, unhandled: list[str]) ->
     kills = [f for f in faults if f["kind"] in ("sigkill", "sigterm")]
     rec = [f["recovery_leases"] for f in faults]
     alone = [f for f in faults if f["isolated"]]
+    eps = [e for r in replays for e in r["episodes"]]
     lease_s = args.lease_ms / 1000
 
     def after_fault(fs: list[dict]) -> float:
@@ -274,7 +294,19 @@ def summarize(replays: list[dict], wall_s: float, args, unhandled: list[str]) ->
         "unhandled_errors": len(unhandled),
         "reexecutions": sum(r["reexecutions"] for r in replays),
         "max_failed_attempts": max((r["max_failed_attempts"] for r in replays), default=0),
-        "max_recovery_leases": round(max(rec, default=0.0), 2),
+        # Per episode (faults whose spans overlap, chained), from its last fault's end
+        # until every round any of them met had finished: how long the cluster takes to
+        # be whole again once the faults stop. A partition or freeze lasts 1.5-3 leases
+        # by construction, and nothing on the cut-off node can finish meanwhile.
+        "episodes": len(eps),
+        "max_recovery_leases": round(max((e["recovery_s"] for e in eps), default=0.0)
+                                     / lease_s, 2),
+        "max_taken_up_again_leases_after_episode": round(max(
+            (max(0.0, e["taken_up_again_s"]) for e in eps), default=0.0) / lease_s, 2),
+        "max_episode_faults": max((len(e["faults"]) for e in eps), default=0),
+        # From each fault's strike (the fault itself and whatever struck after it within
+        # its recovery included).
+        "max_recovery_leases_from_strike": round(max(rec, default=0.0), 2),
         # From the restarted scheduler's start (a scheduler fault's fault_s is the kill
         # or stop plus our restart of the process, ~1 s): the scheduler's own recovery.
         "max_recovery_leases_after_scheduler_restart": after_fault(
@@ -305,8 +337,9 @@ def table(replays: list[dict], summary: dict) -> str:
     for r in replays:
         for f in r["faults"]:
             by[f"{f['kind']} {f['target']}"].append(f)
-    lines = [(f"{'fault':<20} {'count':>5} {'fault_s':>8} {'recovery_s max':>14} "
-             f"{'leases max':>10} {'leases median':>13}")]
+    lines = ["recovery from the strike, per fault kind:",
+             (f"{'fault':<20} {'count':>5} {'fault_s':>8} {'recovery_s max':>14} "
+              f"{'leases max':>10} {'leases median':>13}")]
     for name in sorted(by):
         fs = by[name]
         leases = [f["recovery_leases"] for f in fs]
@@ -324,8 +357,13 @@ def table(replays: list[dict], summary: dict) -> str:
               f"{s['max_failed_attempts']}"),
               (f"requests_stuck {s['requests_stuck']}  idle_invariant_violations "
                f"{s['idle_invariant_violations']}  unhandled_errors {s['unhandled_errors']}"),
-              (f"max_recovery_leases {s['max_recovery_leases']}  (median "
-              f"{s['median_recovery_leases']}; lease {s['lease_ms']} ms)  wall {s['wall_s']} s"),
+              (f"episodes {s['episodes']} (at most {s['max_episode_faults']} faults): "
+               f"max_recovery_leases {s['max_recovery_leases']} from the last fault's end  "
+               f"(lease {s['lease_ms']} ms)  wall {s['wall_s']} s"),
+              (f"max_taken_up_again_leases_after_episode "
+               f"{s['max_taken_up_again_leases_after_episode']}  "
+               f"max_recovery_leases_from_strike {s['max_recovery_leases_from_strike']} "
+               f"(median {s['median_recovery_leases']})"),
               ("max_recovery_leases_after_scheduler_restart "
                f"{s['max_recovery_leases_after_scheduler_restart']}  "
                f"max_recovery_leases_after_fault {s['max_recovery_leases_after_fault']}"),

@@ -162,6 +162,31 @@ def isolated(spans: Sequence[tuple[float, float]]) -> list[bool]:
             for i, (a, b) in enumerate(spans)]
 
 
+def episodes(spans: Sequence[tuple[float, float]]) -> list[int]:
+    """For each fault's span (struck, until), the index of its episode: faults whose spans
+    overlap, directly or through others, form one episode (numbered in strike order). A
+    fault that strikes while an earlier one's rounds are still recovering adds to that
+    recovery; the cluster's own recovery is the episode's, from its last fault's end."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    out = [0] * len(spans)
+    episode, reach = -1, float("-inf")
+    for i in order:
+        a, b = spans[i]
+        if a >= reach:
+            episode += 1
+        reach = max(reach, b) if a < reach else b
+        out[i] = episode
+    return out
+
+
+def episode_recovery_s(faults: Sequence[tuple[float, float, float]]) -> float:
+    """An episode's recovery: from the end of its last fault until every round in flight
+    at any of its strikes had finished (0 when they had by then). ``faults`` holds each
+    fault's (struck, fault_s, recovery_s), recovery_s as :func:`recovery_s` gives it."""
+    ended = max(s + f for s, f, _ in faults)
+    return max(0.0, max(s + r for s, _, r in faults) - ended)
+
+
 def affected(records: Sequence[RequestRecord], timings: Sequence, struck_unix_s: float
              ) -> list[tuple[RequestRecord, object]]:
     """The rounds in flight when a fault struck at ``struck_unix_s``, each with its

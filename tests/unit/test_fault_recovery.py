@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 from dualpath.cluster.faults import (
     affected,
+    episode_recovery_s,
+    episodes,
     isolated,
     recovery_s,
     service_s,
@@ -57,3 +59,20 @@ def test_a_fault_is_isolated_when_no_other_faults_span_overlaps_its_own():
     assert isolated([(0, 3), (2, 5), (6, 7), (7, 9)]) == [False, False, True, True]
     assert isolated([(1, 2)]) == [True]
     assert isolated([]) == []
+
+
+def test_overlapping_spans_chain_into_one_episode_in_strike_order():
+    # 0-3 and 2-5 overlap; 4-6 overlaps 2-5 only (a chain); 7-9 starts after; 9-10 touches.
+    assert episodes([(0, 3), (2, 5), (4, 6), (7, 9), (9, 10)]) == [0, 0, 0, 1, 2]
+    # Given out of strike order, numbered in strike order.
+    assert episodes([(7, 9), (0, 3), (2, 8)]) == [0, 0, 0]
+    assert episodes([(5, 6), (0, 1)]) == [1, 0]
+    assert episodes([]) == []
+
+
+def test_an_episodes_recovery_counts_from_its_last_faults_end():
+    # (struck, fault_s, recovery_s): the first fault's rounds finish at 10, the second
+    # ends at 7 and its rounds finish at 8: 3 s after the last fault ended.
+    assert episode_recovery_s([(0, 2, 10), (5, 2, 3)]) == 3.0
+    # Rounds all done before the last fault ended: nothing to recover.
+    assert episode_recovery_s([(0, 4, 1), (3, 2, 0)]) == 0.0

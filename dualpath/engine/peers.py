@@ -82,8 +82,6 @@ class Prepared:
 @dataclass(frozen=True)
 class LoadOrder:
     request_id: str
-    source_engine_id: str
-    target_engine_id: str
     keys: Sequence[bytes]
     target_peer: str
     target: KvPlacement
@@ -199,7 +197,6 @@ class PeerClient:
         await self._call(de, "SubmitTransferOrder", self._engine(de).SubmitTransferOrder(
             engine_pb2.TransferOrder(
                 request_id=o.request_id, kind=engine_pb2.TRANSFER_KIND_LOAD_HIT_KV,
-                source_engine_id=o.source_engine_id, target_engine_id=o.target_engine_id,
                 block_keys=list(o.keys), target_peer=o.target_peer,
                 target=placement_wire.to_pb(o.target), target_units=list(o.target_units),
                 attempt=o.attempt, first_block=o.first_block),

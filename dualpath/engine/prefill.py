@@ -217,8 +217,7 @@ class PrefillPath:
                 await n.transfer.connect(de)
                 watch = n.peers.watch(de, rid, a.attempt)
                 await n.peers.order_load(de, LoadOrder(
-                    rid, a.decode_engine_id, e.engine_id, keys[local:hit_blocks],
-                    n.address, space.buffer,
+                    rid, keys[local:hit_blocks], n.address, space.buffer,
                     space.buffer_units(pebuf)[local * k:hit_blocks * k], a.attempt,
                     first_block=local))
             if local:                          # ours: blocks [0, local), meanwhile

@@ -118,8 +118,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "only LOAD_HIT_KV orders exist")
         try:
-            order = LoadOrder(request.request_id, request.source_engine_id,
-                              request.target_engine_id, list(request.block_keys),
+            order = LoadOrder(request.request_id, list(request.block_keys),
                               request.target_peer,
                               placement_wire.from_pb(request.target, "order target"),
                               list(request.target_units), request.attempt,
@@ -163,10 +162,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if st is not None:
             await self.callers.require_owner(context, st.owner, request.request_id)
         try:
-            known = await self.stop(request.request_id, request.attempt, ident)
+            await self.stop(request.request_id, request.attempt, ident)
         except StaleAttempt as e:
             await context.abort(grpc.StatusCode.ABORTED, str(e))
-        return engine_pb2.CancelRequestResponse(was_known=known)
+        return engine_pb2.CancelRequestResponse()
 
 
 class NodeServicer(node_pb2_grpc.NodeServicer):
@@ -190,7 +189,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "no forward steps here (not an emulated prefill node)")
         return node_pb2.ForwardStepsResponse(
-            node_id=self.node_id, engine_ids=[e.engine_id for e in fw.ranks],
+            node_id=self.node_id,
             steps=[node_pb2.ForwardStep(start_unix_s=s.start_unix_s,
                                         duration_s=s.duration_s,
                                         attention_s=list(s.attention_s),
@@ -229,7 +228,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         lim = self.limiter
         keys = sorted(lim.slots)
         return node_pb2.StorageReadsResponse(
-            node_id=self.node_id, slot_s=lim.SLOT_S,
+            node_id=self.node_id,
             slot_start_unix_s=[k * lim.SLOT_S for k in keys],
             slot_bytes=[lim.slots[k] for k in keys])
 
@@ -334,7 +333,7 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
     async def EndSave(self, request, context):
         await self.callers.require(context, own=True)
         try:
-            n = self.engine.end_save(request.save_id, request.commit)
+            self.engine.end_save(request.save_id, request.commit)
         except DualPathError as e:
             await self._abort(context, e)
-        return connector_pb2.EndSaveResponse(blocks_queued=n)
+        return connector_pb2.EndSaveResponse()

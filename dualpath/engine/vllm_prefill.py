@@ -135,7 +135,7 @@ class VllmPrefillPath(PrefillPath):
                 await n.transfer.connect(de)
                 watch = n.peers.watch(de, rid, a.attempt)
                 await n.peers.order_load(de, LoadOrder(
-                    rid, a.decode_engine_id, e.engine_id, keys[local:hit], n.address,
+                    rid, keys[local:hit], n.address,
                     space.buffer, space.buffer_units(res)[local * k:hit * k], a.attempt,
                     first_block=local))
                 sources.append(watch)

@@ -490,7 +490,7 @@ def _assignment(r: Request, with_pe: bool) -> scheduler_pb2.Assignment:
         prefill_engine_id=pe.engine_id if pe else "",
         decode_engine_id=de.engine_id,  # type: ignore[union-attr]
         read_side=int(r.read_side), prompt_tokens=r.prompt_tokens, hit_tokens=r.hit_tokens,
-        new_tokens=r.prompt_tokens - r.hit_tokens, max_new_tokens=r.max_new_tokens,
+        max_new_tokens=r.max_new_tokens,
         prefill_read_tokens=r.prefill_read_tokens, decode_read_tokens=r.decode_read_tokens,
         prefill_control_address=pe.control_address if pe else "",
         decode_control_address=de.control_address,  # type: ignore[union-attr]
@@ -627,7 +627,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             assignments=[_assignment(r, with_pe) for r in res.assignments],
             cancelled_request_ids=res.cancelled,
             compute_quota_ms=svc.core.params.compute_quota_ms,
-            completions_accepted=accepted, ignored_request_ids=ignored)
+            ignored_request_ids=ignored)
         await svc.durable(context)
         svc.metrics.observe_fetch(res.role, _clock.now() - t0)
         return reply

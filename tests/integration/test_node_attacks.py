@@ -177,7 +177,10 @@ def test_a_request_belongs_to_the_node_that_prepared_it(ns, victim):
     assert "belongs to node/p0" in theirs["done"]["details"]
     # ...and its owner still may (a watch of a request not loading: it is there).
     again = _attack(ns, victim, "node/p0", request=rid, calls=("cancel",))
-    assert again["cancel"]["ok"] is True and "was_known: true" in again["cancel"]["reply"]
+    assert again["cancel"]["ok"] is True
+    # The cancel dropped it: nothing of it is here any more.
+    gone = _attack(ns, victim, "node/p0", request=rid, calls=("done",))
+    assert gone["done"]["code"] == "NOT_FOUND", gone
 
 
 def test_a_prompt_past_the_bound_is_refused_before_anything_is_allocated(ns, victim):

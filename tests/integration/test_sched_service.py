@@ -100,8 +100,7 @@ def test_leader_protocol_end_to_end():
                 pb.READ_SIDE_PREFILL, pb.READ_SIDE_DECODE] * 2 + [pb.READ_SIDE_PREFILL]
             assert (got.assignments[1].prefill_read_tokens,
                     got.assignments[1].decode_read_tokens) == (0, 900)
-            assert (a.prompt_tokens, a.hit_tokens, a.new_tokens, a.max_new_tokens) == \
-                (1000, 900, 100, 100)
+            assert (a.prompt_tokens, a.hit_tokens, a.max_new_tokens) == (1000, 900, 100)
             assert (a.prefill_read_tokens, a.decode_read_tokens) == (900, 0)
             assert a.payload == b"turn-0"
             assert a.decode_control_address.startswith("127.0.0.1:70")
@@ -116,7 +115,6 @@ def test_leader_protocol_end_to_end():
             # DE completions ride on the next fetch; one is sent twice (a retry).
             r = await c.fetch("de0", de.lease_id, status(de_eng, free_tokens=100_000),
                               completions=done + done[:1])
-            assert r.completions_accepted == 5
             assert list(r.ignored_request_ids) == [done[0].request_id]
             st = await c.stats()
             assert (st.submitted_requests_total, st.completed_requests_total) == (5, 5)

@@ -50,7 +50,7 @@ class WriterEngine(engine_pb2_grpc.EngineServicer):
     async def CancelRequest(self, request, context):
         self.asked += 1
         await self.stopped.wait()
-        return engine_pb2.CancelRequestResponse(was_known=True)
+        return engine_pb2.CancelRequestResponse()
 
 
 async def _aborted(call) -> str:
@@ -121,7 +121,7 @@ async def _run(de: NodeDaemon, pe: TransferEngine, pe_addr: str, peers: PeerClie
     # Every message of the old attempt is refused.
     await _aborted(peers.prepare(de.address, job(1)))
     await _aborted(peers.order_load(de.address, LoadOrder(
-        rid, eng, "p0/e0", [b"\0" * 16], pe_addr, src_place, [0], 1)))
+        rid, [b"\0" * 16], pe_addr, src_place, [0], 1)))
     await _aborted(peers.prefill_done(de.address, PrefillReport(
         rid, "p0/e0", "p0", 0.0, 0, (0.0, 0.0), 1, 0)))
     watch = peers.watch(de.address, rid, 1)

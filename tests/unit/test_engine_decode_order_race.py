@@ -56,7 +56,7 @@ def test_an_order_is_not_carried_out_for_a_request_dropped_while_connecting():
         st = DecodeState("r1", engine=None, payload=None, spans=[None, None],
                          buffer=Slots(), pe_address="pe", attempt=1)
         d.requests["r1"] = st
-        order = LoadOrder("r1", "pe/e0", "pe/e0", [bytes(16)], "pe",
+        order = LoadOrder("r1", [bytes(16)], "pe",
                           KvPlacement.full_blocks(FMT, "hbm", 1024, 4), [0], 1, 0)
         accepting = asyncio.ensure_future(d.accept_order(order))
         await asyncio.sleep(0)                       # waiting for its first connect
@@ -184,7 +184,7 @@ def test_an_order_into_a_reservation_without_the_held_blocks_slots_is_refused():
         st = DecodeState("r1", engine=None, payload=None, spans=[None, None, None],
                          buffer=Slots(), pe_address="pe", attempt=1, held=2, base=2)
         d.requests["r1"] = st
-        order = LoadOrder("r1", "pe/e0", "pe/e0", [bytes(16)], "pe",
+        order = LoadOrder("r1", [bytes(16)], "pe",
                           KvPlacement.full_blocks(FMT, "hbm", 1024, 4), [0], 1, 0)
         with pytest.raises(UsageError, match="first 2 blocks have no slots"):
             await d.accept_order(order)

@@ -33,10 +33,6 @@ class EngineConfig:
     advertise: str = key("", "host peers and the scheduler use to reach control_listen; "
                          "empty = its host.")
     metrics_listen: str = key("", "Prometheus /metrics host:port; empty = off.")
-    hbm: str = key("auto", "Where the emulated engine's 'HBM' lives: 'host' memory; "
-                   "'auto' is host in this build; 'cupy' (GPU memory) is refused at start "
-                   "(it needs GPUDirect RDMA registration of the emulated HBM, which this "
-                   "build does not do).", choices=("auto", "cupy", "host"))
     prefill_hbm_mib: int = key(512, "HBM per PE engine for the prompts it prefills (MiB).",
                                min=1, max=1 << 24)
     decode_hbm_mib: int = key(256, "HBM per DE engine for the requests it decodes (MiB); "
@@ -75,12 +71,7 @@ class ClusterConfig:
 
     prefill_nodes: int = key(1, "Prefill (PE) node processes.", min=1, max=64)
     decode_nodes: int = key(2, "Decode (DE) node processes.", min=1, max=64)
-    scheduler_listen: str = key("127.0.0.1:0", "Scheduler gRPC address; port 0 = a free "
-                                "port chosen at start.")
     work_dir: str = key("", "Directory for the block store, logs and the generated node "
                         "config; empty = a new temporary directory, removed at exit.")
     start_timeout_s: float = key(60.0, "Bound on the scheduler and every node becoming "
                                  "ready.", min=1.0)
-
-    def validate(self) -> None:
-        check_listen("cluster", scheduler_listen=self.scheduler_listen)

@@ -226,9 +226,6 @@ class NodeDaemon:
 
     def _start_emulated(self, buf_name: str) -> list:
         ecfg, s = self.cfg.engine, self.cfg.storage
-        if ecfg.hbm == "cupy":
-            raise ConfigError("engine.hbm = 'cupy' needs GPUDirect RDMA registration, which "
-                              "this build does not do; use 'host' or 'auto'")
         profile = get_profile(ecfg.model_profile).scaled(ecfg.speed_scale)
         layout = BlockLayout.of(profile)
         store = s.open_store(profile)

@@ -89,7 +89,6 @@ def test_engine_model_profile_is_checked_by_config_check(tmp_path, capsys):
 @pytest.mark.parametrize("section, key, value", [
     ("scheduler", "listen", "127.0.0.1:99999"), ("scheduler", "metrics_listen", "zzz"),
     ("engine", "control_listen", ""), ("engine", "metrics_listen", "host:port"),
-    ("cluster", "scheduler_listen", "127.0.0.1"),
 ])
 def test_listen_addresses_are_checked_by_config_check(tmp_path, capsys, section, key, value):
     # `config check` said ok; the daemon refused (or gRPC wrapped the port) at start.

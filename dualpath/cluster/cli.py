@@ -61,7 +61,9 @@ def register(sub) -> None:
     tr = r.add_argument_group("trace")
     tr.add_argument("--trace", metavar="FILE.jsonl", help="a JSONL trace (docs/traces.md); "
                     "default: the Table 2 generator")
-    tr.add_argument("--agents", type=int, default=8, help="trajectories (agents)")
+    tr.add_argument("--agents", type=int, default=8, help="trajectories (agents); with "
+                    "--trace, past what the file holds, extra agents by the paper's rule "
+                    "(A.3: a sampled trajectory behind a new first round)")
     tr.add_argument("--table", default="32k", help="Table 2 row: 32k, 48k, 64k")
     tr.add_argument("--context-scale", type=float, default=0.1,
                     help="scale of context lengths (generator), reported with results")

@@ -12,7 +12,7 @@ from dualpath.errors import UsageError
 from dualpath.kv.profiles import get_profile
 from dualpath.storage.ratelimit import UNLIMITED_BYTES_PER_S
 from dualpath.tls import TlsConfig
-from dualpath.trace.generator import generate
+from dualpath.trace.generator import extend, generate
 from dualpath.trace.model import Trace, Trajectory, trace_stats
 from dualpath.trace.report import build_report
 
@@ -21,13 +21,19 @@ WARMUP_ROUNDS = 2
 
 def make_trace(agents: int, *, table: str = "32k", context_scale: float = 0.1,
                max_rounds: int = 0, seed: int = 0, path: str | None = None) -> Trace:
-    """A generated trace (Table 2 row scaled by ``context_scale``) or a JSONL file;
-    ``max_rounds`` > 0 keeps each trajectory's first rounds (recorded in the meta)."""
+    """A generated trace (Table 2 row scaled by ``context_scale``) or a JSONL file's
+    first ``agents`` trajectories, and when the file has fewer, extra agents by the
+    paper's rule (A.3, trace/generator.extend: a sampled trajectory behind a new first
+    round; recorded in the meta); ``max_rounds`` > 0 keeps each trajectory's first rounds
+    (recorded in the meta)."""
     if path:
         from dualpath.trace.loader import read_jsonl
 
         trace = read_jsonl(path)
-        if agents:
+        if agents and agents > len(trace.trajectories):
+            trace = Trace(tuple(extend(trace.trajectories, agents, seed=seed)),
+                          {**trace.meta, "extended_from": len(trace.trajectories)})
+        elif agents:
             trace = Trace(trace.trajectories[:agents], trace.meta)
     else:
         trace = generate(agents, table, seed=seed, context_scale=context_scale)

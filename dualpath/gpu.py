@@ -1,5 +1,6 @@
-"""GPU memory as RDMA memory regions, so a host->GPU copy is an RDMA WRITE through the
-GPU's paired NIC into the GPU's MR (the paper's CNIC-centric copy path; issue 3 item 6).
+"""GPU memory as RDMA memory regions, so a host->GPU copy is an RDMA WRITE through a
+local NIC into the GPU's MR (the paper's CNIC-centric copy path; issue 3 item 6). The
+paper gives each GPU a NIC of its own; nothing here pairs them: ``device`` names the NIC.
 
 Only where cupy and a CUDA GPU exist; :func:`probe` says why not elsewhere. Registration
 tries, in order:
@@ -236,7 +237,7 @@ class GpuMemoryRegion(RegionOwner):
 class LocalRdmaCopier:
     """Host <-> GPU copies as RDMA WRITEs through one local NIC: an RC QP looped back on
     ``device`` (both ends on it), the way the paper's traffic manager moves KV blocks
-    through the GPU's paired NIC instead of cudaMemcpyAsync. register_host/register_gpu
+    through a NIC instead of cudaMemcpyAsync. register_host/register_gpu
     once; copy() posts a batch with one doorbell per chain and waits for it.
     One thread at a time; close() releases everything (the buffers stay the caller's)."""
 

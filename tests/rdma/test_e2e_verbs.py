@@ -1,7 +1,8 @@
 """A small dual-path replay over real verbs: scheduler + 1P2D node processes whose
 TransferEngines use the RDMA device (rxe in the SoftRoCE guest). Hit KV takes both the PE
 read path (storage -> PE buffer -> loopback WRITE -> PE HBM -> WRITE -> DE buffer) and the
-DE read path (storage -> DE buffer -> WRITE -> PE HBM, misses back), and every prompt byte
+DE read path (storage -> DE buffer -> WRITE -> PE buffer -> loopback WRITE -> PE HBM,
+misses back), and every prompt byte
 is verified at the DE.
 """
 

@@ -39,11 +39,11 @@ import time
 from pathlib import Path
 
 from dualpath.buffers.region import PinnedRegion
-from dualpath.engine.kvio import write_layer
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.profiles import get_profile
 from dualpath.transfer import InProcessChannel, TransferConfig, TransferEngine
+from dualpath.transfer.kvio import write_layer
 from dualpath.transfer.tcp_provider import TcpProvider
 
 

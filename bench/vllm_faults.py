@@ -52,11 +52,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dualpath.cluster.faults import stall, unhandled_errors, wait_idle
-from dualpath.cluster.generate import Generator
+from dualpath.cluster.vllm_local import ENGINE_ENV, engine_args
+from dualpath.cluster.vllm_pd import VllmPdCluster
+from dualpath.scheduler.generate import Generator
 from dualpath.vllm import models
 from dualpath.vllm.driver import EngineProcess
-from dualpath.vllm.local import ENGINE_ENV, engine_args
-from dualpath.vllm.pd import VllmPdCluster
 
 T = 128                      # tokens per block (the connector's block)
 TOL = 1e-4                   # tests/vllm/conftest.py TOL: the CPU build's split noise

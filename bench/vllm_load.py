@@ -6,7 +6,7 @@ Method
   at its full context (--max-model-len, 8,192), vLLM's CPU build. Two systems, started
   once and driven through the same OpenAI client (/v1/completions, token-id prompts,
   greedy, ignore_eos, streamed, return_token_ids):
-    dualpath  `dualpath up --engine vllm` as a user gets it (dualpath/vllm/pd.py): a
+    dualpath  `dualpath up --engine vllm` as a user gets it (dualpath/cluster/vllm_pd.py): a
               scheduler, one prefill and one decode node each beside its own vLLM
               instance (vLLM's prefix cache on, as `up` runs it; off with
               --no-dualpath-prefix-caching: every hit comes through DualPath), the front
@@ -64,10 +64,10 @@ from pathlib import Path
 
 from dualpath.cluster.agentic import http_generate, run_agents, summary
 from dualpath.cluster.run import make_trace
+from dualpath.cluster.vllm_local import PlainVllm
+from dualpath.cluster.vllm_pd import VllmPdCluster
 from dualpath.trace.model import Trace, Trajectory
 from dualpath.vllm import models
-from dualpath.vllm.local import PlainVllm
-from dualpath.vllm.pd import VllmPdCluster
 from dualpath.vllm.sizing import core_slices
 
 T = 128

@@ -4,7 +4,7 @@ DualPath's scheduler, basic vs dualpath vs oracle, on one agentic trace.
 Method
   Model: SmolLM2-135M-Instruct (float32, 46,080 KV bytes per token, 128-token blocks;
   --model for another), vLLM's CPU build; a scheduler, one prefill node and two decode
-  nodes, each beside its own `vllm serve` (dualpath/vllm/pd.py), all on this host. The
+  nodes, each beside its own `vllm serve` (dualpath/cluster/vllm_pd.py), all on this host. The
   trace: Table 2's 32K row scaled by --context-scale, --agents trajectories of their
   first --rounds rounds, replayed offline (every agent starts at once) with real tokens:
   round k's prompt = the previous prompt + the tokens actually generated + the appended
@@ -57,12 +57,12 @@ import time
 from pathlib import Path
 
 from dualpath.cluster.agentic import Generation, run_agents, summary
-from dualpath.cluster.generate import Generator
 from dualpath.cluster.run import make_trace
+from dualpath.cluster.vllm_pd import VllmPdCluster
+from dualpath.scheduler.generate import Generator
 from dualpath.storage.store import SUFFIX
 from dualpath.trace.model import Trace, Trajectory
 from dualpath.vllm import models
-from dualpath.vllm.pd import VllmPdCluster
 
 T = 128
 MODES = {"basic": ("basic", "prefill", False), "dualpath": ("dualpath", "scheduler", True),

@@ -11,9 +11,15 @@ import importlib
 import sys
 
 from dualpath import __version__, log
-from dualpath.errors import DualPathError, RemoteUnavailable, UsageError
-
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+from dualpath.errors import (  # noqa: F401  (the exit codes: re-exported)
+    EXIT_FAIL,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    DualPathError,
+    RemoteUnavailable,
+    UsageError,
+)
 
 # Modules with `register(subparsers)`; each sets `func` on its parsers.
 COMMAND_MODULES = [

@@ -9,6 +9,10 @@ from __future__ import annotations
 import errno as _errno
 import os
 
+#: The command line's exit codes (dualpath/cli.py): success, a runtime failure, bad usage
+#: or config (UsageError), a remote service unreachable or refusing (RemoteUnavailable).
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+
 
 class DualPathError(Exception):
     """Base of every error DualPath raises on purpose."""

@@ -113,7 +113,7 @@ class PinnedRegion:
 
     ``shared``: backed by a memfd (MAP_SHARED) instead of private anonymous memory, so
     another process can map the same pages from :attr:`fd` (handed over a Unix socket:
-    dualpath/engine/shm.py). The descriptor is owned here and closed with the region."""
+    dualpath/buffers/shm.py). The descriptor is owned here and closed with the region."""
 
     def __init__(self, nbytes: int, *, huge_pages: str = "auto", lock: bool = True,
                  register: Register | None = None, what: str = "DualPath buffers",

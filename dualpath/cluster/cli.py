@@ -235,10 +235,10 @@ def _up_vllm(args) -> int:
     from pathlib import Path
 
     from dualpath.cluster.local import ClusterError
+    from dualpath.cluster.vllm_pd import VllmPdCluster
     from dualpath.cpus import allowed_cpus
     from dualpath.rpc import check_free
     from dualpath.vllm import models
-    from dualpath.vllm.pd import VllmPdCluster
 
     cfg, raw = _load(args)
     if args.model:
@@ -314,7 +314,7 @@ def _replay_vllm(args) -> int:
     pd = None
     url = args.url
     if not url:
-        from dualpath.vllm.pd import VllmPdCluster
+        from dualpath.cluster.vllm_pd import VllmPdCluster
 
         _, raw = _load(args)
         settings = {sec: dict(kv) for sec, kv in raw.items()
@@ -468,7 +468,7 @@ def _write_report(report: dict, args) -> None:
 def _partial(e, args) -> int:
     """A replay that could not finish: the partial report, then exit 3 (the scheduler
     unreachable) or 1."""
-    from dualpath.cli import EXIT_FAIL, EXIT_UNAVAILABLE
+    from dualpath.errors import EXIT_FAIL, EXIT_UNAVAILABLE
 
     report = getattr(e, "report", None)
     if report is not None:

@@ -45,7 +45,6 @@ from dualpath.buffers.pool import Reservation
 from dualpath.engine.decode_batch import DecodeBatch
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.errors import RequestFailed, StaleAttempt
-from dualpath.engine.kvio import write_layers
 from dualpath.engine.kvplan import BlockSpan, block_spans, blocks_for
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.payload import Payload
@@ -55,6 +54,7 @@ from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.placement import KvPlacement
 from dualpath.kv.prefix import KEY_BYTES, block_keys
 from dualpath.tls import Identity
+from dualpath.transfer.kvio import write_layers
 from dualpath.v1 import scheduler_pb2
 
 log = logging.getLogger("dualpath.engine")

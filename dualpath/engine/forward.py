@@ -6,9 +6,9 @@ this node, by its DE, or both: engine/prefill.py). The node's engines step toget
 an expert-parallel group does: a step is one forward pass on every engine that has work,
 layer by layer, each layer as long as the slowest engine's attention plus the group's
 FFN (:func:`dualpath.kv.cost.group_layer_time`). Each engine's batch is packed by
-:func:`dualpath.scheduler.core.batching.pack_batch`: FIFO under the scheduler's compute
+:func:`dualpath.engine.batching.pack_batch`: FIFO under the scheduler's compute
 quota, predicted by the PE's own estimator (fitted at start-up by profiling the engine:
-:func:`dualpath.scheduler.core.batching.fit_attention`), within the HBM the engine has
+:func:`dualpath.engine.batching.fit_attention`), within the HBM the engine has
 free; a request too large for the quota is chunked (chunked prefill).
 
 HBM, per member of a step (one request's slice of its engine's batch):
@@ -49,12 +49,7 @@ from typing import Protocol
 from dualpath import clock
 from dualpath.aio import retrieved, waited_out
 from dualpath.buffers.pool import Reservation
-from dualpath.engine.emulated import EngineRank
-from dualpath.engine.errors import RequestFailed
-from dualpath.kv import cost
-from dualpath.kv.placement import KvFormat
-from dualpath.kv.profiles import ModelProfile
-from dualpath.scheduler.core.batching import (
+from dualpath.engine.batching import (
     BatchSlice,
     Estimator,
     HbmBudget,
@@ -62,6 +57,11 @@ from dualpath.scheduler.core.batching import (
     advance,
     pack_batch,
 )
+from dualpath.engine.emulated import EngineRank
+from dualpath.engine.errors import RequestFailed
+from dualpath.kv import cost
+from dualpath.kv.placement import KvFormat
+from dualpath.kv.profiles import ModelProfile
 
 log = logging.getLogger("dualpath.engine")
 

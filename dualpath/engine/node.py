@@ -41,10 +41,12 @@ from dualpath import journald, tls
 from dualpath import metrics as _metrics
 from dualpath.buffers.pool import BlockPool
 from dualpath.buffers.region import PinnedRegion
+from dualpath.buffers.shm import BufferOffer
 from dualpath.config import Config
 from dualpath.doctor.checks import startup_memory
 from dualpath.doctor.facts import has_ipc_lock, memory_facts
 from dualpath.engine.auth import Callers
+from dualpath.engine.batching import fit_attention
 from dualpath.engine.decode import DecodePath
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.errors import PeerUnavailable
@@ -54,7 +56,6 @@ from dualpath.engine.holdings import Holdings, pool_holding
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.leader import Leader
 from dualpath.engine.metrics import CountingLimiter, NodeMetrics, OwnedCounters, PoolGauges
-from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
 from dualpath.engine.peers import PeerClient
 from dualpath.engine.prefill import PrefillPath
 from dualpath.engine.resources import NodeResources
@@ -65,7 +66,6 @@ from dualpath.engine.servicers import (
     engine_services,
     new_server,
 )
-from dualpath.engine.shm import BufferOffer
 from dualpath.engine.vllm_decode import VllmDecoder
 from dualpath.engine.vllm_engine import VllmEngine
 from dualpath.engine.vllm_instance import VllmInstance
@@ -76,13 +76,13 @@ from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import get_profile
 from dualpath.kv.synth import SyntheticKV
 from dualpath.lane import describe as describe_lane
-from dualpath.scheduler.core.batching import fit_attention
 from dualpath.sdnotify import Notifier
 from dualpath.stall import StallWatch
 from dualpath.storage.ratelimit import gbit_to_bytes_per_s
 from dualpath.storage.read_queue import ReadQueue
 from dualpath.trace.model import trajectory_token_ids
 from dualpath.transfer import TransferEngine
+from dualpath.transfer.oob_grpc import GrpcChannels, GrpcOutOfBand
 from dualpath.v1 import connector_pb2_grpc
 
 log = logging.getLogger("dualpath.engine")
@@ -178,7 +178,7 @@ class NodeDaemon:
             self.fences)
         buf_name = "de_buffer" if self.role == DECODE else "pe_buffer"
         b = cfg.buffers
-        # A vLLM node shares its buffer with its own workers (engine/shm.py).
+        # A vLLM node shares its buffer with its own workers (buffers/shm.py).
         self.buffer = self._region(buf_name, b.de_buffer_mib if self.role == DECODE
                                    else b.pe_buffer_mib, shared=ecfg.kind == "vllm")
         if ecfg.kind == "vllm":

@@ -33,11 +33,11 @@ import grpc
 
 from dualpath.engine.errors import NeverFits, PeerUnavailable
 from dualpath.engine.layers import RemoteWatch
-from dualpath.engine.oob import GrpcChannels
 from dualpath.engine.payload import MAX_LOGPROBS
 from dualpath.errors import UsageError
 from dualpath.kv import placement_wire
 from dualpath.kv.placement import KvPlacement
+from dualpath.transfer.oob_grpc import GrpcChannels
 from dualpath.v1 import engine_pb2, engine_pb2_grpc, node_pb2, node_pb2_grpc
 
 #: How long a PrepareRequest may wait on the DE for its buffer slots. Under load a

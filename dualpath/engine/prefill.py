@@ -54,13 +54,13 @@ from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.errors import NeverFits, PeerUnavailable
 from dualpath.engine.forward import PrefillForward
-from dualpath.engine.kvio import write_rows
 from dualpath.engine.kvplan import BlockSpan, Route, block_spans
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.peers import LoadOrder, PrefillReport, PrepareJob
 from dualpath.engine.resources import NodeResources
 from dualpath.errors import TransferError
 from dualpath.kv.placement import KvPlacement, LayerMove
+from dualpath.transfer.kvio import write_rows
 from dualpath.v1 import scheduler_pb2
 
 log = logging.getLogger("dualpath.engine")

@@ -43,11 +43,10 @@ from dualpath import faults
 from dualpath.aio import to_the_end, waited_out
 from dualpath.buffers.pool import Reservation
 from dualpath.buffers.region import PinnedRegion
+from dualpath.buffers.shm import BufferOffer
 from dualpath.engine.instance_cache import InstanceCache
-from dualpath.engine.kvio import write_layers
 from dualpath.engine.kvspace import KvSpace
 from dualpath.engine.layers import LocalArrivals
-from dualpath.engine.shm import BufferOffer
 from dualpath.engine.vllm_stage import Stage
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.placement import KvFormat, KvPlacement
@@ -55,6 +54,7 @@ from dualpath.kv.prefix import KEY_BYTES
 from dualpath.storage.config import StorageConfig
 from dualpath.storage.ratelimit import RateLimiter
 from dualpath.transfer import TransferEngine
+from dualpath.transfer.kvio import write_layers
 
 log = logging.getLogger("dualpath.engine")
 

@@ -39,7 +39,6 @@ from dualpath.buffers.pool import Reservation
 from dualpath.engine.assignment import Assignment, side_of, split_blocks
 from dualpath.engine.emulated import EngineRank
 from dualpath.engine.errors import PeerUnavailable
-from dualpath.engine.kvio import write_layers
 from dualpath.engine.kvplan import block_spans
 from dualpath.engine.layers import BothReady, LayerSource, LocalArrivals, RemoteWatch
 from dualpath.engine.peers import LoadOrder, PrefillReport, PrepareJob
@@ -49,6 +48,7 @@ from dualpath.engine.vllm_engine import VllmEngine
 from dualpath.engine.vllm_instance import InstanceError, VllmInstance
 from dualpath.engine.vllm_stage import AllAtOnce, Stage
 from dualpath.errors import DualPathError, TransferError
+from dualpath.transfer.kvio import write_layers
 
 log = logging.getLogger("dualpath.engine")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dualpath import metrics as m
-from dualpath.cluster.generate import Generated
+from dualpath.scheduler.generate import Generated
 
 
 @dataclass(frozen=True)

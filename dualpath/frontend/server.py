@@ -4,7 +4,7 @@ not), ``/v1/models``, ``/health``, in front of the scheduler (docs/vllm.md).
 A request is parsed (dualpath/frontend/protocol.py: bounded, every field checked),
 tokenized when it is text or chat (the model's own tokenizer), given the hit the front
 end expects stored (dualpath/frontend/index.py) and submitted to the scheduler through
-:class:`~dualpath.cluster.generate.Generator`, under a fresh unguessable request id.
+:class:`~dualpath.scheduler.generate.Generator`, under a fresh unguessable request id.
 The scheduler picks the prefill and decode nodes; the decode node streams the tokens to
 the front end's sink as its vLLM instance generates them and reports them all once the
 scheduler recorded the request. A streamed answer sends each new token as it comes; a
@@ -30,7 +30,6 @@ import grpc
 from aiohttp import web
 
 from dualpath import metrics, tls
-from dualpath.cluster.generate import FINAL, Generated, GenerationFailed, Generator
 from dualpath.errors import ConfigError, DualPathError, RemoteUnavailable, UsageError
 from dualpath.frontend import protocol as api
 from dualpath.frontend.config import FrontendConfig
@@ -38,6 +37,7 @@ from dualpath.frontend.index import HitIndex
 from dualpath.frontend.served import FrontendMetrics, Served, served
 from dualpath.frontend.tokens import Tokens
 from dualpath.scheduler.client import rpc_error
+from dualpath.scheduler.generate import FINAL, Generated, GenerationFailed, Generator
 
 log = logging.getLogger("dualpath.frontend")
 

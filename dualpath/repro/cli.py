@@ -45,7 +45,7 @@ def _cell(v) -> str:
 
 def format_record(rec: dict) -> str:
     """The printed table: the points, then each headline beside the paper's."""
-    from dualpath.scheduler.cli import table
+    from dualpath.scheduler.render import table
 
     pts = rec["points"]
     cols = list(dict.fromkeys(c for p in pts for c in p))   # points may differ in kind

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from dualpath.cli import EXIT_FAIL, EXIT_OK, EXIT_USAGE
-from dualpath.errors import UsageError
+from dualpath.errors import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError
+from dualpath.scheduler.render import msg_dict, table
 
 TOKEN_ENV = "DUALPATH_ADMIN_TOKEN"
 
@@ -225,38 +225,6 @@ def _cmd(action: Callable, admin: bool = True) -> Callable[[argparse.Namespace],
     return run
 
 
-def _msg_dict(msg) -> dict:
-    """A protobuf message as plain JSON types: every field present, 64-bit integers as
-    numbers (protobuf's own JSON mapping writes them as strings), enums by name."""
-    out = {}
-    for f in msg.DESCRIPTOR.fields:
-        value = getattr(msg, f.name)
-        items = list(value) if f.is_repeated else [value]
-        if f.message_type is not None:
-            items = [_msg_dict(v) for v in items]
-        elif f.enum_type is not None:
-            names = f.enum_type.values_by_number
-            items = [names[v].name if v in names else v for v in items]
-        elif f.type == f.TYPE_BYTES:
-            items = [v.hex() for v in items]
-        out[f.name] = items if f.is_repeated else items[0]
-    return out
-
-
-def table(headers: list[str], rows: list[list[object]]) -> str:
-    """A fixed-width table; numbers right-aligned."""
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [all(isinstance(r[i], (int, float)) for r in rows) and bool(rows)
-               for i in range(len(headers))]
-
-    def fmt(r: list[str]) -> str:
-        return "  ".join(c.rjust(w) if num else c.ljust(w)
-                         for c, w, num in zip(r, widths, numeric, strict=True)).rstrip()
-
-    return "\n".join([fmt(headers)] + [fmt(r) for r in cells])
-
-
 def _role(value: int) -> str:
     return {1: "prefill", 2: "decode"}.get(value, "?")
 
@@ -269,7 +237,7 @@ async def _engines(client, args):
              e.assigned_requests] for e in r.engines]
     text = table(["ENGINE", "GROUP", "NODE", "ROLE", "RANK", "SEQ", "TOK", "READ_Q_TOK",
                   "FREE_HBM_MIB", "DRAINED", "GROUP_STATE", "ASSIGNED"], rows)
-    return _msg_dict(r), text
+    return msg_dict(r), text
 
 
 async def _groups(client, args):
@@ -279,16 +247,16 @@ async def _groups(client, args):
             for g in r.groups]
     text = table(["GROUP", "ROLE", "STATE", "ENGINES", "TOK", "QUEUED", "MS_SINCE_FETCH",
                   "LEASE"], rows)
-    return _msg_dict(r), text
+    return msg_dict(r), text
 
 
 async def _stats(client, args):
     r = await client.stats()
-    d = _msg_dict(r)
+    d = msg_dict(r)
     params = d.pop("params")
     rows = [[k, v] for k, v in sorted(d.items())] + [[f"params.{k}", v]
                                                      for k, v in sorted(params.items())]
-    return _msg_dict(r), table(["STAT", "VALUE"], rows)
+    return msg_dict(r), table(["STAT", "VALUE"], rows)
 
 
 #: StatsResponse fields that are not 0 while a cluster has work.
@@ -317,7 +285,7 @@ async def _check(client, args):
             continue
         v = idle_violations(h)
         found += v
-        out.append({**_msg_dict(h.to_pb()), "control_address": addr, "violations": v})
+        out.append({**msg_dict(h.to_pb()), "control_address": addr, "violations": v})
         rows.append([node_id, addr, " ".join(f"{p.name}={p.free}/{p.capacity}"
                                              for p in h.pools) or "-",
                      h.fenced_blocks, h.read_queue_tokens, h.requests,
@@ -337,7 +305,7 @@ async def _check(client, args):
 async def _drain(client, args):
     r = await client.drain(args.engine, args.undo)
     verb = "undrained" if args.undo else "drained"
-    return _msg_dict(r), f"engine {r.engine.engine_id} {verb}"
+    return msg_dict(r), f"engine {r.engine.engine_id} {verb}"
 
 
 def parse_set(assignments: list[str]) -> dict[str, int | bool]:
@@ -368,7 +336,7 @@ def parse_set(assignments: list[str]) -> dict[str, int | bool]:
 
 async def _set(client, args):
     r = await client.set_params(**parse_set(args.assignments))
-    d = _msg_dict(r)
+    d = msg_dict(r)
     return d, table(["PARAM", "VALUE"], [[k, v] for k, v in sorted(d["params"].items())])
 
 
@@ -393,13 +361,13 @@ async def _requests(client, args):
                   "ERROR"], rows)
     if r.matched > len(r.requests):
         text += f"\n({r.matched - len(r.requests)} more; --limit)"
-    return _msg_dict(r), text
+    return msg_dict(r), text
 
 
 async def _cancel(client, args):
     r = await client.cancel(args.request_ids)
     rows = [[x.request_id, _state(x.state)] for x in r.results]
-    return _msg_dict(r), table(["REQUEST", "STATE"], rows)
+    return msg_dict(r), table(["REQUEST", "STATE"], rows)
 
 
 async def _top(client, args):
@@ -444,7 +412,7 @@ async def _submit(client, args):
                                        max_new_tokens=args.max_new_tokens, payload=payload)
              for _ in range(args.count)]
     r = await client.submit(specs)
-    data = _msg_dict(r)
+    data = msg_dict(r)
     lines = list(r.request_ids) + [
         f"rejected: {x.request_id or f'#{x.index}'}: {_REASON.get(x.reason, x.reason)}: "
         f"{x.detail}" for x in r.rejected] + [f"queued: {r.queued_requests}"]
@@ -461,7 +429,7 @@ async def _submit(client, args):
             for x in r.rejected))
     if args.wait:
         ends = await wait_results(client, list(r.request_ids))
-        data["results"] = [_msg_dict(x) for x in ends]
+        data["results"] = [msg_dict(x) for x in ends]
         lines += [f"{x.request_id}: {_state(x.state)}"
                   + (f" ({x.error})" if x.error else "") for x in ends]
         bad = [x for x in ends if x.state not in (scheduler_pb2.REQUEST_STATE_DECODE_DONE,

@@ -36,7 +36,7 @@ RATES = {"submitted": "submitted_requests_total", "completed": "completed_reques
 
 @dataclasses.dataclass(frozen=True)
 class Poll:
-    """One poll of the admin API, as plain dicts (dualpath.scheduler.cli._msg_dict)."""
+    """One poll of the admin API, as plain dicts (dualpath.scheduler.render.msg_dict)."""
 
     t: float      # monotonic seconds, for rates
     wall: float   # epoch seconds, for the header
@@ -137,7 +137,7 @@ def _num(v: float | None) -> str:
 
 def render(f: dict) -> str:
     """One screen of plain text (no terminal codes) from :func:`figures`."""
-    from dualpath.scheduler.cli import table
+    from dualpath.scheduler.render import table
 
     p, q, r, rate = f["params"], f["queue"], f["running"], f["rates"]
     over = "" if f["rates_over_s"] is None else f"  (over {f['rates_over_s']:.2f} s)"
@@ -179,13 +179,13 @@ def render(f: dict) -> str:
 
 
 async def poll(client) -> Poll:
-    from dualpath.scheduler.cli import _msg_dict
+    from dualpath.scheduler.render import msg_dict
 
     stats, groups, engines = await asyncio.gather(
         client.stats(), client.list_groups(), client.list_engines())
-    return Poll(t=time.monotonic(), wall=time.time(), stats=_msg_dict(stats),
-                groups=[_msg_dict(g) for g in groups.groups],
-                engines=[_msg_dict(e) for e in engines.engines])
+    return Poll(t=time.monotonic(), wall=time.time(), stats=msg_dict(stats),
+                groups=[msg_dict(g) for g in groups.groups],
+                engines=[msg_dict(e) for e in engines.engines])
 
 
 async def once(client, address: str, interval_s: float) -> dict:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from dualpath.engine.assignment import split_blocks
+from dualpath.engine.batching import PrefillWork, fit_attention
 from dualpath.engine.payload import MODE_READ_POLICY, MODES
 from dualpath.errors import UsageError
 from dualpath.kv import cost
@@ -44,7 +45,6 @@ from dualpath.scheduler.core import (
     Role,
     Scheduler,
 )
-from dualpath.scheduler.core.batching import PrefillWork, fit_attention
 from dualpath.scheduler.service import params_from_config
 from dualpath.sim.events import EventLoop
 from dualpath.sim.hardware import Shape, SimHardware

@@ -28,10 +28,10 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from dualpath.engine.batching import Estimator, HbmBudget, PrefillWork, advance, pack_batch
 from dualpath.engine.forward import layer_slots
 from dualpath.kv import cost
 from dualpath.kv.profiles import ModelProfile
-from dualpath.scheduler.core.batching import Estimator, HbmBudget, PrefillWork, advance, pack_batch
 from dualpath.sim.resources import Link, Pool
 
 

@@ -32,17 +32,17 @@ import grpc
 import numpy as np
 
 from dualpath import rpc, tls
+from dualpath.buffers.shm import take_buffer
 from dualpath.config_sections import KvLaneConfig, TransportConfig
 from dualpath.cpus import cpu_list
-from dualpath.engine.kvio import write_layer
-from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
-from dualpath.engine.shm import take_buffer
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv import placement_wire
 from dualpath.kv.placement import KvPlacement, runs
 from dualpath.tls import PLAINTEXT, TlsConfig
 from dualpath.transfer import TransferEngine
 from dualpath.transfer.config import TransferConfig
+from dualpath.transfer.kvio import write_layer
+from dualpath.transfer.oob_grpc import GrpcChannels, GrpcOutOfBand
 from dualpath.v1 import connector_pb2, connector_pb2_grpc, engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger("dualpath.vllm")

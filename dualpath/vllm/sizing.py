@@ -1,7 +1,7 @@
 """What a P/D cluster's nodes need, derived from the model: buffer sizes and CPU cores.
 
 Pure functions over a model's ``config.json`` and the host's cores, used by
-:class:`~dualpath.vllm.pd.VllmPdCluster` (``dualpath up --engine vllm``) and printed at
+:class:`~dualpath.cluster.vllm_pd.VllmPdCluster` (``dualpath up --engine vllm``) and printed at
 its start-up.
 
 Buffers. A prefill node stages each request's prompt blocks in its PE buffer (the hit it

@@ -19,7 +19,6 @@ import pytest
 
 from dualpath import tls
 from dualpath.engine.assignment import Assignment
-from dualpath.engine.oob import GrpcChannels
 from dualpath.engine.payload import Payload
 from dualpath.engine.peers import PeerClient, PrepareJob
 from dualpath.engine.prefill import PrefillPath
@@ -27,6 +26,7 @@ from dualpath.engine.roles import RS_DECODE, RS_PREFILL, RS_SPLIT
 from dualpath.engine.vllm_prefill import VllmPrefillPath
 from dualpath.errors import DualPathError
 from dualpath.storage.read_queue import ReadQueue
+from dualpath.transfer.oob_grpc import GrpcChannels
 from tests.integration.de_node import decode_node
 
 BOUND_S = 60.0          # an outer bound against hangs, never a timing assertion

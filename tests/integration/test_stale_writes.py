@@ -24,7 +24,6 @@ import pytest
 
 from dualpath import tls
 from dualpath.engine.node import NodeDaemon
-from dualpath.engine.oob import GrpcChannels, GrpcOutOfBand
 from dualpath.engine.payload import Payload
 from dualpath.engine.peers import LoadOrder, PeerClient, PrefillReport, PrepareJob
 from dualpath.engine.roles import RS_NONE
@@ -32,6 +31,7 @@ from dualpath.engine.servicers import new_server
 from dualpath.errors import DualPathError
 from dualpath.kv.placement import KvPlacement, runs
 from dualpath.transfer import TransferEngine
+from dualpath.transfer.oob_grpc import GrpcChannels, GrpcOutOfBand
 from dualpath.v1 import engine_pb2, engine_pb2_grpc
 from tests.integration.de_node import decode_node
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dualpath.buffers.pool import BlockPool
+from dualpath.engine.batching import ProfileEstimate
 from dualpath.engine.emulated import EngineRank
 from dualpath.engine.errors import RequestFailed
 from dualpath.engine.forward import DEPTH, PrefillForward
@@ -17,7 +18,6 @@ from dualpath.kv import cost
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.placement import KvFormat
 from dualpath.kv.profiles import get_profile
-from dualpath.scheduler.core.batching import ProfileEstimate
 
 PROFILE = get_profile("demo")                    # 8 layers, 64-token blocks
 LAYOUT = BlockLayout(PROFILE.layers, PROFILE.block_tokens, 16)

@@ -16,6 +16,7 @@ import pytest
 
 from dualpath.buffers.pool import BlockPool
 from dualpath.engine.assignment import Assignment
+from dualpath.engine.batching import ProfileEstimate
 from dualpath.engine.emulated import EmulatedEngine, EngineRank
 from dualpath.engine.forward import PrefillForward
 from dualpath.engine.kvspace import KvSpace
@@ -27,7 +28,6 @@ from dualpath.engine.roles import RS_NONE
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.placement import KvFormat
 from dualpath.kv.profiles import get_profile
-from dualpath.scheduler.core.batching import ProfileEstimate
 from dualpath.trace.model import trajectory_token_ids
 
 LAYOUT = BlockLayout(layers=4, tokens=8, token_bytes=16)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from dualpath import tls
-from dualpath.cluster import generate, replay
+from dualpath.cluster import replay
 from dualpath.engine.decode import DecodePath, _Result
 from dualpath.engine.errors import PeerUnavailable
 from dualpath.engine.peers import (
@@ -19,6 +19,7 @@ from dualpath.engine.peers import (
     report_bytes,
     report_calls,
 )
+from dualpath.scheduler import generate
 from dualpath.v1 import node_pb2, node_pb2_grpc
 
 

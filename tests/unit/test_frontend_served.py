@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dualpath.cluster.generate import Generated
 from dualpath.frontend.served import read_side, served
+from dualpath.scheduler.generate import Generated
 
 
 def _g(**kw) -> Generated:

@@ -15,9 +15,9 @@ import asyncio
 import pytest
 
 from dualpath import tls
-from dualpath.cluster.generate import GenerationFailed, Generator
 from dualpath.engine.leader import RESULTS_PER_CALL
 from dualpath.engine.servicers import new_server
+from dualpath.scheduler.generate import GenerationFailed, Generator
 from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 BOUND_S = 30.0          # an outer bound against hangs, never a timing assertion

@@ -1,5 +1,5 @@
 """A cancelled layer-by-layer move gives its writes in flight up instead of waiting
-them out (engine/kvio.write_layers): a request dropped while its KV went to a peer that
+them out (transfer/kvio.write_layers): a request dropped while its KV went to a peer that
 was cut off held its task, its slots and its next attempt for the write's whole bound
 (transfer.timeout_s, 30 s by default), the soak's slowest recoveries. Each write given
 up returns once the transfer engine stopped it (tests/integration/test_tcp_transfer.py
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from dualpath.engine import kvio
+from dualpath.transfer import kvio
 
 
 class StuckWire:

@@ -6,10 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dualpath.errors import UsageError
-from dualpath.kv import cost
-from dualpath.kv.profiles import PROFILES, get_profile
-from dualpath.scheduler.core.batching import (
+from dualpath.engine.batching import (
     AttentionFit,
     HbmBudget,
     PrefillWork,
@@ -19,6 +16,9 @@ from dualpath.scheduler.core.batching import (
     fit_attention,
     pack_batch,
 )
+from dualpath.errors import UsageError
+from dualpath.kv import cost
+from dualpath.kv.profiles import PROFILES, get_profile
 
 
 def brute_pairs(cached, bsz, cap):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from dualpath.scheduler import top
-from dualpath.scheduler.cli import _msg_dict
+from dualpath.scheduler.render import msg_dict
 from dualpath.v1 import admin_pb2 as apb
 from dualpath.v1 import scheduler_pb2 as pb
 
@@ -15,7 +15,7 @@ UP, DOWN = apb.GROUP_STATE_UP, apb.GROUP_STATE_DOWN
 
 def _poll(t: float, *, submitted: int, completed: int, assigned: tuple[int, int, int],
           de_state: int = UP, read: tuple[int, int] = (0, 0)) -> top.Poll:
-    """A poll shaped exactly as the admin API's replies are (through _msg_dict)."""
+    """A poll shaped exactly as the admin API's replies are (through msg_dict)."""
     stats = apb.StatsResponse(
         params=apb.Params(alpha_tokens=4000000, beta_tokens=1500000, compute_quota_ms=250,
                           split_read=True),
@@ -42,9 +42,9 @@ def _poll(t: float, *, submitted: int, completed: int, assigned: tuple[int, int,
                        role=pb.ENGINE_ROLE_PREFILL, unfinished_requests=3,
                        read_queue_tokens=64000, assigned_requests=assigned[2],
                        node_read_bytes_total=read[0])]
-    return top.Poll(t=t, wall=1_700_000_000.0 + t, stats=_msg_dict(stats),
-                    groups=[_msg_dict(g) for g in groups],
-                    engines=[_msg_dict(e) for e in engines])
+    return top.Poll(t=t, wall=1_700_000_000.0 + t, stats=msg_dict(stats),
+                    groups=[msg_dict(g) for g in groups],
+                    engines=[msg_dict(e) for e in engines])
 
 
 SCREEN = """\

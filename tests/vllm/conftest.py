@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from dualpath.cluster.vllm_local import ENGINE_ENV, NodeProcess, engine_args
 from dualpath.vllm import models
 from dualpath.vllm.driver import EngineProcess
-from dualpath.vllm.local import ENGINE_ENV, NodeProcess, engine_args
 
 
 @pytest.fixture(scope="session")

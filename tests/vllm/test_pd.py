@@ -27,13 +27,13 @@ import urllib.request
 import pytest
 
 from dualpath import cpus
-from dualpath.cluster.generate import Generator
 from dualpath.cluster.run import make_trace
+from dualpath.cluster.vllm_local import ENGINE_ENV, PlainVllm, engine_args
+from dualpath.cluster.vllm_pd import VllmPdCluster
+from dualpath.scheduler.generate import Generator
 from dualpath.trace.model import stream_token_ids
 from dualpath.v1 import admin_pb2, scheduler_pb2
 from dualpath.vllm.driver import EngineProcess
-from dualpath.vllm.local import ENGINE_ENV, PlainVllm, engine_args
-from dualpath.vllm.pd import VllmPdCluster
 from tests.faults.conftest import wait_idle_invariant
 from tests.vllm.conftest import TOL, Conversation, close
 

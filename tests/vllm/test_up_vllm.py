@@ -16,8 +16,8 @@ import urllib.request
 
 import pytest
 
+from dualpath.cluster.vllm_local import ENGINE_ENV, engine_args
 from dualpath.vllm.driver import EngineProcess
-from dualpath.vllm.local import ENGINE_ENV, engine_args
 from tests.vllm.conftest import Conversation
 
 TOL = 1e-4                            # as tests/vllm/test_connector_tiny.py's TOL

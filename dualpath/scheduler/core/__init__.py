@@ -1,4 +1,4 @@
-"""The scheduler's pure core: records, the §6.1 policies, §6.2 batching, the Scheduler.
+"""The scheduler's pure core: records, the §6.1 policies, the Scheduler.
 
 No I/O and no gRPC here; see dualpath.scheduler.service for the RPC edge.
 """

@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from dualpath.engine.layers import LayerSource
 from dualpath.kv.placement import KvPlacement, LayerMove, run_arrays
 from dualpath.transfer import TransferEngine
+
+
+class LayerReady(Protocol):
+    """Where a layer comes from (engine/layers.py's LayerSource is one): ``ready(l)``
+    returns once layer ``l`` is in place."""
+
+    async def ready(self, layer: int) -> None: ...
 
 
 async def write_layer(transfer: TransferEngine, peer: str, src: KvPlacement,
@@ -46,7 +53,7 @@ async def write_layers(transfer: TransferEngine, peer: str, src: KvPlacement,
                        first_token: int, stop_token: int,
                        on_layer: Callable[[int], None] | None = None,
                        layers: Sequence[int] | None = None,
-                       source: LayerSource | None = None) -> int:
+                       source: LayerReady | None = None) -> int:
     """WRITE tokens ``[first_token, stop_token)`` of every layer (or of ``layers``) from
     ``src`` to ``peer``'s ``dst``, in layer order; a layer starts once ``source`` says
     it is in ``src`` (when given: layers still being read from storage);

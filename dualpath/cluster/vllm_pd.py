@@ -26,9 +26,9 @@ from pathlib import Path
 
 from dualpath.cluster.lifetime import child_env, exec_argv, kill_group, terminate_group
 from dualpath.cluster.local import ClusterError, LocalCluster, free_port, log_tail
+from dualpath.cluster.vllm_local import CONNECTOR, ENGINE_ENV
 from dualpath.cpus import on_cpus
 from dualpath.errors import UsageError
-from dualpath.vllm.local import CONNECTOR, ENGINE_ENV
 from dualpath.vllm.sizing import plan_buffers, plan_cores
 
 log = logging.getLogger("dualpath.cluster")

@@ -65,6 +65,7 @@ bench: install
 
 lint: install
 	$(VPY) -m ruff check dualpath tests bench tools && echo "lint: ruff clean"
+	cd $(CURDIR) && $(VENV)/bin/lint-imports --no-cache && echo "lint: import contracts kept (pyproject.toml)"
 
 clean:
 	rm -rf build dualpath/_native/_dp*.so dualpath/_native/_dp.c dualpath/v1 *.egg-info

@@ -1,13 +1,7 @@
 /*
- * tcp_ctl.c - the TCP provider's control side: the engine (listener + server thread),
- * the region table, CQs, and connection create/connect/reset/destroy. The data path
- * (post, poll, the target's receive state machine) is in tcp_dp.c.
- *
- * Server thread: one per engine, blocked in epoll_wait on the listening socket, an
- * eventfd that dp_tcp_destroy writes to stop it, and the accepted sockets (level-
- * triggered). It owns the accepted sockets outright; the only state it shares is the
- * region table, under eng->lock. Connections closed while handling one epoll batch are
- * freed after the batch, so a later event of that batch never reads freed memory.
+ * tcp_ctl.c - the TCP provider's control side: the engine (its listener; the server
+ * thread it starts is tcp_target.c's), the region table, CQs, and connection
+ * create/connect/reset/destroy. The initiator's data path (post, poll) is in tcp_dp.c.
  */
 #include <endian.h>
 #include <errno.h>
@@ -36,278 +30,12 @@ enum {
     DEFAULT_MAX_SEND_WR = 256,
     MAX_SEND_WR = 65536,
     LISTEN_BACKLOG = 256,
-    ACCEPT_PAUSE_MS = 100,   /* how long the listener is ignored after EMFILE and the like */
 };
-
-int tcp_now_ns(int64_t *out)
-{
-    struct timespec ts;
-    if (clock_gettime(CLOCK_MONOTONIC, &ts) < 0)
-        return -1;
-    *out = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-    return 0;
-}
-
-/* Latency over Nagle; optional fixed buffers (else the kernel autotunes them). */
-static void tune_socket(int fd, uint32_t sockbuf, uint32_t user_timeout_ms)
-{
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    if (sockbuf) {
-        int v = (int)sockbuf;
-        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof v);
-        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &v, sizeof v);
-    }
-    if (user_timeout_ms) {
-        unsigned int v = user_timeout_ms;
-        setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &v, sizeof v);
-    }
-}
-
-/* getaddrinfo's EAI_* as an errno. */
-static int resolve(const char *host, uint16_t port, int passive, struct addrinfo **out)
-{
-    char svc[8];
-    snprintf(svc, sizeof svc, "%u", port);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0)};
-    int rc = getaddrinfo(host && *host ? host : NULL, svc, &hints, out);
-    if (rc == 0)
-        return 0;
-    if (rc == EAI_SYSTEM)
-        return errno ? errno : EIO;
-    return rc == EAI_MEMORY ? ENOMEM : EADDRNOTAVAIL;
-}
-
-/* The pending FIFO: accepted, not yet admitted, in accept (= deadline) order. */
-static void pend_add(dp_tcp *eng, struct tcp_srv_conn *c)
-{
-    c->pend_prev = eng->pend_tail;
-    c->pend_next = NULL;
-    if (eng->pend_tail)
-        eng->pend_tail->pend_next = c;
-    else
-        eng->pend_head = c;
-    eng->pend_tail = c;
-    eng->n_pending++;
-}
-
-static void pend_del(dp_tcp *eng, struct tcp_srv_conn *c)
-{
-    if (c->pend_prev)
-        c->pend_prev->pend_next = c->pend_next;
-    else
-        eng->pend_head = c->pend_next;
-    if (c->pend_next)
-        c->pend_next->pend_prev = c->pend_prev;
-    else
-        eng->pend_tail = c->pend_prev;
-    c->pend_prev = c->pend_next = NULL;
-    eng->n_pending--;
-}
-
-static void srv_close(dp_tcp *eng, struct tcp_srv_conn *c, struct tcp_srv_conn **dead)
-{
-    if (!c->admitted) {
-        pend_del(eng, c);
-        TCP_STAT_ADD(eng, conns_refused, 1);
-    }
-    epoll_ctl(eng->epfd, EPOLL_CTL_DEL, c->fd, NULL);
-    close(c->fd);
-    c->fd = -1;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        eng->srv_conns = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
-    c->prev = NULL;
-    c->next = *dead;
-    *dead = c;
-}
-
-static void srv_set_events(dp_tcp *eng, struct tcp_srv_conn *c, uint32_t events)
-{
-    if (c->events == events)
-        return;
-    struct epoll_event ev = {.events = events, .data.ptr = c};
-    if (epoll_ctl(eng->epfd, EPOLL_CTL_MOD, c->fd, &ev) == 0)
-        c->events = events;
-}
-
-/* Out of descriptors (or memory): the connection stays queued, so the level-triggered
- * listener would wake the server thread at once, for ever, at full CPU. Stop watching it
- * for ACCEPT_PAUSE_MS (server_main watches it again), as libuv and nginx do. */
-static void srv_pause_accept(dp_tcp *eng)
-{
-    struct epoll_event ev = {.events = 0, .data.ptr = eng};
-    int64_t now;
-    if (tcp_now_ns(&now) < 0 || epoll_ctl(eng->epfd, EPOLL_CTL_MOD, eng->listen_fd, &ev) < 0)
-        return;
-    eng->accept_resume_ns = now + (int64_t)ACCEPT_PAUSE_MS * 1000000;
-}
-
-/* The epoll_wait timeout: -1, or the ms until a paused listener is watched again (0
- * when that is due: it is then re-armed here) or the oldest pending handshake expires. */
-static int srv_timeout_ms(dp_tcp *eng)
-{
-    int64_t now;
-    if (tcp_now_ns(&now) < 0)
-        return ACCEPT_PAUSE_MS;
-    int64_t until = -1;
-    if (eng->accept_resume_ns) {
-        if (now < eng->accept_resume_ns) {
-            until = eng->accept_resume_ns;
-        } else {
-            struct epoll_event ev = {.events = EPOLLIN, .data.ptr = eng};
-            if (epoll_ctl(eng->epfd, EPOLL_CTL_MOD, eng->listen_fd, &ev) < 0)
-                until = now + (int64_t)ACCEPT_PAUSE_MS * 1000000;  /* retry, keep it */
-            else
-                eng->accept_resume_ns = 0;
-        }
-    }
-    if (eng->pend_head && (until < 0 || eng->pend_head->deadline_ns < until))
-        until = eng->pend_head->deadline_ns;
-    if (until < 0)
-        return -1;
-    return until <= now ? 0 : (int)((until - now + 999999) / 1000000);
-}
-
-/* Close pending connections whose handshake time is up (oldest first). */
-static void srv_expire_pending(dp_tcp *eng, struct tcp_srv_conn **dead)
-{
-    int64_t now;
-    if (tcp_now_ns(&now) < 0)
-        return;
-    while (eng->pend_head && eng->pend_head->deadline_ns <= now)
-        srv_close(eng, eng->pend_head, dead);
-}
-
-/* A new connection: served at once on an open engine; else challenged, unless
- * max_pending handshakes are under way (then closed: a flood of idle connections holds
- * at most max_pending descriptors, each for at most the handshake timeout). */
-static int srv_greet(dp_tcp *eng, struct tcp_srv_conn *c)
-{
-    if (eng->flags & DP_TCP_OPEN) {
-        c->admitted = 1;
-        return 0;
-    }
-    if (eng->n_pending >= eng->max_pending)
-        return -1;
-    struct tcp_challenge ch = {.magic = htole32(TCP_CHALLENGE_MAGIC)};
-    int64_t now;
-    if (tcp_random(c->nonce, sizeof c->nonce) || tcp_now_ns(&now) < 0)
-        return -1;
-    memcpy(ch.nonce, c->nonce, sizeof ch.nonce);
-    if (send(c->fd, &ch, sizeof ch, MSG_DONTWAIT | MSG_NOSIGNAL) != (ssize_t)sizeof ch)
-        return -1;
-    c->deadline_ns = tcp_deadline(now, (int64_t)eng->handshake_timeout_ms * 1000000);
-    pend_add(eng, c);
-    return 0;
-}
-
-static void srv_accept(dp_tcp *eng)
-{
-    for (;;) {
-        int fd = accept4(eng->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-            /* EAGAIN: done; ECONNABORTED and the like: the peer retries */
-            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
-                srv_pause_accept(eng);
-            return;
-        }
-        struct tcp_srv_conn *c = calloc(1, sizeof *c);
-        if (!c) {
-            close(fd);
-            continue;
-        }
-        tune_socket(fd, eng->sockbuf, 0);
-        c->fd = fd;
-        c->events = EPOLLIN;
-        TCP_STAT_ADD(eng, conns_accepted, 1);
-        if (srv_greet(eng, c) < 0) {
-            close(fd);
-            free(c);
-            TCP_STAT_ADD(eng, conns_refused, 1);
-            continue;
-        }
-        c->next = eng->srv_conns;
-        if (c->next)
-            c->next->prev = c;
-        eng->srv_conns = c;
-        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
-        if (epoll_ctl(eng->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
-            struct tcp_srv_conn *dead = NULL;
-            srv_close(eng, c, &dead);
-            free(dead);
-        }
-    }
-}
-
-static void *server_main(void *arg)
-{
-    dp_tcp *eng = arg;
-    struct epoll_event ev[TCP_EVENTS];
-    for (;;) {
-        int k = epoll_wait(eng->epfd, ev, TCP_EVENTS, srv_timeout_ms(eng));
-        if (k < 0 && errno != EINTR)
-            break;
-        struct tcp_srv_conn *dead = NULL;
-        srv_expire_pending(eng, &dead);
-        for (int i = 0; i < k; i++) {
-            void *p = ev[i].data.ptr;
-            if (p == &eng->wake_fd)
-                goto out;
-            if (p == eng) {
-                srv_accept(eng);
-                continue;
-            }
-            struct tcp_srv_conn *c = p;
-            if (c->fd < 0)
-                continue;    /* closed earlier in this batch */
-            if (!c->admitted) {
-                int h = tcp_srv_handshake(eng, c);
-                if (h < 0) {
-                    srv_close(eng, c, &dead);
-                } else if (h > 0) {
-                    pend_del(eng, c);    /* counted admitted by the handshake */
-                }
-                continue;
-            }
-            int rc = 0;
-            if (c->events & EPOLLOUT) {    /* paused until the acks drain */
-                rc = tcp_srv_flush_acks(c);
-                if (rc == 0)
-                    srv_set_events(eng, c, EPOLLIN);
-            }
-            if (rc == 0)
-                rc = tcp_srv_readable(eng, c);
-            if (rc < 0)
-                srv_close(eng, c, &dead);
-            else if (rc > 0 && c->events != EPOLLOUT) {
-                TCP_STAT_ADD(eng, ack_stalls, 1);
-                srv_set_events(eng, c, EPOLLOUT);
-            }
-        }
-        while (dead) {
-            struct tcp_srv_conn *c = dead;
-            dead = c->next;
-            free(c);
-        }
-    }
-out:
-    while (eng->srv_conns) {
-        struct tcp_srv_conn *dead = NULL;
-        srv_close(eng, eng->srv_conns, &dead);
-        free(dead);
-    }
-    return NULL;
-}
 
 static int listen_on(dp_tcp *eng, const char *host, uint16_t port)
 {
     struct addrinfo *ai;
-    int err = resolve(host, port, 1, &ai);
+    int err = tcp_resolve(host, port, 1, &ai);
     if (err)
         return err;
     err = EADDRNOTAVAIL;
@@ -421,7 +149,7 @@ dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    err = pthread_create(&eng->thread, NULL, server_main, eng);
+    err = pthread_create(&eng->thread, NULL, tcp_target_main, eng);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (err)
         goto fail;
@@ -687,7 +415,7 @@ static int connect_one(const struct addrinfo *a, const struct dp_tcp_conn_cfg *c
                     a->ai_protocol);
     if (fd < 0)
         return errno;
-    tune_socket(fd, cfg->sockbuf_bytes, cfg->user_timeout_ms);
+    tcp_tune_socket(fd, cfg->sockbuf_bytes, cfg->user_timeout_ms);
     int err = 0;
     if (connect(fd, a->ai_addr, a->ai_addrlen) < 0) {
         err = errno;
@@ -740,7 +468,7 @@ int dp_tcp_conn_connect(dp_tcp_conn *conn, const char *host, uint16_t port, int6
         return -errno;
     int64_t deadline = tcp_deadline(now, timeout_ns);
     struct addrinfo *ai;
-    int err = resolve(host, port, 0, &ai);
+    int err = tcp_resolve(host, port, 0, &ai);
     if (err)
         return -err;
     int fd = -1;

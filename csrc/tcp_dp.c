@@ -1,7 +1,6 @@
 /*
- * tcp_dp.c - the TCP provider's data path: the initiator's post / poll / wait and the
- * target's receive path (run by the engine's server thread). Control lives in
- * tcp_ctl.c. Nothing here allocates.
+ * tcp_dp.c - the TCP provider's initiator data path: post / poll / wait. The target's
+ * receive path is tcp_target.c's, control tcp_ctl.c's. Nothing here allocates.
  *
  * Initiator: a post validates each item's local range against the engine's regions
  * (one read lock per batch), fills ring slots (the 32-byte header lives in the slot, so
@@ -10,12 +9,6 @@
  * when epoll (edge-triggered) says the socket drained. Acks are read in bulk into
  * ackbuf and turned into completions in order; a completion retires the acked item and
  * every unsignalled one before it, exactly like an RC send queue.
- *
- * Target: per accepted socket a small state machine: read a header, check it, then
- * recvmsg the payload straight into the region with the next header in the same call
- * ([payload rest][next header] iovecs), so a small WRITE costs one recvmsg and a large
- * one no copy beyond the kernel's. The region is rechecked under the table's read lock
- * around every recvmsg into it, so a dereg can never race a write into freed memory.
  */
 #include <endian.h>
 #include <errno.h>
@@ -26,27 +19,6 @@
 #include <unistd.h>
 
 #include "tcp_internal.h"
-
-/* ------------------------------------------------------------------ region table */
-
-/* Caller holds eng->lock (read or write). Keys are random (tcp_ctl.c): a scan of the
- * slots in use, a handful in practice (one per registered buffer), per WRITE header. */
-static inline const struct tcp_region *region_find(const dp_tcp *eng, uint32_t key)
-{
-    if (key == 0)
-        return NULL;
-    for (uint32_t i = 0; i < eng->hi_slot; i++) {
-        const struct tcp_region *r = &eng->regions[i];
-        if (r->key == key && r->live)
-            return r;
-    }
-    return NULL;
-}
-
-static inline int region_covers(const struct tcp_region *r, uint64_t addr, uint64_t len)
-{
-    return addr >= r->addr && len <= r->length && addr - r->addr <= r->length - len;
-}
 
 /* ------------------------------------------------------------------ initiator */
 
@@ -491,166 +463,4 @@ int dp_tcp_cq_wait(dp_tcp_cq *cq, struct dp_wc *out, uint32_t max, int64_t timeo
             return 0;
         cq_collect(cq, deadline - now);
     }
-}
-
-/* ------------------------------------------------------------------ target */
-
-static inline void srv_ack(struct tcp_srv_conn *c, int32_t status)
-{
-    struct tcp_ack *a = &c->acks[c->ack_n++];
-    a->seq = htole64(c->cur_seq);
-    a->status = (int32_t)htole32((uint32_t)status);
-    a->_pad = 0;
-}
-
-/* The current item failed: ack it with `status` and drop the rest of the stream. */
-static inline void srv_fail(struct tcp_srv_conn *c, int32_t status)
-{
-    srv_ack(c, status);
-    c->flushing = 1;
-    c->dst = NULL;
-}
-
-static inline void srv_item_done(dp_tcp *eng, struct tcp_srv_conn *c)
-{
-    if (c->flushing)
-        return;
-    TCP_STAT_ADD(eng, writes, 1);
-    TCP_STAT_ADD(eng, bytes, c->cur_len);
-    if (c->cur_signalled)
-        srv_ack(c, TCP_WC_SUCCESS);
-}
-
-/* A whole header is in c->hdr: check it and aim the payload. -1 = protocol violation. */
-static int srv_begin(dp_tcp *eng, struct tcp_srv_conn *c)
-{
-    const struct tcp_req_hdr *h = &c->hdr;
-    if (h->magic != TCP_MAGIC || (h->op != TCP_OP_WRITE && h->op != TCP_OP_LOCERR))
-        return -1;
-    c->cur_seq = le64toh(h->seq);
-    c->cur_signalled = h->signalled;
-    c->left = c->cur_len = le32toh(h->length);
-    c->dst = NULL;
-    if (c->flushing) {
-        TCP_STAT_ADD(eng, flushed, 1);      /* drained silently */
-    } else if (h->op == TCP_OP_LOCERR) {
-        srv_fail(c, TCP_WC_LOC_PROT_ERR);
-    } else {
-        uint64_t addr = le64toh(h->remote_addr);
-        uint32_t key = le32toh(h->rkey);
-        pthread_rwlock_rdlock(&eng->lock);
-        const struct tcp_region *r = region_find(eng, key);
-        int ok = r && (r->access & DP_ACCESS_REMOTE_WRITE) && region_covers(r, addr, c->left);
-        pthread_rwlock_unlock(&eng->lock);
-        if (ok) {
-            c->dst = (uint8_t *)(uintptr_t)addr;
-            c->slot = (uint32_t)(r - eng->regions);
-            c->key = key;
-        } else {
-            TCP_STAT_ADD(eng, refused, 1);
-            srv_fail(c, TCP_WC_REM_ACCESS_ERR);
-        }
-    }
-    if (c->left == 0)
-        srv_item_done(eng, c);
-    return 0;
-}
-
-int tcp_srv_flush_acks(struct tcp_srv_conn *c)
-{
-    size_t total = (size_t)c->ack_n * sizeof(struct tcp_ack);
-    while (c->ack_off < total) {
-        ssize_t r = send(c->fd, (uint8_t *)c->acks + c->ack_off, total - c->ack_off,
-                         MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            return errno == EAGAIN || errno == EWOULDBLOCK ? 1 : -1;
-        }
-        c->ack_off += (uint32_t)r;
-    }
-    c->ack_n = 0;
-    c->ack_off = 0;
-    return 0;
-}
-
-/* Serve a readable socket: 0 = keep reading, 1 = acks are stuck (wait for EPOLLOUT
- * before reading more), -1 = close it (EOF, error, protocol violation). */
-int tcp_srv_readable(dp_tcp *eng, struct tcp_srv_conn *c)
-{
-    for (int iter = 0; iter < TCP_SRV_BUDGET; iter++) {
-        if (c->ack_n + 2 > TCP_SRV_ACKS) {     /* one recvmsg queues at most two acks */
-            int f = tcp_srv_flush_acks(c);
-            if (f != 0)
-                return f;
-        }
-        struct iovec iov[2];
-        int niov = 1, into_region = 0;
-        if (c->left) {
-            uint64_t chunk = c->left;
-            if (c->dst) {
-                into_region = 1;
-                if (chunk > (1u << 30))
-                    chunk = 1u << 30;
-                iov[0].iov_base = c->dst;
-            } else {
-                if (chunk > TCP_DISCARD)
-                    chunk = TCP_DISCARD;
-                iov[0].iov_base = eng->discard;
-            }
-            iov[0].iov_len = chunk;
-            if (chunk == c->left) {            /* the next header may ride along */
-                iov[1].iov_base = &c->hdr;
-                iov[1].iov_len = sizeof c->hdr;
-                niov = 2;
-            }
-        } else {
-            iov[0].iov_base = (uint8_t *)&c->hdr + c->hdr_got;
-            iov[0].iov_len = sizeof c->hdr - c->hdr_got;
-        }
-        size_t want = iov[0].iov_len + (niov == 2 ? iov[1].iov_len : 0);
-        if (into_region) {
-            pthread_rwlock_rdlock(&eng->lock);
-            const struct tcp_region *r = &eng->regions[c->slot];
-            if (!r->live || r->key != c->key) {    /* deregistered mid-WRITE */
-                pthread_rwlock_unlock(&eng->lock);
-                TCP_STAT_ADD(eng, refused, 1);
-                srv_fail(c, TCP_WC_REM_ACCESS_ERR);
-                continue;
-            }
-        }
-        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
-        ssize_t r = recvmsg(c->fd, &msg, MSG_DONTWAIT);
-        int err = errno;
-        if (into_region)
-            pthread_rwlock_unlock(&eng->lock);
-        if (r == 0)
-            return -1;
-        if (r < 0) {
-            if (err == EINTR)
-                continue;
-            if (err == EAGAIN || err == EWOULDBLOCK)
-                break;
-            return -1;
-        }
-        size_t got = (size_t)r;
-        if (c->left) {
-            size_t k = got < iov[0].iov_len ? got : iov[0].iov_len;
-            c->left -= k;
-            if (c->dst)
-                c->dst += k;
-            got -= k;
-            if (c->left == 0)
-                srv_item_done(eng, c);
-        }
-        c->hdr_got += (uint32_t)got;
-        if (c->hdr_got == sizeof c->hdr) {
-            c->hdr_got = 0;
-            if (srv_begin(eng, c) < 0)
-                return -1;
-        }
-        if ((size_t)r < want)
-            break;      /* the socket is empty: level-triggered epoll calls again */
-    }
-    return tcp_srv_flush_acks(c);
 }

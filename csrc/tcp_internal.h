@@ -1,11 +1,14 @@
 /*
- * tcp_internal.h - shared by tcp_ctl.c (control: engine, regions, CQs, connect/reset,
- * the server thread's accept loop) and tcp_dp.c (data path: post, poll, wait and the
- * target's receive path). Not part of the FFI.
+ * tcp_internal.h - shared by the TCP provider's files: tcp_ctl.c (control: engine,
+ * regions, CQs, connect/reset), tcp_dp.c (the initiator's data path: post, poll, wait),
+ * tcp_target.c (the server thread: accept, admission, the receive path), tcp_auth.c
+ * (the handshake) and tcp_sock.c (clock, socket options, resolution). Not part of the
+ * FFI.
  */
 #ifndef DP_TCP_INTERNAL_H
 #define DP_TCP_INTERNAL_H
 
+#include <netdb.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/uio.h>
@@ -235,8 +238,33 @@ static inline int64_t tcp_deadline(int64_t now, int64_t timeout_ns)
     return timeout_ns > INT64_MAX - now ? INT64_MAX : now + timeout_ns;
 }
 
-/* tcp_ctl.c */
+/* The region table. Caller holds eng->lock (read or write). Keys are random
+ * (tcp_ctl.c). Used by the initiator (local ranges) and the target (rkeys): a scan of
+ * the slots in use, a handful in practice (one per registered buffer), per WRITE. */
+static inline const struct tcp_region *region_find(const dp_tcp *eng, uint32_t key)
+{
+    if (key == 0)
+        return NULL;
+    for (uint32_t i = 0; i < eng->hi_slot; i++) {
+        const struct tcp_region *r = &eng->regions[i];
+        if (r->key == key && r->live)
+            return r;
+    }
+    return NULL;
+}
+
+static inline int region_covers(const struct tcp_region *r, uint64_t addr, uint64_t len)
+{
+    return addr >= r->addr && len <= r->length && addr - r->addr <= r->length - len;
+}
+
+/* The files call downward only: tcp_ctl.c -> tcp_target.c, tcp_dp.c, tcp_auth.c ->
+ * tcp_sock.c; tcp_target.c -> tcp_auth.c -> tcp_sock.c; tcp_dp.c -> tcp_sock.c. */
+
+/* tcp_sock.c: the clock, socket options, name resolution. */
 int tcp_now_ns(int64_t *out);
+void tcp_tune_socket(int fd, uint32_t sockbuf, uint32_t user_timeout_ms);
+int tcp_resolve(const char *host, uint16_t port, int passive, struct addrinfo **out);
 /* tcp_auth.c: the handshake's MAC (HMAC-SHA256 of the transcript) and random bytes. */
 void tcp_auth_mac(const uint8_t secret[DP_TCP_SECRET_BYTES], char role,
                   const uint8_t nonce_t[TCP_NONCE], const uint8_t nonce_i[TCP_NONCE],
@@ -247,9 +275,9 @@ int tcp_random(void *buf, size_t n);
 int tcp_srv_handshake(dp_tcp *eng, struct tcp_srv_conn *c);
 /* Initiator: the handshake on a connected socket, bounded by deadline; 0 / -errno. */
 int tcp_conn_handshake(dp_tcp_conn *conn, int fd, int64_t deadline);
-/* tcp_dp.c. Both return 0 = fine, 1 = acks stuck (wait for EPOLLOUT), -1 = close it. */
-int tcp_srv_readable(dp_tcp *eng, struct tcp_srv_conn *c);
-int tcp_srv_flush_acks(struct tcp_srv_conn *c);
+/* tcp_target.c: the engine's server thread (pthread_create'd by dp_tcp_create). */
+void *tcp_target_main(void *eng);
+/* tcp_dp.c: the initiator's side of a connection, for tcp_ctl.c's reset/destroy. */
 void tcp_conn_fail(dp_tcp_conn *conn, int32_t status, uint32_t err);
 void tcp_ready_remove(dp_tcp_conn *conn);
 

@@ -37,8 +37,7 @@ from dataclasses import dataclass
 
 from dualpath._native import ffi, lib
 from dualpath._owner import Owner, RegionOwner, check_range, timeout_ns
-from dualpath.errors import UsageError, check, check_ptr
-from dualpath.verbs import (
+from dualpath.dp import (
     ACCESS_RW,
     Access,
     Completion,
@@ -50,6 +49,7 @@ from dualpath.verbs import (
     WriteBatch,
     memory_range,
 )
+from dualpath.errors import UsageError, check, check_ptr
 
 __all__ = [
     "ACCESS_RW",

@@ -45,6 +45,7 @@ import numpy as np
 
 from dualpath._native import ffi, lib
 from dualpath.config_sections import KvLaneConfig, TransportConfig
+from dualpath.dp import Completion, PostError, WcStatus
 from dualpath.errors import DualPathError, TransferError, TransferTimeout, UsageError
 from dualpath.transfer.config import TransferConfig
 from dualpath.transfer.oob import ConnectReply, ConnectRequest, OutOfBand
@@ -58,7 +59,6 @@ from dualpath.transfer.provider import (
     status_name,
 )
 from dualpath.transfer.transport import open_provider, select_transport
-from dualpath.verbs import Completion, PostError, WcStatus
 
 log = logging.getLogger("dualpath.transfer")
 

@@ -25,8 +25,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
+from dualpath.dp import Completion, WcStatus
 from dualpath.errors import TransferError, UsageError
-from dualpath.verbs import Completion, WcStatus
 
 #: Admission bounds of the passive side: connections (QPs) one peer may have us make,
 #: and peers we make them for (TransferConfig.connections_per_peer is at most 64).

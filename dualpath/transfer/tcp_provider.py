@@ -13,10 +13,10 @@ peer holds at most connections_per_peer of them; ``forget`` withdraws all of a p
 from __future__ import annotations
 
 from dualpath._native import ffi
+from dualpath.dp import Completion
 from dualpath.errors import UsageError
 from dualpath.tcp import ACCESS_RW, SECRET_BYTES, Credential, TcpConfig, TcpEngine
 from dualpath.transfer.provider import MAX_CONNECTIONS_PER_PEER, Admissions, Connection, Provider
-from dualpath.verbs import Completion
 
 
 def encode_address(host: str, port: int, cred: Credential | None = None) -> bytes:

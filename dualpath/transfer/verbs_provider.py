@@ -18,9 +18,9 @@ import struct
 import threading
 
 from dualpath import lane, verbs
+from dualpath.dp import Completion
 from dualpath.errors import UsageError
 from dualpath.transfer.provider import Admissions, Connection, Provider
-from dualpath.verbs import Completion
 
 _ENDPOINT = struct.Struct("<IIII16s")
 

@@ -78,7 +78,7 @@ def venv(tmp_path_factory) -> Path:
     with tarfile.open(sdists[0]) as t:
         in_sdist = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     for need in ("csrc/dp.h", "csrc/tcp_internal.h", "csrc/verbs_internal.h",
-                 "csrc/tcp_dp.c", "proto/dualpath/v1/scheduler.proto", "tools/gen_proto.py",
+                 "csrc/tcp_dp.c", "csrc/tcp_target.c", "csrc/tcp_sock.c", "proto/dualpath/v1/scheduler.proto", "tools/gen_proto.py",
                  "dualpath/_native/build.py", "setup.py", "pyproject.toml", "README.md"):
         assert need in in_sdist, f"sdist lacks {need}"
     assert not any(n.startswith("dualpath/v1/") for n in in_sdist)   # generated at build

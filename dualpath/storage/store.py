@@ -52,15 +52,12 @@ import ctypes
 import errno as _errno
 import fcntl
 import logging
-import mmap
 import os
-import queue
 import stat
 import threading
 import time
-from collections import deque
 from collections.abc import Container, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Self
@@ -82,10 +79,10 @@ from dualpath.storage.format import (
     pack_header,
     payload_hash,
 )
+from dualpath.storage.ring import ALIGN, RingReader, aligned_bytes, direct_cut
 
 log = logging.getLogger("dualpath.storage")
 
-ALIGN = 4096          # O_DIRECT alignment of addresses, lengths and offsets we use
 SUFFIX = ".kvb"
 DIRECT_IO_MODES = ("auto", "on", "off")
 
@@ -117,17 +114,6 @@ class StoreStats:
     writes: int = 0
     writes_skipped: int = 0      # the block already existed
     bytes_written: int = 0
-
-
-def direct_cut(full: int, direct: bool = True) -> int:
-    """The payload bytes a read lands in the block's own buffer: all of them, or with
-    O_DIRECT the whole pages (the rest, under ALIGN, lands in the tail page)."""
-    return full - full % ALIGN if direct else full
-
-
-def aligned_bytes(nbytes: int) -> np.ndarray:
-    """A page-aligned, zero-filled uint8 array (anonymous mmap; freed with the array)."""
-    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]
 
 
 class _Scratch(threading.local):
@@ -191,7 +177,7 @@ class BlockStore:
         self._read_pool = ThreadPoolExecutor(read_workers, thread_name_prefix="dp-store-read")
         self._write_pool = ThreadPoolExecutor(write_workers, thread_name_prefix="dp-store-write")
         self._closed = False
-        self._rings: list[_RingReader] = []       # started by the first aread_many batch
+        self._rings: list[RingReader] = []       # started by the first aread_many batch
         self._next_ring = 0
         self._ring_refused = False
         self._root_fd = -1
@@ -453,7 +439,7 @@ class BlockStore:
             out[j] = ok
         return out
 
-    def _ring_reader(self) -> _RingReader | None:
+    def _ring_reader(self) -> RingReader | None:
         """The next of the store's ``read_rings`` ring readers (batches take turns), all
         started by the first batch; None when batches are off (io_uring or openat2
         missing: logged once), read_rings is 0 (a ring per batch on the read pool) or
@@ -466,7 +452,7 @@ class BlockStore:
                 return None
             try:
                 for _ in range(self.read_rings):
-                    self._rings.append(_RingReader(self, self.read_batch_depth))
+                    self._rings.append(RingReader(self, self.read_batch_depth))
                 return self._rings[0]
             except OSError as e:
                 err = e.errno or _errno.EIO
@@ -480,6 +466,11 @@ class BlockStore:
             log.warning("block store %s: no io_uring ring (%s); batches run one at a time",
                         self.dir, os.strerror(err))
         return None
+
+    @property
+    def root_fd(self) -> int:
+        """The store root's directory descriptor (the rings open blocks beneath it)."""
+        return self._root_fd
 
     @property
     def batched(self) -> bool:
@@ -502,7 +493,7 @@ class BlockStore:
         out = [False] * len(keys)
         if batch:
             pages = self._scratch.pages_for(2 * len(batch))
-            items, paths = self._sio_items([keys[i] for i in batch],
+            items, paths = self.sio_items([keys[i] for i in batch],
                                            [dsts[i][:cut] for i in batch], pages)
             key = self.integrity_key
             rc = lib.dp_sio_read(self._root_fd, items, len(batch), self.read_batch_depth,
@@ -516,7 +507,7 @@ class BlockStore:
                 raise StorageError(-rc, "reading a batch of blocks from", self.dir)
             retry = []
             for j, i in enumerate(batch):
-                ok = self._sio_outcome(keys[i], dsts[i], items[j], pages[2 * j],
+                ok = self.sio_outcome(keys[i], dsts[i], items[j], pages[2 * j],
                                        pages[2 * j + 1], direct)
                 if ok is None:
                     retry.append(i)                # buffered, by read_into
@@ -529,7 +520,7 @@ class BlockStore:
             out[i] = self.read_into(keys[i], outs[i])
         return out
 
-    def _sio_outcome(self, key: bytes, dst: np.ndarray, it, header: np.ndarray,
+    def sio_outcome(self, key: bytes, dst: np.ndarray, it, header: np.ndarray,
                      tail: np.ndarray, direct: bool) -> bool | None:
         """Count and check one item the C read loop finished: True on a verified hit,
         False on a miss; None when O_DIRECT was refused (now off: read it again)."""
@@ -546,7 +537,7 @@ class BlockStore:
         self._missed(self.path_of(key), _sio_error(it))
         return False
 
-    def _sio_items(self, keys: Sequence[bytes], bodies: Sequence[np.ndarray],
+    def sio_items(self, keys: Sequence[bytes], bodies: Sequence[np.ndarray],
                    pages: np.ndarray):
         """The C read loop's items: block ``keys[j]`` read as [header page, ``bodies[j]``,
         tail page] (pages ``2j`` and ``2j + 1``), its payload hashed when checked; and the
@@ -874,176 +865,6 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             views = views[1:]
         if views and n:
             views = [views[0][n:], *views[1:]]
-
-
-class _RingBatch:
-    """One aread_many's blocks handed to the ring reader: their items (header and tail
-    pages of their own; built by the ring's thread, :meth:`prepare`), outcomes (None: the
-    filesystem refused O_DIRECT, read it again) and the future the caller awaits."""
-
-    def __init__(self, keys: Sequence[bytes], dsts: Sequence[np.ndarray]):
-        self.keys, self.dsts = keys, dsts
-        self.n = len(keys)
-        self.next = 0                       # items pushed to the ring so far
-        self.left = self.n                  # items not yet done
-        self.out: list[bool | None] = [False] * self.n
-        self.error: BaseException | None = None
-        self.future: Future = Future()
-
-    def prepare(self, store: BlockStore, pages: np.ndarray, cut: int) -> None:
-        self.pages = pages
-        self.items, self.paths = store._sio_items(self.keys, [d[:cut] for d in self.dsts],
-                                                  pages)
-
-
-_SIO_ITEM = ffi.sizeof("struct dp_sio_item")
-
-
-class _RingReader:
-    """One of the store's ring readers: a thread that owns a ``dp_sio_ring`` and feeds it
-    the blocks of every batch handed to it (:meth:`submit`), each slot refilled from the
-    ring's backlog as its read lands, so the disk never idles between batches or behind
-    a batch's slowest read.
-
-    The thread: builds the items of each batch that arrives (off the caller's event
-    loop) and pushes them into the ring's backlog, steps the ring
-    (wait for a landing, refill, hash what landed; a batch that arrives during the wait
-    is pushed after it), checks each landed block as :meth:`BlockStore.read_batch` does
-    and completes a batch's future when its last block is done. ``close()`` (idempotent)
-    stops it once what was handed over has landed and frees the ring.
-    Threads: submit from any thread; close from one."""
-
-    BACKLOG = 4096              # items pushed to the ring, not yet opened
-
-    def __init__(self, store: BlockStore, depth: int):
-        key = store.integrity_key
-        ring = lib.dp_sio_ring_create(store._root_fd, depth, self.BACKLOG, 1,
-                                      key if key is not None else ffi.NULL, len(key or b""))
-        if ring == ffi.NULL:
-            err = ffi.errno
-            raise OSError(err, os.strerror(err))
-        self.store, self.depth, self._ring = store, depth, ring
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._spare: list[np.ndarray] = []  # header/tail pages of finished batches (thread)
-        self._closed = False
-        self._close_lock = threading.Lock()     # a batch is queued before the stop or not
-        self._thread = threading.Thread(target=self._run, name="dp-store-ring", daemon=True)
-        self._thread.start()
-
-    def submit(self, keys: Sequence[bytes], dsts: Sequence[np.ndarray]) -> Future:
-        """Queue page-aligned block reads (O_DIRECT); a future of their outcomes."""
-        b = _RingBatch(keys, dsts)
-        b.future.set_running_or_notify_cancel()     # it cannot be cancelled: the ring
-        with self._close_lock:                      # writes into dsts until it is done
-            if self._closed:    # queued behind the stop, nothing would ever complete it
-                raise StorageError(_errno.EBADF, "reading from the closed block store",
-                                   self.store.dir)
-            self._queue.put(b)
-        return b.future
-
-    def _pages(self, n: int) -> np.ndarray:
-        for i, p in enumerate(self._spare):
-            if len(p) >= n:
-                return self._spare.pop(i)
-        return aligned_bytes(max(n, 16) * ALIGN).reshape(-1, ALIGN)
-
-    def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.put(None)
-        self._thread.join()
-        lib.dp_sio_ring_destroy(self._ring)
-
-    def _run(self) -> None:
-        waiting: deque[_RingBatch] = deque()        # batches not wholly pushed yet
-        owner: dict[int, tuple[_RingBatch, int]] = {}
-        done = ffi.new("struct dp_sio_item *[]", 2 * self.depth)
-        cut = direct_cut(self.store.layout.full_bytes)
-        stopping = False
-        while True:
-            busy = lib.dp_sio_ring_inflight(self._ring)
-            if not busy and not waiting:
-                if stopping:
-                    return
-                b = self._queue.get()               # idle: sleep until a batch comes
-                if b is None:
-                    return
-                self._take(b, waiting, cut)
-            while True:
-                try:
-                    b = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if b is None:
-                    stopping = True
-                else:
-                    self._take(b, waiting, cut)
-            # Every batch goes to the ring's backlog at once: its slots are refilled
-            # from there as reads land, whoever's batch comes next.
-            while waiting:
-                b = waiting[0]
-                pushed = lib.dp_sio_ring_push(self._ring, b.items + b.next, b.n - b.next)
-                if pushed < 0:
-                    self._fail(waiting, StorageError(-pushed, "queueing block reads for",
-                                                     self.store.dir))
-                    break
-                base = int(ffi.cast("uintptr_t", b.items))
-                for j in range(b.next, b.next + pushed):
-                    owner[base + j * _SIO_ITEM] = (b, j)
-                b.next += pushed
-                if b.next < b.n:
-                    break                           # the backlog is full
-                waiting.popleft()
-            got = lib.dp_sio_ring_step(self._ring, done, len(done), 1)
-            if got < 0:
-                log.error("block store %s: io_uring_enter failed: %s", self.store.dir,
-                          os.strerror(-got))
-                continue
-            for k in range(got):
-                b, j = owner.pop(int(ffi.cast("uintptr_t", done[k])))
-                self._landed(b, j)
-
-    def _take(self, b: _RingBatch, waiting: deque[_RingBatch], cut: int) -> None:
-        """A batch that arrived: its items built here, then it waits for the ring."""
-        pages = self._pages(2 * b.n)
-        try:
-            b.prepare(self.store, pages, cut)
-        except Exception as e:  # noqa: BLE001 - handed to the batch's caller
-            self._spare.append(pages)
-            b.future.set_exception(e)
-            return
-        waiting.append(b)
-
-    def _fail(self, waiting: deque[_RingBatch], e: BaseException) -> None:
-        """Give up on the items not pushed yet (the ring refused them)."""
-        log.error("%s", e)
-        while waiting:
-            b = waiting.popleft()
-            b.error = e
-            b.left -= b.n - b.next
-            b.next = b.n
-            self._finish(b)
-
-    def _landed(self, b: _RingBatch, j: int) -> None:
-        try:
-            # None (O_DIRECT refused): aread_many reads it again, off this thread.
-            b.out[j] = self.store._sio_outcome(b.keys[j], b.dsts[j], b.items[j],
-                                               b.pages[2 * j], b.pages[2 * j + 1], True)
-        except BaseException as e:          # noqa: BLE001 - handed to the batch's caller
-            b.error = b.error or e
-        b.left -= 1
-        self._finish(b)
-
-    def _finish(self, b: _RingBatch) -> None:
-        if b.left:
-            return
-        self._spare.append(b.pages)
-        if b.error is not None:
-            b.future.set_exception(b.error)
-        else:
-            b.future.set_result(b.out)
 
 
 class _Unsafe(Exception):

@@ -203,11 +203,11 @@ def test_a_ring_read_refused_o_direct_is_read_again_off_the_ring(store, monkeypa
     keys = block_keys(list(range(8)), 4)
     for k in keys:
         _put(store, k)
-    real_outcome, real_batch = store._sio_outcome, store.read_batch
+    real_outcome, real_batch = store.sio_outcome, store.read_batch
     refused, reread_on = [keys[1]], []
 
     def outcome(key, *a):
-        if key in refused:      # as _sio_outcome answers an EINVAL at the O_DIRECT stage
+        if key in refused:      # as sio_outcome answers an EINVAL at the O_DIRECT stage
             refused.remove(key)
             store._direct_unsupported(OSError(errno.EINVAL, "Invalid argument"))
             return None
@@ -216,7 +216,7 @@ def test_a_ring_read_refused_o_direct_is_read_again_off_the_ring(store, monkeypa
     def read_batch(ks, outs):
         reread_on.append((list(ks), threading.current_thread().name))
         return real_batch(ks, outs)
-    monkeypatch.setattr(store, "_sio_outcome", outcome)
+    monkeypatch.setattr(store, "sio_outcome", outcome)
     monkeypatch.setattr(store, "read_batch", read_batch)
     outs = [aligned_bytes(store.layout.full_bytes) for _ in keys]
     assert asyncio.run(store.aread_many(keys, outs)) == [True, True]
@@ -534,7 +534,7 @@ def test_dp_sio_ring_keeps_its_depth_and_hands_every_item_back_once(store):
     pages = aligned_bytes(10 * 4096).reshape(10, 4096)
     bodies = [aligned_bytes(store.layout.full_bytes) for _ in keys]
     cut = store.layout.full_bytes - store.layout.full_bytes % 4096
-    items, paths = store._sio_items(keys, [b[:cut] for b in bodies], pages)
+    items, paths = store.sio_items(keys, [b[:cut] for b in bodies], pages)
     ring = lib.dp_sio_ring_create(store._root_fd, 2, 4, 1, ffi.NULL, 0)
     assert ring != ffi.NULL
     assert lib.dp_sio_ring_push(ring, items, 5) == 4

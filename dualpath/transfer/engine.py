@@ -148,6 +148,30 @@ class _Stop(NamedTuple):
 _Command = _Submit | _Cancel | _AddPeer | _ConnUp | _ConnDown | _Discard | _Stop
 
 
+# The data-path thread -> the event loop: typed events, delivered in batches by
+# call_soon_threadsafe (_flush_events).
+class _Resolved(NamedTuple):
+    """A transfer ended: every byte landed (``error`` None) or it failed."""
+
+    transfer: _Transfer
+    error: BaseException | None
+
+
+class _Recover(NamedTuple):
+    """A connection was reset: reconnect it."""
+
+    conn: _Conn
+
+
+class _Stopped(NamedTuple):
+    """A transfer given up is stopped: nothing of it is queued or on the wire."""
+
+    transfer: _Transfer
+
+
+_Event = _Resolved | _Recover | _Stopped
+
+
 class _Conn:
     __slots__ = ("conn", "fifo", "index", "peer", "posted", "state", "wrs")
 
@@ -205,7 +229,7 @@ class TransferEngine:
         self._w_conns: dict[int, _Conn] = {}
         self._inflight = 0
         self._wr_seq = 0
-        self._events: list[tuple] = []
+        self._events: list[_Event] = []
 
     @classmethod
     def open(cls, name: str, oob: OutOfBand, *, transport: TransportConfig | None = None,
@@ -529,23 +553,23 @@ class TransferEngine:
             return
         self._command(_ConnDown(c, last))
 
-    def _deliver(self, events: list[tuple]) -> None:
+    def _deliver(self, events: list[_Event]) -> None:
         """Loop: act on a batch of data-path events."""
         for ev in events:
-            if ev[0] == "resolve":
-                t, exc = ev[1], ev[2]
-                if t.timer is not None:
-                    t.timer.cancel()
-                if t.abandoned or t.fut.done():
-                    continue
-                if exc is None:
-                    t.fut.set_result(None)
-                else:
-                    t.fut.set_exception(exc)
-            elif ev[0] == "recover":
-                self._start_recovery(ev[1])
-            elif ev[0] == "stopped":
-                self._stopped(ev[1])
+            match ev:
+                case _Resolved(t, exc):
+                    if t.timer is not None:
+                        t.timer.cancel()
+                    if t.abandoned or t.fut.done():
+                        continue
+                    if exc is None:
+                        t.fut.set_result(None)
+                    else:
+                        t.fut.set_exception(exc)
+                case _Recover(c):
+                    self._start_recovery(c)
+                case _Stopped(t):
+                    self._stopped(t)
 
     # ------------------------------------------------------------------ data-path thread
 
@@ -794,11 +818,11 @@ class TransferEngine:
         log.warning("transfer engine %s: peer %s connection %d: %s; reset, reconnecting "
                     "(%d in-flight slices back in the queue)", self.name, c.peer.name,
                     c.index, cause, lost)
-        self._events.append(("recover", c))
+        self._events.append(_Recover(c))
 
     def _recover_later(self, c: _Conn) -> None:
         c.state = RECOVERING
-        self._events.append(("recover", c))
+        self._events.append(_Recover(c))
 
     def _conn_down(self, c: _Conn, exc: BaseException | None) -> None:
         c.state = DOWN
@@ -821,7 +845,7 @@ class TransferEngine:
             for c in t.peer.conns:
                 if c.state == UP and any(s.transfer is t for s in c.fifo):
                     self._break(c, why)
-        self._events.append(("stopped", t))
+        self._events.append(_Stopped(t))
 
     def _seg_done(self, s: _Seg) -> None:
         t = s.transfer
@@ -852,7 +876,7 @@ class TransferEngine:
         if t.done:
             return
         t.done = True
-        self._events.append(("resolve", t, exc))
+        self._events.append(_Resolved(t, exc))
 
     def _fail_everything(self, exc: BaseException) -> None:
         for p in self._w_peers.values():

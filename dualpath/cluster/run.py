@@ -169,8 +169,9 @@ def _report(runs: dict[str, ReplayRun], nodes: Sequence[str], prefill_nodes: int
                                        else opts.layerwise)
     report["settings"]["read_policy"] = opts.read_policy or "per mode"
     report["settings"]["nodes"] = list(nodes)
-    if trace.meta.get("max_rounds"):
-        report["settings"]["max_rounds"] = trace.meta["max_rounds"]
+    for key in ("max_rounds", "extended_from"):     # what make_trace did to the trace
+        if trace.meta.get(key):
+            report["settings"][key] = trace.meta[key]
     report["reliability"] = {mode: {
         "requests_submitted": r.requests_submitted, "requests_failed": r.requests_failed,
         "requests_duplicated": r.requests_duplicated, "requests_lost": r.requests_lost,

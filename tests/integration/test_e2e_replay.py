@@ -98,6 +98,8 @@ def test_a_warm_up_replays_every_mode_first_then_passes_alternate(cluster, monke
                     ("dualpath", ROUNDS), ("dualpath", ROUNDS), ("basic", ROUNDS)]
     assert report["settings"]["warmup"] == {"agents": 1, "rounds": warm,
                                             "modes": ["basic", "dualpath"]}
+    # What make_trace did to the trace (max_rounds here; extended_from with a short file).
+    assert report["settings"]["max_rounds"] == 3 and "extended_from" not in report["settings"]
     rep = report["settings"]["repeats"]
     assert rep["order"] == ["basic", "dualpath", "dualpath", "basic"]
     assert [m for m, _ in rep["jct_s"]] == rep["order"]

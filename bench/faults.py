@@ -302,7 +302,7 @@ def summarize(replays: list[dict], wall_s: float, args, unhandled: list[str]) ->
         "max_recovery_leases": round(max((e["recovery_s"] for e in eps), default=0.0)
                                      / lease_s, 2),
         "max_taken_up_again_leases_after_episode": round(max(
-            (max(0.0, e["taken_up_again_s"]) for e in eps), default=0.0) / lease_s, 2),
+            (e["taken_up_again_s"] for e in eps), default=0.0) / lease_s, 2),
         "max_episode_faults": max((len(e["faults"]) for e in eps), default=0),
         # From each fault's strike (the fault itself and whatever struck after it within
         # its recovery included).

@@ -154,14 +154,6 @@ def recovery_s(records: Sequence[RequestRecord], struck_unix_s: float) -> float:
     return max(hit, default=struck_unix_s) - struck_unix_s
 
 
-def isolated(spans: Sequence[tuple[float, float]]) -> list[bool]:
-    """For each fault's span (struck, until: its end or its recovery's, whichever is
-    later), whether no other fault's span overlaps it: its recovery is its own, not a
-    sum of faults that struck one after another."""
-    return [not any(j != i and a < d and c < b for j, (c, d) in enumerate(spans))
-            for i, (a, b) in enumerate(spans)]
-
-
 def episodes(spans: Sequence[tuple[float, float]]) -> list[int]:
     """For each fault's span (struck, until), the index of its episode: faults whose spans
     overlap, directly or through others, form one episode (numbered in strike order). A
@@ -177,6 +169,14 @@ def episodes(spans: Sequence[tuple[float, float]]) -> list[int]:
         reach = max(reach, b) if a < reach else b
         out[i] = episode
     return out
+
+
+def isolated(spans: Sequence[tuple[float, float]]) -> list[bool]:
+    """For each fault's span (struck, until: its end or its recovery's, whichever is
+    later), whether no other fault's span overlaps it, i.e. it is an episode by itself:
+    its recovery is its own, not a sum of faults that struck one after another."""
+    eps = episodes(spans)
+    return [eps.count(e) == 1 for e in eps]
 
 
 def episode_recovery_s(faults: Sequence[tuple[float, float, float]]) -> float:

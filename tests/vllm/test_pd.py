@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -68,11 +69,19 @@ class Rig:
         rid = self.rid()
 
         async def go():
+            watch = None
+            if during is not None:
+                # The watcher's admin channel is up (one answered call) before the request
+                # is submitted: a short state cannot pass while its TLS handshake runs.
+                ready = threading.Event()
+                watch = asyncio.ensure_future(asyncio.to_thread(
+                    during.wait, self.pd, rid, ready))
+                await asyncio.to_thread(ready.wait, 60)
             task = asyncio.ensure_future(self.gen.generate(
                 rid, prompt, gen, hit_tokens=hit, block_tokens=T, read_policy=policy,
                 timeout_s=300))
-            if during is not None:
-                view = await asyncio.to_thread(_wait_state, self.pd, rid, during.state)
+            if watch is not None:
+                view = await watch
                 if view is not None:
                     await asyncio.to_thread(during, view)
             return await task
@@ -86,18 +95,26 @@ class Rig:
         self.pd.cleanup()
 
 
-def _wait_state(pd: VllmPdCluster, rid: str, state: int, bound_s: float = 120.0):
-    """The scheduler's view of ``rid`` once it is in ``state`` (None if it ended first)."""
+def _wait_state(pd: VllmPdCluster, rid: str, state: int, bound_s: float = 120.0,
+                ready: threading.Event | None = None):
+    """The scheduler's view of ``rid`` once it is in ``state`` (None if it ended first,
+    or never showed in 5 s); ``ready`` is set once the first call was answered."""
     stub, ch = pd.admin()
     try:
-        deadline = time.monotonic() + bound_s
+        start = time.monotonic()
+        deadline = start + bound_s
+        seen = False
         while time.monotonic() < deadline:
             views = stub.ListRequests(admin_pb2.ListRequestsRequest(all=True),
                                       timeout=5).requests
+            if ready is not None and not ready.is_set():
+                ready.set()
+                start = time.monotonic()
             v = next((v for v in views if v.request_id == rid), None)
             if v is not None and v.state == state:
                 return v
-            if v is None and time.monotonic() > deadline - bound_s + 5:
+            seen = seen or v is not None
+            if v is None and (seen or time.monotonic() > start + 5):
                 return None
             time.sleep(0.02)
         raise AssertionError(f"{rid} never reached state {state}")
@@ -179,10 +196,33 @@ class _At:
         self.state, self.action, self.delay_s = state, action, delay_s
         self.fired = False
 
+    def wait(self, pd: VllmPdCluster, rid: str, ready: threading.Event):
+        return _wait_state(pd, rid, self.state, ready=ready)
+
     def __call__(self, view) -> None:
         time.sleep(self.delay_s)
         self.action(view)
         self.fired = True
+
+
+class _Staging(_At):
+    """``action(None)`` once ``node`` holds slots of its buffer for a request: its stage
+    of a hit is under way (the scheduler's state lags what a node does by up to a fetch
+    interval, so "assigned" alone may come after the prefill ended)."""
+
+    def __init__(self, node: str, action):
+        super().__init__(scheduler_pb2.REQUEST_STATE_ASSIGNED, action)
+        self.node = node
+
+    def wait(self, pd: VllmPdCluster, rid: str, ready: threading.Event):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            m = pd.node_metrics(self.node)
+            ready.set()
+            if m["dualpath_node_buffer_free_blocks"] < m["dualpath_node_buffer_capacity_blocks"]:
+                return True
+            time.sleep(0.01)
+        raise AssertionError(f"{self.node} never staged a hit for {rid}")
 
 
 def _node_of(engine_id: str) -> str:
@@ -255,7 +295,7 @@ def test_sigkill_of_the_prefill_daemon_mid_prefill_ends_in_a_recompute(rig):
     def kill(view) -> None:
         rig.pd.kill_node("p0")
         rig.pd.restart_node("p0")
-    at = _At(scheduler_pb2.REQUEST_STATE_ASSIGNED, kill)
+    at = _Staging("p0", kill)
     b = rig.turn(prompt, conv.gen, stored, "prefill", during=at)
     assert at.fired and b["g"].attempt >= 2, "the kill did not hit a running prefill"
     assert close(b, rig.oracle.generate(prompt, conv.gen))
@@ -278,10 +318,10 @@ def test_sigkill_of_a_vllm_instance_mid_request_ends_in_a_recompute(rig, side):
     conv.advance(a["token_ids"])
     prompt = list(conv.context)
     node = "d0" if side == "decode" else "p0"
-    state = (scheduler_pb2.REQUEST_STATE_PREFILL_DONE if side == "decode"
-             else scheduler_pb2.REQUEST_STATE_ASSIGNED)
-    at = _At(state, lambda view: rig.pd.restart_instance(node),
-             delay_s=0.3 if side == "decode" else 0.0)
+    at = (_At(scheduler_pb2.REQUEST_STATE_PREFILL_DONE,
+              lambda view: rig.pd.restart_instance(node), delay_s=0.3)
+          if side == "decode" else
+          _Staging(node, lambda view: rig.pd.restart_instance(node)))
     gen = 1200 if side == "decode" else 16
     b = rig.turn(prompt, gen, stored, "prefill", during=at)
     assert at.fired and b["g"].attempt >= 2, "the kill did not hit a running request"

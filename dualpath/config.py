@@ -38,8 +38,8 @@ SECTIONS: dict[str, str] = {
     "scheduler_client": "dualpath.scheduler.config:SchedulerClientConfig",
     "storage": "dualpath.storage.config:StorageConfig",
     "buffers": "dualpath.buffers.config:BuffersConfig",
-    "engine": "dualpath.engine.config:EngineConfig",
-    "cluster": "dualpath.engine.config:ClusterConfig",
+    "engine": "dualpath.node.config:EngineConfig",
+    "cluster": "dualpath.node.config:ClusterConfig",
     "frontend": "dualpath.frontend.config:FrontendConfig",
 }
 

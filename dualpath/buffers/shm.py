@@ -30,7 +30,7 @@ import time
 
 from dualpath.errors import DualPathError
 
-log = logging.getLogger("dualpath.engine")
+log = logging.getLogger("dualpath.node")
 
 TOKEN_BYTES = 16
 TOKEN_TTL_S = 60.0

@@ -240,7 +240,7 @@ def registrations(log: str, group: str) -> int:
 
 def idle_check(cluster: LocalCluster) -> tuple[int, dict]:
     """`dualpath ctl check --json` against the cluster (its admin config), as an
-    operator runs it: exit code and record (the idle invariant: dualpath/engine/holdings.py)."""
+    operator runs it: exit code and record (the idle invariant: dualpath/node/holdings.py)."""
     p = subprocess.run([sys.executable, "-m", "dualpath.cli", "ctl", "check", "--json",
                         "--config", str(cluster.config_path)],
                        check=False, capture_output=True, text=True, timeout=60)

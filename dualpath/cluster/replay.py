@@ -2,7 +2,7 @@
 
 The driver submits each due round (dualpath/trace/arrivals.py's ReplaySchedule: offline =
 every agent at once, online = Poisson arrivals) to the scheduler with a payload naming
-its trajectory, round and mode (dualpath/engine/payload.py), and runs a ReplaySink gRPC
+its trajectory, round and mode (dualpath/paths/payload.py), and runs a ReplaySink gRPC
 server the DEs send each round's timings to. A report of mismatching KV aborts the
 replay loudly (:class:`KvMismatch`). The scheduler is reached over mutual TLS with the
 replay client's identity (``tls_config``); the sink serves with ``node_tls``.
@@ -46,14 +46,14 @@ from dataclasses import dataclass, field
 import grpc
 
 from dualpath import rpc, tls
-from dualpath.engine.payload import (
+from dualpath.errors import DualPathError, RemoteUnavailable
+from dualpath.paths.payload import (
     MODE_LAYERWISE,
     MODE_READ_POLICY,
     Payload,
     encode_token_ids,
 )
-from dualpath.engine.peers import refuse_oversized
-from dualpath.errors import DualPathError, RemoteUnavailable
+from dualpath.paths.peers import refuse_oversized
 from dualpath.trace.arrivals import ReplaySchedule, arrival_times
 from dualpath.trace.model import Trace, stream_token_ids
 from dualpath.trace.progress import Progress

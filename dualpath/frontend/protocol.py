@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from dualpath.engine.payload import MAX_LOGPROBS, SAMPLING_KEYS, check_sampling
 from dualpath.errors import UsageError
+from dualpath.paths.payload import MAX_LOGPROBS, SAMPLING_KEYS, check_sampling
 
 #: vLLM sampling fields taken from a body as they are (``logprobs`` is read per endpoint:
 #: an integer in completions, a flag beside ``top_logprobs`` in chat).

@@ -17,7 +17,7 @@ spends on a forward batch (:func:`forward_time`, :func:`group_layer_time`) is th
 the batch factor ``1 + batch_half_tokens / n`` for a batch of ``n`` new tokens: small
 batches leave the GPU partly idle (the paper's Fig. 3 right, which the profiles'
 ``batch_half_tokens`` is fitted to). A PE does not use these formulas to pack its
-batches: it fits its own estimator by profiling the engine (engine/batching.py).
+batches: it fits its own estimator by profiling the engine (engines/emulated/batching.py).
 
 All functions are pure and cheap enough to run inside the scheduler's binary search
 (closed forms, no loops over tokens).

@@ -40,7 +40,7 @@ from dualpath.buffers.pool import slot_stride
 from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.replay import ReplayOptions, forward_steps
 from dualpath.cluster.run import first_rounds, make_trace, run_modes
-from dualpath.engine.forward import layer_slots
+from dualpath.engines.emulated.forward import layer_slots
 from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import PROFILES, get_profile
@@ -370,7 +370,7 @@ def ablation_settings(scale: Scale, trace: Trace) -> tuple[dict, dict, int]:
     prof = get_profile(scale.ablation_profile)
     largest = max(p.prompt_tokens for t in trace.trajectories
                   for p in plan_rounds(t, prof.block_tokens))
-    # The PE's HBM is Layer Block slots (engine/node.py): every layer of the largest
+    # The PE's HBM is Layer Block slots (node/daemon.py): every layer of the largest
     # prompt's blocks, in slots as the pool lays them out.
     slots = layer_slots(largest, prof.block_tokens, prof.layers, layerwise=False)
     kv = slots * slot_stride(BlockLayout.of(prof).one_layer())

@@ -267,7 +267,7 @@ _BUSY_STATS = ("global_queue_requests", "group_queue_requests", "prefill_queue_r
 
 async def _check(client, args):
     from dualpath import tls
-    from dualpath.engine.holdings import Holdings, idle_violations
+    from dualpath.node.holdings import Holdings, idle_violations
     from dualpath.v1 import node_pb2, node_pb2_grpc
 
     stats = await client.stats()
@@ -383,9 +383,9 @@ async def _top(client, args):
 
 def submit_payload(trajectory: str, prompt: int, hit: int, gen: int, block_tokens: int
                    ) -> tuple[int, bytes]:
-    """A payload the engines can run (dualpath.engine.payload.Payload: round 0 of
+    """A payload the engines can run (dualpath.paths.payload.Payload: round 0 of
     ``trajectory``) and the hit it claims: at most prompt - 1, whole KV blocks."""
-    from dualpath.engine.payload import Payload
+    from dualpath.paths.payload import Payload
 
     hit = min(hit, prompt - 1)
     hit -= hit % block_tokens

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from dualpath import rpc, tls
-from dualpath.engine.leader import RESULTS_PER_CALL
-from dualpath.engine.payload import Payload, encode_token_ids
-from dualpath.engine.peers import Top, refuse_oversized, top_from_pb
 from dualpath.errors import DualPathError, UsageError
+from dualpath.node.leader import RESULTS_PER_CALL
+from dualpath.paths.payload import Payload, encode_token_ids
+from dualpath.paths.peers import Top, refuse_oversized, top_from_pb
 from dualpath.v1 import node_pb2, node_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 _ENDED = (scheduler_pb2.REQUEST_STATE_FAILED, scheduler_pb2.REQUEST_STATE_CANCELLED)

@@ -95,7 +95,7 @@ def register(sub) -> None:
 
 
 def parse_modes(text: str) -> list[str]:
-    from dualpath.engine.payload import MODES
+    from dualpath.paths.payload import MODES
 
     modes = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]

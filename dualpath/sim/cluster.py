@@ -2,7 +2,7 @@
 clock, agents submitting their rounds, and each request's way through the PE and DE
 models of :mod:`dualpath.sim.nodes` (pure; one thread).
 
-Leaders fetch on a timer, as the daemons' do (engine/leader.py sleeps
+Leaders fetch on a timer, as the daemons' do (node/leader.py sleeps
 ``fetch_interval`` after each fetch; completions ride on the fetch). One exception,
 for speed, that changes no decision: a leader whose fetch would change nothing that any
 decision reads (no completion to report, no work its role's policy could place, and a
@@ -30,12 +30,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from dualpath.engine.assignment import split_blocks
-from dualpath.engine.batching import PrefillWork, fit_attention
-from dualpath.engine.payload import MODE_READ_POLICY, MODES
+from dualpath.engines.emulated.batching import PrefillWork, fit_attention
 from dualpath.errors import UsageError
 from dualpath.kv import cost
 from dualpath.kv.profiles import get_profile
+from dualpath.paths.assignment import split_blocks
+from dualpath.paths.payload import MODE_READ_POLICY, MODES
 from dualpath.scheduler.config import SchedulerConfig
 from dualpath.scheduler.core import (
     Completion,
@@ -103,7 +103,7 @@ class _Stats:
 
 def profiled_fit(profile):
     """The PE's estimator, fitted by profiling the emulated engine's attention time, as
-    engine/node.py does at start-up (cached per profile)."""
+    node/daemon.py does at start-up (cached per profile)."""
     fit = _FIT_CACHE.get(profile)
     if fit is None:
         fit = _FIT_CACHE[profile] = fit_attention(
@@ -650,7 +650,7 @@ class SimCluster:
     def _decoded(self, r: SimRequest) -> None:
         """The last token (timed now: the writes are outside the request's latency):
         the DE frees its HBM, and its new full blocks go to the node's write-back
-        (engine/writeback.py: the storage NIC's write direction, never delaying a read,
+        (paths/writeback.py: the storage NIC's write direction, never delaying a read,
         the request with the fewest blocks first). DECODE_DONE, on the leader's next
         fetch, waits for them, as the emulated DE's does: the agent's next round reads
         them from storage."""

@@ -1,7 +1,7 @@
 """Simulated engines: a PE node's forward steps and a DE engine's batched decode (pure,
 driven by :mod:`dualpath.sim.cluster` on the simulated clock).
 
-PE node (engine/prefill.py + engine/forward.py): a request takes one of its engine's
+PE node (paths/prefill.py + engines/emulated/forward.py): a request takes one of its engine's
 ``max_prefills_per_engine`` slots, reserves its prompt's blocks in the node's PE buffer,
 has its hit read (its own part through this node's storage NIC; the DE's part through
 the DE node's NIC, then over the compute network into this buffer; the split is the
@@ -15,7 +15,7 @@ over the GPU's compute NIC is slower (a layer at a time with layerwise prefill, 
 before layer 0 without). Each member's computed KV goes to its DE over the compute
 network during its last chunk's step.
 
-DE engine (engine/decode_batch.py): continuous batching, as a fluid: every member makes
+DE engine (engines/emulated/decode_batch.py): continuous batching, as a fluid: every member makes
 one token per step and a step lasts ``decode_step_s`` of the members' contexts (each
 counted at its mean over its own decode: prompt + gen/2), so an engine's step time
 changes only when a member joins or leaves and a request's finish is computed, not
@@ -28,8 +28,14 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from dualpath.engine.batching import Estimator, HbmBudget, PrefillWork, advance, pack_batch
-from dualpath.engine.forward import layer_slots
+from dualpath.engines.emulated.batching import (
+    Estimator,
+    HbmBudget,
+    PrefillWork,
+    advance,
+    pack_batch,
+)
+from dualpath.engines.emulated.forward import layer_slots
 from dualpath.kv import cost
 from dualpath.kv.profiles import ModelProfile
 from dualpath.sim.resources import Link, Pool
@@ -111,7 +117,7 @@ class PrefillNode:
 
 def hbm_need(req: SimRequest, tokens: int, block_tokens: int, layers: int) -> int:
     """Layer Block slots a member computing up to ``tokens`` of context holds, by the
-    emulated PE's own rule (engine/forward.py: ``layer_slots``)."""
+    emulated PE's own rule (engines/emulated/forward.py: ``layer_slots``)."""
     return layer_slots(tokens, block_tokens, layers, req.layerwise, req.moves_kv)
 
 
@@ -257,7 +263,7 @@ class DecodeNode:
         self.cnic_in = Link(f"{node_id}/cnic-in", cnic_node)
         self.cnic_out = Link(f"{node_id}/cnic-out", cnic_node)
         self.buffer = Pool(f"{node_id}/de-buffer", buffer_blocks)
-        # The write-back's queue (engine/writeback.py): (blocks, order, request), the
+        # The write-back's queue (paths/writeback.py): (blocks, order, request), the
         # request with the fewest blocks to write first; one written at a time.
         self.writes: list = []
         self.writing = False

@@ -242,5 +242,5 @@ def scale_trajectories(trajectories: Sequence[Trajectory], factor: float,
 
 def trajectory_token_ids(traj_id: str, stop: int) -> np.ndarray:
     """Token ids of stream positions ``[0, stop)`` of a generated trajectory: the node
-    daemons' token source (dualpath/engine/payload.py) for payloads without ids."""
+    daemons' token source (dualpath/paths/payload.py) for payloads without ids."""
     return synthetic_token_ids(trajectory_key(traj_id), 0, stop)

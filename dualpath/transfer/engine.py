@@ -362,7 +362,7 @@ class TransferEngine:
         """Loop: stop a write whose awaiter was cancelled and return once the data-path
         thread has: the connections carrying it reset (a TCP connection closed abortively,
         a QP's work requests flushed), none of it queued. A cancelled writer may then say
-        its writes ended (engine/fence.py) without waiting out the write's bound."""
+        its writes ended (paths/fence.py) without waiting out the write's bound."""
         f = self._loop.create_future()
         self._give_up(t, f)
         await f

@@ -24,7 +24,7 @@ from dualpath.transfer import TransferEngine
 
 
 class LayerReady(Protocol):
-    """Where a layer comes from (engine/layers.py's LayerSource is one): ``ready(l)``
+    """Where a layer comes from (paths/layers.py's LayerSource is one): ``ready(l)``
     returns once layer ``l`` is in place."""
 
     async def ready(self, layer: int) -> None: ...

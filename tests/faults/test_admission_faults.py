@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dualpath import tls
-from dualpath.engine.payload import Payload
+from dualpath.paths.payload import Payload
 from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.faults.conftest import Fault, check, lapses, make_cluster, run_replay, scheduler_log
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from dualpath import config
-from dualpath.engine.node import NodeDaemon
+from dualpath.node.daemon import NodeDaemon
 
 
 @contextlib.asynccontextmanager

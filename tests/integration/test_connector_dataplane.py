@@ -19,9 +19,9 @@ import pytest
 
 from dualpath import config as _config
 from dualpath import tls
-from dualpath.engine.node import NodeDaemon
 from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.prefix import block_keys
+from dualpath.node.daemon import NodeDaemon
 from dualpath.v1 import connector_pb2, connector_pb2_grpc
 from dualpath.vllm.agent import AgentSettings, MemoryRange, WorkerAgent
 
@@ -119,7 +119,7 @@ def _wait_stored(d, keys, stub):
     too (a generous liveness bound, not a timing)."""
     assert stub.Lookup(connector_pb2.LookupRequest(model_id="test-model",
                                                    block_keys=keys)).hit_blocks == len(keys)
-    store = d.node.engine.space.store
+    store = d.node.engine.vllm.space.store
     deadline = time.monotonic() + 60
     while not all(store.contains(k) for k in keys):
         assert time.monotonic() < deadline, "committed blocks never reached the store"
@@ -155,7 +155,7 @@ def test_corrupt_and_deleted_blocks_are_reported_and_never_written(rig):
     _fill(mem, src, rng)
     assert _save(agent, keys, src)
     _wait_stored(d, keys, stub)
-    store = d.node.engine.space.store
+    store = d.node.engine.vllm.space.store
     path = store.path_of(keys[1])
     with open(path, "r+b") as f:                 # one flipped byte in block 1's payload
         f.seek(os.path.getsize(path) - 100)
@@ -202,7 +202,7 @@ def test_a_shared_buffer_load_past_the_nodes_hold_is_failed_and_never_copied(rig
     for layer in range(L):
         for u in (5, 6):
             _engine_block(mem, layer, u)[:] = 0xAA
-    monkeypatch.setattr(d.node.engine, "HOLD_S", 0.0)
+    monkeypatch.setattr(d.node.engine.vllm, "HOLD_S", 0.0)
     h = _load(agent, keys, [5, 6], "r-late")
     assert h.error and "hold" in h.error and h.failed == {0, 1}
     for layer in range(L):
@@ -221,7 +221,7 @@ def test_a_load_of_blocks_still_in_write_back_takes_no_slots_of_its_own(rig):
     reserve a second copy and wait for slots that only such loads could free: K
     concurrent requests stalled a pool of fewer than (K + 1) x P slots.)"""
     d, agent, mem, stub = rig
-    eng = d.node.engine
+    eng = d.node.engine.vllm
     store, pool = eng.space.store, eng.space.pool
     rng = np.random.default_rng(4)
     keys = block_keys(np.arange(3 * B) + 11000, B)
@@ -263,7 +263,7 @@ def test_blocks_two_requests_hold_stay_pending_until_both_let_go(rig):
     decode loaded them: the first to let go must not take the blocks from the second,
     whose load would then wait for slots of its own."""
     d, _, _, _ = rig
-    eng = d.node.engine
+    eng = d.node.engine.vllm
     pool = eng.space.pool
     keys = block_keys(np.arange(2 * B) + 13000, B)
     a, b = d.call(_reserve(pool, 2)), d.call(_reserve(pool, 2))

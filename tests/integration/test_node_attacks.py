@@ -35,7 +35,7 @@ WAIT_S = 60.0
 ATTACKER = r'''
 import json, sys, grpc
 from dualpath import tls
-from dualpath.engine.payload import Payload
+from dualpath.paths.payload import Payload
 from dualpath.v1 import engine_pb2, engine_pb2_grpc, node_pb2, node_pb2_grpc
 from dualpath.v1 import connector_pb2, connector_pb2_grpc
 from dualpath.transfer import oob

@@ -18,13 +18,14 @@ from types import SimpleNamespace
 import pytest
 
 from dualpath import tls
-from dualpath.engine.assignment import Assignment
-from dualpath.engine.payload import Payload
-from dualpath.engine.peers import PeerClient, PrepareJob
-from dualpath.engine.prefill import PrefillPath
-from dualpath.engine.roles import RS_DECODE, RS_PREFILL, RS_SPLIT
-from dualpath.engine.vllm_prefill import VllmPrefillPath
+from dualpath.engines.emulated.prefill import EmulatedPrefillPath
+from dualpath.engines.vllm.prefill import VllmPrefillPath
 from dualpath.errors import DualPathError
+from dualpath.paths.assignment import Assignment
+from dualpath.paths.payload import Payload
+from dualpath.paths.peers import PeerClient, PrepareJob
+from dualpath.paths.prefill import PrefillPath
+from dualpath.paths.roles import RS_DECODE, RS_PREFILL, RS_SPLIT
 from dualpath.storage.read_queue import ReadQueue
 from dualpath.transfer.oob_grpc import GrpcChannels
 from tests.integration.de_node import decode_node
@@ -81,16 +82,15 @@ def _path(cls, block_tokens: int = 64):
     PrefillPath.__init__(path, node, SimpleNamespace(
         read_queue=ReadQueue(store=SimpleNamespace(
         read_workers=1, profile=SimpleNamespace(block_tokens=block_tokens),
-        layout=SimpleNamespace(full_bytes=1))), fmt=SimpleNamespace(block_tokens=block_tokens)),
-        None)
+        layout=SimpleNamespace(full_bytes=1))), fmt=SimpleNamespace(block_tokens=block_tokens)))
     return path
 
 
 @pytest.mark.parametrize("cls, side, pe, de, want", [
-    (PrefillPath, RS_PREFILL, HIT, 0, HIT),
-    (PrefillPath, RS_DECODE, 0, HIT, 0),
-    (PrefillPath, RS_SPLIT, 128, 64, 128),    # a PE reads its part of a split only
-    (PrefillPath, RS_SPLIT, 64, 128, 64),
+    (EmulatedPrefillPath, RS_PREFILL, HIT, 0, HIT),
+    (EmulatedPrefillPath, RS_DECODE, 0, HIT, 0),
+    (EmulatedPrefillPath, RS_SPLIT, 128, 64, 128),    # a PE reads its part of a split only
+    (EmulatedPrefillPath, RS_SPLIT, 64, 128, 64),
     (VllmPrefillPath, RS_PREFILL, HIT, 0, HIT),
     (VllmPrefillPath, RS_DECODE, 0, HIT, 0),
     (VllmPrefillPath, RS_SPLIT, 128, 64, 128),

@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 
 from dualpath import tls
-from dualpath.engine.node import NodeDaemon
-from dualpath.engine.payload import Payload
-from dualpath.engine.peers import LoadOrder, PeerClient, PrefillReport, PrepareJob
-from dualpath.engine.roles import RS_NONE
-from dualpath.engine.servicers import new_server
 from dualpath.errors import DualPathError
 from dualpath.kv.placement import KvPlacement, runs
+from dualpath.node.daemon import NodeDaemon
+from dualpath.node.servicers import new_server
+from dualpath.paths.payload import Payload
+from dualpath.paths.peers import LoadOrder, PeerClient, PrefillReport, PrepareJob
+from dualpath.paths.roles import RS_NONE
 from dualpath.transfer import TransferEngine
 from dualpath.transfer.oob_grpc import GrpcChannels, GrpcOutOfBand
 from dualpath.v1 import engine_pb2, engine_pb2_grpc
@@ -86,7 +86,7 @@ async def _run(de: NodeDaemon, pe: TransferEngine, pe_addr: str, peers: PeerClie
                writer: WriterEngine) -> None:
     rid, eng = "r1", "d0/e0"
     payload = Payload("t0", 0, PROMPT, 0, 1).encode()
-    pool, fmt = de.space.pool, de.space.fmt
+    pool, fmt = de.engine.space.pool, de.engine.space.fmt
     src = np.full(4 * pool.stride, STALE, np.uint8)     # what the stale writer sends
     pe.register("src", src)
     src_place = KvPlacement.full_blocks(fmt, "src", pool.stride, 4)

@@ -18,8 +18,8 @@ import pytest
 
 from dualpath import metrics
 from dualpath.config_sections import TransportConfig
-from dualpath.engine.metrics import OwnedCounters
 from dualpath.errors import RdmaError, TransferError, TransferTimeout, UsageError
+from dualpath.paths.metrics import OwnedCounters
 from dualpath.transfer import (
     ConnectReply,
     InProcessChannel,
@@ -254,7 +254,7 @@ def test_a_given_up_write_returns_only_once_its_connection_was_reset(how):
     """A writer that gives a write up (cancelled: its request was dropped; or past its
     bound) may then tell the peer its writes ended and let the memory go: that holds only
     if nothing of the write is still queued or on the wire then (the fence's premise,
-    engine/fence.py). The write returns once the data-path thread reset the connection
+    paths/fence.py). The write returns once the data-path thread reset the connection
     carrying it, however long that takes; before, it returned at once, and a cancelled
     writer's only safe course was to wait out the write's bound (transfer.timeout_s: a
     peer cut off held a prefill that long)."""

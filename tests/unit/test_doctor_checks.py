@@ -103,7 +103,7 @@ def test_the_worst_result_is_the_exit_status():
 
 
 def test_the_nodes_startup_memory_line_says_what_is_short_and_the_fix():
-    # The line a node logs before it maps its regions (engine/node.py): a warning when
+    # The line a node logs before it maps its regions (node/daemon.py): a warning when
     # the memlock limit or the free huge pages fall short of what the config pins.
     c = cfg(**{"buffers.pe_buffer_mib": 64, "engine.prefill_hbm_mib": 32,
                "engine.engines_per_node": 2})                 # 128 MiB: 64 huge pages

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from dualpath.engine.decode_batch import DecodeBatch
+from dualpath.engines.emulated.decode_batch import DecodeBatch
 from dualpath.kv import cost
 from dualpath.kv.profiles import get_profile
 

@@ -16,11 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpath.engine.decode import DecodePath, DecodeState
-from dualpath.engine.errors import StaleAttempt
-from dualpath.engine.peers import LoadOrder
+from dualpath.engines.emulated.decode import EmulatedDecoder
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.placement import KvFormat, KvPlacement
+from dualpath.paths.decode import DecodePath, DecodeState
+from dualpath.paths.errors import StaleAttempt
+from dualpath.paths.peers import LoadOrder
 
 FMT = KvFormat.flat(BlockLayout(2, 4, 8))
 
@@ -207,10 +208,10 @@ class _Pool:
 
 
 def _preparing_path():
-    from dualpath.engine.decode import PrepareCall
+    from dualpath.paths.decode import PrepareCall
 
     d = _path(asyncio.Event(), [])
-    d.decoder = None
+    d.decoder = EmulatedDecoder(d, None)
     d.ranks = {"de/e0": SimpleNamespace(tokens={})}
     d.space.buffer = "de_buffer"
     d.space.pool = _Pool()
@@ -273,8 +274,8 @@ def test_a_cancel_landing_while_the_prepare_waits_for_slots_ends_it_there():
 def test_a_prefill_node_tells_the_cancel_until_the_decode_node_answers(monkeypatch):
     """The cancel of an unanswered PrepareRequest is tried again until the DE answers
     (through the partition that held the prepare back), a bounded number of times."""
-    from dualpath.engine import peers as peers_mod
-    from dualpath.engine.errors import PeerUnavailable
+    from dualpath.paths import peers as peers_mod
+    from dualpath.paths.errors import PeerUnavailable
 
     calls = []
 

@@ -6,7 +6,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from dualpath import metrics as m
-from dualpath.engine.emulated import EmulatedEngine
+from dualpath.engines.emulated.engine import EmulatedEngine
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.prefix import block_keys
 from dualpath.kv.profiles import get_profile

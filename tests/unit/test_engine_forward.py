@@ -1,4 +1,4 @@
-"""A PE's forward steps (engine/forward.py): batches under the quota and HBM, a layer of
+"""A PE's forward steps (engines/emulated/forward.py): batches under the quota and HBM, a layer of
 HBM at a time with layerwise prefill, chunks, failures and withdrawals, and the engines
 of a node stepping together. Jobs are small fakes that record what the forward asks of
 them; the step's sleep is recorded instead of slept."""
@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from dualpath.buffers.pool import BlockPool
-from dualpath.engine.batching import ProfileEstimate
-from dualpath.engine.emulated import EngineRank
-from dualpath.engine.errors import RequestFailed
-from dualpath.engine.forward import DEPTH, PrefillForward
+from dualpath.engines.emulated.batching import ProfileEstimate
+from dualpath.engines.emulated.forward import DEPTH, PrefillForward
 from dualpath.kv import cost
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.placement import KvFormat
 from dualpath.kv.profiles import get_profile
+from dualpath.paths.errors import RequestFailed
+from dualpath.paths.ranks import EngineRank
 
 PROFILE = get_profile("demo")                    # 8 layers, 64-token blocks
 LAYOUT = BlockLayout(PROFILE.layers, PROFILE.block_tokens, 16)

@@ -9,7 +9,7 @@ import asyncio
 import gc
 
 from dualpath.aio import retrieved
-from dualpath.engine.vllm_stage import Stage
+from dualpath.engines.vllm.stage import Stage
 
 
 def _unretrieved_reports(make) -> list:

@@ -1,11 +1,11 @@
-"""dualpath/engine/payload.py and kvplan.py: request payloads, prompt blocks, layer runs
+"""dualpath/paths/payload.py and kvplan.py: request payloads, prompt blocks, layer runs
 and routes (pure code).
 
 Expected values come from the module's own contract (its docstring): block ``i`` covers
 tokens ``[i*T, (i+1)*T)``, full blocks carry the chained prefix key of dualpath/kv/prefix.py,
 the trailing partial block is keyed by the same chain over its partial tokens, and the
 PE fills a layer as the hit tokens' route runs + ``layer_runs(hit, prompt)``
-(dualpath/engine/prefill.py, emulated.py), so together they must cover every byte of the
+(dualpath/paths/prefill.py, emulated.py), so together they must cover every byte of the
 prompt exactly once.
 """
 
@@ -16,12 +16,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dualpath.engine.kvplan import Route, block_spans, blocks_for, layer_runs
-from dualpath.engine.payload import Payload, encode_token_ids
 from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.prefix import ROOT_KEY, block_keys, chain_key
+from dualpath.paths.kvplan import Route, block_spans, blocks_for, layer_runs
+from dualpath.paths.payload import Payload, encode_token_ids
 from dualpath.trace.model import synthetic_token_ids, trajectory_key, trajectory_token_ids
 
 T = 4   # tokens per block in these tests: small, so prompts span several blocks
@@ -214,8 +214,8 @@ def test_payload_refuses_sampling_fields_out_of_bounds_naming_them(sampling, nee
 
 
 def test_each_instance_gets_its_share_of_min_tokens():
-    from dualpath.engine.vllm_decode import rest_sampling
-    from dualpath.engine.vllm_prefill import first_token_sampling
+    from dualpath.engines.vllm.decode import rest_sampling
+    from dualpath.engines.vllm.prefill import first_token_sampling
 
     s = {"min_tokens": 5, "top_k": 3}
     assert first_token_sampling(s) == {"min_tokens": 1, "top_k": 3}
@@ -225,7 +225,7 @@ def test_each_instance_gets_its_share_of_min_tokens():
 
 
 def test_top_logprobs_on_the_wire_are_bounded():
-    from dualpath.engine.peers import MAX_TOP, top_from_pb, top_pb
+    from dualpath.paths.peers import MAX_TOP, top_from_pb, top_pb
     from dualpath.v1 import node_pb2
 
     t = ((5, 7), (-0.5, -1.25))
@@ -238,7 +238,7 @@ def test_top_logprobs_on_the_wire_are_bounded():
 
 
 def test_an_instances_top_logprobs_are_read_by_token_id_in_its_order():
-    from dualpath.engine.vllm_instance import _top
+    from dualpath.engines.vllm.instance import _top
 
     assert _top({"token_id:7": -0.1, "token_id:3": -2.5}) == ((7, 3), (-0.1, -2.5))
     for bad in ({"hello": -1.0}, None, {f"token_id:{i}": 0.0 for i in range(22)}):

@@ -13,10 +13,10 @@ import types
 import grpc
 
 from dualpath import tls
-from dualpath.engine.emulated import EngineRank
-from dualpath.engine.leader import RECONNECT_AFTER, Leader
-from dualpath.engine.metrics import NodeMetrics
 from dualpath.metrics import new_registry
+from dualpath.node.leader import RECONNECT_AFTER, Leader
+from dualpath.paths.metrics import NodeMetrics
+from dualpath.paths.ranks import EngineRank
 from dualpath.v1 import scheduler_pb2 as pb
 
 DONE, FAILED = pb.COMPLETION_STAGE_DECODE_DONE, pb.COMPLETION_STAGE_FAILED

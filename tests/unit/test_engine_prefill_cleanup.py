@@ -15,19 +15,20 @@ import numpy as np
 import pytest
 
 from dualpath.buffers.pool import BlockPool
-from dualpath.engine.assignment import Assignment
-from dualpath.engine.batching import ProfileEstimate
-from dualpath.engine.emulated import EmulatedEngine, EngineRank
-from dualpath.engine.forward import PrefillForward
-from dualpath.engine.kvspace import KvSpace
-from dualpath.engine.payload import Payload
-from dualpath.engine.peers import Prepared
-from dualpath.engine.prefill import PrefillPath
-from dualpath.engine.resources import NodeResources
-from dualpath.engine.roles import RS_NONE
+from dualpath.engines.emulated.batching import ProfileEstimate
+from dualpath.engines.emulated.engine import EmulatedEngine
+from dualpath.engines.emulated.forward import PrefillForward
+from dualpath.engines.emulated.prefill import EmulatedPrefillPath
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.placement import KvFormat
 from dualpath.kv.profiles import get_profile
+from dualpath.paths.assignment import Assignment
+from dualpath.paths.kvspace import KvSpace
+from dualpath.paths.payload import Payload
+from dualpath.paths.peers import Prepared
+from dualpath.paths.ranks import EngineRank
+from dualpath.paths.resources import NodeResources
+from dualpath.paths.roles import RS_NONE
 from dualpath.trace.model import trajectory_token_ids
 
 LAYOUT = BlockLayout(layers=4, tokens=8, token_bytes=16)
@@ -92,7 +93,7 @@ def _prefill_path(events, peers_cancel):
     payload = Payload("t0", 0, prompt_tokens=8, hit_tokens=0, gen_tokens=1)
     a = Assignment("r1", "p0/e0", "d0/e0", RS_NONE, 8, 0, 1, 0, 0, "de:1", payload,
                    payload.encode())
-    return PrefillPath(node, pe_space, engine, forward), e, a, forward
+    return EmulatedPrefillPath(node, pe_space, engine, forward), e, a, forward
 
 
 def test_failed_prefill_waits_for_in_flight_pushes_before_releasing_hbm():

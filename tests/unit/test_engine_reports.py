@@ -10,9 +10,9 @@ import pytest
 
 from dualpath import tls
 from dualpath.cluster import replay
-from dualpath.engine.decode import DecodePath, _Result
-from dualpath.engine.errors import PeerUnavailable
-from dualpath.engine.peers import (
+from dualpath.paths.decode import DecodePath, _Result
+from dualpath.paths.errors import PeerUnavailable
+from dualpath.paths.peers import (
     REPORT_BYTES_PER_CALL,
     REPORTS_PER_CALL,
     Timings,
@@ -43,7 +43,7 @@ class _Node:
 
 
 def _path(peers: _Peers, results: dict[str, tuple[int, str]]) -> DecodePath:
-    path = DecodePath(_Node(peers), None, None, {})
+    path = DecodePath(_Node(peers), None, {}, lambda path: None)
     for rid, (attempt, sink) in results.items():
         path.results[rid] = _Result(attempt, Timings(rid, "d0/e0", "p0", "d0",
                                                      attempt=attempt), sink)

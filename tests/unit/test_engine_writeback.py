@@ -1,4 +1,4 @@
-"""A DE's write-back (engine/writeback.py): blocks reach storage through the storage NIC's
+"""A DE's write-back (paths/writeback.py): blocks reach storage through the storage NIC's
 write direction, this node's reads find them meanwhile (KvSpace.read), and a stop leaves
 no slot behind. A real BlockStore in a temporary directory; the limiter records what it
 was asked."""
@@ -8,11 +8,11 @@ import asyncio
 import numpy as np
 
 from dualpath.buffers.pool import BlockPool
-from dualpath.engine.kvspace import KvSpace
-from dualpath.engine.writeback import WriteBack
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.prefix import block_keys
 from dualpath.kv.profiles import get_profile
+from dualpath.paths.kvspace import KvSpace
+from dualpath.paths.writeback import WriteBack
 from dualpath.storage import BlockStore
 from dualpath.storage.format import HEADER_BYTES
 from dualpath.storage.read_queue import ReadQueue
@@ -194,7 +194,7 @@ def test_a_cancelled_layered_read_ends_its_pool_reads_before_it_returns(tmp_path
     import threading
     import time
 
-    from dualpath.engine.layers import LocalArrivals
+    from dualpath.paths.layers import LocalArrivals
     from tests.unit.vllm_engine_rig import small_vllm_engine
 
     async def main():
@@ -237,7 +237,7 @@ def test_a_second_cancel_does_not_end_the_wait_for_pool_reads():
     import threading
     import time
 
-    from dualpath.engine.vllm_engine import _all_landed
+    from dualpath.engines.vllm.engine import _all_landed
 
     async def main():
         running = threading.Event()

@@ -15,8 +15,8 @@ import asyncio
 import pytest
 
 from dualpath import tls
-from dualpath.engine.leader import RESULTS_PER_CALL
-from dualpath.engine.servicers import new_server
+from dualpath.node.leader import RESULTS_PER_CALL
+from dualpath.node.servicers import new_server
 from dualpath.scheduler.generate import GenerationFailed, Generator
 from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
 

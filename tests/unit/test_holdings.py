@@ -1,7 +1,7 @@
-"""The idle invariant over what a node holds (dualpath/engine/holdings.py): each kind of
+"""The idle invariant over what a node holds (dualpath/node/holdings.py): each kind of
 leak is named, a whole node passes, and the wire form carries every figure."""
 
-from dualpath.engine.holdings import Holdings, PoolHolding, idle_violations
+from dualpath.node.holdings import Holdings, PoolHolding, idle_violations
 
 WHOLE = Holdings("d0", (PoolHolding("de_buffer", 96, 96), PoolHolding("hbm0", 8, 8)))
 

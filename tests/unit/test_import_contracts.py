@@ -42,8 +42,8 @@ def test_the_tree_keeps_its_contracts(tree):
 @pytest.mark.parametrize("module, imports, says", [
     ("kv/cost.py", "dualpath.cluster.local",
      "dualpath.kv is not allowed to import dualpath.cluster"),
-    ("vllm/agent.py", "dualpath.engine.node",
-     "dualpath.vllm is not allowed to import dualpath.engine"),
+    ("vllm/agent.py", "dualpath.node.daemon",
+     "dualpath.vllm is not allowed to import dualpath.node"),
     ("scheduler/render.py", "dualpath.scheduler.top",
      "No cycles are allowed in dualpath.scheduler"),
 ])

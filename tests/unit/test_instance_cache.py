@@ -1,8 +1,8 @@
-"""The hint of what a vLLM instance's prefix cache holds (dualpath/engine/instance_cache.py)."""
+"""The hint of what a vLLM instance's prefix cache holds (dualpath/engines/vllm/instance_cache.py)."""
 
 from __future__ import annotations
 
-from dualpath.engine.instance_cache import InstanceCache
+from dualpath.engines.vllm.instance_cache import InstanceCache
 
 K = [bytes([i]) * 16 for i in range(8)]
 

@@ -1,8 +1,8 @@
-"""A leader's Fetch deadline is bounded by the lease (dualpath/engine/leader.py): a fetch
+"""A leader's Fetch deadline is bounded by the lease (dualpath/node/leader.py): a fetch
 held on a connection that died silently (a partition healed on one side only) kept the
 leader silent for seconds, so a healed decode node lost its lease again and again."""
 
-from dualpath.engine.leader import fetch_deadline_s
+from dualpath.node.leader import fetch_deadline_s
 
 
 def test_a_fetch_gives_up_once_its_lease_would_have_lapsed():

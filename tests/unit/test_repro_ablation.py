@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dualpath.buffers.pool import BlockPool
-from dualpath.engine.forward import DEPTH
+from dualpath.engines.emulated.forward import DEPTH
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import get_profile
 from dualpath.repro.figures import FULL, QUICK, ablation_settings, scale_trace
@@ -20,7 +20,7 @@ def test_the_pe_holds_one_largest_prompt_without_layerwise_and_several_with(scal
     settings, pe, quota_ms = ablation_settings(scale, trace)
     prof = get_profile(scale.ablation_profile)
     assert settings["engine"]["model_profile"] == scale.ablation_profile
-    # The PE's HBM as the node makes it: a pool of Layer Block slots (engine/node.py).
+    # The PE's HBM as the node makes it: a pool of Layer Block slots (node/daemon.py).
     layout = BlockLayout.of(prof).one_layer()
     slots = BlockPool("hbm", np.zeros(pe["engine"]["prefill_hbm_mib"] << 20, np.uint8),
                       layout).capacity

@@ -3,7 +3,7 @@ engine's batch left work queued), each time-weighted."""
 
 import pytest
 
-from dualpath.engine.forward import StepRecord
+from dualpath.engines.emulated.forward import StepRecord
 from dualpath.repro.figures import step_balance
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dualpath.engine.batching import (
+from dualpath.engines.emulated.batching import (
     AttentionFit,
     HbmBudget,
     PrefillWork,

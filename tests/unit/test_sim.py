@@ -183,7 +183,7 @@ def test_a_de_part_crosses_to_the_pe_when_it_was_read_not_when_it_was_queued():
 
 
 def test_an_agents_next_round_waits_for_its_blocks_on_the_write_direction():
-    """As the emulated DE's (engine/decode.py): DECODE_DONE waits for the request's new
+    """As the emulated DE's (paths/decode.py): DECODE_DONE waits for the request's new
     full blocks to be written through the storage NIC's write direction, so the next
     round starts no sooner than those bytes take at its rate."""
     res = SimCluster(Shape(1, 2), LOCAL, trace(6, 3), "dualpath").run()

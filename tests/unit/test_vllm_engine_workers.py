@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpath.engine.vllm_engine import NotAttached
+from dualpath.engines.vllm.engine import NotAttached
 from tests.unit.vllm_engine_rig import small_vllm_engine
 
 KEYS = [bytes([i]) * 16 for i in range(1, 5)]

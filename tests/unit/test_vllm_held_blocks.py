@@ -1,7 +1,7 @@
 """Prompt blocks a vLLM decode instance holds in its own prefix cache are not sent
 (node.proto PrepareRequestResponse.held_blocks): the prefill node WRITEs none of them
-(dualpath/engine/vllm_prefill.py _ToDecode) and the decode node adopts none of their
-slots, which were never written (dualpath/engine/vllm_decode.py): a lookup must never
+(dualpath/engines/vllm/prefill.py _ToDecode) and the decode node adopts none of their
+slots, which were never written (dualpath/engines/vllm/decode.py): a lookup must never
 find such a slot's bytes under a block's key."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import gc
 from types import SimpleNamespace
 
 from dualpath.buffers.pool import BlockPool, slot_stride
-from dualpath.engine import vllm_prefill
-from dualpath.engine.instance_cache import InstanceCache
-from dualpath.engine.peers import Prepared
-from dualpath.engine.vllm_decode import VllmDecoder
+from dualpath.engines.vllm import prefill as vllm_prefill
+from dualpath.engines.vllm.decode import VllmDecoder
+from dualpath.engines.vllm.instance_cache import InstanceCache
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.prefix import block_keys, chain_key
 from dualpath.kv.profiles import get_profile
+from dualpath.paths.peers import Prepared
 from dualpath.storage.store import aligned_bytes
 
 T = 4

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import os
 
-from dualpath.engine import vllm_engine
-from dualpath.engine.vllm_engine import write_manifest
+from dualpath.engines.vllm import engine as vllm_engine
+from dualpath.engines.vllm.engine import write_manifest
 
 
 def test_two_writers_at_once_both_succeed(tmp_path, monkeypatch):

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpath.engine.assignment import split_blocks
-from dualpath.engine.layers import BothReady, LocalArrivals
-from dualpath.engine.roles import RS_DECODE, RS_PREFILL, RS_SPLIT
-from dualpath.engine.vllm_engine import VllmEngine
-from dualpath.engine.vllm_prefill import VllmPrefillPath
-from dualpath.engine.vllm_stage import Stage
+from dualpath.engines.vllm.engine import VllmEngine
+from dualpath.engines.vllm.prefill import VllmPrefillPath
+from dualpath.engines.vllm.stage import Stage
+from dualpath.paths.assignment import split_blocks
+from dualpath.paths.layers import BothReady, LocalArrivals
+from dualpath.paths.roles import RS_DECODE, RS_PREFILL, RS_SPLIT
 from dualpath.storage import BlockStore
 from dualpath.vllm.scheduler_side import dualpath_params
 

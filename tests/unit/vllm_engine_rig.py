@@ -10,9 +10,9 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry
 
 from dualpath.buffers.region import PinnedRegion
-from dualpath.engine.metrics import NodeMetrics
-from dualpath.engine.vllm_engine import VllmEngine
+from dualpath.engines.vllm.engine import VllmEngine
 from dualpath.kv.placement import KvFormat
+from dualpath.paths.metrics import NodeMetrics
 from dualpath.storage.config import StorageConfig
 
 

@@ -44,7 +44,7 @@ BLOCK_BYTES = 4 * T * 256          # a Full Block of the tiny model
 # A first turn whose prompt ends 8 tokens short of a block: its 16 generated tokens fill
 # that block on the decode instance, so the next turn's hit holds a block the prefill
 # instance never computed. Its own prefix cache cannot serve the whole hit
-# (engine/instance_cache.py), the prefill stages it from the slow store, and a kill aimed
+# (engines/vllm/instance_cache.py), the prefill stages it from the slow store, and a kill aimed
 # at that prefill finds it still running.
 FIRST_PAST_THE_PE = 16 * T - 8
 

@@ -19,10 +19,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dualpath.engine.peers import MAX_TOP, Top
 from dualpath.errors import DualPathError
+from dualpath.paths.peers import MAX_TOP, Top
 
-log = logging.getLogger("dualpath.engine")
+log = logging.getLogger("dualpath.node")
 
 
 class InstanceError(DualPathError):
@@ -128,7 +128,7 @@ class VllmInstance:
                 "kv_transfer_params": {"dualpath": {"request_id": request_id,
                                                     "ticket": ticket,
                                                     "save_all": save_all}}}
-        if sampling:                     # checked (engine/payload.py check_sampling)
+        if sampling:                     # checked (paths/payload.py check_sampling)
             body.update(sampling)
         if seed >= 0:
             body["seed"] = int(seed)

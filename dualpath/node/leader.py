@@ -3,7 +3,7 @@ then fetch assignments and report completions every few milliseconds.
 
 Each fetch carries every engine's status (unfinished requests and tokens, the node's
 read queue, free HBM on DEs) and the completions since the last fetch; its answer's
-assignments are converted to :class:`~dualpath.engine.assignment.Assignment` once, here,
+assignments are converted to :class:`~dualpath.paths.assignment.Assignment` once, here,
 and handed to the node's path.
 
 The reliability protocol (docs/reliability.md), the leader's side of it:
@@ -39,16 +39,16 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from dualpath import tls
-from dualpath.engine.assignment import Assignment
-from dualpath.engine.emulated import EngineRank
-from dualpath.engine.metrics import NodeMetrics
-from dualpath.engine.roles import DECODE, PREFILL, ROLE_PB
 from dualpath.errors import ConfigError, UsageError
+from dualpath.paths.assignment import Assignment
+from dualpath.paths.metrics import NodeMetrics
+from dualpath.paths.ranks import EngineRank
+from dualpath.paths.roles import DECODE, PREFILL, ROLE_PB
 from dualpath.rpc import CHANNEL_OPTIONS
 from dualpath.tls import TlsConfig
 from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-log = logging.getLogger("dualpath.engine")
+log = logging.getLogger("dualpath.node")
 
 #: Attempts remembered for requests not yet reported; past this many, those no engine
 #: of the node holds any more are forgotten (a completion without one says attempt 0).

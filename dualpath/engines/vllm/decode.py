@@ -1,6 +1,6 @@
 """The decode step of a DE node whose engine is a vLLM decode instance (``kv_consumer``).
 
-DecodePath (engine/decode.py) prepares the request (DE-buffer slots for its prompt),
+DecodePath (paths/decode.py) prepares the request (DE-buffer slots for its prompt),
 runs the DE read path's LOAD_HIT_KV orders, and takes PrefillDone; this is what follows
 (docs/vllm.md, "Prefill and decode"):
 
@@ -24,13 +24,13 @@ import asyncio
 import logging
 
 from dualpath import clock
-from dualpath.engine.errors import RequestFailed
-from dualpath.engine.peers import PrefillReport, Timings, Top
-from dualpath.engine.vllm_engine import VllmEngine
-from dualpath.engine.vllm_instance import InstanceError, VllmInstance
+from dualpath.engines.vllm.engine import VllmEngine
+from dualpath.engines.vllm.instance import InstanceError, VllmInstance
 from dualpath.errors import DualPathError
+from dualpath.paths.errors import RequestFailed
+from dualpath.paths.peers import PrefillReport, Timings, Top
 
-log = logging.getLogger("dualpath.engine")
+log = logging.getLogger("dualpath.node")
 
 
 class VllmDecoder:

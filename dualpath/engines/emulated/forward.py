@@ -2,13 +2,13 @@
 the node's engines stepping together (paper §2 "Layerwise Prefill", §6.2).
 
 A request joins its engine's queue once its hit KV is staged in the PE buffer (read by
-this node, by its DE, or both: engine/prefill.py). The node's engines step together, as
+this node, by its DE, or both: paths/prefill.py). The node's engines step together, as
 an expert-parallel group does: a step is one forward pass on every engine that has work,
 layer by layer, each layer as long as the slowest engine's attention plus the group's
 FFN (:func:`dualpath.kv.cost.group_layer_time`). Each engine's batch is packed by
-:func:`dualpath.engine.batching.pack_batch`: FIFO under the scheduler's compute
+:func:`dualpath.engines.emulated.batching.pack_batch`: FIFO under the scheduler's compute
 quota, predicted by the PE's own estimator (fitted at start-up by profiling the engine:
-:func:`dualpath.engine.batching.fit_attention`), within the HBM the engine has
+:func:`dualpath.engines.emulated.batching.fit_attention`), within the HBM the engine has
 free; a request too large for the quota is chunked (chunked prefill).
 
 HBM, per member of a step (one request's slice of its engine's batch):
@@ -49,7 +49,7 @@ from typing import Protocol
 from dualpath import clock
 from dualpath.aio import retrieved, waited_out
 from dualpath.buffers.pool import Reservation
-from dualpath.engine.batching import (
+from dualpath.engines.emulated.batching import (
     BatchSlice,
     Estimator,
     HbmBudget,
@@ -57,13 +57,13 @@ from dualpath.engine.batching import (
     advance,
     pack_batch,
 )
-from dualpath.engine.emulated import EngineRank
-from dualpath.engine.errors import RequestFailed
 from dualpath.kv import cost
 from dualpath.kv.placement import KvFormat
 from dualpath.kv.profiles import ModelProfile
+from dualpath.paths.errors import RequestFailed
+from dualpath.paths.ranks import EngineRank
 
-log = logging.getLogger("dualpath.engine")
+log = logging.getLogger("dualpath.node")
 
 #: Layer windows a member holds with layerwise prefill: the layer computing, the next
 #: one moving in, and the one before, whose KV may still be on its way to the DE.
@@ -75,7 +75,7 @@ STEPS_PER_ANSWER = 8192
 
 
 class ForwardJob(Protocol):
-    """One request's side of its forward passes (engine/prefill.py)."""
+    """One request's side of its forward passes (paths/prefill.py)."""
 
     request_id: str
     prompt_tokens: int

@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 def _node(args) -> int:
     from dualpath import config as _config
-    from dualpath.engine import node
+    from dualpath.node import daemon as node
 
     if args.ready_file:
         # Checked before anything starts: a bad path found only once the node serves

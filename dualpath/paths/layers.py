@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from dualpath.engine.errors import PeerUnavailable, RequestFailed
+from dualpath.paths.errors import PeerUnavailable, RequestFailed
 
 
 class LayerSource(ABC):

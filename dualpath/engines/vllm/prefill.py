@@ -4,7 +4,7 @@ The node fetched an assignment (PE, DE, read side); its prefill (docs/vllm.md, "
 and decode", has the message sequence):
 
     PrepareRequest -> the DE reserves DE-buffer slots for every prompt block
-    stage the hit (dualpath/engine/vllm_stage.py) in a PE-buffer reservation, at once:
+    stage the hit (dualpath/engines/vllm/stage.py) in a PE-buffer reservation, at once:
       blocks [0, local)    this node reads them from storage, layer by layer (PE read),
                            and sends each layer on to the DE buffer as it lands
       blocks [local, hit)  a LOAD_HIT_KV order: the DE reads them into its buffer and
@@ -36,33 +36,30 @@ import time
 from dualpath import clock
 from dualpath.aio import retrieved, to_the_end
 from dualpath.buffers.pool import Reservation
-from dualpath.engine.assignment import Assignment, side_of, split_blocks
-from dualpath.engine.emulated import EngineRank
-from dualpath.engine.errors import PeerUnavailable
-from dualpath.engine.kvplan import block_spans
-from dualpath.engine.layers import BothReady, LayerSource, LocalArrivals, RemoteWatch
-from dualpath.engine.peers import LoadOrder, PrefillReport, PrepareJob
-from dualpath.engine.prefill import PrefillPath
-from dualpath.engine.roles import RS_SPLIT
-from dualpath.engine.vllm_engine import VllmEngine
-from dualpath.engine.vllm_instance import InstanceError, VllmInstance
-from dualpath.engine.vllm_stage import AllAtOnce, Stage
+from dualpath.engines.vllm.engine import VllmEngine
+from dualpath.engines.vllm.instance import InstanceError, VllmInstance
+from dualpath.engines.vllm.stage import AllAtOnce, Stage
 from dualpath.errors import DualPathError, TransferError
+from dualpath.paths.assignment import Assignment, side_of, split_blocks
+from dualpath.paths.errors import PeerUnavailable
+from dualpath.paths.kvplan import block_spans
+from dualpath.paths.layers import BothReady, LayerSource, LocalArrivals, RemoteWatch
+from dualpath.paths.peers import LoadOrder, PrefillReport, PrepareJob
+from dualpath.paths.prefill import PrefillPath
+from dualpath.paths.ranks import EngineRank
+from dualpath.paths.roles import RS_SPLIT
 from dualpath.transfer.kvio import write_layers
 
-log = logging.getLogger("dualpath.engine")
+log = logging.getLogger("dualpath.node")
 
 
 class VllmPrefillPath(PrefillPath):
     """PrefillPath whose :meth:`prefill` drives the vLLM instance at ``instance``."""
 
     def __init__(self, node, engine: VllmEngine, instance: VllmInstance):
-        super().__init__(node, None, engine)   # its KV space: once the worker attached
+        super().__init__(node, None)   # its KV space: once the worker attached (kind.py)
         self.vllm = engine
         self.instance = instance
-
-    def bind(self) -> None:
-        self.space = self.vllm.space
 
     async def prefill(self, e: EngineRank, a: Assignment) -> None:
         assigned = clock.unix_now()              # the request's queueing ends here
@@ -193,7 +190,7 @@ class VllmPrefillPath(PrefillPath):
 
     def _in_instance(self, keys: list[bytes], salt: str) -> bool:
         """Whether the instance's prefix cache likely holds all of ``keys`` (a hint:
-        dualpath/engine/instance_cache.py)."""
+        dualpath/engines/vllm/instance_cache.py)."""
         cache = self.vllm.instance_cache
         return bool(keys) and cache is not None and cache.leading(salt, keys) == len(keys)
 

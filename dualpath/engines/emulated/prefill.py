@@ -1,47 +1,37 @@
-"""The PE side of a node: one prefill per assigned request (paper Fig. 4a/4b).
+"""The emulated engine's prefill (paper Fig. 4a/4b), on the skeleton of
+dualpath/paths/prefill.py:
 
-    assigned -> DE prepared (PeerClient.prepare: DE-buffer slots and their placement)
+    DE prepared (PeerClient.prepare: DE-buffer slots and their placement)
       -> a PE-buffer reservation for every prompt block, and the hit staged in it:
       read side PREFILL: this node reads its hit Full Blocks from storage into it
       read side DECODE:  a LOAD_HIT_KV order: the DE reads them into its buffer and
                          WRITEs each layer here (a RemoteWatch follows it)
       (split: both, each its part; the paper's PE reads the hit into its buffer before
       the request joins a forward batch, Fig. 4 steps 1-2)
-    -> the PE's forward (engine/forward.py): batches under the compute quota, layer by
+    -> the PE's forward (forward.py): batches under the compute quota, layer by
        layer: the layer's context moved PE buffer -> HBM (a WRITE over the node's own
        connection) -> compute (the engine's time; the miss tokens' KV written) -> the
        layer's KV on to the DE buffer (PE read: hit and miss; DE read: miss only, the
        DE keeps what it read) and, between chunks of a chunked prefill, back into the PE
        buffer
-    -> PrefillDone -> PREFILL_DONE reported (FAILED on any error: requeued, with the
-       error and the engine to blame: the DE for what it or the way to it did, this
-       engine for the rest)
+    -> PrefillDone
 
 Why a DE's part lands in the PE buffer and not in HBM: HBM is allocated a layer at a
 time while the request computes, and a DE cannot know when layer l's HBM exists (the
 paper's PE reads layer l from the DE buffer then; our data plane offers WRITE only). A
-vLLM prefill node stages the same way (engine/vllm_stage.py).
+vLLM prefill node stages the same way (dualpath/engines/vllm/stage.py).
 
 Degrade, don't fail: hit blocks missing or corrupt in storage (either read side) are
 computed here like miss tokens, from the first bad block on; PrefillDone tells the DE
 where computing began (``computed_from_tokens``) so it caches those blocks again.
 
-Attempts (docs/reliability.md): every message to the DE names the assignment's attempt;
-a newer attempt of a request running here starts once the old one's task ended. A
-prefill that ends without PrefillDone tells the DE (Engine.CancelRequest), after its own
-writes ended; its PE-buffer slots, if a LOAD_HIT_KV order may still be writing into
-them, go back only when the DE answered that (engine/fence.py).
-
-Every WRITE comes from a :class:`~dualpath.engine.kvplan.Route` between two placements.
+Every WRITE comes from a :class:`~dualpath.paths.kvplan.Route` between two placements.
 Threads: the node's event loop only.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -49,128 +39,34 @@ import numpy as np
 
 from dualpath import clock
 from dualpath.aio import to_the_end
-from dualpath.buffers.pool import PoolTooSmall, Reservation
-from dualpath.engine.assignment import Assignment, side_of, split_blocks
-from dualpath.engine.emulated import EmulatedEngine, EngineRank
-from dualpath.engine.errors import NeverFits, PeerUnavailable
-from dualpath.engine.forward import PrefillForward
-from dualpath.engine.kvplan import BlockSpan, Route, block_spans
-from dualpath.engine.kvspace import KvSpace
-from dualpath.engine.peers import LoadOrder, PrefillReport, PrepareJob
-from dualpath.engine.resources import NodeResources
+from dualpath.buffers.pool import Reservation
+from dualpath.engines.emulated.engine import EmulatedEngine
+from dualpath.engines.emulated.forward import PrefillForward
 from dualpath.errors import TransferError
 from dualpath.kv.placement import KvPlacement, LayerMove
+from dualpath.paths.assignment import Assignment, side_of
+from dualpath.paths.errors import PeerUnavailable
+from dualpath.paths.kvplan import BlockSpan, Route, block_spans
+from dualpath.paths.kvspace import KvSpace
+from dualpath.paths.peers import LoadOrder, PrefillReport, PrepareJob
+from dualpath.paths.prefill import PrefillPath
+from dualpath.paths.ranks import EngineRank
+from dualpath.paths.resources import NodeResources
 from dualpath.transfer.kvio import write_rows
-from dualpath.v1 import scheduler_pb2
-
-log = logging.getLogger("dualpath.engine")
 
 
-class PrefillPath:
-    """The prefills running on a PE node: one task per (request, attempt); the newest
-    attempt of each request is ``tasks[rid]``."""
+class EmulatedPrefillPath(PrefillPath):
+    """PrefillPath whose :meth:`prefill` runs the emulated engine's forward."""
 
     def __init__(self, node: NodeResources, space: KvSpace, engine: EmulatedEngine,
-                 forward: PrefillForward | None = None):
-        self.node = node
-        self.space = space
+                 forward: PrefillForward):
+        super().__init__(node, space)
         self.engine = engine
-        self.forward = forward         # the emulated engine's (a vLLM instance batches itself)
-        self.tasks: dict[str, asyncio.Task] = {}    # request -> its newest prefill
-        self.current: dict[str, tuple[int, EngineRank]] = {}   # request -> attempt, engine
-        self.runs: dict[tuple[str, int], asyncio.Task] = {}    # every live prefill
+        self.forward = forward
         self._rr = itertools.count()
 
-    def assign(self, e: EngineRank, a: Assignment) -> None:
-        """Start the prefill of ``a`` on engine ``e``: once per attempt; a newer attempt
-        of a request running here starts once the old task ended."""
-        rid = a.request_id
-        old = self.tasks.get(rid)
-        if old is not None:
-            attempt, old_e = self.current[rid]
-            if a.attempt <= attempt:
-                return
-            _cancel_once(old)
-            old_e.tokens.pop(rid, None)
-        e.tokens[rid] = a.prompt_tokens
-        tokens = self._assigned_read_tokens(a)
-        if tokens:                  # (an older attempt's expectation ends either way)
-            self.space.read_queue.expect(rid, tokens)
-        else:
-            self.space.read_queue.forget(rid)
-        t = self.node.spawn(self._prefill(e, a, old))
-        self.tasks[rid] = self.runs[(rid, a.attempt)] = t
-        self.current[rid] = (a.attempt, e)
-
-    def cancel(self, rid: str) -> None:
-        """Stop every attempt of ``rid`` here (the scheduler cancelled it)."""
-        for (r, _), t in list(self.runs.items()):
-            if r == rid:
-                _cancel_once(t)
-
-    async def stop(self, rid: str, attempt: int) -> bool:
-        """Engine.CancelRequest from the DE: stop the attempts of ``rid`` up to
-        ``attempt`` (0 = all) and return once their tasks ended, so none of their writes
-        is on its way any more. A newer attempt running here is left alone. True when
-        there was one to stop."""
-        ts = [t for (r, att), t in self.runs.items()
-              if r == rid and (not attempt or att <= attempt)]
-        for t in ts:
-            _cancel_once(t)
-        if ts:
-            await asyncio.wait(ts)
-        return bool(ts)
-
-    def claims(self) -> list[tuple[str, EngineRank, bool]]:
-        """What this node's engines run, for a registration: (request, engine, False)."""
-        return [(rid, e, False) for rid, (_, e) in self.current.items()]
-
-    def _parts(self, a: Assignment) -> tuple[int, int]:
-        """(blocks this PE reads, blocks the DE reads) of ``a``'s hit: its full blocks
-        short of the last prompt token, none for an oracle request; a split read
-        (the scheduler's, or the "split" policy's halves) reads a part on each side."""
-        p, T = a.payload, self.space.fmt.block_tokens
-        hit = 0 if p.oracle else min(a.hit_tokens // T, (a.prompt_tokens - 1) // T)
-        return split_blocks(p.read_policy, a.read_side, hit, a.prefill_read_tokens,
-                            a.decode_read_tokens, T)
-
-    def _assigned_read_tokens(self, a: Assignment) -> int:
-        """Hit tokens of ``a`` this node reads: its read queue counts them from the
-        assignment on (prefill() sets them again for a round-robin one)."""
-        return self._parts(a)[0] * self.space.fmt.block_tokens
-
-    async def _prefill(self, e: EngineRank, a: Assignment, after: asyncio.Task | None) -> None:
-        n = self.node
-        rid = a.request_id
-        me = asyncio.current_task()
-        t0 = time.monotonic()
-        try:
-            if after is not None:         # the older attempt's writes end first
-                await asyncio.wait([after])
-            async with e.slots:
-                await self.prefill(e, a)
-            n.complete(rid, e, scheduler_pb2.COMPLETION_STAGE_PREFILL_DONE)
-            n.metrics.phase_s.labels("prefill").observe(time.monotonic() - t0)
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # noqa: BLE001 - any failure requeues the request
-            log.warning("prefill of %s (attempt %d) on %s failed: %s", rid, a.attempt,
-                        e.engine_id, err)
-            n.metrics.requests.labels("prefill_failed").inc()
-            n.complete(rid, e, scheduler_pb2.COMPLETION_STAGE_FAILED, error=str(err),
-                       suspect=a.decode_engine_id if isinstance(err, PeerUnavailable)
-                       else e.engine_id, final=isinstance(err, (NeverFits, PoolTooSmall)))
-        finally:
-            self.runs.pop((rid, a.attempt), None)
-            if self.tasks.get(rid) is me:
-                del self.tasks[rid], self.current[rid]
-                e.tokens.pop(rid, None)
-                self.space.read_queue.forget(rid)
-
     async def prefill(self, e: EngineRank, a: Assignment) -> None:
-        """Prefill ``a`` on ``e`` (see the module docstring); raises on failure, after
-        every WRITE it started has finished (none still reads or writes its memory, or
-        the memory is fenced until the DE says its writes ended)."""
+        """Prefill ``a`` on ``e`` (see the module docstring)."""
         n, space = self.node, self.space
         fmt = space.fmt
         p = a.payload
@@ -276,25 +172,6 @@ class PrefillPath:
             else:
                 pebuf.release()
 
-    def _usable(self, rid: str, usable: int, hit_blocks: int, T: int) -> int:
-        """The first token to compute: the hit, or where its first bad block begins."""
-        usable = min(usable, hit_blocks)
-        if usable < hit_blocks:
-            log.warning("%s: %d of %d hit blocks missing or corrupt in storage; computing "
-                        "them", rid, hit_blocks - usable, hit_blocks)
-            self.node.metrics.recomputed_blocks.inc(hit_blocks - usable)
-        return usable * T
-
-    async def _done(self, de: str, r: PrefillReport) -> None:
-        await self.node.peers.prefill_done(de, replace(r, done_unix_s=clock.unix_now()))
-
-
-def _cancel_once(t: asyncio.Task) -> None:
-    """Cancel ``t`` unless it is being cancelled already: a second cancel would cut its
-    clean-up short (the wait for its writes in flight)."""
-    if not t.cancelling():
-        t.cancel()
-
 
 @dataclass(frozen=True)
 class _OracleJob:
@@ -316,7 +193,7 @@ class _OracleJob:
 
 
 class _Job:
-    """One request's KV in the forward (engine/forward.py's ForwardJob): its context in
+    """One request's KV in the forward (engines/emulated/forward.py's ForwardJob): its context in
     PE-buffer slots ``pebuf`` (block i in slot i), its computed KV from the engine's
     HBM windows to the DE buffer ``de_units`` (and back to the PE buffer between
     chunks). ``lacks``: the span of hit tokens the DE does not hold and is sent with

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dualpath.engine.payload import Payload
-from dualpath.engine.roles import RS_DECODE, RS_NONE, RS_PREFILL, RS_SPLIT
+from dualpath.paths.payload import Payload
+from dualpath.paths.roles import RS_DECODE, RS_NONE, RS_PREFILL, RS_SPLIT
 from dualpath.v1 import scheduler_pb2
 
 

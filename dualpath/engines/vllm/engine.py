@@ -17,7 +17,7 @@ one-sided WRITE as a DE-buffer -> PE copy:
              store through the storage-NIC limiter, off the request's critical path.
 
 The KV byte format, and so the store namespace and the DRAM pool, is fixed by the first
-worker to attach (:class:`~dualpath.engine.kvspace.KvSpace`); a worker of another format
+worker to attach (:class:`~dualpath.paths.kvspace.KvSpace`); a worker of another format
 is refused. The namespace's directory keeps a manifest of its model and format, so a
 restarted daemon answers lookups before the worker attached again (the worker attaches
 again on its next load, which the daemon answers NOT_FOUND). Threads: the node's loop.
@@ -44,19 +44,19 @@ from dualpath.aio import to_the_end, waited_out
 from dualpath.buffers.pool import Reservation
 from dualpath.buffers.region import PinnedRegion
 from dualpath.buffers.shm import BufferOffer
-from dualpath.engine.instance_cache import InstanceCache
-from dualpath.engine.kvspace import KvSpace
-from dualpath.engine.layers import LocalArrivals
-from dualpath.engine.vllm_stage import Stage
+from dualpath.engines.vllm.instance_cache import InstanceCache
+from dualpath.engines.vllm.stage import Stage
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.prefix import KEY_BYTES
+from dualpath.paths.kvspace import KvSpace
+from dualpath.paths.layers import LocalArrivals
 from dualpath.storage.config import StorageConfig
 from dualpath.storage.ratelimit import RateLimiter
 from dualpath.transfer import TransferEngine
 from dualpath.transfer.kvio import write_layers
 
-log = logging.getLogger("dualpath.engine")
+log = logging.getLogger("dualpath.node")
 
 MANIFEST = "namespace.json"     # in a namespace's store directory: its model and format
 
@@ -175,7 +175,7 @@ class _InPlace:
 
 class _PendingBlocks:
     """The committed blocks not on disk yet, as KvSpace.read looks them up (the
-    interface of engine/writeback.py's WriteBack): ``len()`` and ``get(key)``, a view of
+    interface of paths/writeback.py's WriteBack): ``len()`` and ``get(key)``, a view of
     the block's slot (copied before anything awaits, so the save cannot let it go)."""
 
     def __init__(self, pending: dict[bytes, tuple[_Save, int]]):
@@ -191,7 +191,7 @@ class _PendingBlocks:
 
 class VllmEngine:
     """See the module docstring. Create, serve (its gRPC edge is
-    :class:`dualpath.engine.servicers.KvConnectorServicer`), ``await close()``."""
+    :class:`dualpath.node.servicers.KvConnectorServicer`), ``await close()``."""
 
     kind = "vllm"
 
@@ -231,7 +231,7 @@ class VllmEngine:
         # worker_copies loads: (slots, deadline, the worker that holds them)
         self._held: dict[int, tuple[Reservation, float, str]] = {}
         self._load_ids = itertools.count(1)
-        # P/D prefills this node drives: request -> its staged hit (dualpath/engine/
+        # P/D prefills this node drives: request -> its staged hit (dualpath/node/
         # vllm_stage.py), found only with the request's ticket.
         self.stages: dict[str, Stage] = {}
         #: What the attached instance's own prefix cache likely holds (None: its prefix

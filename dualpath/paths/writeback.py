@@ -2,7 +2,7 @@
 NIC's write direction when given a limiter (the emulated engine's one persistence path;
 paper §2: the decoding engines "store their KV-Cache in distributed storage to enable
 reuse across turns"). The emulated DE gives it the node's limiter (a vLLM decode node's
-saves are paced the same way, engine/vllm_engine.py).
+saves are paced the same way, engines/vllm/engine.py).
 
 A block comes in with the DE-buffer slot that holds it (its owner hands the slot over)
 and goes out once written, through the write direction of the node's storage-NIC
@@ -13,7 +13,7 @@ emulated DE ranks a request's blocks by how many it writes, so the few blocks of
 round are not queued behind a first round's whole prompt (shortest first, which lets the
 most agents' next rounds start soonest; docs/e2e.md). Until a block is written this
 node's own reads find it here (read-your-writes:
-:meth:`dualpath.engine.kvspace.KvSpace.read` copies it instead of reading storage);
+:meth:`dualpath.paths.kvspace.KvSpace.read` copies it instead of reading storage);
 another node finds it missing and computes it (the degrade path of every read).
 
 A block that cannot be written (disk full, I/O error) is skipped and counted: the
@@ -39,7 +39,7 @@ from dualpath.storage.format import HEADER_BYTES
 from dualpath.storage.ratelimit import RateLimiter
 from dualpath.storage.store import BlockStore
 
-log = logging.getLogger("dualpath.engine")
+log = logging.getLogger("dualpath.node")
 
 #: Blocks written at once (the store's write pool does the I/O).
 WRITERS = 2

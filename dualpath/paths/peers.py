@@ -1,7 +1,7 @@
 """The node's client of other nodes: one object owns the stubs and the protobuf.
 
 The PE and DE paths talk to each other only through :class:`PeerClient`: dataclasses
-in, dataclasses out, and a gRPC failure becomes :class:`~dualpath.engine.errors.
+in, dataclasses out, and a gRPC failure becomes :class:`~dualpath.paths.errors.
 PeerUnavailable` naming the peer, the call and the status (so a request fails with a
 reason instead of an AioRpcError escaping into domain code).
 
@@ -16,7 +16,7 @@ reason instead of an AioRpcError escaping into domain code).
                            (those one scheduler acknowledgement recorded), one call
 
 Every request message names its attempt (the assignment's); the peer refuses an older
-one than it holds (ABORTED: :class:`~dualpath.engine.errors.PeerUnavailable` here).
+one than it holds (ABORTED: :class:`~dualpath.paths.errors.PeerUnavailable` here).
 
 Threads: the node's event loop.
 """
@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from dualpath.engine.errors import NeverFits, PeerUnavailable
-from dualpath.engine.layers import RemoteWatch
-from dualpath.engine.payload import MAX_LOGPROBS
 from dualpath.errors import UsageError
 from dualpath.kv import placement_wire
 from dualpath.kv.placement import KvPlacement
+from dualpath.paths.errors import NeverFits, PeerUnavailable
+from dualpath.paths.layers import RemoteWatch
+from dualpath.paths.payload import MAX_LOGPROBS
 from dualpath.transfer.oob_grpc import GrpcChannels
 from dualpath.v1 import engine_pb2, engine_pb2_grpc, node_pb2, node_pb2_grpc
 
@@ -52,7 +52,7 @@ REPORTS_PER_CALL = 1024
 #: 4 MiB receive limit): a real engine's timings carry its generated tokens.
 REPORT_BYTES_PER_CALL = 1 << 20
 
-log = logging.getLogger("dualpath.engine")
+log = logging.getLogger("dualpath.node")
 
 
 @dataclass(frozen=True)

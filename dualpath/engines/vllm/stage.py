@@ -5,7 +5,7 @@ buffer reservation (one slot per hit block, in prompt order), from the side(s) t
 scheduler chose: its own storage reads for blocks ``[0, local)``, the DE's for
 ``[local, hit)`` (the DE reads them into its buffer and WRITEs each layer here). When
 the prefill instance's connector looks the request up and loads it (presenting the
-request's ticket), :class:`~dualpath.engine.vllm_engine.VllmEngine` serves that
+request's ticket), :class:`~dualpath.engines.vllm.engine.VllmEngine` serves that
 reservation instead of reading the store: the load waits for layer l to be staged, not
 read. Blocks the prefill computes (its saves) are handed to the stage's ``on_saved``,
 which sends them to the DE.
@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from dualpath.aio import retrieved
 from dualpath.buffers.pool import Reservation
-from dualpath.engine.layers import LayerSource
+from dualpath.paths.layers import LayerSource
 
 
 class AllAtOnce(LayerSource):

@@ -55,7 +55,7 @@ class KvSpace:
         self.read_queue = read_queue
         self.pool = pool
         self.buffer = buffer         # placement of the pool's slots in the node's region
-        # A DE's blocks on their way to storage (engine/writeback.py): its reads find them.
+        # A DE's blocks on their way to storage (paths/writeback.py): its reads find them.
         self.writeback = None
 
     @classmethod

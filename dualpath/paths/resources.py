@@ -1,6 +1,6 @@
 """What a node daemon hands its paths: a frozen set of the node's resources.
 
-The daemon (dualpath/engine/node.py) assembles these once at start-up and closes them in
+The daemon (dualpath/node/daemon.py) assembles these once at start-up and closes them in
 reverse; a path holds this object and nothing of the daemon itself, so a path can be
 built in a test from a handful of real or fake parts.
 """
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dualpath.config import Config
-from dualpath.engine.emulated import EngineRank
-from dualpath.engine.fence import Fences
-from dualpath.engine.metrics import CountingLimiter, NodeMetrics
-from dualpath.engine.payload import TokenSource
-from dualpath.engine.peers import PeerClient
+from dualpath.paths.fence import Fences
+from dualpath.paths.metrics import CountingLimiter, NodeMetrics
+from dualpath.paths.payload import TokenSource
+from dualpath.paths.peers import PeerClient
+from dualpath.paths.ranks import EngineRank
 from dualpath.transfer import TransferEngine
 
 
@@ -46,4 +46,4 @@ class NodeResources:
     tokens: TokenSource             # token ids of payloads that carry none
     spawn: Spawn                    # a task the node cancels at close
     complete: Complete
-    fences: Fences                  # memory a peer may still write into (engine/fence.py)
+    fences: Fences                  # memory a peer may still write into (paths/fence.py)

@@ -4,13 +4,11 @@ DECODE_DONE.
 PrepareRequest reserves DE-buffer slots (:meth:`DecodePath.prepare`); with the DE read
 side the PE's LOAD_HIT_KV order reads the hit blocks from storage into the DE buffer and
 writes them, layer by layer, into the PE's engine memory (:meth:`DecodePath.load_hit_kv`,
-the order's target placement); PrefillDone starts decode: every byte of the assembled
-prompt KV is verified against the generator (a mismatch fails the request loudly and is
-counted) -> DE buffer -> DE HBM, DRAM released -> the tokens after the prefill's first
-from the engine's decode batch (engine/decode_batch.py: every request of the engine joins
-every step, a step's time grows with the batch's KV) -> every new full block persisted as
-it fills, the request's last token timed before its last blocks are on disk (a block
-that cannot be written is skipped and counted, never failing the request) ->
+the order's target placement); PrefillDone starts decode: the engine's
+:class:`Decoder` (dualpath/engines/emulated/decode.py verifies every byte against the
+generator and runs the cost model's decode batch; dualpath/engines/vllm/decode.py drives
+the decode instance), every new full block persisted as it fills (a block that cannot be
+written is skipped and counted, never failing the request) ->
 DECODE_DONE reported; the timings go to the replay
 client's sink only once the scheduler recorded that DECODE_DONE (:meth:`DecodePath.
 send_result`, called by the leader), so a result is never reported twice; those one
@@ -18,15 +16,14 @@ acknowledgement recorded go in one call per sink (a gRPC call costs ~0.3 ms of C
 
 Attempts (docs/reliability.md): a request's state here is one attempt's. Anything of an
 older attempt than the one held (the DE-only assignment's, or the PrepareRequest's) is
-refused (:class:`~dualpath.engine.errors.StaleAttempt`, ABORTED on the wire); a newer
+refused (:class:`~dualpath.paths.errors.StaleAttempt`, ABORTED on the wire); a newer
 PrepareRequest replaces the old state. Dropping a state while its PE may still push
 into its DE-buffer slots (prepared, PrefillDone not come, and not the PE's own cancel)
-fences those slots until that PE says its writes ended (engine/fence.py). A hit block
+fences those slots until that PE says its writes ended (paths/fence.py). A hit block
 missing or corrupt in storage on the DE read path is not a failure: the order writes the
 leading intact blocks and says how many (``loaded_blocks``); the PE computes the rest.
 
-Threads: the node's event loop owns all state; verification runs in
-``asyncio.to_thread`` (numpy releases the GIL).
+Threads: the node's event loop owns all state.
 """
 
 from __future__ import annotations
@@ -35,36 +32,28 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import Protocol
 
 from dualpath import clock
-from dualpath.aio import to_the_end, waited_out
+from dualpath.aio import waited_out
 from dualpath.buffers.pool import Reservation
-from dualpath.engine.decode_batch import DecodeBatch
-from dualpath.engine.emulated import EmulatedEngine, EngineRank
-from dualpath.engine.errors import RequestFailed, StaleAttempt
-from dualpath.engine.kvplan import BlockSpan, block_spans, blocks_for
-from dualpath.engine.kvspace import KvSpace
-from dualpath.engine.payload import Payload
-from dualpath.engine.peers import LoadOrder, PrefillReport, Timings, report_calls
-from dualpath.engine.resources import NodeResources
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.placement import KvPlacement
-from dualpath.kv.prefix import KEY_BYTES, block_keys
+from dualpath.kv.prefix import KEY_BYTES
+from dualpath.paths.errors import RequestFailed, StaleAttempt
+from dualpath.paths.kvplan import BlockSpan, block_spans, blocks_for
+from dualpath.paths.kvspace import KvSpace
+from dualpath.paths.payload import Payload
+from dualpath.paths.peers import LoadOrder, PrefillReport, Timings, report_calls
+from dualpath.paths.ranks import EngineRank
+from dualpath.paths.resources import NodeResources
 from dualpath.tls import Identity
 from dualpath.transfer.kvio import write_layers
 from dualpath.v1 import scheduler_pb2
 
-log = logging.getLogger("dualpath.engine")
-
-
-async def _off_loop(fn) -> None:
-    """Run ``fn`` (a copy) on a worker thread, off the event loop. A cancellation waits
-    for it to end before it goes on: the caller frees the memory it writes into as it
-    unwinds."""
-    await to_the_end(asyncio.get_running_loop().run_in_executor(None, fn))
+log = logging.getLogger("dualpath.node")
 
 
 @dataclass
@@ -132,25 +121,35 @@ class _Result:
     sink: str
 
 
+class Decoder(Protocol):
+    """An engine's decode of a request whose prompt KV is in its DE-buffer slots."""
+
+    def moves_kv(self, p: Payload) -> bool:
+        """Whether ``p``'s prompt KV comes to this node (DE-buffer slots reserved)."""
+
+    def held(self, p: Payload, spans: list[BlockSpan]) -> int:
+        """Leading prompt blocks the engine likely holds already (none is sent)."""
+
+    async def run(self, st: DecodeState, done: PrefillReport, timings: Timings) -> None:
+        """Decode ``st`` (its PE's PrefillDone: ``done``), filling ``timings``; raises
+        on failure."""
+
+
 class DecodePath:
     """The requests a DE node serves."""
 
-    def __init__(self, node: NodeResources, space: KvSpace | None, engine: EmulatedEngine,
-                 ranks: dict[str, EngineRank], decoder=None):
+    def __init__(self, node: NodeResources, space: KvSpace | None,
+                 ranks: dict[str, EngineRank], decoder: Callable[[DecodePath], Decoder]):
         self.node = node
         self.space = space             # a vLLM node's: set once its worker attached
-        self.engine = engine
         self.ranks = ranks
-        # How a prepared request is decoded once its prompt KV is in: the emulated
-        # engine's (here), or a real one's (dualpath/engine/vllm_decode.py: ``run(st,
-        # done, timings)``, raising on failure).
-        self.decoder = decoder
+        # How a prepared request is decoded once its prompt KV is in: the engine's.
+        self.decoder = decoder(self)
         self.requests: dict[str, DecodeState] = {}
         self.assigned: dict[str, int] = {}      # request -> its DE-only assignment's attempt
         self.results: dict[str, _Result] = {}   # waiting for the scheduler's record
         self.reports: set[asyncio.Task] = set()  # sink reports on their way
         self.outbox: dict[str, list[Timings]] = {}   # sink -> reports of this loop turn
-        self.batches: dict[str, DecodeBatch] = {}  # engine -> its decode batch (emulated)
         # Dropped states whose tasks have not ended yet (a load may still be writing into
         # its PE's memory): Engine.CancelRequest waits for them, found or not.
         self.ending: dict[str, list[DecodeState]] = {}
@@ -272,7 +271,7 @@ class DecodePath:
         try:
             if live:
                 cancelled = await waited_out(*live)
-            self._release(st, fence)
+            self.release_buffer(st, fence)
         finally:
             mine.remove(st)
             if not mine and self.ending.get(st.request_id) is mine:
@@ -318,11 +317,9 @@ class DecodePath:
         p = req.payload
         spans = block_spans(p.token_ids(req.prompt_tokens, n.tokens),
                             self.space.fmt.block_tokens)
-        # An emulated oracle moves no KV; a real engine's decode needs its prompt's KV
-        # in any mode (the oracle only skips storage reads).
-        moves_kv = not p.oracle or self.decoder is not None
+        moves_kv = self.decoder.moves_kv(p)
         cached = (min(self.decoder.held(p, spans), len(spans) - 1)   # one slot at least
-                  if moves_kv and self.decoder is not None else 0)
+                  if moves_kv else 0)
         base = 0 if req.decode_read_tokens else cached
         res = await self.space.pool.reserve(len(spans) - base) if moves_kv else None
         if self.requests.get(rid) is not None or \
@@ -383,7 +380,8 @@ class DecodePath:
         st.decoding = True
         st.tasks.append(self.node.spawn(self.decode(st, done)))
 
-    def _release(self, st: DecodeState, fence: bool = False) -> None:
+    def release_buffer(self, st: DecodeState, fence: bool = False) -> None:
+        """``st``'s DE-buffer slots back (or fenced while its PE may still write)."""
         if self.requests.get(st.request_id) in (None, st):
             self.space.read_queue.forget(st.request_id)
         if st.buffer is None or st.buffer.released:
@@ -442,10 +440,7 @@ class DecodePath:
                           if spans else (0.0, 0.0), attempt=st.attempt,
                           phases=done.phases)
         try:
-            if self.decoder is not None:
-                await self.decoder.run(st, done, timings)
-            else:
-                await self._decode_emulated(st, done, timings)
+            await self.decoder.run(st, done, timings)
             timings.finish_unix_s = timings.finish_unix_s or clock.unix_now()
             n.metrics.requests.labels("done").inc()
             n.metrics.phase_s.labels("decode").observe(time.monotonic() - t0)
@@ -460,7 +455,7 @@ class DecodePath:
             timings.finish_unix_s = clock.unix_now()
             stage, error = scheduler_pb2.COMPLETION_STAGE_FAILED, str(err)
         finally:
-            self._release(st)
+            self.release_buffer(st)
             if self.requests.get(rid) is st:
                 del self.requests[rid]
             if self.assigned.get(rid, 0) <= st.attempt:
@@ -472,99 +467,6 @@ class DecodePath:
         # A mismatch may be the PE's bytes or our read: no side is blamed alone.
         n.complete(rid, e, stage, error=error,
                    suspect="" if timings.bytes_mismatched else e.engine_id)
-
-    async def _decode_emulated(self, st: DecodeState, done: PrefillReport,
-                               timings: Timings) -> None:
-        """Verify every prompt byte, DE buffer -> DE HBM, then the tokens after the
-        prefill's first from this engine's decode batch (one per step, a step as long as
-        the cost model says for the whole batch). Every new full block goes to the
-        node's write-back (engine/writeback.py) as it fills: the prompt's from their
-        DE-buffer slots, the generated ones copied into slots of their own. The last
-        token is timed at once (the writes are outside the request's latency), and the
-        request completes once its blocks are written, so its agent's next round finds
-        them stored. The write-back is paced by the storage NIC's write direction, a
-        request's blocks ranked by how many it writes (fewest first), so a first round's
-        whole prompt does not hold up other agents' next rounds (docs/e2e.md)."""
-        n, eng = self.node, self.engine
-        e, p = st.engine, st.payload
-        rid = st.request_id
-        prompt, gen = p.prompt_tokens, p.gen_tokens
-        T = self.space.fmt.block_tokens
-        wb = self.space.writeback
-        hbm = stager = None
-        written: list[asyncio.Future] = []      # this request's blocks, once on disk
-        try:
-            nbytes = prompt * self.space.layout.layers * self.space.layout.token_bytes
-            if not p.oracle and not eng.verifies(rid):
-                n.metrics.unverified.inc(nbytes)       # sampled out (engine.verify_fraction)
-            elif not p.oracle:
-                bad = await asyncio.to_thread(self._verify, st)
-                if bad is not None:
-                    n.metrics.mismatched.inc(nbytes)
-                    timings.bytes_mismatched = nbytes
-                    raise RequestFailed(f"KV MISMATCH in {rid}: {bad}")
-                n.metrics.verified.inc(nbytes)
-                timings.bytes_verified = nbytes
-            hbm = await e.hbm.reserve(blocks_for(prompt + gen, T))
-            # Every full block from the first token the PE computed (past the hit, or
-            # from its first missing or corrupt block: cached again).
-            keys = [] if p.oracle or wb is None else \
-                block_keys(p.token_ids(prompt + gen, n.tokens), T)
-            nxt = min(done.computed_from_tokens, p.hit_tokens) // T
-            rank = max(len(keys) - nxt, 0)      # the blocks this request writes
-            if st.buffer is not None:
-                buf, spans = st.buffer, len(st.spans)
-
-                def copy_in() -> None:                  # DE buffer -> DE HBM
-                    for i in range(spans):
-                        np.copyto(hbm.flat(i), buf.flat(i))
-                await _off_loop(copy_in)
-                # The prompt's own full blocks persist from where they are.
-                whole = range(nxt, min(prompt // T, len(keys)))
-                for i, slot in zip(whole, buf.hand_over(whole)):
-                    written.append(wb.add(keys[i], slot, rank))
-                nxt = max(nxt, whole.stop)
-                self._release(st)
-            full: asyncio.Queue[int | None] = asyncio.Queue()
-            stager = asyncio.ensure_future(self._stage_blocks(hbm, keys, full, written,
-                                                               rank))
-
-            def filled(tokens: int) -> None:        # blocks whose every token's KV exists
-                nonlocal nxt
-                while nxt < len(keys) and (nxt + 1) * T <= tokens:
-                    full.put_nowait(nxt)
-                    nxt += 1
-
-            def on_token(k: int) -> None:
-                if k == 1:
-                    timings.second_token_unix_s = clock.unix_now()
-                filled(prompt + k)
-
-            filled(prompt)
-            # The prefill made the first token (its last layer's output), as a P/D
-            # prefill instance does; the decode steps make the rest.
-            timings.first_token_unix_s = done.done_unix_s or clock.unix_now()
-            await self._batch(e).generate(prompt, gen - 1, on_token)
-            timings.finish_unix_s = clock.unix_now()
-            filled(len(keys) * T)
-            full.put_nowait(None)
-            await stager
-            hbm.release()
-            # The agent's next round reads this KV: the request ends once it is stored.
-            await asyncio.gather(*written)
-        finally:
-            if stager is not None and not stager.done():
-                stager.cancel()
-                await asyncio.gather(stager, return_exceptions=True)
-            if hbm is not None:
-                hbm.release()
-
-    def _batch(self, e: EngineRank) -> DecodeBatch:
-        """Engine ``e``'s decode batch (made on first use)."""
-        b = self.batches.get(e.engine_id)
-        if b is None:
-            b = self.batches[e.engine_id] = DecodeBatch(self.engine.decode_step_s)
-        return b
 
     def send_result(self, rid: str, attempt: int) -> None:
         """The scheduler recorded ``attempt`` of ``rid`` (its completion was accepted):
@@ -581,6 +483,17 @@ class DecodePath:
     def drop_result(self, rid: str) -> None:
         """The scheduler did not record that completion (a stale attempt): no report."""
         self.results.pop(rid, None)
+
+    def held_requests(self) -> int:
+        """States held or still ending here (the idle invariant: none once idle)."""
+        return len(self.requests) + sum(map(len, self.ending.values()))
+
+    def dump(self, log_: logging.Logger) -> None:
+        """SIGUSR1: each request held here, how far it got."""
+        for st in self.requests.values():
+            log_.info("request %s: layers_done %d, load_error %r, tasks %s", st.request_id,
+                      st.layers_done, st.load_error,
+                      [(t.get_name(), t.done()) for t in st.tasks])
 
     async def flush(self, timeout_s: float) -> None:
         """Wait (bounded) for the sink reports on their way (a graceful stop)."""
@@ -602,40 +515,3 @@ class DecodePath:
         except DualPathError as err:
             log.warning("replay sink %s unreachable for %d results (%s, ...): %s", sink,
                         len(timings), timings[0].request_id, err)
-
-    def _verify(self, st: DecodeState) -> str | None:
-        """Every byte of the assembled prompt KV against the generator; the first bad
-        place as text, or None. Runs on a worker thread (numpy releases the GIL)."""
-        with self.engine.spent("verify"):
-            return self._first_mismatch(st)
-
-    def _first_mismatch(self, st: DecodeState) -> str | None:
-        layout, synth = self.space.layout, self.engine.synth
-        LB, TB = layout.layer_bytes, layout.token_bytes
-        for i, span in enumerate(st.spans):
-            flat = st.buffer.flat(i)
-            if span.tokens == layout.tokens:
-                m = synth.verify_full(flat, span.key)
-                if m is not None:
-                    return f"block {i}: {m}"
-                continue
-            for layer in range(layout.layers):
-                m = synth.verify_layer(flat[layer * LB: layer * LB + span.tokens * TB],
-                                       span.key, layer, 0)
-                if m is not None:
-                    return f"block {i} (partial, {span.tokens} tokens): {m}"
-        return None
-
-    async def _stage_blocks(self, hbm: Reservation, keys: list[bytes],
-                            full: asyncio.Queue, written: list[asyncio.Future],
-                            rank: int) -> None:
-        """Blocks of ``hbm`` whose indices arrive on ``full`` (None ends), completed by
-        generated tokens: the emulated model's KV for each, copied into a DE-buffer slot
-        of its own and handed to the write-back (waiting for a slot, never for the
-        disk or the storage NIC)."""
-        wb, pool = self.space.writeback, self.space.pool
-        while (b := await full.get()) is not None:
-            self.engine.fill_block(hbm.flat(b), keys[b])
-            slot = await pool.reserve(1)
-            np.copyto(slot.flat(0), hbm.flat(b))
-            written.append(wb.add(keys[b], slot, rank))

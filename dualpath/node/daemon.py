@@ -5,22 +5,15 @@ start-up that failed half way) it opens the node's resources and hands each part
 it needs, never itself:
 
     gRPC server (bound first: its address is our name on the data plane) ->
-    transfer engine (verbs or tcp) -> storage-NIC limiter -> the engine ->
-    the node's path (PE: PrefillPath; DE: DecodePath) -> services -> serving ->
-    the leader (PE/DE: registers the group and fetches from the scheduler)
+    transfer engine (verbs or tcp) -> storage-NIC limiter -> the node's buffer ->
+    the engine, with its path (PE: a PrefillPath; DE: a DecodePath) -> services ->
+    serving -> once the engine is ready, the leader (PE/DE: registers the group and
+    fetches from the scheduler)
 
-Engines (``engine.kind``, the boundary between the node and the model it serves):
-
-- ``emulated`` (dualpath/engine/emulated.py): the cost model and "HBM" regions of our
-  own, PE or DE role, for benchmarks at scale. Its KV format, store namespace and DRAM
-  pool (:class:`~dualpath.engine.kvspace.KvSpace`) come from the model profile.
-- ``vllm`` (dualpath/engine/vllm_engine.py): a vLLM instance beside the node, whose
-  workers register their own KV tensors and attach through the KvConnector service.
-  Role ``both``: one ``kv_both`` instance, no scheduler; the node loads and persists
-  its KV. Role ``prefill`` / ``decode``: the node drives its instance at
-  ``engine.vllm_url`` (vllm_prefill.py / vllm_decode.py) and registers with the
-  scheduler once the instance's worker attached. Its KvSpace is made when the first
-  worker attaches.
+Engines (``engine.kind``): the daemon looks the kind up in dualpath/engines/ (KINDS)
+and talks to what it opens through dualpath/engines/protocol.py only: ``emulated`` (a
+cost model and "HBM" of our own, for benchmarks at scale) or ``vllm`` (a vLLM instance
+beside the node, whose workers attach through the KvConnector service).
 
 Threads: one asyncio loop owns all state; storage I/O runs on the block store's pools,
 the data path on the transfer engine's thread, verification in ``asyncio.to_thread``.
@@ -33,66 +26,38 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
 
 from dualpath import journald, tls
 from dualpath import metrics as _metrics
-from dualpath.buffers.pool import BlockPool
 from dualpath.buffers.region import PinnedRegion
-from dualpath.buffers.shm import BufferOffer
 from dualpath.config import Config
 from dualpath.doctor.checks import startup_memory
 from dualpath.doctor.facts import has_ipc_lock, memory_facts
-from dualpath.engine.auth import Callers
-from dualpath.engine.batching import fit_attention
-from dualpath.engine.decode import DecodePath
-from dualpath.engine.emulated import EmulatedEngine, EngineRank
-from dualpath.engine.errors import PeerUnavailable
-from dualpath.engine.fence import Fences
-from dualpath.engine.forward import PrefillForward
-from dualpath.engine.holdings import Holdings, pool_holding
-from dualpath.engine.kvspace import KvSpace
-from dualpath.engine.leader import Leader
-from dualpath.engine.metrics import CountingLimiter, NodeMetrics, OwnedCounters, PoolGauges
-from dualpath.engine.peers import PeerClient
-from dualpath.engine.prefill import PrefillPath
-from dualpath.engine.resources import NodeResources
-from dualpath.engine.roles import BOTH, DECODE, PREFILL, ROLES
-from dualpath.engine.servicers import (
-    KvConnectorServicer,
-    add_services,
-    engine_services,
-    new_server,
-)
-from dualpath.engine.vllm_decode import VllmDecoder
-from dualpath.engine.vllm_engine import VllmEngine
-from dualpath.engine.vllm_instance import VllmInstance
-from dualpath.engine.vllm_prefill import VllmPrefillPath
-from dualpath.engine.writeback import WriteBack
+from dualpath.engines import KINDS
+from dualpath.engines.protocol import NodeEngine, NodeParts
 from dualpath.errors import ConfigError, UsageError
-from dualpath.kv.layout import BlockLayout
-from dualpath.kv.profiles import get_profile
-from dualpath.kv.synth import SyntheticKV
 from dualpath.lane import describe as describe_lane
+from dualpath.node.holdings import Holdings, pool_holding
+from dualpath.node.leader import Leader
+from dualpath.node.servicers import add_services, engine_services, new_server
+from dualpath.paths.auth import Callers
+from dualpath.paths.errors import PeerUnavailable
+from dualpath.paths.fence import Fences
+from dualpath.paths.metrics import CountingLimiter, NodeMetrics, OwnedCounters, PoolGauges
+from dualpath.paths.peers import PeerClient
+from dualpath.paths.ranks import EngineRank
+from dualpath.paths.resources import NodeResources
+from dualpath.paths.roles import BOTH, DECODE, ROLES
 from dualpath.sdnotify import Notifier
 from dualpath.stall import StallWatch
 from dualpath.storage.ratelimit import gbit_to_bytes_per_s
-from dualpath.storage.read_queue import ReadQueue
 from dualpath.trace.model import trajectory_token_ids
 from dualpath.transfer import TransferEngine
 from dualpath.transfer.oob_grpc import GrpcChannels, GrpcOutOfBand
-from dualpath.v1 import connector_pb2_grpc
 
-log = logging.getLogger("dualpath.engine")
-
-
-@dataclass
-class _KvBlocks:
-    """A vLLM engine's KV cache as the scheduler sees it: its blocks (DualPath's)."""
-
-    capacity: int
+log = logging.getLogger("dualpath.node")
 
 
 class NodeDaemon:
@@ -101,20 +66,11 @@ class NodeDaemon:
 
     def __init__(self, config: Config, role: str, node_id: str, scheduler: str, *,
                  config_path: str | None = None, notifier: Notifier | None = None):
-        ecfg = config.engine
         self.notifier = notifier or Notifier({})   # systemd's, from run(); silent here
         if role not in ROLES:
             raise UsageError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
-        if ecfg.kind == "vllm" and role != BOTH and not ecfg.vllm_url:
-            raise ConfigError(f"a {role} node of engine.kind = 'vllm' drives its vLLM "
-                              "instance: set engine.vllm_url (its OpenAI HTTP address)")
-        if ecfg.vllm_url and (ecfg.kind != "vllm" or role == BOTH):
-            raise ConfigError("engine.vllm_url is for prefill and decode nodes of "
-                              "engine.kind = 'vllm' (a role-both node's instance drives "
-                              "itself)")
-        if ecfg.kind == "emulated" and role == BOTH:
-            raise UsageError("--role both is for a vLLM instance (engine.kind = 'vllm'); "
-                             "emulated engines are prefill or decode nodes")
+        self.kind = KINDS[config.engine.kind]
+        self.kind.check(config, role)
         self.cfg = config
         self.role = role
         self.node_id = node_id
@@ -123,8 +79,7 @@ class NodeDaemon:
         self.registry = _metrics.new_registry()
         self.metrics = NodeMetrics(self.registry, role)
         self.ranks: list[EngineRank] = []
-        self.path: PrefillPath | DecodePath | None = None
-        self.engine: EmulatedEngine | VllmEngine | None = None
+        self.engine: NodeEngine | None = None
         self.leader: Leader | None = None
         self.address = ""
         self.stop = asyncio.Event()
@@ -178,14 +133,16 @@ class NodeDaemon:
             self.fences)
         buf_name = "de_buffer" if self.role == DECODE else "pe_buffer"
         b = cfg.buffers
-        # A vLLM node shares its buffer with its own workers (buffers/shm.py).
         self.buffer = self._region(buf_name, b.de_buffer_mib if self.role == DECODE
-                                   else b.pe_buffer_mib, shared=ecfg.kind == "vllm")
-        if ecfg.kind == "vllm":
-            services = self._start_vllm(buf_name)
-        else:
-            services = self._start_emulated(buf_name)
-        add_services(self.server, services)
+                                   else b.pe_buffer_mib, shared=self.kind.shares_buffer)
+        self.engine = engine = self.kind.open(NodeParts(
+            self.resources, self.buffer, buf_name, st, self._region, self.callers))
+        self.ranks = engine.ranks
+        decode = engine.path if self.role == DECODE else None
+        add_services(self.server, [
+            *engine_services(self.callers, self.oob, self.transfer, decode,
+                             self.stop_request, self.limiter, self.holdings, engine.forward),
+            *engine.services])
         self.registry.register(OwnedCounters(self.transfer.stats, self._store_stats))
         self.registry.register(PoolGauges(self._pool))
         self.metrics_srv = _metrics.start_metrics_server(ecfg.metrics_listen, self.registry,
@@ -195,9 +152,6 @@ class NodeDaemon:
         await self.server.start()
         st.push_async_callback(self.server.stop, 1.0)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        if self.role in (PREFILL, DECODE) and ecfg.kind != "vllm":
-            self.leader = self._leader()
-            st.push_async_callback(self.leader.close)
         lane = cfg.kv_lane
         # The provider's description names the device, port and GID in use (verbs) or
         # the listen address (tcp); the config's device "" / gid_index -1 only mean "auto".
@@ -206,8 +160,7 @@ class NodeDaemon:
                  "config %s", self.role, self.node_id, self.address,
                  self.transfer.transport, self.transfer.provider.description,
                  describe_lane(lane.service_level, lane.traffic_class), tls.mode(cfg.tls),
-                 self.engine.describe() + (f", driving the instance at {ecfg.vllm_url}"
-                                           if ecfg.vllm_url else ""), buf_name,
+                 self.engine.describe(), buf_name,
                  self.buffer.nbytes >> 20, s.resolved_dir(),
                  f"{s.snic_gbit_per_s:g} Gbit/s" if s.snic_gbit_per_s else "unlimited",
                  "none (role both)" if self.role == BOTH else self.scheduler_address,
@@ -224,127 +177,44 @@ class NodeDaemon:
         self.transfer.register(name, addr=region.addr, length=region.nbytes)
         return region
 
-    def _start_emulated(self, buf_name: str) -> list:
-        ecfg, s = self.cfg.engine, self.cfg.storage
-        profile = get_profile(ecfg.model_profile).scaled(ecfg.speed_scale)
-        layout = BlockLayout.of(profile)
-        store = s.open_store(profile)
-        self._stack.callback(store.close)
-        read_queue = ReadQueue(store, self.limiter)
-        self._stack.push_async_callback(read_queue.close)
-        pool = BlockPool(buf_name, self.buffer.array, layout, region_addr=self.buffer.addr,
-                         key=f"buffers.{buf_name}_mib")
-        self.space = KvSpace.for_store(store, read_queue, pool, buf_name)
-        self.profile = profile
-        engine = EmulatedEngine(profile, ecfg.speed_scale, ecfg.verify_fraction)
-        engine.bind(self.space.fmt, SyntheticKV(layout))
-        engine.cpu_counter = self.metrics.emulator_cpu
-        self.engine = engine
-        hbm_mib = ecfg.prefill_hbm_mib if self.role == PREFILL else ecfg.decode_hbm_mib
-        # A PE's HBM is allocated a Layer Block at a time (engine/forward.py), a DE's a
-        # Full Block per block of a request it decodes.
-        hbm_layout = layout.one_layer() if self.role == PREFILL else layout
-        for rank in range(ecfg.engines_per_node):
-            name = f"hbm{rank}"
-            region = self._region(name, hbm_mib)
-            e = EngineRank(f"{self.node_id}/e{rank}", rank, name,
-                           BlockPool(name, region.array, hbm_layout, region_addr=region.addr))
-            if self.role == PREFILL:
-                e.slots = asyncio.Semaphore(ecfg.max_prefills_per_engine)
-            self.ranks.append(e)
-        ranks = {e.engine_id: e for e in self.ranks}
-        decode = None
-        if self.role == PREFILL:
-            # The packer's estimator, fitted by profiling the engine (paper §6.2).
-            fit = fit_attention(profile, engine.attention_s)
-            forward = PrefillForward(profile, self.space.fmt, self.ranks, fit,
-                                     metrics=self.metrics)
-            self._stack.push_async_callback(forward.close)
-            log.info("%s: forward batches packed by %s (profiled)", self.node_id,
-                     fit.describe())
-            self.path = PrefillPath(self.resources, self.space, engine, forward)
-        else:
-            # New KV goes to storage from DE-buffer slots through the storage NIC's write
-            # direction; each request waits for its own blocks (docs/e2e.md).
-            self.space.writeback = WriteBack(store, self.limiter, self.metrics)
-            self._stack.push_async_callback(self.space.writeback.close)
-            self.path = decode = DecodePath(self.resources, self.space, engine, ranks)
-        return engine_services(self.callers, self.oob, self.transfer, decode,
-                               self.stop_request, self.limiter, self.holdings,
-                               self.path.forward if self.role == PREFILL else None)
-
-    def _start_vllm(self, buf_name: str) -> list:
-        offer = BufferOffer(self.buffer.fd, self.buffer.nbytes, f"node {self.node_id}")
-        engine = VllmEngine(node_id=self.node_id, storage=self.cfg.storage,
-                            transfer=self.transfer, region=self.buffer, region_name=buf_name,
-                            limiter=self.limiter, metrics=self.metrics, offer=offer)
-        self._stack.push_async_callback(engine.close)
-        self.engine = engine
-        decode = None
-        if self.role in (PREFILL, DECODE):
-            ecfg = self.cfg.engine
-            self.instance = VllmInstance(ecfg.vllm_url, ecfg.vllm_request_timeout_s)
-            self._stack.push_async_callback(self.instance.close)
-            # One instance = one group of one engine (its tensor-parallel ranks would be
-            # the group's engines; TP 1 today); its KV blocks are known at attach.
-            e = EngineRank(f"{self.node_id}/e0", 0, "vllm", _KvBlocks(0))
-            self.ranks.append(e)
-            if self.role == PREFILL:
-                e.slots = asyncio.Semaphore(ecfg.max_prefills_per_engine)
-                self.path = VllmPrefillPath(self.resources, engine, self.instance)
-            else:
-                self.path = decode = DecodePath(
-                    self.resources, None, engine, {e.engine_id: e},
-                    decoder=VllmDecoder(self.resources, engine, self.instance))
-        return [*engine_services(self.callers, self.oob, self.transfer, decode,
-                                 self.stop_request, self.limiter, self.holdings),
-                (connector_pb2_grpc.add_KvConnectorServicer_to_server,
-                 KvConnectorServicer(engine, self.callers))]
+    @property
+    def path(self):
+        """The engine's path (a PrefillPath or a DecodePath; None on a role-both node)."""
+        return self.engine.path if self.engine is not None else None
 
     def _leader(self) -> Leader:
-        vllm = isinstance(self.engine, VllmEngine)
-        space = self.engine.space if vllm else self.space
+        terms = self.engine.leader_terms()
         return Leader(node_id=self.node_id, role=self.role, address=self.address,
                       scheduler=self.scheduler_address, tls_config=self.cfg.tls,
                       ranks=self.ranks, path=self.path,
                       cancel=self.cancel, read_q_tokens=self.read_q_tokens,
-                      metrics=self.metrics,
-                      # vLLM batches by its own scheduler: no cost-model profile to match
-                      profile_name=None if vllm else self.profile.name,
-                      block_bytes=space.layout.full_bytes,
+                      metrics=self.metrics, profile_name=terms.profile_name,
+                      block_bytes=self.engine.space.layout.full_bytes,
                       storage_read_bytes_per_s=int(self.snic_bytes_per_s),
                       fetch_interval_ms=self.cfg.engine.fetch_interval_ms,
-                      results=self.path if isinstance(self.path, DecodePath) else None,
-                      status=self.notifier.status,
-                      available=(lambda: self.instance.up) if vllm else (lambda: True),
-                      quota=None if vllm or self.role != PREFILL
-                      else self.path.forward.set_quota)
+                      results=self.path if self.role == DECODE else None,
+                      status=self.notifier.status, available=terms.available,
+                      quota=terms.quota)
 
     def _pool(self):
         """The node's buffer pool (None until a vLLM worker attached)."""
-        space = self.engine.space if isinstance(self.engine, VllmEngine) else self.space
+        space = self.engine.space if self.engine is not None else None
         return space.pool if space is not None else None
 
     def holdings(self) -> Holdings:
         """What this node holds now (Node.Holdings; the idle invariant: holdings.py)."""
-        pools = [self._pool()] + [e.hbm for e in self.ranks]
         path = self.path
-        requests = 0
-        if isinstance(path, DecodePath):
-            requests = len(path.requests) + sum(map(len, path.ending.values()))
-        elif isinstance(path, PrefillPath):
-            requests = len(path.runs)
-        if isinstance(self.engine, VllmEngine):
-            requests += len(self.engine.stages)
+        requests = (path.held_requests() if path is not None else 0) + \
+            self.engine.held_requests()
         return Holdings(self.node_id,
-                        tuple(pool_holding(p) for p in pools if isinstance(p, BlockPool)),
+                        tuple(pool_holding(p) for p in self.engine.pools()),
                         self.fences.blocks,
                         self.read_q_tokens(), requests)
 
     def _store_stats(self) -> dict[str, int]:
         """The block store's counters (a vLLM node opens its store when its worker first
         attaches: none before)."""
-        space = self.engine.space if isinstance(self.engine, VllmEngine) else self.space
+        space = self.engine.space if self.engine is not None else None
         return space.store.stats_dict() if space is not None else {}
 
     # ------------------------------------------------------------ running
@@ -352,9 +222,7 @@ class NodeDaemon:
     def read_q_tokens(self) -> int:
         """read_q: hit tokens queued or being read, plus those of requests this node will
         read but has not queued yet (the read queue's expectations)."""
-        if isinstance(self.engine, VllmEngine):
-            return self.engine.read_q_tokens
-        return self.space.read_queue.read_q_tokens
+        return self.engine.read_q_tokens()
 
     def _complete(self, rid: str, engine: EngineRank, stage: int, error: str = "",
                   suspect: str = "", final: bool = False) -> None:
@@ -378,11 +246,9 @@ class NodeDaemon:
     async def stop_request(self, rid: str, attempt: int, caller) -> bool:
         """Engine.CancelRequest: the caller stopped its ``attempt`` of ``rid`` (its
         writes into our memory ended); stop ours and return once they ended."""
-        if isinstance(self.path, DecodePath):
-            return await self.path.stop(rid, attempt, caller)
-        if isinstance(self.path, PrefillPath):
-            return await self.path.stop(rid, attempt)
-        return False
+        if self.path is None:
+            return False
+        return await self.path.stop(rid, attempt, caller)
 
     def spawn(self, coro) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro)
@@ -395,43 +261,20 @@ class NodeDaemon:
         gave it up, or the lease was lost)."""
         if self.path is not None:
             self.path.cancel(rid)
-        if isinstance(self.engine, EmulatedEngine):
-            self.space.read_queue.forget(rid)
+        self.engine.forget(rid)
         for e in self.ranks:
             e.tokens.pop(rid, None)
             e.reserved_blocks.pop(rid, None)
 
-    async def _await_vllm_worker(self) -> bool:
-        """A vLLM prefill / decode node: wait for its instance's worker to attach (the
-        KV space and the engine's KV blocks are known then), then make the leader.
-        False when the node was stopped first."""
-        eng = self.engine
-        log.info("%s: waiting for the vLLM instance's worker to attach (instance %s)",
-                 self.node_id, self.cfg.engine.vllm_url)
-        self.notifier.status(f"waiting for the vLLM worker of {self.cfg.engine.vllm_url}")
-        waiter = asyncio.ensure_future(eng.attached.wait())
-        stopper = asyncio.ensure_future(self.stop.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        for f in (waiter, stopper):
-            f.cancel()
-        if self.stop.is_set():
-            return False
-        w = next(iter(eng.workers.values()))
-        self.ranks[0].hbm.capacity = w.placement.num_units // eng.space.fmt.units
-        if isinstance(self.path, VllmPrefillPath):
-            self.path.bind()
-        else:
-            self.path.space = eng.space
-        self.leader = self._leader()
-        self._stack.push_async_callback(self.leader.close)
-        return True
-
     async def run_until_stopped(self) -> None:
         """Lead (PE/DE) until ``stop`` is set; then hand the work back (the leader's
         shutdown: pending completions, the node's tasks stopped, ReleaseGroup)."""
-        if (isinstance(self.engine, VllmEngine) and self.role != BOTH
-                and not await self._await_vllm_worker()):
-            return
+        if self.role != BOTH:
+            self.notifier.status("waiting for the engine to take work")
+            if not await self.engine.ready(self.stop):
+                return
+            self.leader = self._leader()
+            self._stack.push_async_callback(self.leader.close)
         leader = self.spawn(self.leader.run(self.stop)) if self.leader else None
         await self.stop.wait()
         log.info("%s: shutting down", self.node_id)
@@ -443,7 +286,7 @@ class NodeDaemon:
     async def _quiesce(self) -> None:
         """Sink reports on their way go out (bounded); then every task stops (a prefill
         tells its DE, after its writes ended, that its attempt is over)."""
-        if isinstance(self.path, DecodePath):
+        if self.path is not None:
             await self.path.flush(timeout_s=2.0)
         await self._cancel_tasks()
 
@@ -486,10 +329,8 @@ def _dump_tasks(node: NodeDaemon) -> None:
             chain.append(f"{c.cr_code.co_name}:{c.cr_frame.f_lineno}")
             c = c.cr_await
         log.info("task %s waits in %s (on %r)", t.get_name(), " > ".join(chain), c)
-    if isinstance(node.path, DecodePath):
-        for st in node.path.requests.values():
-            log.info("request %s: layers_done %d, load_error %r, tasks %s", st.request_id,
-                     st.layers_done, st.load_error, [(t.get_name(), t.done()) for t in st.tasks])
+    if node.path is not None:
+        node.path.dump(log)
 
 
 async def run(config: Config, role: str, node_id: str, scheduler: str, *,

@@ -45,11 +45,11 @@ class NodeMetrics:
         self.instance_cache_blocks = m.counter(
             registry, "dualpath_node_hit_blocks_in_instance_cache_total",
             "Hit blocks a vLLM prefill was not staged for: its instance's own prefix "
-            "cache held the whole hit (engine/instance_cache.py).")
+            "cache held the whole hit (engines/vllm/instance_cache.py).")
         self.held_by_instance = m.counter(
             registry, "dualpath_node_prompt_blocks_held_by_instance_total",
             "Prompt blocks a vLLM decode node asked not to be sent: its instance's own "
-            "prefix cache held them (engine/instance_cache.py).")
+            "prefix cache held them (engines/vllm/instance_cache.py).")
         self.partial_blocks_loaded = m.counter(
             registry, "dualpath_node_partial_prompt_blocks_loaded_total",
             "Prompts' partial last blocks a vLLM decode instance loaded from this node "
@@ -64,7 +64,7 @@ class NodeMetrics:
         self.fenced_blocks = m.gauge(
             registry, "dualpath_node_fenced_blocks",
             "Buffer or HBM blocks held back until the peer that may still write into them "
-            "says its writes ended (engine/fence.py).")
+            "says its writes ended (paths/fence.py).")
         self.transport = m.gauge(registry, "dualpath_node_transport_info",
                                  "1 for the transport KV bytes travel on (verbs or tcp), "
                                  "so a silent fallback to TCP shows on dashboards.",
@@ -78,7 +78,7 @@ class NodeMetrics:
             registry, "dualpath_node_layer_wait_seconds",
             "Time a PE's forward pass waited for one layer's hit KV to be in place "
             "(requests with a hit only; without layerwise loading one sample: all of it).")
-        # A PE's forward steps (the emulated engine: engine/forward.py).
+        # A PE's forward steps (the emulated engine: engines/emulated/forward.py).
         self.forward_steps = m.counter(registry, "dualpath_node_forward_steps_total",
                                        "Forward steps the PE's engines took together.")
         self.attention_s = m.counter(
@@ -100,7 +100,7 @@ class NodeMetrics:
         self.phase_s = m.histogram(registry, "dualpath_node_request_phase_seconds",
                                    "Time per request phase (prefill on PEs, decode on DEs).",
                                    ("phase",))
-        # The vLLM connector's side on this node (dualpath/engine/vllm_engine.py).
+        # The vLLM connector's side on this node (dualpath/engines/vllm/engine.py).
         self.connector_lookups = m.counter(
             registry, "dualpath_node_connector_lookups_total",
             "Prefix lookups of the local vLLM instance's scheduler.")

@@ -35,7 +35,7 @@ from dualpath.buffers.pool import Reservation
 from dualpath.errors import DualPathError
 from dualpath.tls import Identity
 
-log = logging.getLogger("dualpath.engine")
+log = logging.getLogger("dualpath.node")
 
 #: How long a fence asks its writer before it gives up asking (the memory stays held).
 ASK_FOR_S = 600.0

@@ -4,12 +4,12 @@ Kept for benchmarks at scale, where a real engine cannot run (and labelled emula
 wherever it reports). Each engine rank has an "HBM" region of the node's pinned memory,
 registered with the node's transfer engine as ``hbm<rank>`` and cut into slots (its
 placement is :meth:`EngineRank.placement`): Layer Block slots on a PE, whose forward
-allocates HBM a layer at a time (engine/forward.py), Full Block slots on a DE. Compute
+allocates HBM a layer at a time (engines/emulated/forward.py), Full Block slots on a DE. Compute
 is the cost model's time (dualpath/kv/cost.py: a PE's forward steps, a DE's decode
 steps), and computed KV is the deterministic synthetic KV of dualpath/kv/synth.py, so
 the DE can verify every byte.
 
-The real engine (vLLM) is dualpath/engine/vllm_engine.py: its ranks' memory belongs to
+The real engine (vLLM) is dualpath/engines/vllm/engine.py: its ranks' memory belongs to
 its worker processes and its compute is the model's. Both are seen by the paths through
 :class:`EngineRank` (identity, scheduler-facing counts, KV memory).
 
@@ -18,46 +18,19 @@ Threads: the node's event loop.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from dualpath.buffers.pool import BlockPool, Reservation
-from dualpath.engine.kvplan import BlockSpan, layer_runs
+from dualpath.buffers.pool import Reservation
 from dualpath.kv import cost
-from dualpath.kv.placement import KvFormat, KvPlacement
+from dualpath.kv.placement import KvFormat
 from dualpath.kv.profiles import ModelProfile
 from dualpath.kv.synth import SyntheticKV
-
-
-@dataclass
-class EngineRank:
-    """One engine (one GPU) of a node's group: what the scheduler sees of it (its
-    requests and the HBM promised to them) and where its KV lives."""
-
-    engine_id: str
-    rank: int
-    region: str                          # its KV memory's registered region
-    hbm: BlockPool
-    tokens: dict[str, int] = field(default_factory=dict)           # request -> prompt tokens
-    reserved_blocks: dict[str, int] = field(default_factory=dict)  # DE: HBM promised
-    slots: asyncio.Semaphore | None = None                         # PE: concurrent prefills
-
-    def placement(self, fmt: KvFormat) -> KvPlacement:
-        """Its HBM slots as a placement: Full Block slots (a DE's), or Layer Block slots
-        (a PE's, allocated a layer at a time: engine/forward.py)."""
-        if self.hbm.layout.layers == 1 < fmt.layers:
-            return KvPlacement.layer_slots(fmt, self.region, self.hbm.stride,
-                                           self.hbm.capacity)
-        return KvPlacement.full_blocks(fmt, self.region, self.hbm.stride, self.hbm.capacity)
-
-    def units(self, fmt: KvFormat, res: Reservation) -> list[int]:
-        return self.placement(fmt).units_of_slots(res.slots)
+from dualpath.paths.kvplan import BlockSpan, layer_runs
 
 
 class EmulatedEngine:

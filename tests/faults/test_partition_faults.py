@@ -9,7 +9,7 @@ ended" only once they did, so no slot serves another request while an old attemp
 bytes may still land in it. The audit that found the prefill node's partition giving
 wrong bytes (2 of 11 runs: a decode node answered the PE's cancel "not known" while its
 load still wrote into the PE's memory) ran this shape; the deterministic case of that
-race is tests/unit/test_engine_decode_order_race.py.
+race is tests/unit/test_paths_decode_order_race.py.
 
 Each case: the suite's promises (conftest.check: nothing lost, nothing twice, no wrong
 byte, failed attempts within the budget, the idle invariant at the end) and the node

@@ -49,7 +49,7 @@ from dualpath.paths.metrics import CountingLimiter, NodeMetrics, OwnedCounters, 
 from dualpath.paths.peers import PeerClient
 from dualpath.paths.ranks import EngineRank
 from dualpath.paths.resources import NodeResources
-from dualpath.paths.roles import BOTH, DECODE, ROLES
+from dualpath.roles import BOTH, DECODE, ROLES, CompletionStage
 from dualpath.sdnotify import Notifier
 from dualpath.stall import StallWatch
 from dualpath.storage.ratelimit import gbit_to_bytes_per_s
@@ -224,7 +224,7 @@ class NodeDaemon:
         read but has not queued yet (the read queue's expectations)."""
         return self.engine.read_q_tokens()
 
-    def _complete(self, rid: str, engine: EngineRank, stage: int, error: str = "",
+    def _complete(self, rid: str, engine: EngineRank, stage: CompletionStage, error: str = "",
                   suspect: str = "", final: bool = False) -> None:
         if self.leader is not None:
             self.leader.complete(rid, engine, stage, error, suspect, final)

@@ -43,7 +43,7 @@ from dualpath.errors import ConfigError, UsageError
 from dualpath.paths.assignment import Assignment
 from dualpath.paths.metrics import NodeMetrics
 from dualpath.paths.ranks import EngineRank
-from dualpath.paths.roles import DECODE, PREFILL, ROLE_PB
+from dualpath.roles import DECODE, PREFILL, CompletionStage
 from dualpath.rpc import CHANNEL_OPTIONS
 from dualpath.tls import TlsConfig
 from dualpath.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -80,6 +80,7 @@ MAX_ERROR_BYTES = 512
 RESULTS_PER_CALL = 256
 
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_ROLE_PB = {PREFILL: scheduler_pb2.ENGINE_ROLE_PREFILL, DECODE: scheduler_pb2.ENGINE_ROLE_DECODE}
 _RECORDED = (scheduler_pb2.REQUEST_STATE_DECODE_DONE, scheduler_pb2.REQUEST_STATE_REPORTED)
 
 
@@ -146,12 +147,12 @@ class Leader:
         with contextlib.suppress(Exception):
             await old.close()
 
-    def complete(self, rid: str, engine: EngineRank, stage: int, error: str = "",
+    def complete(self, rid: str, engine: EngineRank, stage: CompletionStage, error: str = "",
                  suspect: str = "", final: bool = False) -> None:
         """Queue a completion; it rides on the next fetch. Any completion ends this
         node's part of the request (PREFILL_DONE on a PE; DECODE_DONE or FAILED)."""
         self.completions.append(scheduler_pb2.Completion(
-            request_id=rid, engine_id=engine.engine_id, stage=stage,
+            request_id=rid, engine_id=engine.engine_id, stage=int(stage),
             attempt=self.attempts.pop(rid, 0),
             error=error.encode()[:MAX_ERROR_BYTES].decode(errors="ignore"),
             suspect_engine_id=suspect, final=final))
@@ -244,7 +245,7 @@ class Leader:
             for e in self.ranks]
         claims = self._claims()
         r = await self.scheduler.RegisterGroup(scheduler_pb2.RegisterGroupRequest(
-            group_id=self.node_id, role=ROLE_PB[self.role], engines=infos,
+            group_id=self.node_id, role=_ROLE_PB[self.role], engines=infos,
             storage_read_bytes_per_s=self.storage_read_bytes_per_s, running=claims),
             timeout=5)
         if self.profile_name is not None and r.model_profile and \
@@ -327,7 +328,7 @@ class Leader:
                 a = Assignment.from_pb(pb)
             except UsageError as err:
                 log.warning("%s: assignment %s refused: %s", self.node_id, pb.request_id, err)
-                self.complete(pb.request_id, e, scheduler_pb2.COMPLETION_STAGE_FAILED,
+                self.complete(pb.request_id, e, CompletionStage.FAILED,
                               error=f"assignment refused: {err}", suspect=e.engine_id)
                 continue
             self.path.assign(e, a)

@@ -201,7 +201,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         try:
             call = PrepareCall(request.request_id, request.decode_engine_id,
                                request.prefill_control_address, int(request.prompt_tokens),
-                               int(request.hit_tokens), request.read_side,
+                               int(request.hit_tokens),
                                Payload.decode(request.payload), ident, request.attempt,
                                int(request.decode_read_tokens))
             buffer, slots, held, base = await self.decode.prepare(call)

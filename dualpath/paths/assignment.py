@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dualpath.errors import UsageError
 from dualpath.paths.payload import Payload
-from dualpath.paths.roles import RS_DECODE, RS_NONE, RS_PREFILL, RS_SPLIT
+from dualpath.roles import ReadSide
 from dualpath.v1 import scheduler_pb2
 
 
@@ -17,7 +18,7 @@ class Assignment:
     request_id: str
     prefill_engine_id: str
     decode_engine_id: str
-    read_side: int                  # roles.RS_*
+    read_side: ReadSide
     prompt_tokens: int
     hit_tokens: int
     max_new_tokens: int
@@ -30,15 +31,21 @@ class Assignment:
 
     @classmethod
     def from_pb(cls, a: scheduler_pb2.Assignment) -> Assignment:
-        """Raises UsageError for a malformed payload (the leader fails that request)."""
-        return cls(a.request_id, a.prefill_engine_id, a.decode_engine_id, a.read_side,
+        """Raises UsageError for a malformed payload or read side (the leader fails that
+        request)."""
+        try:
+            side = ReadSide(a.read_side)
+        except ValueError:
+            raise UsageError(f"assignment of {a.request_id}: read side {a.read_side} "
+                             "names none") from None
+        return cls(a.request_id, a.prefill_engine_id, a.decode_engine_id, side,
                    int(a.prompt_tokens), int(a.hit_tokens), int(a.max_new_tokens),
                    int(a.prefill_read_tokens), int(a.decode_read_tokens),
                    a.decode_control_address, Payload.decode(a.payload), a.payload,
                    int(a.attempt))
 
 
-def split_blocks(read_policy: str, read_side: int, hit: int, prefill_read_tokens: int,
+def split_blocks(read_policy: str, read_side: ReadSide, hit: int, prefill_read_tokens: int,
                  decode_read_tokens: int, block_tokens: int) -> tuple[int, int]:
     """(blocks this PE reads, blocks the DE reads) of a ``hit``-block hit (pure)."""
     if hit <= 0 or read_policy == "none":
@@ -49,16 +56,11 @@ def split_blocks(read_policy: str, read_side: int, hit: int, prefill_read_tokens
         return 0, hit
     if read_policy == "split":
         return hit // 2, hit - hit // 2
-    if read_side == RS_DECODE:
+    if read_side == ReadSide.DECODE:
         return 0, hit
-    if read_side == RS_SPLIT:
+    if read_side == ReadSide.SPLIT:
         total = prefill_read_tokens + decode_read_tokens
         local = round(hit * prefill_read_tokens / total) if total else hit
         return local, hit - local
     return hit, 0
 
-
-def side_of(local: int, remote: int) -> int:
-    if local and remote:
-        return RS_SPLIT
-    return RS_PREFILL if local else RS_DECODE if remote else RS_NONE

@@ -49,9 +49,9 @@ from dualpath.paths.payload import Payload
 from dualpath.paths.peers import LoadOrder, PrefillReport, Timings, report_calls
 from dualpath.paths.ranks import EngineRank
 from dualpath.paths.resources import NodeResources
+from dualpath.roles import CompletionStage
 from dualpath.tls import Identity
 from dualpath.transfer.kvio import write_layers
-from dualpath.v1 import scheduler_pb2
 
 log = logging.getLogger("dualpath.node")
 
@@ -105,7 +105,6 @@ class PrepareCall:
     prefill_address: str
     prompt_tokens: int
     hit_tokens: int
-    read_side: int
     payload: Payload
     owner: Identity | None = None
     attempt: int = 0
@@ -444,7 +443,7 @@ class DecodePath:
             timings.finish_unix_s = timings.finish_unix_s or clock.unix_now()
             n.metrics.requests.labels("done").inc()
             n.metrics.phase_s.labels("decode").observe(time.monotonic() - t0)
-            stage, error = scheduler_pb2.COMPLETION_STAGE_DECODE_DONE, ""
+            stage, error = CompletionStage.DECODE_DONE, ""
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - reported, then requeued by the scheduler
@@ -453,7 +452,7 @@ class DecodePath:
             n.metrics.requests.labels("decode_failed").inc()
             timings.failed, timings.error = True, str(err)
             timings.finish_unix_s = clock.unix_now()
-            stage, error = scheduler_pb2.COMPLETION_STAGE_FAILED, str(err)
+            stage, error = CompletionStage.FAILED, str(err)
         finally:
             self.release_buffer(st)
             if self.requests.get(rid) is st:

@@ -5,6 +5,11 @@ chained prefix key (dualpath/kv/prefix.py); the trailing partial block, which is
 stored, is keyed by the same chain over its partial tokens, so the emulated engine's
 synthetic KV is as deterministic as the rest (and the DE can verify all of it).
 
+A :class:`PrefillPlan` is one attempt's plan on its PE, built once from the assignment:
+the prompt's blocks and the hit blocks each side reads; an engine that learns more (what
+is stored now, what its instance holds) derives a new one (:meth:`PrefillPlan.
+with_parts`), never edits it.
+
 A :class:`Route` is one path a request's KV takes between two memories: a placement and
 the request's units on each side (dualpath/kv/placement.py). Every WRITE of every read
 path comes from a route's :meth:`Route.runs`; nobody computes an offset by hand.
@@ -13,7 +18,7 @@ path comes from a route's :meth:`Route.runs`; nobody computes an offset by hand.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -41,6 +46,57 @@ def block_spans(tokens: np.ndarray, block_tokens: int) -> list[BlockSpan]:
         spans.append(BlockSpan(i, key, len(part)))
         parent = key
     return spans
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One attempt of a request on its PE: its prompt's blocks (``spans``, the partial
+    last one included) and which hit blocks each side reads: ``[0, local)`` this node,
+    ``[local, local + remote)`` the DE (paper §4: the PE read, the DE read, a split)."""
+
+    request_id: str
+    attempt: int
+    prompt_tokens: int
+    block_tokens: int
+    spans: tuple[BlockSpan, ...]
+    local: int
+    remote: int
+
+    @property
+    def hit_blocks(self) -> int:
+        return self.local + self.remote
+
+    @property
+    def keys(self) -> list[bytes]:
+        """Every prompt block's key, the partial last one's too."""
+        return [s.key for s in self.spans]
+
+    @property
+    def full_keys(self) -> list[bytes]:
+        """The prompt's full blocks' keys (what storage holds)."""
+        return [s.key for s in self.spans[:self.prompt_tokens // self.block_tokens]]
+
+    @property
+    def tail_keys(self) -> list[bytes]:
+        """The partial last block's key, if the prompt ends inside a block."""
+        return [self.spans[-1].key] if self.prompt_tokens % self.block_tokens else []
+
+    @property
+    def read_tokens(self) -> int:
+        """Hit tokens this node reads (its read queue counts them)."""
+        return self.local * self.block_tokens
+
+    @property
+    def decode_read_tokens(self) -> int:
+        """Hit tokens the DE reads for this node (PrepareRequest.decode_read_tokens)."""
+        return self.remote * self.block_tokens
+
+    def with_parts(self, local: int, remote: int) -> PrefillPlan:
+        """The same request, its hit read in other parts (never more than planned)."""
+        if local < 0 or remote < 0 or local + remote > self.hit_blocks:
+            raise ValueError(f"{self.request_id}: parts ({local}, {remote}) exceed the "
+                             f"planned hit of {self.hit_blocks} blocks")
+        return replace(self, local=local, remote=remote)
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:

@@ -62,7 +62,6 @@ class PrepareJob:
     prefill_address: str
     prompt_tokens: int
     hit_tokens: int
-    read_side: int
     payload: bytes
     attempt: int
     decode_read_tokens: int = 0     # the DE's part of the hit (node.proto)
@@ -181,7 +180,7 @@ class PeerClient:
             node_pb2.PrepareRequestRequest(
                 request_id=job.request_id, decode_engine_id=job.decode_engine_id,
                 prefill_control_address=job.prefill_address, prompt_tokens=job.prompt_tokens,
-                hit_tokens=job.hit_tokens, read_side=job.read_side, payload=job.payload,
+                hit_tokens=job.hit_tokens, payload=job.payload,
                 attempt=job.attempt, decode_read_tokens=job.decode_read_tokens),
             timeout=PREPARE_WAIT_S))
         if not r.slots:

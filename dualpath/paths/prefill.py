@@ -34,11 +34,12 @@ from dualpath import clock
 from dualpath.buffers.pool import PoolTooSmall
 from dualpath.paths.assignment import Assignment, split_blocks
 from dualpath.paths.errors import NeverFits, PeerUnavailable
+from dualpath.paths.kvplan import PrefillPlan, block_spans
 from dualpath.paths.kvspace import KvSpace
 from dualpath.paths.peers import PrefillReport
 from dualpath.paths.ranks import EngineRank
 from dualpath.paths.resources import NodeResources
-from dualpath.v1 import scheduler_pb2
+from dualpath.roles import CompletionStage
 
 log = logging.getLogger("dualpath.node")
 
@@ -67,12 +68,12 @@ class PrefillPath:
             _cancel_once(old)
             old_e.tokens.pop(rid, None)
         e.tokens[rid] = a.prompt_tokens
-        tokens = self._assigned_read_tokens(a)
-        if tokens:                  # (an older attempt's expectation ends either way)
-            self.space.read_queue.expect(rid, tokens)
+        plan = self.plan(a)
+        if plan.read_tokens:        # (an older attempt's expectation ends either way)
+            self.space.read_queue.expect(rid, plan.read_tokens)
         else:
             self.space.read_queue.forget(rid)
-        t = self.node.spawn(self._prefill(e, a, old))
+        t = self.node.spawn(self._prefill(e, a, plan, old))
         self.tasks[rid] = self.runs[(rid, a.attempt)] = t
         self.current[rid] = (a.attempt, e)
 
@@ -122,12 +123,17 @@ class PrefillPath:
         return split_blocks(p.read_policy, a.read_side, hit, a.prefill_read_tokens,
                             a.decode_read_tokens, T)
 
-    def _assigned_read_tokens(self, a: Assignment) -> int:
-        """Hit tokens of ``a`` this node reads: its read queue counts them from the
-        assignment on (prefill() sets them again for a round-robin one)."""
-        return self._parts(a)[0] * self.space.fmt.block_tokens
+    def plan(self, a: Assignment) -> PrefillPlan:
+        """``a``'s KV plan here (pure, once per attempt): its read queue counts the
+        plan's reads from the assignment on."""
+        T = self.space.fmt.block_tokens
+        local, remote = self._parts(a)
+        spans = block_spans(a.payload.token_ids(a.prompt_tokens, self.node.tokens), T)
+        return PrefillPlan(a.request_id, a.attempt, a.prompt_tokens, T, tuple(spans),
+                           local, remote)
 
-    async def _prefill(self, e: EngineRank, a: Assignment, after: asyncio.Task | None) -> None:
+    async def _prefill(self, e: EngineRank, a: Assignment, plan: PrefillPlan,
+                       after: asyncio.Task | None) -> None:
         n = self.node
         rid = a.request_id
         me = asyncio.current_task()
@@ -136,8 +142,8 @@ class PrefillPath:
             if after is not None:         # the older attempt's writes end first
                 await asyncio.wait([after])
             async with e.slots:
-                await self.prefill(e, a)
-            n.complete(rid, e, scheduler_pb2.COMPLETION_STAGE_PREFILL_DONE)
+                await self.prefill(e, a, plan)
+            n.complete(rid, e, CompletionStage.PREFILL_DONE)
             n.metrics.phase_s.labels("prefill").observe(time.monotonic() - t0)
         except asyncio.CancelledError:
             raise
@@ -145,7 +151,7 @@ class PrefillPath:
             log.warning("prefill of %s (attempt %d) on %s failed: %s", rid, a.attempt,
                         e.engine_id, err)
             n.metrics.requests.labels("prefill_failed").inc()
-            n.complete(rid, e, scheduler_pb2.COMPLETION_STAGE_FAILED, error=str(err),
+            n.complete(rid, e, CompletionStage.FAILED, error=str(err),
                        suspect=a.decode_engine_id if isinstance(err, PeerUnavailable)
                        else e.engine_id, final=isinstance(err, (NeverFits, PoolTooSmall)))
         finally:
@@ -155,8 +161,8 @@ class PrefillPath:
                 e.tokens.pop(rid, None)
                 self.space.read_queue.forget(rid)
 
-    async def prefill(self, e: EngineRank, a: Assignment) -> None:
-        """Prefill ``a`` on ``e`` (the engine's: dualpath/engines/); raises on failure,
+    async def prefill(self, e: EngineRank, a: Assignment, plan: PrefillPlan) -> None:
+        """Prefill ``a`` on ``e`` by ``plan`` (the engine's: dualpath/engines/); raises on failure,
         after every WRITE it started has finished (none still reads or writes its
         memory, or the memory is fenced until the DE says its writes ended)."""
         raise NotImplementedError

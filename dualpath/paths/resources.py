@@ -18,15 +18,16 @@ from dualpath.paths.metrics import CountingLimiter, NodeMetrics
 from dualpath.paths.payload import TokenSource
 from dualpath.paths.peers import PeerClient
 from dualpath.paths.ranks import EngineRank
+from dualpath.roles import CompletionStage
 from dualpath.transfer import TransferEngine
 
 
 class Complete(Protocol):
-    """Queue a completion (COMPLETION_STAGE_*) for the leader's next fetch; a FAILED one
+    """Queue a completion (a CompletionStage) for the leader's next fetch; a FAILED one
     says why and, when known, which engine is to blame ("" = unknown: both sides);
     ``final``: no attempt can succeed (the scheduler ends the request, no retry)."""
 
-    def __call__(self, rid: str, engine: EngineRank, stage: int, error: str = "",
+    def __call__(self, rid: str, engine: EngineRank, stage: CompletionStage, error: str = "",
                  suspect: str = "", final: bool = False) -> None: ...
 
 

@@ -36,6 +36,7 @@ from dualpath.kv import cost
 from dualpath.kv.profiles import get_profile
 from dualpath.paths.assignment import split_blocks
 from dualpath.paths.payload import MODE_READ_POLICY, MODES
+from dualpath.roles import ReadSide
 from dualpath.scheduler.config import SchedulerConfig
 from dualpath.scheduler.core import (
     Completion,
@@ -467,7 +468,7 @@ class SimCluster:
             else:
                 de.node.in_prefill_queue -= 1
                 self.loop.at(at, self._assigned, r, self.engines[a.pe.engine_id], de,
-                             int(a.read_side),
+                             a.read_side,
                              a.prefill_read_tokens, a.decode_read_tokens)
         self.loop.at(at + self.hw.fetch_interval_s, self._tick, ld)
 
@@ -482,7 +483,8 @@ class SimCluster:
 
     # ------------------------------------------------------------ PE path
 
-    def _assigned(self, r: SimRequest, pe, de, read_side: int, prt: int, drt: int) -> None:
+    def _assigned(self, r: SimRequest, pe, de, read_side: ReadSide, prt: int,
+                  drt: int) -> None:
         r.pe, r.de = pe, de           # (the DE leader's placement may arrive later)
         pe.tokens[r.request_id] = r.prompt
         pe.tok += r.prompt

@@ -66,7 +66,7 @@ out["exchange"] = call("exchange", lambda: eng.ExchangeEndpoint(
 rid = spec.get("request", "r-attack")
 out["prepare"] = call("prepare", lambda: node.PrepareRequest(node_pb2.PrepareRequestRequest(
     request_id=rid, decode_engine_id="d0/e0", prefill_control_address="10.0.0.1:1",
-    prompt_tokens=spec.get("prompt_tokens", 100), hit_tokens=0, read_side=1,
+    prompt_tokens=spec.get("prompt_tokens", 100), hit_tokens=0,
     payload=payload), timeout=10))
 out["done"] = call("done", lambda: node.PrefillDone(node_pb2.PrefillDoneRequest(
     request_id=rid), timeout=10))

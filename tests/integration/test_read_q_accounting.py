@@ -25,8 +25,9 @@ from dualpath.paths.assignment import Assignment
 from dualpath.paths.payload import Payload
 from dualpath.paths.peers import PeerClient, PrepareJob
 from dualpath.paths.prefill import PrefillPath
-from dualpath.paths.roles import RS_DECODE, RS_PREFILL, RS_SPLIT
+from dualpath.roles import ReadSide
 from dualpath.storage.read_queue import ReadQueue
+from dualpath.trace.model import trajectory_token_ids
 from dualpath.transfer.oob_grpc import GrpcChannels
 from tests.integration.de_node import decode_node
 
@@ -47,19 +48,19 @@ def test_the_de_counts_its_part_of_a_split_read_from_prepare_on(tmp_path):
 
 
 async def _prepares(de, peers: PeerClient) -> None:
-    def job(rid, side, part):
+    def job(rid, part):
         payload = Payload("t0", 0, PROMPT, HIT, 1).encode()
-        return PrepareJob(rid, "d0/e0", "127.0.0.1:9", PROMPT, HIT, side, payload,
+        return PrepareJob(rid, "d0/e0", "127.0.0.1:9", PROMPT, HIT, payload,
                           1, part)
     assert de.read_q_tokens() == 0
-    await peers.prepare(de.address, job("split", RS_SPLIT, 64))
+    await peers.prepare(de.address, job("split", 64))
     assert de.read_q_tokens() == 64              # its part, not 0 nor the hit
-    await peers.prepare(de.address, job("whole", RS_DECODE, HIT))
+    await peers.prepare(de.address, job("whole", HIT))
     assert de.read_q_tokens() == 64 + HIT
-    await peers.prepare(de.address, job("pe", RS_PREFILL, 0))
+    await peers.prepare(de.address, job("pe", 0))
     assert de.read_q_tokens() == 64 + HIT
     with pytest.raises(DualPathError, match="INVALID_ARGUMENT.*decode_read_tokens"):
-        await peers.prepare(de.address, job("big", RS_DECODE, HIT + 64))
+        await peers.prepare(de.address, job("big", HIT + 64))
     assert de.read_q_tokens() == 64 + HIT        # a refused one counts nothing
 
 
@@ -77,7 +78,7 @@ def _path(cls, block_tokens: int = 64):
         coro.close()
         spawned.append(coro)
         return SimpleNamespace(done=lambda: False)
-    node = SimpleNamespace(spawn=spawn)
+    node = SimpleNamespace(spawn=spawn, tokens=trajectory_token_ids)
     path = cls.__new__(cls)
     PrefillPath.__init__(path, node, SimpleNamespace(
         read_queue=ReadQueue(store=SimpleNamespace(
@@ -87,14 +88,14 @@ def _path(cls, block_tokens: int = 64):
 
 
 @pytest.mark.parametrize("cls, side, pe, de, want", [
-    (EmulatedPrefillPath, RS_PREFILL, HIT, 0, HIT),
-    (EmulatedPrefillPath, RS_DECODE, 0, HIT, 0),
-    (EmulatedPrefillPath, RS_SPLIT, 128, 64, 128),    # a PE reads its part of a split only
-    (EmulatedPrefillPath, RS_SPLIT, 64, 128, 64),
-    (VllmPrefillPath, RS_PREFILL, HIT, 0, HIT),
-    (VllmPrefillPath, RS_DECODE, 0, HIT, 0),
-    (VllmPrefillPath, RS_SPLIT, 128, 64, 128),
-    (VllmPrefillPath, RS_SPLIT, 64, 128, 64),
+    (EmulatedPrefillPath, ReadSide.PREFILL, HIT, 0, HIT),
+    (EmulatedPrefillPath, ReadSide.DECODE, 0, HIT, 0),
+    (EmulatedPrefillPath, ReadSide.SPLIT, 128, 64, 128),    # a PE reads its part of a split only
+    (EmulatedPrefillPath, ReadSide.SPLIT, 64, 128, 64),
+    (VllmPrefillPath, ReadSide.PREFILL, HIT, 0, HIT),
+    (VllmPrefillPath, ReadSide.DECODE, 0, HIT, 0),
+    (VllmPrefillPath, ReadSide.SPLIT, 128, 64, 128),
+    (VllmPrefillPath, ReadSide.SPLIT, 64, 128, 64),
 ])
 def test_the_pe_counts_its_part_from_the_assignment_on(cls, side, pe, de, want):
     path = _path(cls)

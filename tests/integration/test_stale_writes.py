@@ -29,7 +29,6 @@ from dualpath.node.daemon import NodeDaemon
 from dualpath.node.servicers import new_server
 from dualpath.paths.payload import Payload
 from dualpath.paths.peers import LoadOrder, PeerClient, PrefillReport, PrepareJob
-from dualpath.paths.roles import RS_NONE
 from dualpath.transfer import TransferEngine
 from dualpath.transfer.oob_grpc import GrpcChannels, GrpcOutOfBand
 from dualpath.v1 import engine_pb2, engine_pb2_grpc
@@ -92,7 +91,7 @@ async def _run(de: NodeDaemon, pe: TransferEngine, pe_addr: str, peers: PeerClie
     src_place = KvPlacement.full_blocks(fmt, "src", pool.stride, 4)
 
     def job(attempt):
-        return PrepareJob(rid, eng, pe_addr, PROMPT, 0, RS_NONE, payload, attempt)
+        return PrepareJob(rid, eng, pe_addr, PROMPT, 0, payload, attempt)
 
     old = await peers.prepare(de.address, job(1))
     new = await peers.prepare(de.address, job(2))        # the scheduler's next attempt

@@ -28,7 +28,7 @@ from dualpath.paths.payload import Payload
 from dualpath.paths.peers import Prepared
 from dualpath.paths.ranks import EngineRank
 from dualpath.paths.resources import NodeResources
-from dualpath.paths.roles import RS_NONE
+from dualpath.roles import ReadSide
 from dualpath.trace.model import trajectory_token_ids
 
 LAYOUT = BlockLayout(layers=4, tokens=8, token_bytes=16)
@@ -91,7 +91,7 @@ def _prefill_path(events, peers_cancel):
     e = EngineRank("p0/e0", 0, "hbm0", hbm)
     forward = PrefillForward(profile, KvFormat.flat(LAYOUT), [e], ProfileEstimate(profile))
     payload = Payload("t0", 0, prompt_tokens=8, hit_tokens=0, gen_tokens=1)
-    a = Assignment("r1", "p0/e0", "d0/e0", RS_NONE, 8, 0, 1, 0, 0, "de:1", payload,
+    a = Assignment("r1", "p0/e0", "d0/e0", ReadSide.NONE, 8, 0, 1, 0, 0, "de:1", payload,
                    payload.encode())
     return EmulatedPrefillPath(node, pe_space, engine, forward), e, a, forward
 
@@ -105,7 +105,7 @@ def test_failed_prefill_waits_for_in_flight_pushes_before_releasing_hbm():
             return True
         path, e, a, forward = _prefill_path(events, cancel)
         with pytest.raises(RuntimeError, match="injected"):
-            await path.prefill(e, a)
+            await path.prefill(e, a, path.plan(a))
         await forward.close()
 
     asyncio.run(main())
@@ -128,7 +128,7 @@ def test_a_cancel_while_the_de_is_told_still_releases_the_pe_buffer():
             return True
         path, e, a, forward = _prefill_path(events, cancel)
         pool = path.space.pool
-        t = asyncio.ensure_future(path.prefill(e, a))
+        t = asyncio.ensure_future(path.prefill(e, a, path.plan(a)))
         await asyncio.wait_for(telling.wait(), 30)
         assert pool.free < pool.capacity         # its slots are still taken
         t.cancel()                               # the scheduler's cancel lands now

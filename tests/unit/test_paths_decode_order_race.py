@@ -221,7 +221,7 @@ def _preparing_path():
                               token_ids=lambda n, source: list(range(n)))
 
     def call(attempt, owner=None):
-        return PrepareCall("r1", "de/e0", "pe", 8, 4, 0, payload, attempt=attempt,
+        return PrepareCall("r1", "de/e0", "pe", 8, 4, payload, attempt=attempt,
                            owner=owner)
     return d, call
 

@@ -13,19 +13,19 @@ from dualpath.engines.vllm.prefill import VllmPrefillPath
 from dualpath.engines.vllm.stage import Stage
 from dualpath.paths.assignment import split_blocks
 from dualpath.paths.layers import BothReady, LocalArrivals
-from dualpath.paths.roles import RS_DECODE, RS_PREFILL, RS_SPLIT
+from dualpath.roles import ReadSide
 from dualpath.storage import BlockStore
 from dualpath.vllm.scheduler_side import dualpath_params
 
 
 @pytest.mark.parametrize("policy, side, pe, de, want", [
-    ("prefill", RS_DECODE, 0, 0, (10, 0)),
-    ("decode", RS_PREFILL, 0, 0, (0, 10)),
-    ("split", RS_PREFILL, 0, 0, (5, 5)),
-    ("none", RS_PREFILL, 0, 0, (0, 0)),
-    ("scheduler", RS_PREFILL, 1280, 0, (10, 0)),
-    ("scheduler", RS_DECODE, 0, 1280, (0, 10)),
-    ("scheduler", RS_SPLIT, 384, 896, (3, 7)),     # the scheduler's split, in blocks
+    ("prefill", ReadSide.DECODE, 0, 0, (10, 0)),
+    ("decode", ReadSide.PREFILL, 0, 0, (0, 10)),
+    ("split", ReadSide.PREFILL, 0, 0, (5, 5)),
+    ("none", ReadSide.PREFILL, 0, 0, (0, 0)),
+    ("scheduler", ReadSide.PREFILL, 1280, 0, (10, 0)),
+    ("scheduler", ReadSide.DECODE, 0, 1280, (0, 10)),
+    ("scheduler", ReadSide.SPLIT, 384, 896, (3, 7)),     # the scheduler's split, in blocks
 ])
 def test_the_read_side_becomes_blocks_per_side(policy, side, pe, de, want):
     assert split_blocks(policy, side, 10, pe, de, 128) == want

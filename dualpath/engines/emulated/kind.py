@@ -26,8 +26,8 @@ from dualpath.paths.decode import DecodePath
 from dualpath.paths.kvspace import KvSpace
 from dualpath.paths.prefill import PrefillPath
 from dualpath.paths.ranks import EngineRank
-from dualpath.paths.roles import DECODE, PREFILL
 from dualpath.paths.writeback import WriteBack
+from dualpath.roles import DECODE, PREFILL
 from dualpath.storage.read_queue import ReadQueue
 
 log = logging.getLogger("dualpath.node")

@@ -44,9 +44,9 @@ from dualpath.engines.emulated.engine import EmulatedEngine
 from dualpath.engines.emulated.forward import PrefillForward
 from dualpath.errors import TransferError
 from dualpath.kv.placement import KvPlacement, LayerMove
-from dualpath.paths.assignment import Assignment, side_of
+from dualpath.paths.assignment import Assignment
 from dualpath.paths.errors import PeerUnavailable
-from dualpath.paths.kvplan import BlockSpan, Route, block_spans
+from dualpath.paths.kvplan import BlockSpan, PrefillPlan, Route
 from dualpath.paths.kvspace import KvSpace
 from dualpath.paths.peers import LoadOrder, PrefillReport, PrepareJob
 from dualpath.paths.prefill import PrefillPath
@@ -65,15 +65,15 @@ class EmulatedPrefillPath(PrefillPath):
         self.forward = forward
         self._rr = itertools.count()
 
-    async def prefill(self, e: EngineRank, a: Assignment) -> None:
-        """Prefill ``a`` on ``e`` (see the module docstring)."""
+    async def prefill(self, e: EngineRank, a: Assignment, plan: PrefillPlan) -> None:
+        """Prefill ``a`` on ``e`` by ``plan`` (see the module docstring)."""
         n, space = self.node, self.space
         fmt = space.fmt
         p = a.payload
-        local, remote = self._parts(a)
-        if p.read_policy == "round_robin" and remote + local:
-            both = local + remote
-            local, remote = (both, 0) if next(self._rr) % 2 == 0 else (0, both)
+        if p.read_policy == "round_robin" and plan.hit_blocks:
+            both = plan.hit_blocks
+            plan = plan.with_parts(*((both, 0) if next(self._rr) % 2 == 0 else (0, both)))
+        local, remote = plan.local, plan.remote
         T, L, k = fmt.block_tokens, fmt.layers, fmt.units
         rid, prompt, hit = a.request_id, a.prompt_tokens, a.hit_tokens
         if local:
@@ -81,18 +81,17 @@ class EmulatedPrefillPath(PrefillPath):
         else:
             space.read_queue.forget(rid)
         de = a.decode_address
-        spans = block_spans(p.token_ids(prompt, n.tokens), T)
-        keys = [s.key for s in spans]
-        nb, hit_blocks = len(spans), local + remote
+        spans, keys = list(plan.spans), plan.keys
+        nb, hit_blocks = len(spans), plan.hit_blocks
         layerwise = p.layerwise and n.cfg.engine.layerwise
         assigned = clock.unix_now()
         prep = watch = pebuf = None
         finished = False
         try:
             prep = await n.peers.prepare(de, PrepareJob(rid, a.decode_engine_id, n.address,
-                                                        prompt, hit, side_of(local, remote),
+                                                        prompt, hit,
                                                         a.payload_bytes, a.attempt,
-                                                        remote * T))
+                                                        plan.decode_read_tokens))
             report = PrefillReport(rid, e.engine_id, n.node_id, 0.0, 0, (0.0, 0.0),
                                    a.attempt, hit)
             if p.oracle:                       # the hit is "in HBM": nothing moves

@@ -34,12 +34,18 @@ log = logging.getLogger("dualpath.node")
 
 
 class VllmDecoder:
-    """``run(st, done, timings)`` for DecodePath (see the module docstring)."""
+    """A vLLM decode node's :class:`~dualpath.paths.decode.Decoder` (see the module
+    docstring)."""
 
     def __init__(self, node, engine: VllmEngine, instance: VllmInstance):
         self.node = node
         self.engine = engine
         self.instance = instance
+
+    def moves_kv(self, p) -> bool:
+        """A real engine's decode needs its prompt's KV in any mode (an oracle request
+        only skips storage reads)."""
+        return True
 
     async def run(self, st, done: PrefillReport, timings: Timings) -> None:
         p = st.payload

@@ -28,7 +28,7 @@ from dualpath.paths.decode import DecodePath
 from dualpath.paths.kvspace import KvSpace
 from dualpath.paths.prefill import PrefillPath
 from dualpath.paths.ranks import EngineRank
-from dualpath.paths.roles import BOTH, DECODE, PREFILL
+from dualpath.roles import BOTH, DECODE, PREFILL
 from dualpath.v1 import connector_pb2_grpc
 
 log = logging.getLogger("dualpath.node")

@@ -40,14 +40,14 @@ from dualpath.engines.vllm.engine import VllmEngine
 from dualpath.engines.vllm.instance import InstanceError, VllmInstance
 from dualpath.engines.vllm.stage import AllAtOnce, Stage
 from dualpath.errors import DualPathError, TransferError
-from dualpath.paths.assignment import Assignment, side_of, split_blocks
+from dualpath.paths.assignment import Assignment, split_blocks
 from dualpath.paths.errors import PeerUnavailable
-from dualpath.paths.kvplan import block_spans
+from dualpath.paths.kvplan import PrefillPlan
 from dualpath.paths.layers import BothReady, LayerSource, LocalArrivals, RemoteWatch
 from dualpath.paths.peers import LoadOrder, PrefillReport, PrepareJob
 from dualpath.paths.prefill import PrefillPath
 from dualpath.paths.ranks import EngineRank
-from dualpath.paths.roles import RS_SPLIT
+from dualpath.roles import ReadSide
 from dualpath.transfer.kvio import write_layers
 
 log = logging.getLogger("dualpath.node")
@@ -61,7 +61,7 @@ class VllmPrefillPath(PrefillPath):
         self.vllm = engine
         self.instance = instance
 
-    async def prefill(self, e: EngineRank, a: Assignment) -> None:
+    async def prefill(self, e: EngineRank, a: Assignment, plan: PrefillPlan) -> None:
         assigned = clock.unix_now()              # the request's queueing ends here
         n, eng, space = self.node, self.vllm, self.vllm.space
         fmt = space.fmt
@@ -69,28 +69,27 @@ class VllmPrefillPath(PrefillPath):
         p = a.payload
         rid, prompt, de = a.request_id, a.prompt_tokens, a.decode_address
         ids = p.token_ids(prompt, n.tokens)
-        spans = block_spans(ids, T)
-        keys = [s.key for s in spans[:prompt // T]]         # the full blocks
+        spans, keys = plan.spans, plan.full_keys
         # The partial last block: the instance saves its tokens too, and they go to the
         # DE with the rest, so the decode instance computes the first token only, not
         # the prompt's last block again (docs/vllm.md, "The partial last block").
-        tail = [spans[-1].key] if prompt % T else []
-        local, remote = self._parts(a)
-        if self._in_instance(keys[:local + remote], p.cache_salt):
+        tail = plan.tail_keys
+        if self._in_instance(keys[:plan.hit_blocks], p.cache_salt):
             # The instance's own prefix cache holds the whole hit: stage none of it. Its
             # saves send the prompt blocks on to the DE (those its instance does not hold:
             # the connector saves past the staged and the unsent blocks); where the hint
             # was wrong, vLLM computes.
-            n.metrics.instance_cache_blocks.inc(local + remote)
+            n.metrics.instance_cache_blocks.inc(plan.hit_blocks)
             self.space.read_queue.forget(rid)      # the reads expected since assign()
-            local = remote = 0
-        planned = local + remote
-        if local and remote:
-            local, remote = await self._split_stored(keys[:planned], local, remote)
-        elif local and p.read_policy in ("scheduler", "round_robin"):
+            plan = plan.with_parts(0, 0)
+        planned = plan.hit_blocks
+        if plan.local and plan.remote:
+            plan = plan.with_parts(*await self._split_stored(keys[:planned], plan.local,
+                                                             plan.remote))
+        elif plan.local and p.read_policy in ("scheduler", "round_robin"):
             # (A forced read side, an ablation's, is kept as it was asked.)
-            local, remote = await self._tail_to_decode(keys[:local])
-        hit = local + remote
+            plan = plan.with_parts(*await self._tail_to_decode(keys[:plan.local]))
+        local, remote, hit = plan.local, plan.remote, plan.hit_blocks
         prep = stage = res = reader = out = None
         watch: RemoteWatch | None = None
         finished = False
@@ -98,7 +97,7 @@ class VllmPrefillPath(PrefillPath):
         try:
             prep = await n.peers.prepare(de, PrepareJob(
                 rid, a.decode_engine_id, n.address, prompt, a.hit_tokens,
-                side_of(local, remote), a.payload_bytes, a.attempt, remote * T))
+                a.payload_bytes, a.attempt, plan.decode_read_tokens))
             if prep.buffer is None or prep.base + len(prep.slots) != len(spans):
                 raise PeerUnavailable(f"{rid}: the DE prepared {len(prep.slots)} blocks "
                                       f"from block {prep.base}, {len(spans)} needed")
@@ -255,7 +254,7 @@ class VllmPrefillPath(PrefillPath):
             return local, remote
         # The scheduler's split of ``stored`` blocks, as _parts cut the whole hit (the
         # parts, in blocks, are the ratio; the rounding is the same).
-        return split_blocks("scheduler", RS_SPLIT, stored, local, remote, 1)
+        return split_blocks("scheduler", ReadSide.SPLIT, stored, local, remote, 1)
 
 
 def first_token_sampling(s: dict) -> dict:

@@ -29,26 +29,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from dualpath.roles import CompletionStage, ReadSide
+
 # Enum values equal the protobuf enum values of dualpath.v1 (the RPC edge casts).
 
 
 class Role(IntEnum):
     PREFILL = 1
     DECODE = 2
-
-
-class ReadSide(IntEnum):
-    UNSPECIFIED = 0   # DE chosen, PE not yet
-    NONE = 1          # no prefix hit: nothing to read
-    PREFILL = 2       # the PE's node reads
-    DECODE = 3        # the DE's node reads
-    SPLIT = 4         # both nodes read a part
-
-
-class CompletionStage(IntEnum):
-    PREFILL_DONE = 1
-    DECODE_DONE = 2
-    FAILED = 3
 
 
 class Stage(IntEnum):

@@ -1,4 +1,5 @@
-"""BlockStore: Full Blocks as files in a POSIX directory, crash-safe and checksummed.
+"""BlockStore: Full Blocks as files in a POSIX directory, crash-safe and checksummed
+(the POSIX :class:`~dualpath.storage.backend.BlockBackend`).
 
 The directory is local by default; in a cluster it is any shared mount every node sees
 (3FS FUSE, CephFS, Lustre, NFS). Files are named by block key and fanned out into two
@@ -56,7 +57,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,6 +71,7 @@ from dualpath.aio import to_the_end
 from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import ModelProfile
+from dualpath.storage.backend import StoredBlock
 from dualpath.storage.errors import StorageError
 from dualpath.storage.format import (
     HEADER_BYTES,
@@ -768,6 +770,43 @@ class BlockStore:
                             "using buffered reads", self.dir, os.strerror(e.errno))
 
     # --- maintenance --------------------------------------------------------------------
+    def walk(self) -> Iterator[StoredBlock]:
+        """Every block file of the store, in no order: its key, size and mtime (for
+        eviction and scrubs). Only the fan-out layout's own names are listed; symlinks
+        are never followed, temp and quarantined files are skipped, and a file that
+        goes away meanwhile is simply not listed."""
+        hexdigits = set("0123456789abcdef")
+
+        def fan(path: str) -> Iterator[os.DirEntry]:
+            try:
+                with os.scandir(path) as it:
+                    for e in it:
+                        if len(e.name) == 2 and set(e.name) <= hexdigits and \
+                                e.is_dir(follow_symlinks=False):
+                            yield e
+            except (FileNotFoundError, NotADirectoryError):
+                return
+        name_len = 32 + len(SUFFIX)
+        for top in fan(str(self.dir)):
+            for sub in fan(top.path):
+                try:
+                    with os.scandir(sub.path) as it:
+                        for e in it:
+                            n = e.name
+                            if len(n) != name_len or not n.endswith(SUFFIX) or \
+                                    not set(n[:32]) <= hexdigits or \
+                                    n[:4] != top.name + sub.name:
+                                continue
+                            try:
+                                st = e.stat(follow_symlinks=False)
+                            except FileNotFoundError:
+                                continue
+                            if stat.S_ISREG(st.st_mode):
+                                yield StoredBlock(bytes.fromhex(n[:32]), st.st_size,
+                                                  st.st_mtime)
+                except FileNotFoundError:
+                    continue
+
     def sweep_temp(self, max_age_s: float = 600.0) -> int:
         """Remove ``.tmp`` files older than ``max_age_s`` (writers that died); returns count.
 

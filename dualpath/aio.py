@@ -50,3 +50,16 @@ def retrieved(f: asyncio.Future) -> asyncio.Future:
     asyncio logs "exception was never retrieved" with a traceback."""
     f.add_done_callback(lambda x: x.cancelled() or x.exception())
     return f
+
+
+async def all_landed(aws) -> list:
+    """``gather(*aws)`` of reads on the store's pool, returning (or raising the first
+    error) only once every one has ended: a pool thread keeps writing into its buffer,
+    and reading its block's descriptor, after whoever awaited it was cancelled or saw
+    another read fail. So a cancelled caller waits for them before it raises, and the
+    slots they fill are not given back, nor their descriptors closed, under them."""
+    out = await to_the_end(asyncio.gather(*aws, return_exceptions=True))
+    for x in out:
+        if isinstance(x, BaseException):
+            raise x
+    return out

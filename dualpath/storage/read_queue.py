@@ -16,6 +16,12 @@ for a prefill slot or buffer space), or it piles more work on a queue that only 
 short: :meth:`ReadQueue.expect` counts a request's tokens until its ``read()`` queues
 them (or :meth:`ReadQueue.forget` drops them), so ``read_q_tokens`` holds both.
 
+Layer by layer (:meth:`ReadQueue.open_layers`): a vLLM node reads its own part of a hit
+a layer at a time, so layer 0 is in place after 1/L of the read and the rest overlaps
+the engine's compute. Those reads go through here too: their bytes from the same
+limiter, a layer of all the request's blocks at a time, and their tokens in read_q
+until they landed.
+
 Request lifecycle: ``read()`` enqueues blocks -> readers take them FIFO -> each block
 lands (hit or miss) -> ``read()`` returns. Only a request's leading intact blocks are
 usable, so once one of its blocks is a miss its blocks still queued are not read (they
@@ -29,9 +35,12 @@ in-flight blocks before returning: once it returns, nothing writes to its buffer
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from dualpath.aio import all_landed
 from dualpath.errors import UsageError
 from dualpath.storage.format import HEADER_BYTES
 from dualpath.storage.ratelimit import RateLimiter
@@ -232,6 +241,27 @@ class ReadQueue:
                     j.result.set_result(False)
         return [j for j, ok in zip(jobs, found) if ok]
 
+    async def open_layers(self, keys: Sequence[bytes], *, request_id: str = "") -> LayerRead:
+        """Open ``keys`` for a read layer by layer (the store must be ``layered()``):
+        the leading blocks found (a missing one ends them) are opened, counted in read_q
+        from now until :meth:`LayerRead.run` read them or :meth:`LayerRead.close`.
+        ``request_id``'s expectation, if any, ends here."""
+        store = self.store
+        self.forget(request_id)
+        opened = await all_landed(store.arun(store.open_block, k) for k in keys)
+        found = next((i for i, b in enumerate(opened) if b is None), len(keys))
+        for b in opened[found:]:
+            if b is not None:
+                store.close_block(b)             # past the hole: unused
+        read = LayerRead(self, opened[:found])
+        self._tokens += found * self.block_tokens
+        self._blocks += found
+        return read
+
+    def _landed(self, blocks: int) -> None:
+        self._tokens -= blocks * self.block_tokens
+        self._blocks -= blocks
+
     async def close(self) -> None:
         """Stop the readers (idempotent); call when no ``read()`` is pending."""
         for t in self._readers:
@@ -240,3 +270,61 @@ class ReadQueue:
             await asyncio.gather(*self._readers, return_exceptions=True)
         self._readers = []
         self._queue = None
+
+
+class LayerRead:
+    """Blocks opened for a read layer by layer (:meth:`ReadQueue.open_layers`); its
+    owner runs it once or closes it."""
+
+    def __init__(self, queue: ReadQueue, blocks: list):
+        self.queue, self.blocks = queue, blocks
+        self.found = len(blocks)
+
+    async def run(self, outs: Sequence[np.ndarray], layers: int, layer_bytes: int,
+                  landed: Callable[[int], None],
+                  as_read: Callable[[int, np.ndarray], np.ndarray] | None = None
+                  ) -> list[bool]:
+        """Read every block into its Full Block buffer ``outs[i]``, layer ``l`` of all of
+        them before layer ``l + 1`` (each layer's bytes from the limiter first);
+        ``landed(l + 1)`` once layer ``l`` of every block is in. Then each block's
+        payload is verified (``as_read(i, outs[i])``: the bytes to check, by default
+        ``outs[i]``): True per block that was read whole and intact. On an error or a
+        cancel, returns or raises only once no read writes into ``outs`` any more."""
+        q, store, blocks = self.queue, self.queue.store, self.blocks
+        if len(outs) != len(blocks):
+            raise UsageError(f"{len(blocks)} blocks opened but {len(outs)} buffers")
+        # One pool job reads a layer of several blocks (a job per block and layer cost
+        # the loop ~1,000 executor round trips for a 2K-token SmolLM2 hit), as many jobs
+        # per layer as the pool has readers, so the disk still sees that many reads.
+        n = len(blocks)
+        per = -(-n // store.read_workers) if n else 1
+        chunks = [range(j, min(j + per, n)) for j in range(0, n, per)]
+        lb = layer_bytes
+
+        def read_chunk(chunk: range, layer: int) -> list[bool]:
+            return [store.read_layer(blocks[i], layer,
+                                     outs[i][layer * lb:(layer + 1) * lb]) for i in chunk]
+        good = [True] * n
+        try:
+            for layer in range(layers):
+                if q.limiter is not None:
+                    await q.limiter.acquire(lb * n)
+                got = await all_landed(store.arun(read_chunk, c, layer) for c in chunks)
+                for i, g in enumerate(g for part in got for g in part):
+                    good[i] = good[i] and g
+                landed(layer + 1)
+            return await all_landed(
+                store.arun(store.finish_block, b,
+                           as_read(i, outs[i]) if as_read is not None else outs[i], good[i])
+                for i, b in enumerate(blocks))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the blocks (those not verified: unread) and take them out of read_q
+        (idempotent)."""
+        for b in self.blocks:
+            self.queue.store.close_block(b)
+        if self.found:
+            self.queue._landed(self.found)
+            self.found = 0

@@ -237,7 +237,7 @@ def test_a_second_cancel_does_not_end_the_wait_for_pool_reads():
     import threading
     import time
 
-    from dualpath.engines.vllm.engine import _all_landed
+    from dualpath.aio import all_landed
 
     async def main():
         running = threading.Event()
@@ -249,7 +249,7 @@ def test_a_second_cancel_does_not_end_the_wait_for_pool_reads():
             ended.set()
 
         loop = asyncio.get_running_loop()
-        task = asyncio.ensure_future(_all_landed([loop.run_in_executor(None, read)]))
+        task = asyncio.ensure_future(all_landed([loop.run_in_executor(None, read)]))
         assert await asyncio.to_thread(running.wait, 5.0)
         task.cancel()
         await asyncio.sleep(0.05)

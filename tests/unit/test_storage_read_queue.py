@@ -205,3 +205,94 @@ def test_real_store_through_a_rate_limited_queue(tmp_path):
 
     with BlockStore(tmp_path, PROFILE) as store:
         asyncio.run(main(store))
+
+
+# ------------------------------------------------------------------ layer by layer
+
+def _stored(tmp_path, n):
+    store = BlockStore(tmp_path, PROFILE, read_workers=2)
+    layout = store.layout
+    for k in KEYS[:n]:
+        buf = aligned_bytes(layout.full_bytes)
+        SyntheticKV(layout).fill_full(buf, k)
+        assert store.write(k, buf)
+    return store
+
+
+class CountingLimiter(RateLimiter):
+    def __init__(self):
+        super().__init__(0)
+        self.taken = []
+
+    async def acquire(self, nbytes):
+        self.taken.append(nbytes)
+        await super().acquire(nbytes)
+
+
+def test_a_layered_read_counts_in_read_q_takes_the_limiter_and_lands_in_order(tmp_path):
+    """A layered read (a vLLM node's own part of a hit) goes through the read queue:
+    its blocks in read_q from open until read, a layer of all of them from the limiter
+    at a time, layer l of every block in place when landed(l + 1) is said, and each
+    block verified against its checksum."""
+    async def main():
+        store = _stored(tmp_path, 3)
+        lim = CountingLimiter()
+        q = ReadQueue(store, lim)
+        q.expect("r1", 99)
+        lay = store.layout
+        read = await q.open_layers(KEYS[:3] + [KEYS[8]] + [KEYS[1]], request_id="r1")
+        assert read.found == 3                       # the missing 4th ends the hit
+        assert q.read_q_tokens == 3 * q.block_tokens  # the expectation became the queue
+        outs = [aligned_bytes(lay.full_bytes) for _ in range(3)]
+        seen = []
+
+        def landed(done):
+            # every block's layers [0, done) are in, none past them
+            for i, k in enumerate(KEYS[:3]):
+                want = aligned_bytes(lay.full_bytes)
+                SyntheticKV(lay).fill_full(want, k)
+                lb = lay.layer_bytes
+                assert (outs[i][:done * lb] == want[:done * lb]).all()
+                assert not outs[i][done * lb:].any()
+            seen.append(done)
+        ok = await read.run(outs, lay.layers, lay.layer_bytes, landed)
+        assert ok == [True, True, True]
+        assert seen == list(range(1, lay.layers + 1))
+        assert lim.taken == [3 * lay.layer_bytes] * lay.layers
+        assert q.read_q_tokens == 0 and q.read_q_blocks == 0
+        read.close()                                 # idempotent
+        assert q.read_q_tokens == 0
+        store.close()
+    asyncio.run(main())
+
+
+def test_a_layered_read_closed_unread_leaves_read_q(tmp_path):
+    async def main():
+        store = _stored(tmp_path, 2)
+        q = ReadQueue(store)
+        read = await q.open_layers(KEYS[:2])
+        assert q.read_q_tokens == 2 * q.block_tokens
+        read.close()
+        read.close()
+        assert q.read_q_tokens == 0 and all(b.fd < 0 for b in read.blocks)
+        store.close()
+    asyncio.run(main())
+
+
+def test_a_corrupt_block_fails_its_verification_only(tmp_path):
+    async def main():
+        store = _stored(tmp_path, 2)
+        q = ReadQueue(store)
+        lay = store.layout
+        read = await q.open_layers(KEYS[:2])
+        outs = [aligned_bytes(lay.full_bytes) for _ in range(2)]
+
+        def flip(i, full):          # block 1 as if a byte changed on the way
+            if i == 1:
+                full = full.copy()
+                full[5] ^= 1
+            return full
+        ok = await read.run(outs, lay.layers, lay.layer_bytes, lambda d: None, flip)
+        assert ok == [True, False]
+        store.close()
+    asyncio.run(main())

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from dualpath import faults
-from dualpath.aio import to_the_end, waited_out
+from dualpath.aio import waited_out
 from dualpath.buffers.pool import Reservation
 from dualpath.buffers.region import PinnedRegion
 from dualpath.buffers.shm import BufferOffer
@@ -548,10 +548,9 @@ class VllmEngine:
         that reads on, announcing each layer to ``arrivals``, and ends with the usable
         blocks once every payload verified (a corrupt one ends them there)."""
         space = self.space
-        store = space.store
         copied = await self._copy_pending(keys, res)
         rest = [i for i in range(len(keys)) if i not in copied]
-        if not store.layered():
+        if not space.store.layered():
             ok = await self._read_whole(request_id, keys, res, rest)
             self._inject(res, range(ok), zero_layer0)
             arrivals.landed(space.fmt.layers)
@@ -559,54 +558,35 @@ class VllmEngine:
             async def done() -> int:
                 return ok
             return ok, asyncio.ensure_future(done())
-        opened = await asyncio.gather(*(store.arun(store.open_block, keys[i]) for i in rest))
-        blocks = dict(zip(rest, opened))
-        ok = next((i for i in rest if blocks[i] is None), len(keys))
-        for i, b in blocks.items():
-            if i >= ok and b is not None:
-                store.close_block(b)             # past the hole: unused
-        reading = {i: b for i, b in blocks.items() if i < ok}
+        layers = await space.read_queue.open_layers([keys[i] for i in rest],
+                                                    request_id=request_id)
+        ok = rest[layers.found] if layers.found < len(rest) else len(keys)
+        reading = rest[:layers.found]
         lb = space.layout.layer_bytes
-        # One pool job reads a layer of several blocks (a job per block and layer cost
-        # the loop ~1,000 executor round trips for a 2K-token SmolLM2 hit), as many jobs
-        # per layer as the pool has readers, so the disk still sees that many reads.
-        order = list(reading)
-        per = -(-len(order) // store.read_workers) if order else 1
-        chunks = [order[j:j + per] for j in range(0, len(order), per)]
+        pristine: dict[int, np.ndarray] = {}
 
-        def read_chunk(chunk: list[int], layer: int) -> list[bool]:
-            return [store.read_layer(reading[i], layer,
-                                     res.flat(i)[layer * lb:(layer + 1) * lb])
-                    for i in chunk]
+        def landed(done: int) -> None:
+            nonlocal pristine
+            if done == 1:
+                pristine = self._inject(res, reading, zero_layer0)
+            self.metrics.read_bytes.inc(lb * len(reading))
+            arrivals.landed(done)
 
         async def read_on() -> int:
-            good = {i: True for i in reading}
-            pristine: dict[int, np.ndarray] = {}
             try:
-                for layer in range(space.fmt.layers):
-                    if self.limiter is not None:
-                        await self.limiter.acquire(lb * len(order))
-                    got = await _all_landed(store.arun(read_chunk, c, layer)
-                                            for c in chunks)
-                    for i, g in zip(order, (g for part in got for g in part)):
-                        good[i] = good[i] and g
-                    if layer == 0:
-                        pristine = self._inject(res, reading, zero_layer0)
-                    self.metrics.read_bytes.inc(lb * len(reading))
-                    arrivals.landed(layer + 1)
-                verified = await _all_landed(
-                    store.arun(store.finish_block, b, self._as_read(res.flat(i),
-                                                                    pristine.get(i)), good[i])
-                    for i, b in reading.items())
+                verified = await layers.run(
+                    [res.flat(i) for i in reading], space.fmt.layers, lb, landed,
+                    lambda j, full: self._as_read(full, pristine.get(reading[j])))
             except BaseException as e:
                 arrivals.failed(f"reading hit blocks: {e}")
-                for b in reading.values():
-                    store.close_block(b)
                 raise
             bad = [i for i, v in zip(reading, verified) if not v]
             return min([ok, *bad])
-
-        return ok, asyncio.ensure_future(read_on())
+        task = asyncio.ensure_future(read_on())
+        # A task cancelled before it ran never enters run(): its blocks are closed and
+        # its tokens leave read_q all the same.
+        task.add_done_callback(lambda _: layers.close())
+        return ok, task
 
     @staticmethod
     def _as_read(block: np.ndarray, layer0: np.ndarray | None) -> np.ndarray:
@@ -844,19 +824,6 @@ async def _staged(stage: Stage, first: int, n: int) -> tuple[int, asyncio.Task]:
         return clamp(await asyncio.shield(stage.usable))
 
     return clamp(await asyncio.shield(stage.first)), asyncio.ensure_future(usable())
-
-
-async def _all_landed(aws) -> list:
-    """``gather(*aws)`` of reads on the store's pool, returning (or raising the first
-    error) only once every one has ended: a pool thread keeps writing into its buffer,
-    and reading its block's descriptor, after whoever awaited it was cancelled or saw
-    another read fail. So a cancelled caller waits for them before it raises, and the
-    slots they fill are not given back, nor their descriptors closed, under them."""
-    out = await to_the_end(asyncio.gather(*aws, return_exceptions=True))
-    for x in out:
-        if isinstance(x, BaseException):
-            raise x
-    return out
 
 
 async def _stopped(task: asyncio.Future) -> bool:

@@ -241,12 +241,12 @@ def test_a_cancelled_write_is_cancelled_and_its_bound_never_fires():
 
 def slow_to_stop(a: TransferEngine, delay_s: float) -> None:
     """The data-path thread takes ``delay_s`` to stop a given-up write (as under load)."""
-    cancel = a._cancel
+    cancel = a._dp._cancel
 
     def slow(t):
         time.sleep(delay_s)
         cancel(t)
-    a._cancel = slow
+    a._dp._cancel = slow
 
 
 @pytest.mark.parametrize("how", ["cancelled", "past its bound"])

@@ -1,4 +1,4 @@
-"""TransferEngine._place, the data-path thread's choice of connections for the queued
+"""DataPath._place, the data-path thread's choice of connections for the queued
 segments, as a pure policy over fakes (no provider): order kept, nothing lost or
 duplicated, credits respected, a small batch on one connection, a large one spread."""
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dualpath._native import ffi
 from dualpath.transfer.config import TransferConfig
-from dualpath.transfer.engine import TransferEngine, _Seg
+from dualpath.transfer.datapath import DataPath, Seg
 
 SPREAD_MIN = 1000
 
@@ -31,10 +31,10 @@ def place(batches, rooms, loads):
     """Queue one segment per (slices, nbytes) batch; place them; (transfers, the
     connections' segment lists, what stayed queued)."""
     ts = [transfer(n, b) for n, b in batches]
-    peer = SimpleNamespace(pending=deque(_Seg(t, 0, t.nslices) for t in ts))
+    peer = SimpleNamespace(pending=deque(Seg(t, 0, t.nslices) for t in ts))
     ups = [fake_conn(r, w) for r, w in zip(rooms, loads)]
     engine = SimpleNamespace(config=TransferConfig(spread_min_bytes=SPREAD_MIN))
-    out = TransferEngine._place(engine, peer, ups)
+    out = DataPath._place(engine, peer, ups)
     return ts, out, list(peer.pending)
 
 
@@ -115,5 +115,5 @@ def test_a_transfer_failed_earlier_in_the_round_is_not_posted():
         post=lambda n, _signal: posted.append(n) or n))
     engine = SimpleNamespace(config=TransferConfig(), stats=Counter(), _wr_seq=0,
                              _inflight=0)
-    TransferEngine._post(engine, conn, [_Seg(failed, 0, 2), _Seg(live, 0, 2)])
+    DataPath._post(engine, conn, [Seg(failed, 0, 2), Seg(live, 0, 2)])
     assert posted == [2] and [s.transfer for s in conn.fifo] == [live]

@@ -10,10 +10,11 @@ spread over all), posted with selective signalling, and resolved when its last s
 completes.
 
 Threads. The event loop that called :meth:`TransferEngine.start` owns the peer table,
-connection set-up and recovery exchanges, and every future. One data-path thread owns
-everything that touches the provider's data path: posting, polling (the GIL is released
-inside the C calls), per-connection FIFOs of in-flight slices, reset after an error. The
-loop talks to it through a command deque plus a wake-up; it answers with batches of events
+connection set-up and recovery exchanges, and every future (this module). One data-path
+thread owns everything that touches the provider's data path: posting, polling (the GIL
+is released inside the C calls), per-connection FIFOs of in-flight slices, credits,
+reset after an error (:class:`~dualpath.transfer.datapath.DataPath`). The loop talks to
+it through typed commands plus a wake-up; it answers with batches of typed events
 delivered by ``call_soon_threadsafe``. Blocking connects run on a small executor.
 
 A connection's life (``Conn.state``, owned by the data-path thread):

@@ -21,7 +21,7 @@ import numpy as np
 
 from dualpath._native import ffi, lib
 from dualpath.dp import Completion, PostError, WcStatus
-from dualpath.errors import DualPathError, TransferError
+from dualpath.errors import DualPathError, TransferError, UsageError
 from dualpath.transfer.config import TransferConfig
 from dualpath.transfer.plan import spread
 from dualpath.transfer.provider import (
@@ -118,7 +118,16 @@ class Stop(NamedTuple):
     pass
 
 
-Command = Submit | Cancel | AddPeer | ConnUp | ConnDown | Discard | Stop
+class Run(NamedTuple):
+    """Run ``fn`` on the thread: a connection made, reset or closed where its CQ is
+    polled and posted on (dp.h: never while another thread does), so posting and polling
+    take no lock. ``fut`` (the loop's) gets its result."""
+
+    fn: Callable[[], object]
+    fut: asyncio.Future
+
+
+Command = Submit | Cancel | AddPeer | ConnUp | ConnDown | Discard | Stop | Run
 
 
 # The data-path thread -> the event loop: typed events, delivered in batches by
@@ -142,7 +151,15 @@ class Stopped(NamedTuple):
     transfer: Transfer
 
 
-Event = Resolved | Recover | Stopped
+class Ran(NamedTuple):
+    """A :class:`Run` ended: its result, or the error it raised."""
+
+    fut: asyncio.Future
+    result: object
+    error: BaseException | None
+
+
+Event = Resolved | Recover | Stopped | Ran
 
 
 class Conn:
@@ -210,6 +227,18 @@ class DataPath:
         elif where is POLLING:
             self.provider.wake()
 
+    async def call(self, fn: Callable[[], object]):
+        """``fn()`` on the data-path thread; its result (or error) here. Commands run in
+        order: one that follows it sees what it did."""
+        if self.dead is not None:
+            raise TransferError(f"transfer engine {self.name}: data-path thread failed: "
+                                f"{self.dead!r}")
+        if self._loop is None:
+            raise UsageError(f"transfer engine {self.name} is not started")
+        fut = self._loop.create_future()
+        self.command(Run(fn, fut))
+        return await fut
+
     async def stop(self) -> None:
         """Stop the thread (what it had queued stays, for :meth:`drain`)."""
         if self._thread is not None:
@@ -219,10 +248,7 @@ class DataPath:
     def drain(self, exc: BaseException) -> list[Event]:
         """Once the thread is gone: every transfer still queued or in flight fails with
         ``exc``; the events of that, for the loop."""
-        for cmd in self._cmds:
-            if isinstance(cmd, Submit):
-                self._finish(cmd.transfer, exc)
-        self._cmds.clear()
+        self._fail_queued(exc)
         self._fail_everything(exc)
         events, self._events = self._events, []
         return events
@@ -236,9 +262,22 @@ class DataPath:
         except BaseException as e:     # never leave writers waiting on a dead thread
             log.exception("transfer engine %s: data-path thread failed", self.name)
             self.dead = e
-            self._fail_everything(TransferError(f"transfer engine {self.name}: data-path "
-                                                f"thread failed: {e!r}"))
+            err = TransferError(f"transfer engine {self.name}: data-path thread failed: "
+                                f"{e!r}")
+            self._fail_queued(err)
+            self._fail_everything(err)
         self._flush_events()
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        """The thread will run no more commands: theirs fail with ``exc``."""
+        while self._cmds:
+            match self._cmds.popleft():
+                case Submit(t):
+                    self._finish(t, exc)
+                case Run(_, fut):
+                    self._events.append(Ran(fut, None, exc))
+                case _:
+                    pass
 
     def _step(self) -> bool:
         if not self._apply_commands():
@@ -286,6 +325,11 @@ class DataPath:
                 case Discard(conns):
                     for conn in conns:
                         conn.close()
+                case Run(fn, fut):
+                    try:
+                        self._events.append(Ran(fut, fn(), None))
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        self._events.append(Ran(fut, None, e))
                 case Stop():
                     return False
         return True

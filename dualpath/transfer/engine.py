@@ -55,6 +55,7 @@ from dualpath.transfer.datapath import (
     Discard,
     Event,
     Peer,
+    Ran,
     Recover,
     Resolved,
     Stopped,
@@ -324,9 +325,12 @@ class TransferEngine:
     async def _connect_peer(self, name: str) -> Peer:
         n = self.config.connections_per_peer
         conns: list[Connection] = []
-        try:
+
+        def make() -> None:         # on the data-path thread; a Discard after it sees them
             for _ in range(n):
                 conns.append(self.provider.connection(self.config.max_send_wr))
+        try:
+            await self._dp.call(make)
             if self._to_self(name):
                 for c in conns:
                     c.connect_self()
@@ -380,8 +384,8 @@ class TransferEngine:
         last: BaseException | None = None
         for attempt in range(1, attempts + 1):
             try:
-                if attempt > 1:
-                    c.conn.reset()      # a half-made connect; nothing is posted on it
+                if attempt > 1:         # a half-made connect; nothing is posted on it
+                    await self._dp.call(c.conn.reset)
                 if self._to_self(p.name):
                     p.regions = self.region_infos()     # keys as they are now (a rekey)
                     c.conn.connect_self()
@@ -425,3 +429,10 @@ class TransferEngine:
                     self._start_recovery(c)
                 case Stopped(t):
                     self._stopped(t)
+                case Ran(fut, result, error):
+                    if fut.done():
+                        continue
+                    if error is None:
+                        fut.set_result(result)
+                    else:
+                        fut.set_exception(error)

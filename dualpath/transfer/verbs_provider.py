@@ -4,9 +4,11 @@ KV lane (service level + traffic class) for active connections, and passive QPs 
 nothing and see no completions: they sit on a CQ of their own that nobody polls).
 
 Threads: dp.h forbids creating, destroying or resetting a QP on a CQ while another
-thread polls or posts on it (QP tables, CQ resize, CQ credits). The engine's loop thread
-creates connections (and resets one whose reconnect failed) while its data-path thread
-posts and polls, so every call that touches the shared CQ takes ``_lock``.
+thread polls or posts on it (QP tables, CQ resize, CQ credits). The engine makes, resets
+and closes its connections on its data-path thread, the one that posts and polls
+(dualpath/transfer/datapath.py, ``DataPath.call``), so nothing here takes a lock. The
+passive QPs ``accept`` makes on the loop thread sit on a CQ of their own that nobody
+polls.
 
 Endpoints are ``struct dp_qp_endpoint`` packed little-endian: qpn, psn, lid, mtu, gid.
 Tested only where a device exists (tests/rdma, the SoftRoCE guest).
@@ -15,7 +17,6 @@ Tested only where a device exists (tests/rdma, the SoftRoCE guest).
 from __future__ import annotations
 
 import struct
-import threading
 
 from dualpath import lane, verbs
 from dualpath.dp import Completion
@@ -67,7 +68,6 @@ class VerbsProvider(Provider):
         self._passive: dict[tuple[str, int], verbs.QueuePair] = {}
         # QPs are made only for peers of the authenticated exchange, bounded per peer.
         self._admissions = Admissions()
-        self._lock = threading.Lock()   # the shared CQ: see the module docstring
         self.description = (f"verbs {self.device.name} port {port} "
                             f"gid {f'[{gid.index}] {gid}' if gid else 'none (LID)'} "
                             f"sl {service_level} tc {traffic_class}")
@@ -82,8 +82,7 @@ class VerbsProvider(Provider):
 
     def connection(self, max_send_wr: int) -> Connection:
         config = verbs.QpConfig(max_send_wr=max_send_wr, **self._qp_args)
-        with self._lock:
-            return _VerbsConnection(self, config)
+        return _VerbsConnection(self, config)
 
     def accept(self, peer: str, index: int, remote: bytes) -> bytes:
         self._admissions.admit(peer, index)
@@ -104,8 +103,7 @@ class VerbsProvider(Provider):
         self._admissions.forget(peer)
 
     def wait(self, timeout: float) -> list[Completion]:
-        with self._lock:
-            return self.cq.wait(timeout)
+        return self.cq.wait(timeout)
 
     def wake(self) -> None:
         pass
@@ -117,7 +115,6 @@ class VerbsProvider(Provider):
 
 class _VerbsConnection(Connection):
     def __init__(self, provider: VerbsProvider, config: verbs.QpConfig):
-        self._lock = provider._lock
         self.qp = provider.pd.qp(provider.cq, config=config)
         self.conn_id = self.qp.qp_num
         self.max_send_wr = config.max_send_wr
@@ -132,13 +129,10 @@ class _VerbsConnection(Connection):
         self.qp.connect(decode_endpoint(remote))
 
     def reset(self) -> None:
-        with self._lock:
-            self.qp.reset()
+        self.qp.reset()
 
     def post(self, count: int, signal_every: int) -> int:
-        with self._lock:
-            return self.qp.post_raw(self.items, count, signal_every)
+        return self.qp.post_raw(self.items, count, signal_every)
 
     def close(self) -> None:
-        with self._lock:
-            self.qp.close()
+        self.qp.close()

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 
 import pytest
@@ -356,3 +357,43 @@ def test_verbs_required_without_a_device_fails_clearly():
     msg = str(ei.value)
     assert "transport.kind = 'verbs' but no RDMA device is usable" in msg
     assert "transport.kind = 'tcp'" in msg      # says what to do instead
+
+
+def test_connections_are_made_and_reset_on_the_data_path_thread():
+    """dp.h: a connection is made, reset or closed only on the thread that posts and
+    polls its CQ (then posting takes no lock): the engine's data-path thread, for a
+    first connect and for a recovery's reset of a half-made connect alike."""
+    async def main():
+        async with pair(connections_per_peer=2) as (a, b, _src, _dst):
+            threads = []
+            make = a.provider.connection
+
+            def connection(max_send_wr):
+                threads.append(("make", threading.current_thread()))
+                conn = make(max_send_wr)
+                reset = conn.reset
+
+                def recorded_reset():
+                    threads.append(("reset", threading.current_thread()))
+                    reset()
+                conn.reset = recorded_reset
+                return conn
+            a.provider.connection = connection
+            await a.connect("b")
+            c = a._peers["b"].conns[0]
+            # a recovery whose first exchange fails resets the half-made connect
+            fails = {"n": 1}
+            request = a.oob.request
+
+            async def flaky(peer, req):
+                if fails["n"]:
+                    fails["n"] -= 1
+                    raise TransferError("exchange lost", errno=errno.ECONNRESET)
+                return await request(peer, req)
+            a.oob.request = flaky
+            await a._recover(c)
+            dp = a._dp._thread
+            assert [k for k, _ in threads].count("make") == 2
+            assert "reset" in [k for k, _ in threads]
+            assert all(t is dp for _, t in threads), threads
+    run(main())

@@ -364,7 +364,7 @@ def test_connections_are_made_and_reset_on_the_data_path_thread():
     polls its CQ (then posting takes no lock): the engine's data-path thread, for a
     first connect and for a recovery's reset of a half-made connect alike."""
     async def main():
-        async with pair(connections_per_peer=2) as (a, b, _src, _dst):
+        async with pair(connections_per_peer=2) as (a, _b, _src, _dst):
             threads = []
             make = a.provider.connection
 

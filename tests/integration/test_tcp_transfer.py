@@ -158,7 +158,7 @@ def test_remote_access_error_fails_the_write_and_the_peer_recovers(tamper):
             assert dst[8192:8192 + 65536] == src[4096:4096 + 65536]
             assert a._peers["b"].regions["default"] == true
             assert a.stats["recoveries"] >= 1
-            # What a node's /metrics says of it (engine/metrics.OwnedCounters).
+            # What a node's /metrics says of it (paths/metrics.OwnedCounters).
             reg = metrics.new_registry(process=False)
             reg.register(OwnedCounters(a.stats, dict))
             text = metrics.render(reg)

@@ -5,7 +5,7 @@ Expected values come from the module's own contract (its docstring): block ``i``
 tokens ``[i*T, (i+1)*T)``, full blocks carry the chained prefix key of dualpath/kv/prefix.py,
 the trailing partial block is keyed by the same chain over its partial tokens, and the
 PE fills a layer as the hit tokens' route runs + ``layer_runs(hit, prompt)``
-(dualpath/paths/prefill.py, emulated.py), so together they must cover every byte of the
+(dualpath/engines/emulated/prefill.py, engine.py), so together they must cover every byte of the
 prompt exactly once.
 """
 
@@ -172,7 +172,7 @@ def test_layer_runs_cover_every_token_once_within_blocks(first, extra, bt):
 def test_pe_layer_fill_covers_every_prompt_byte_exactly_once(hit_blocks, miss):
     """The PE's per-layer writes into HBM (prefill.py): the hit tokens' runs of the PE
     buffer -> HBM route, then the miss tokens' bytes from layer_runs(hit, prompt)
-    (emulated.py). Together they must write every byte the DE verifies (span.tokens *
+    (engines/emulated/engine.py). Together they must write every byte the DE verifies (span.tokens *
     token_bytes per layer) exactly once, and nothing past the prompt in the trailing
     partial block. HBM slot i is at i * full_bytes here, so offsets map to blocks."""
     layout = BlockLayout(layers=3, tokens=T, token_bytes=5)

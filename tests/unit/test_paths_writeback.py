@@ -156,8 +156,8 @@ def test_an_adopted_partial_last_block_is_served_and_never_persisted(tmp_path):
 
 
 def test_a_request_with_fewer_blocks_to_write_goes_first(tmp_path):
-    """The emulated DE ranks each request's blocks by how many it writes (engine/
-    decode.py): paced by the write direction, a first round's whole prompt does not
+    """The emulated DE ranks each request's blocks by how many it writes (engines/
+    emulated/decode.py): paced by the write direction, a first round's whole prompt does not
     hold up the next rounds of agents that wrote one block (shortest first)."""
     async def main():
         lim = GatedLimiter()

@@ -44,7 +44,7 @@ class QpState(enum.IntEnum):
 
 
 class WcStatus(enum.IntEnum):
-    """Completion status (``ibv_wc_status`` numbering, shared by the TCP provider)."""
+    """Work completion status (``ibv_wc_status`` numbering, shared by the TCP provider)."""
 
     SUCCESS = 0
     LOC_LEN_ERR = 1
@@ -71,7 +71,10 @@ class PostError(RdmaError):
         self.not_posted = total - posted
 
 
-class Completion(NamedTuple):
+class WorkCompletion(NamedTuple):
+    """One entry of a completion queue (``struct dp_wc``, verbs' ``ibv_wc``): a work
+    request ended. Not a request's completion (scheduler/core/model.py)."""
+
     wr_id: int              # the caller's id of the WR that completed
     status: int             # WcStatus; 0 = success
     qp_num: int
@@ -127,7 +130,7 @@ def memory_range(buf, access: int, *, addr: int | None, length: int | None):
 
 class CompletionArray(Owner):
     """What every provider's CQ shares: completions polled into one preallocated
-    ``struct dp_wc`` array (``self.wc``), read as Completion tuples, a count (hot loops)
+    ``struct dp_wc`` array (``self.wc``), read as WorkCompletion tuples, a count (hot loops)
     or a numpy array. A subclass sets ``_poll_native(max)`` and
     ``_wait_native(max, timeout_ns)``. poll/wait from one thread at a time."""
 
@@ -147,10 +150,10 @@ class CompletionArray(Owner):
         check_range("max completions", n, 1, len(self.wc))
         return n
 
-    def completions(self, n: int) -> list[Completion]:
-        """The first ``n`` entries of ``self.wc`` as Completion tuples."""
+    def completions(self, n: int) -> list[WorkCompletion]:
+        """The first ``n`` entries of ``self.wc`` as WorkCompletion tuples."""
         wc = self.wc
-        return [Completion(wc[i].wr_id, wc[i].status, wc[i].qp_num, wc[i].retired,
+        return [WorkCompletion(wc[i].wr_id, wc[i].status, wc[i].qp_num, wc[i].retired,
                            wc[i].vendor_err) for i in range(n)]
 
     def poll_n(self, max_entries: int | None = None) -> int:
@@ -163,11 +166,11 @@ class CompletionArray(Owner):
         return check(self._wait_native(self._max(max_entries), timeout_ns(timeout)),
                      f"wait on {self._what}")
 
-    def poll(self, max_entries: int | None = None) -> list[Completion]:
+    def poll(self, max_entries: int | None = None) -> list[WorkCompletion]:
         """Completions ready now (possibly none); never blocks."""
         return self.completions(self.poll_n(max_entries))
 
-    def wait(self, timeout: float, max_entries: int | None = None) -> list[Completion]:
+    def wait(self, timeout: float, max_entries: int | None = None) -> list[WorkCompletion]:
         """Completions, waiting up to ``timeout`` seconds for the first; [] when the
         time ran out."""
         return self.completions(self.wait_n(timeout, max_entries))

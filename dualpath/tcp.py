@@ -1,6 +1,6 @@
 """TCP provider owners over ``dualpath._native``: the verbs data path's one-sided WRITE
 semantics on hosts without an RDMA device. Mechanism only, like :mod:`dualpath.verbs`,
-whose records (Item, WriteBatch, Completion, WcStatus, QpState, PostError) it shares.
+whose records (Item, WriteBatch, WorkCompletion, WcStatus, QpState, PostError) it shares.
 
 Objects: a :class:`TcpEngine` listens on host:port and serves peers' WRITEs into its
 :class:`TcpRegion` s from a C server thread; a :class:`TcpConnection` (an RC QP's twin)
@@ -40,12 +40,12 @@ from dualpath._owner import Owner, RegionOwner, check_range, timeout_ns
 from dualpath.dp import (
     ACCESS_RW,
     Access,
-    Completion,
     CompletionArray,
     Item,
     PostError,
     QpState,
     WcStatus,
+    WorkCompletion,
     WriteBatch,
     memory_range,
 )
@@ -55,7 +55,6 @@ __all__ = [
     "ACCESS_RW",
     "SECRET_BYTES",
     "Access",
-    "Completion",
     "Credential",
     "Item",
     "PostError",
@@ -67,6 +66,7 @@ __all__ = [
     "TcpRegion",
     "TcpStats",
     "WcStatus",
+    "WorkCompletion",
     "WriteBatch",
 ]
 

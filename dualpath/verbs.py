@@ -23,12 +23,12 @@ from dualpath._owner import Owner, RegionOwner, check_range
 from dualpath.dp import (  # noqa: F401
     ACCESS_RW,
     Access,
-    Completion,
     CompletionArray,
     Item,
     PostError,
     QpState,
     WcStatus,
+    WorkCompletion,
     WriteBatch,
     memory_range,
     wc_dtype,

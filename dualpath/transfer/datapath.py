@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dualpath._native import ffi, lib
-from dualpath.dp import Completion, PostError, WcStatus
+from dualpath.dp import PostError, WcStatus, WorkCompletion
 from dualpath.errors import DualPathError, TransferError, UsageError
 from dualpath.transfer.config import TransferConfig
 from dualpath.transfer.plan import spread
@@ -461,7 +461,7 @@ class DataPath:
         self._inflight -= got
         return out
 
-    def _on_completions(self, comps: list[Completion]) -> None:
+    def _on_completions(self, comps: list[WorkCompletion]) -> None:
         for wc in comps:
             c = self._w_conns.get(wc.qp_num)
             if c is None or c.state != UP:

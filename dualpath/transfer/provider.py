@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
-from dualpath.dp import Completion, WcStatus
+from dualpath.dp import WcStatus, WorkCompletion
 from dualpath.errors import TransferError, UsageError
 
 #: Admission bounds of the passive side: connections (QPs) one peer may have us make,
@@ -33,7 +33,7 @@ from dualpath.errors import TransferError, UsageError
 MAX_CONNECTIONS_PER_PEER = 64
 MAX_PEERS = 1024
 
-#: Completion statuses that blame one WRITE (its keys or range), not the path: the items
+#: Work completion statuses that blame one WRITE (its keys or range), not the path: the items
 #: before it in the same connection did land (RC order), and retrying it cannot help.
 ITEM_ERRORS = frozenset({WcStatus.LOC_PROT_ERR, WcStatus.REM_INV_REQ_ERR,
                          WcStatus.REM_ACCESS_ERR, WcStatus.REM_OP_ERR,
@@ -170,7 +170,7 @@ class Provider(ABC):
         """Passive side: drop what accept() made for ``peer``."""
 
     @abstractmethod
-    def wait(self, timeout: float) -> list[Completion]:
+    def wait(self, timeout: float) -> list[WorkCompletion]:
         """Completions of every connection, waiting up to ``timeout`` seconds for one
         (returns early, possibly empty, after wake())."""
 

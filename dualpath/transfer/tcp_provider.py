@@ -13,7 +13,7 @@ peer holds at most connections_per_peer of them; ``forget`` withdraws all of a p
 from __future__ import annotations
 
 from dualpath._native import ffi
-from dualpath.dp import Completion
+from dualpath.dp import WorkCompletion
 from dualpath.errors import UsageError
 from dualpath.tcp import ACCESS_RW, SECRET_BYTES, Credential, TcpConfig, TcpEngine
 from dualpath.transfer.provider import MAX_CONNECTIONS_PER_PEER, Admissions, Connection, Provider
@@ -94,7 +94,7 @@ class TcpProvider(Provider):
             self.engine.revoke(self._creds.pop(key))
         self._admissions.forget(peer)
 
-    def wait(self, timeout: float) -> list[Completion]:
+    def wait(self, timeout: float) -> list[WorkCompletion]:
         return self.cq.wait(timeout)
 
     def wake(self) -> None:

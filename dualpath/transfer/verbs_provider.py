@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 
 from dualpath import lane, verbs
-from dualpath.dp import Completion
+from dualpath.dp import WorkCompletion
 from dualpath.errors import UsageError
 from dualpath.transfer.provider import Admissions, Connection, Provider
 
@@ -102,7 +102,7 @@ class VerbsProvider(Provider):
             self._passive.pop(key).close()
         self._admissions.forget(peer)
 
-    def wait(self, timeout: float) -> list[Completion]:
+    def wait(self, timeout: float) -> list[WorkCompletion]:
         return self.cq.wait(timeout)
 
     def wake(self) -> None:

@@ -74,7 +74,7 @@ class Side:
 
     device: verbs.Device
     pd: verbs.ProtectionDomain
-    cq: verbs.CompletionQueue
+    cq: verbs.WorkCompletionQueue
     qp: verbs.QueuePair
     buf: bytearray
     mr: verbs.MemoryRegion
@@ -107,10 +107,10 @@ def connect(a: Side, b: Side) -> None:
     b.qp.connect(ea)
 
 
-def wait_retired(side: Side, n: int, timeout: float = 30.0) -> list[verbs.Completion]:
+def wait_retired(side: Side, n: int, timeout: float = 30.0) -> list[verbs.WorkCompletion]:
     """Completions until `n` WRs are retired (a bound, not a timed assertion: rxe under
     emulation is slow, and a lost completion must fail rather than hang)."""
-    got: list[verbs.Completion] = []
+    got: list[verbs.WorkCompletion] = []
     while sum(c.retired for c in got) < n:
         wcs = side.cq.wait(timeout)
         assert wcs, f"no completion within {timeout} s; retired {sum(c.retired for c in got)} of {n}"

@@ -38,7 +38,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dualpath import clock
-from dualpath.aio import to_the_end
 from dualpath.buffers.pool import Reservation
 from dualpath.engines.emulated.engine import EmulatedEngine
 from dualpath.engines.emulated.forward import PrefillForward
@@ -141,16 +140,9 @@ class EmulatedPrefillPath(PrefillPath):
                                          phases=(assigned, allocated, staged)))
             finished = True
         finally:
-            if prep is None and not finished:
-                # The PrepareRequest never answered (it failed, or we were cancelled
-                # while it was on its way): it may still reach the DE and prepare a
-                # state nobody ends. The DE refuses it once it knows the attempt
-                # cancelled; told in the background, nothing here waits for it.
-                n.spawn(n.peers.cancel_until_answered(de, rid, a.attempt))
-            # Run to its end whatever cancels us meanwhile (a scheduler cancel landing
-            # while the DE is told): a skipped release leaks the slots for good.
-            await to_the_end(self._let_go(de, rid, a.attempt,
-                                          prep is not None and not finished, watch, pebuf))
+            await self._end_attempt(de, rid, a.attempt, prep is not None, finished,
+                                    lambda tell: self._let_go(de, rid, a.attempt, tell,
+                                                              watch, pebuf))
 
     async def _let_go(self, de: str, rid: str, attempt: int, tell: bool,
                       watch, pebuf: Reservation | None) -> None:

@@ -35,7 +35,7 @@ class InstanceError(DualPathError):
 
 
 @dataclass(frozen=True)
-class Completion:
+class InstanceAnswer:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
@@ -114,8 +114,8 @@ class VllmInstance:
                        top_p: float = 1.0, seed: int = -1, ignore_eos: bool = True,
                        sampling: dict | None = None,
                        on_tokens: Callable[[list[int], list[float], list[Top]], None]
-                       | None = None) -> Completion:
-        """Completion of ``prompt`` (token ids): greedy unless ``temperature``, exactly
+                       | None = None) -> InstanceAnswer:
+        """The completion of ``prompt`` (token ids): greedy unless ``temperature``, exactly
         ``max_tokens`` tokens with ``ignore_eos`` (else up to), streamed:
         ``on_tokens(ids, logprobs, top)`` with the tokens so far each time they grew
         (``top``: each one's top logprobs when the sampling asks for them, "logprobs")."""
@@ -178,7 +178,7 @@ class VllmInstance:
             raise InstanceError(f"{where}: {len(ids)} tokens, {len(lps)} logprobs and "
                                 f"{len(tops)} top logprobs for max_tokens {max_tokens} "
                                 f"(finish reason {finish!r})")
-        return Completion(ids, lps, finish, tops)
+        return InstanceAnswer(ids, lps, finish, tops)
 
     async def _call(self, method: str, path: str, body=None, json_reply: bool = True):
         import aiohttp

@@ -34,7 +34,7 @@ import secrets
 import time
 
 from dualpath import clock
-from dualpath.aio import retrieved, to_the_end
+from dualpath.aio import retrieved
 from dualpath.buffers.pool import Reservation
 from dualpath.engines.vllm.engine import VllmEngine
 from dualpath.engines.vllm.instance import InstanceError, VllmInstance
@@ -178,14 +178,10 @@ class VllmPrefillPath(PrefillPath):
             await self._done(de, report)
             finished = True
         finally:
-            if prep is None and not finished:
-                # The PrepareRequest never answered: the DE must refuse it should it
-                # still come (prefill.py says why); told in the background.
-                n.spawn(n.peers.cancel_until_answered(de, rid, a.attempt))
-            # Run to its end whatever cancels us meanwhile (a scheduler cancel landing
-            # while the DE is told): a skipped release leaks the slots for good.
-            await to_the_end(self._let_go(de, rid, a.attempt, prep is not None and not
-                                          finished, stage, res, reader, out, watch))
+            await self._end_attempt(de, rid, a.attempt, prep is not None, finished,
+                                    lambda tell: self._let_go(de, rid, a.attempt, tell,
+                                                              stage, res, reader, out,
+                                                              watch))
 
     def _in_instance(self, keys: list[bytes], salt: str) -> bool:
         """Whether the instance's prefix cache likely holds all of ``keys`` (a hint:

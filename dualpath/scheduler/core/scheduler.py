@@ -52,6 +52,7 @@ import heapq
 import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any
 
 from dualpath.errors import UsageError
@@ -103,6 +104,14 @@ def _clamped_hit(s: RequestSpec) -> int:
     """The last prompt token is always computed (its forward pass yields the first output
     token), so at most prompt_tokens - 1 are a hit."""
     return min(s.hit_tokens, s.prompt_tokens - 1)
+
+
+class Requeue(Enum):
+    """Why an attempt is given up (:meth:`Scheduler._requeue`)."""
+
+    FAILED = "failed"            # a node reported it failed: the failure budget
+    LOST = "lost"                # its node's lease lapsed: the lost budget
+    HANDED_BACK = "handed back"  # its node released its group: no budget
 
 
 @dataclass
@@ -515,7 +524,7 @@ class Scheduler:
             accepted += 1
         for r, c in failed:   # one by one: each has its own reason and suspects
             why = c.error.encode()[:MAX_ERROR_BYTES].decode(errors="ignore")
-            self._requeue([r], now, failed=True, reporter=g,
+            self._requeue([r], now, Requeue.FAILED, reporter=g,
                           error=why or f"{c.engine_id} reported a failure",
                           avoid=self._blamed(r, c), final=c.final)
         return accepted, ignored
@@ -635,19 +644,21 @@ class Scheduler:
                 r.claim_de = None
         if held:
             names = ", ".join(sorted(g.group_id for g in groups))
-            self._requeue(held, now, failed=False, lost=lost,
+            self._requeue(held, now, Requeue.LOST if lost else Requeue.HANDED_BACK,
                           error=error or f"group {names} lost its lease")
         return len(held)
 
-    def _requeue(self, reqs: list[Request], now: float, *, failed: bool, lost: bool = False,
+    def _requeue(self, reqs: list[Request], now: float, why: Requeue, *,
                  reporter: Group | None = None, error: str = "",
                  avoid: list[Group] = (), final: bool = False) -> None:
-        """Give up the current attempt of each request and send it to the head of the
-        global queue, in arrival order; the other side (not ``reporter``) is told to drop
-        it. A failed attempt counts against the budget (ending FAILED when it is spent),
+        """Give up the current attempt of each request (``why``) and send it to the head
+        of the global queue, in arrival order; the other side (not ``reporter``) is told
+        to drop it. A failed attempt counts against the budget (ending FAILED when it is spent),
         avoids the ``avoid`` groups and waits out its backoff first; a ``final`` one
         (no attempt can succeed) ends it FAILED at once. A ``lost`` one (its node's
-        lease lapsed) counts against the lost budget only."""
+        lease lapsed) counts against the lost budget only; one handed back (its node
+        released its group) against none."""
+        failed, lost = why is Requeue.FAILED, why is Requeue.LOST
         reqs.sort(key=lambda r: r.seq)
         p = self.params
         ids = {id(r) for r in reqs}

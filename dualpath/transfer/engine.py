@@ -47,7 +47,6 @@ from dualpath.transfer.config import TransferConfig
 from dualpath.transfer.datapath import (
     AddPeer,
     Cancel,
-    Command,
     Conn,
     ConnDown,
     ConnUp,
@@ -209,7 +208,7 @@ class TransferEngine:
         # The bound is one timer on the loop (wait_for and shield cost two futures and
         # four callbacks a write); delivery cancels it.
         t.timer = self._loop.call_later(bound, self._expire, t, peer, bound)
-        self._command(Submit(t))
+        self._dp.command(Submit(t))
         try:
             await t.fut
         except asyncio.CancelledError:
@@ -245,7 +244,7 @@ class TransferEngine:
             self._stopped(t)          # no data-path thread to ask; close() fails the rest
             return
         self._stopping.add(t)
-        self._command(Cancel(t))
+        self._dp.command(Cancel(t))
 
     def _stopped(self, t: Transfer) -> None:
         """Loop: the data-path thread stopped ``t`` (or there is no thread any more)."""
@@ -291,9 +290,6 @@ class TransferEngine:
                                 f"{self._dp.dead!r}")
         if self._state != "running":
             raise UsageError(f"transfer engine {self.name} is {self._state}, not running")
-
-    def _command(self, cmd: Command) -> None:
-        self._dp.command(cmd)
 
     async def _run_blocking(self, fn, *args):
         return await self._loop.run_in_executor(self._connector, fn, *args)
@@ -347,7 +343,7 @@ class TransferEngine:
         except BaseException as e:
             # Connected sockets may already have events queued on the data-path thread's
             # completion stream: only that thread may close them.
-            self._command(Discard(conns))
+            self._dp.command(Discard(conns))
             if isinstance(e, (DualPathError, OSError)):
                 raise TransferError(f"cannot connect to peer {name!r}: {e}",
                                     errno=getattr(e, "errno", 0) or 0) from e
@@ -355,7 +351,7 @@ class TransferEngine:
         p = Peer(name, dict(regions))
         p.conns = [Conn(p, i, c) for i, c in enumerate(conns)]
         self._peers[name] = p
-        self._command(AddPeer(p))
+        self._dp.command(AddPeer(p))
         log.info("transfer engine %s: connected to %s %s (%d connections; regions %s)",
                  self.name, name, "by copies in this process (no network stack)"
                  if self._to_self(name) else f"over {self.transport}", n,
@@ -408,9 +404,9 @@ class TransferEngine:
                 continue
             log.info("transfer engine %s: peer %s connection %d recovered (attempt %d)",
                      self.name, p.name, c.index, attempt)
-            self._command(ConnUp(c))
+            self._dp.command(ConnUp(c))
             return
-        self._command(ConnDown(c, last))
+        self._dp.command(ConnDown(c, last))
 
     def _deliver(self, events: list[Event]) -> None:
         """Loop: act on a batch of data-path events."""

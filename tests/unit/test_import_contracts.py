@@ -44,6 +44,12 @@ def test_the_tree_keeps_its_contracts(tree):
      "dualpath.kv is not allowed to import dualpath.cluster"),
     ("vllm/agent.py", "dualpath.node.daemon",
      "dualpath.vllm is not allowed to import dualpath.node"),
+    ("paths/prefill.py", "dualpath.engines.emulated.engine",
+     "dualpath.paths is not allowed to import dualpath.engines"),
+    ("engines/protocol.py", "dualpath.node.daemon",
+     "dualpath.engines is not allowed to import dualpath.node"),
+    ("vllm/worker_side.py", "dualpath.paths.kvplan",
+     "dualpath.vllm is not allowed to import dualpath.paths"),
     ("scheduler/render.py", "dualpath.scheduler.top",
      "No cycles are allowed in dualpath.scheduler"),
 ])

@@ -37,6 +37,7 @@ from dualpath import journald, rpc, tls
 from dualpath import metrics as _metrics
 from dualpath.errors import UsageError
 from dualpath.kv.profiles import ModelProfile, get_profile
+from dualpath.scheduler.admitted import payload_disagreement
 from dualpath.scheduler.config import SchedulerConfig
 from dualpath.scheduler.core import policy
 from dualpath.scheduler.core.errors import Conflict, LeaseError, NotFound, PermissionDenied
@@ -295,7 +296,8 @@ class SchedulerService:
         self.writer: GroupCommit | None = None    # made by the first commit
         try:
             self.core: Scheduler = open_scheduler(params_from_config(cfg, self.profile),
-                                                  self.journal, clock())
+                                                  self.journal, clock(),
+                                                  payload_check=payload_disagreement)
         except BaseException:
             self.close()
             raise

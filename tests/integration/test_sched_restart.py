@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from dualpath.cluster.local import free_port, write_toml
+from dualpath.paths.payload import Payload
 from dualpath.scheduler.client import SchedulerClient
 from dualpath.v1 import scheduler_pb2 as pb
 
@@ -96,7 +97,8 @@ async def until(cond, what):
 def test_sigkill_and_restart_recovers_reconciles_and_finishes_each_request_once(sched):
     ids = [f"job-{i}" for i in range(6)]
     specs = [pb.RequestSpec(request_id=rid, prompt_tokens=100 + i, hit_tokens=10,
-                            max_new_tokens=5, payload=rid.encode())
+                            max_new_tokens=5,
+                            payload=Payload(rid, 0, 100 + i, 10, 5).encode())
              for i, rid in enumerate(ids)]
 
     async def before_the_kill(c):

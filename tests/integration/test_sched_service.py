@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from dualpath import clock as _clock
 from dualpath import metrics
+from dualpath.paths.payload import Payload, encode_token_ids
 from dualpath.scheduler.client import SchedulerClient
 from dualpath.scheduler.config import SchedulerConfig
 from dualpath.scheduler.service import SchedulerService, create_server, set_serving
@@ -78,8 +79,9 @@ def test_leader_protocol_end_to_end():
             pe = await c.register_group("pe0", pb.ENGINE_ROLE_PREFILL, pe_eng)
             assert de.lease_ms == 3000 and pe.compute_quota_ms == 300
             assert de.model_profile == "ds660b"
+            turns = [Payload(f"turn-{i}", 0, 1000, 900, 100).encode() for i in range(5)]
             sub = await c.submit([pb.RequestSpec(prompt_tokens=1000, hit_tokens=900,
-                                                 max_new_tokens=100, payload=b"turn-%d" % i)
+                                                 max_new_tokens=100, payload=turns[i])
                                   for i in range(5)])
             assert sub.request_ids == [f"r-{i}" for i in range(1, 6)]
             assert sub.queued_requests == 5
@@ -102,7 +104,7 @@ def test_leader_protocol_end_to_end():
                     got.assignments[1].decode_read_tokens) == (0, 900)
             assert (a.prompt_tokens, a.hit_tokens, a.max_new_tokens) == (1000, 900, 100)
             assert (a.prefill_read_tokens, a.decode_read_tokens) == (900, 0)
-            assert a.payload == b"turn-0"
+            assert a.payload == turns[0]                 # carried untouched
             assert a.decode_control_address.startswith("127.0.0.1:70")
             done = [pb.Completion(request_id=x.request_id, engine_id=x.prefill_engine_id,
                                   stage=pb.COMPLETION_STAGE_PREFILL_DONE)
@@ -390,3 +392,36 @@ def test_answers_wait_for_the_journal_and_a_failed_write_stops_the_scheduler(tmp
         j.close()
 
     run(body())
+
+
+@pytest.mark.parametrize("what, payload, says", [
+    # admitted at 1 token, the payload asks the decode node for 16,100
+    ("generation", Payload("t", 0, 1000, 512, 16100),
+     "gen_tokens 16100 disagrees with the request's max_new_tokens 1"),
+    ("prompt", Payload("t", 0, 4000, 512, 1), "prompt_tokens 4000 disagrees"),
+    ("hit", Payload("t", 0, 1000, 0, 1), "hit_tokens 0 disagrees"),
+    ("token ids", Payload("t", 0, 1000, 512, 1, token_ids_b64=encode_token_ids(
+        list(range(10)))), "carries 10 token ids for a prompt of 1000"),
+    ("not json", None, "malformed request payload"),
+])
+def test_a_payload_that_disagrees_with_what_is_admitted_is_refused_at_submit(
+        what, payload, says):
+    """The scheduler admits a request by its prompt, hit and max_new_tokens; a payload
+    (what the nodes run) that says other figures is refused as INVALID, naming the field,
+    and nothing is queued. (Before, four requests admitted at 1 token ran 16,100 each.)"""
+    async def body():
+        async with scheduler() as (_svc, c):
+            raw = payload.encode() if payload is not None else b"not json"
+            sub = await c.submit([pb.RequestSpec(request_id=f"bad-{what}", prompt_tokens=1000,
+                                                 hit_tokens=512, max_new_tokens=1,
+                                                 payload=raw),
+                                  pb.RequestSpec(request_id="good", prompt_tokens=1000,
+                                                 hit_tokens=512, max_new_tokens=1,
+                                                 payload=Payload("t", 0, 1000, 512, 1)
+                                                 .encode())])
+            assert list(sub.request_ids) == ["good"] and sub.queued_requests == 1
+            [r] = sub.rejected
+            assert (r.index, r.request_id, r.reason) == (0, f"bad-{what}",
+                                                         pb.REJECT_REASON_INVALID)
+            assert says in r.detail, r.detail
+    asyncio.run(body())

@@ -51,6 +51,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -134,9 +135,13 @@ class Scheduler:
     """Owns every request from submission to its end. See the module docstring."""
 
     def __init__(self, params: Params, *, rng: random.Random | None = None,
-                 journaling: bool = False):
+                 journaling: bool = False,
+                 payload_check: Callable[[RequestSpec], str | None] | None = None):
         params.validate()
         self.params = params
+        # Why a request's payload disagrees with what it asks to be admitted (None: it
+        # agrees); the service's is dualpath/scheduler/admitted.py. None: no check.
+        self.payload_check = payload_check
         self.rng = rng or random.Random()
         self.global_queue: deque[Request] = deque()
         self.prefill_queue: deque[Request] = deque()
@@ -387,6 +392,10 @@ class Scheduler:
         if s.request_id and s.request_id in seen:
             return RejectReason.DUPLICATE, (f"request {name} appears more than once in "
                                             "this submission")
+        if self.payload_check is not None:
+            why = self.payload_check(s)
+            if why is not None:
+                return RejectReason.INVALID, f"request {name}: {why}"
         return None, ""
 
     def _check_size(self, s: RequestSpec, max_hbm: int) -> tuple[RejectReason | None, str]:

@@ -22,6 +22,7 @@ from dualpath.buffers.pool import BlockPool, Reservation
 from dualpath.buffers.region import PinnedRegion
 from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.profiles import geometry_profile
+from dualpath.paths.pending import PendingBlocks
 from dualpath.storage.config import StorageConfig
 from dualpath.storage.ratelimit import RateLimiter
 from dualpath.storage.read_queue import ReadQueue
@@ -55,7 +56,11 @@ class KvSpace:
         self.read_queue = read_queue
         self.pool = pool
         self.buffer = buffer         # placement of the pool's slots in the node's region
-        # A DE's blocks on their way to storage (paths/writeback.py): its reads find them.
+        # The node's blocks on their way to storage, whoever writes them (pending.py):
+        # its reads find them here.
+        self.pending = PendingBlocks()
+        # An emulated DE's write-back (paths/writeback.py), which registers its blocks in
+        # ``pending``; a vLLM engine registers its saves there itself.
         self.writeback = None
 
     @classmethod
@@ -94,10 +99,10 @@ class KvSpace:
         t0 = time.time()
         slots = list(range(len(keys))) if slots is None else slots
         copied = set()
-        wb = self.writeback
-        if wb is not None and len(wb):
+        pending = self.pending
+        if len(pending):
             for i, key in enumerate(keys):
-                src = wb.get(key)
+                src = pending.get(key)
                 if src is not None:
                     np.copyto(res.flat(slots[i]), src)
                     copied.add(i)

@@ -29,12 +29,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import OrderedDict
 
 import numpy as np
 
 from dualpath.aio import waited_out
 from dualpath.buffers.pool import Reservation
+from dualpath.paths.pending import PendingBlocks
 from dualpath.storage.format import HEADER_BYTES
 from dualpath.storage.ratelimit import RateLimiter
 from dualpath.storage.store import BlockStore
@@ -48,13 +48,16 @@ WRITERS = 2
 class WriteBack:
     """See the module docstring."""
 
-    def __init__(self, store: BlockStore, limiter: RateLimiter | None, metrics=None,
-                 writers: int = WRITERS):
+    def __init__(self, store: BlockStore, limiter: RateLimiter | None,
+                 pending: PendingBlocks, metrics=None, writers: int = WRITERS):
         self.store = store
         self.limiter = limiter
         self.metrics = metrics
         self.file_bytes = HEADER_BYTES + store.layout.full_bytes
-        self._pending: OrderedDict[bytes, Reservation] = OrderedDict()
+        # The node's index of blocks on their way to disk (its KvSpace's): reads look
+        # there; ``_pending`` is this write-back's own queue state, key -> its slot.
+        self.index = pending
+        self._pending: dict[bytes, Reservation] = {}
         self._done: dict[bytes, asyncio.Future] = {}
         self._queue: asyncio.PriorityQueue[tuple[int, int, bytes]] = asyncio.PriorityQueue()
         self._seq = itertools.count()
@@ -81,6 +84,7 @@ class WriteBack:
             return done
         done = self._done[key] = asyncio.get_running_loop().create_future()
         self._pending[key] = slot
+        self.index.add(key, slot)
         self._queue.put_nowait((rank, next(self._seq), key))
         self._idle.clear()
         if not self._tasks:
@@ -91,8 +95,7 @@ class WriteBack:
     def get(self, key: bytes) -> np.ndarray | None:
         """The bytes of ``key`` while it waits to be written (a view: copy it before
         awaiting anything), else None."""
-        slot = self._pending.get(key)
-        return slot.flat(0) if slot is not None else None
+        return self.index.get(key)
 
     async def _write(self) -> None:
         m = self.metrics
@@ -128,6 +131,7 @@ class WriteBack:
             finally:
                 if slot is not None and self._pending.get(key) is slot:
                     del self._pending[key]
+                    self.index.remove(key, slot)
                     slot.release()
                     done = self._done.pop(key, None)
                     if done is not None and not done.done():
@@ -155,7 +159,8 @@ class WriteBack:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        for slot in self._pending.values():
+        for key, slot in self._pending.items():
+            self.index.remove(key, slot)
             slot.release()
         self._pending.clear()
         for done in self._done.values():

@@ -275,7 +275,7 @@ def test_blocks_two_requests_hold_stay_pending_until_both_let_go(rig):
     while pool.free != free + 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert all(eng._pending[k][0] is sb for k in keys)
+    assert all(eng._pending.serving(k)[0] is sb for k in keys)
     d.loop.call_soon_threadsafe(eng.release_adopted, sb)
     while pool.free != free + 4:
         assert time.monotonic() < deadline

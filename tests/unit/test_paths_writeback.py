@@ -12,6 +12,7 @@ from dualpath.kv.layout import BlockLayout
 from dualpath.kv.prefix import block_keys
 from dualpath.kv.profiles import get_profile
 from dualpath.paths.kvspace import KvSpace
+from dualpath.paths.pending import PendingBlocks
 from dualpath.paths.writeback import WriteBack
 from dualpath.storage import BlockStore
 from dualpath.storage.format import HEADER_BYTES
@@ -43,7 +44,7 @@ def _setup(tmp_path, limiter):
     store = BlockStore(tmp_path, PROFILE, read_workers=2)
     pool = BlockPool("de_buffer", np.zeros(16 << 20, np.uint8), LAYOUT)
     space = KvSpace.for_store(store, ReadQueue(store, limiter), pool, "de_buffer")
-    space.writeback = WriteBack(store, limiter)
+    space.writeback = WriteBack(store, limiter, space.pending)
     return store, pool, space
 
 
@@ -170,7 +171,7 @@ def test_a_request_with_fewer_blocks_to_write_goes_first(tmp_path):
             order.append(KEYS.index(key))
             return await awrite(key, data)
         store.awrite = recorded
-        wb = WriteBack(store, lim, writers=1)
+        wb = WriteBack(store, lim, PendingBlocks(), writers=1)
         for i in range(4):                             # a first round: 4 blocks
             wb.add(KEYS[i], _slot(pool, i + 1), rank=4)
         await asyncio.sleep(0.05)                      # the writer holds KEYS[0]'s turn

@@ -100,7 +100,8 @@ class EmulatedNode:
         else:
             # New KV goes to storage from DE-buffer slots through the storage NIC's write
             # direction; each request waits for its own blocks (docs/e2e.md).
-            self._space.writeback = WriteBack(store, n.limiter, n.metrics)
+            self._space.writeback = WriteBack(store, n.limiter, self._space.pending,
+                                              n.metrics)
             st.push_async_callback(self._space.writeback.close)
             self.path = DecodePath(n, self._space, {e.engine_id: e for e in self.ranks},
                                    lambda path: EmulatedDecoder(path, engine))

@@ -51,6 +51,7 @@ from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.prefix import KEY_BYTES
 from dualpath.paths.kvspace import KvSpace
 from dualpath.paths.layers import LocalArrivals
+from dualpath.paths.pending import PendingBlocks
 from dualpath.storage.config import StorageConfig
 from dualpath.storage.ratelimit import RateLimiter
 from dualpath.transfer import TransferEngine
@@ -137,6 +138,10 @@ class _Save:
         """Whether key ``i`` is the prompt's partial last block (never persisted)."""
         return self.tail and i == len(self.keys) - 1
 
+    def flat(self, i: int) -> np.ndarray:
+        """Block ``i``'s bytes (a holder of paths/pending.py)."""
+        return self.res.flat(i)
+
 
 class _InPlace:
     """A load's blocks that are all still in this node's write-back (a P/D request's
@@ -173,22 +178,6 @@ class _InPlace:
                 s.idle.set()
 
 
-class _PendingBlocks:
-    """The committed blocks not on disk yet, as KvSpace.read looks them up (the
-    interface of paths/writeback.py's WriteBack): ``len()`` and ``get(key)``, a view of
-    the block's slot (copied before anything awaits, so the save cannot let it go)."""
-
-    def __init__(self, pending: dict[bytes, tuple[_Save, int]]):
-        self._pending = pending
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def get(self, key: bytes) -> np.ndarray | None:
-        held = self._pending.get(key)
-        return held[0].res.flat(held[1]) if held is not None else None
-
-
 class VllmEngine:
     """See the module docstring. Create, serve (its gRPC edge is
     :class:`dualpath.node.servicers.KvConnectorServicer`), ``await close()``."""
@@ -218,12 +207,11 @@ class VllmEngine:
         self.workers: dict[str, Worker] = {}
         self._saves: dict[int, _Save] = {}
         # Committed blocks not on disk yet (write-back): lookups count them, loads copy
-        # them from the save's slots instead of waiting for the store.
-        self._pending: dict[bytes, tuple[_Save, int]] = {}
-        # Every committed save holding each such key, the first of them in _pending:
-        # P/D requests that share a prefix each hold its blocks (adopted) until their
-        # own decode loaded them, so one leaving must not take the key from the others.
-        self._holders: dict[bytes, list[tuple[_Save, int]]] = {}
+        # them from the save's slots instead of waiting for the store. The node's one
+        # index of them (paths/pending.py; its KvSpace's once one is open): P/D requests
+        # that share a prefix each hold its blocks (adopted) until their own decode
+        # loaded them, so one leaving must not take the key from the others.
+        self._pending = PendingBlocks()
         self._save_ids = itertools.count(1)
         self._persists: set[asyncio.Task] = set()
         self._warned_cap = False
@@ -264,8 +252,8 @@ class VllmEngine:
         self.space = KvSpace.open(self.storage, self.namespace, fmt, region=self.region,
                                   region_name=self.region_name, limiter=self.limiter)
         # The DE read path's LOAD_HIT_KV reads (KvSpace.read) copy blocks still in this
-        # node's write-back from DRAM, as the instance's own loads do.
-        self.space.writeback = _PendingBlocks(self._pending)
+        # node's write-back from DRAM, as the instance's own loads do: one index.
+        self.space.pending = self._pending
         manifest = self.space.store.dir / MANIFEST
         if not manifest.exists():
             write_manifest(manifest, {"model_id": model_id, "format": {
@@ -437,7 +425,7 @@ class VllmEngine:
                 stage = None                     # not the staged blocks: read them
         in_place = None
         if stage is None and all(key in self._pending for key in keys):
-            in_place = _InPlace([self._pending[key] for key in keys])
+            in_place = _InPlace([self._pending.serving(key) for key in keys])
             # A P/D prompt's partial last block (adopted, never stored: only here).
             self.metrics.partial_blocks_loaded.inc(
                 sum(s.is_tail(j) for s, j in in_place.held))
@@ -632,7 +620,8 @@ class VllmEngine:
     async def _copy_pending(self, keys: list[bytes], res: Reservation) -> set[int]:
         """Blocks of ``keys`` still waiting to be persisted, copied into ``res`` from
         their save's slots (held until the copies end); their indices."""
-        copies = [(i, *self._pending[k]) for i, k in enumerate(keys) if k in self._pending]
+        copies = [(i, *self._pending.serving(k)) for i, k in enumerate(keys)
+                  if k in self._pending]
         for _, s, _ in copies:
             s.readers += 1
         try:
@@ -710,8 +699,7 @@ class VllmEngine:
         """``s``'s blocks count as stored (write-back) and are persisted in the
         background; its slots go back once persisted (and no load copies from them)."""
         for i, key in enumerate(s.keys):
-            self._holders.setdefault(key, []).append((s, i))
-            self._pending.setdefault(key, (s, i))
+            self._pending.add(key, s, i)
         self.metrics.connector_pending_blocks.set(len(self._pending))
         t = asyncio.ensure_future(self._persist(s))
         self._persists.add(t)
@@ -753,15 +741,7 @@ class VllmEngine:
     def _unpend(self, s: _Save, key: bytes) -> None:
         """``s`` no longer holds ``key`` for lookups and loads (idempotent); another
         save that holds it, if any, does."""
-        held = self._holders.get(key)
-        if held is None:
-            return
-        held[:] = [h for h in held if h[0] is not s]
-        if held:
-            self._pending[key] = held[0]
-        else:
-            del self._holders[key]
-            self._pending.pop(key, None)
+        self._pending.remove(key, s)
         self.metrics.connector_pending_blocks.set(len(self._pending))
 
     def adopt(self, request_id: str, keys: list[bytes], res, tail: bool = False
@@ -795,7 +775,7 @@ class VllmEngine:
             s.res.release()
 
     async def close(self) -> None:
-        for s in {s for s, _ in self._pending.values()}:
+        for s in list(self._pending.servers()):
             self.release_adopted(s)
         for t in list(self._persists):
             await asyncio.gather(t, return_exceptions=True)

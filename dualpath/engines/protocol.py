@@ -28,9 +28,10 @@ vLLM connector step            here
 ``wait_for_save``              (the worker WRITEs each saved layer into PE-buffer slots,
                                sent on to the DE); emulated: the forward's :meth:`send`
                                of each layer to the DE buffer, awaited before PrefillDone.
-``request_finished``           the request's memory let go: the paths' ``_let_go`` (PE)
-                               and ``release_buffer`` (DE), fenced while a peer may still
-                               write (dualpath/paths/fence.py).
+``request_finished``           the request's memory let go: ``PrefillPath._end_attempt``
+                               running the engine's let-go (PE) and
+                               ``DecodePath.release_buffer`` (DE), fenced while a peer
+                               may still write (dualpath/paths/fence.py).
 =============================  ==========================================================
 
 A new engine (SGLang, say) is one package under dualpath/engines/ with a ``kind.py``

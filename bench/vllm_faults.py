@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dualpath.cluster.faults import stall, unhandled_errors, wait_idle
-from dualpath.cluster.vllm_local import ENGINE_ENV, engine_args
+from dualpath.cluster.vllm_node import ENGINE_ENV, engine_args
 from dualpath.cluster.vllm_pd import VllmPdCluster
 from dualpath.scheduler.generate import Generator
 from dualpath.vllm import models

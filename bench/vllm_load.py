@@ -64,7 +64,7 @@ from pathlib import Path
 
 from dualpath.cluster.agentic import http_generate, run_agents, summary
 from dualpath.cluster.run import make_trace
-from dualpath.cluster.vllm_local import PlainVllm
+from dualpath.cluster.vllm_node import PlainVllm
 from dualpath.cluster.vllm_pd import VllmPdCluster
 from dualpath.trace.model import Trace, Trajectory
 from dualpath.vllm import models

@@ -4,7 +4,7 @@ vLLM's own prefix cache, a full recompute and the storage-backed connectors vLLM
 Method
   Model: SmolLM2-135M-Instruct (float32, 46,080 KV bytes per token, 128-token blocks),
   vLLM's CPU build, each engine in a child process (dualpath/vllm/driver.py) with the
-  same pinned CPU threads (dualpath/cluster/vllm_local.py: ENGINE_ENV). Contexts: for a target
+  same pinned CPU threads (dualpath/cluster/vllm_node.py: ENGINE_ENV). Contexts: for a target
   prompt length Q (about 2K, 4K, 8K), a warm-up turn sends the previous context W (the
   largest multiple of 128 tokens below Q) and the measured turn sends W + the generated
   token + new tokens up to Q, so the hit is W / Q (>= 95%). TTFT = wall time of that
@@ -57,7 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from storage import run_fio  # bench/storage.py: the same fio method
 
-from dualpath.cluster.vllm_local import ENGINE_ENV, NodeProcess, engine_args
+from dualpath.cluster.vllm_node import ENGINE_ENV, NodeProcess, engine_args
 from dualpath.vllm import models
 from dualpath.vllm.driver import EngineDied, EngineProcess
 

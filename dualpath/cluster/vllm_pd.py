@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dualpath.cluster.lifetime import child_env, exec_argv, kill_group, terminate_group
 from dualpath.cluster.local import ClusterError, LocalCluster, free_port, log_tail
-from dualpath.cluster.vllm_local import CONNECTOR, ENGINE_ENV
+from dualpath.cluster.vllm_node import CONNECTOR, ENGINE_ENV
 from dualpath.cpus import on_cpus
 from dualpath.errors import UsageError
 from dualpath.vllm.sizing import plan_buffers, plan_cores

@@ -23,7 +23,6 @@ from dualpath._native import ffi, lib
 from dualpath.dp import PostError, WcStatus, WorkCompletion
 from dualpath.errors import DualPathError, TransferError, UsageError
 from dualpath.transfer.config import TransferConfig
-from dualpath.transfer.plan import spread
 from dualpath.transfer.provider import (
     ITEM_ERRORS,
     Connection,
@@ -32,6 +31,7 @@ from dualpath.transfer.provider import (
     RegionInfo,
     status_name,
 )
+from dualpath.transfer.slices import spread
 
 log = logging.getLogger("dualpath.transfer")
 

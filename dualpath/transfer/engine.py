@@ -4,7 +4,7 @@ Policy over a :class:`~dualpath.transfer.provider.Provider` (verbs or TCP): buff
 registered once under a name; peers are reached through an out-of-band channel
 (:mod:`dualpath.transfer.oob`) that exchanges endpoints and region keys; a batch of
 ``(local_offset, remote_offset, length)`` items is cut into slices
-(:func:`~dualpath.transfer.plan.plan_rows`: uint64 rows, filled into WRs by C at post
+(:func:`~dualpath.transfer.slices.plan_rows`: uint64 rows, filled into WRs by C at post
 time), placed on the peer's connections (a small batch whole on one, a large one
 spread over all), posted with selective signalling, and resolved when its last slice
 completes.
@@ -62,13 +62,13 @@ from dualpath.transfer.datapath import (
     Transfer,
 )
 from dualpath.transfer.oob import ConnectReply, ConnectRequest, OutOfBand
-from dualpath.transfer.plan import plan_rows
 from dualpath.transfer.provider import (
     Connection,
     Provider,
     Region,
     RegionInfo,
 )
+from dualpath.transfer.slices import plan_rows
 from dualpath.transfer.transport import open_provider, select_transport
 
 log = logging.getLogger("dualpath.transfer")

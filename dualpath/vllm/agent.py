@@ -13,7 +13,7 @@ Threads. The agent runs an asyncio loop on a thread of its own (the transfer eng
 gRPC need one; vLLM's worker has none). Every public method is called from vLLM's
 threads and hands work to that loop; results come back through :class:`LoadHandle` /
 :class:`SaveHandle`, whose waits are bounded. No torch here: the caller passes raw
-ranges and a placement (dualpath/vllm/placement.py makes them from tensors).
+ranges and a placement (dualpath/vllm/kv_tensors.py makes them from tensors).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from dualpath.errors import UsageError
 from dualpath.vllm import SUPPORTED_VLLM, check_vllm_version
-from dualpath.vllm.placement import describe_kv_caches
+from dualpath.vllm.kv_tensors import describe_kv_caches
 from dualpath.vllm.scheduler_side import Lookup, SchedulerSide, StepPlan
 from dualpath.vllm.settings import ConnectorSettings, model_id
 from dualpath.vllm.worker_side import WorkerSide

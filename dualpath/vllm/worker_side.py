@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from dualpath.vllm.agent import AgentSettings, LoadHandle, SaveHandle, WorkerAgent
-from dualpath.vllm.placement import KvTensors
+from dualpath.vllm.kv_tensors import KvTensors
 from dualpath.vllm.scheduler_side import StepPlan
 from dualpath.vllm.settings import ConnectorSettings
 

@@ -98,7 +98,7 @@ def test_gpu_kv_needs_a_provider_that_reaches_gpu_memory():
 def test_cuda_kv_tensors_register_by_dmabuf():
     from dualpath import verbs
     from dualpath.transfer.verbs_provider import VerbsProvider
-    from dualpath.vllm.placement import describe_kv_caches
+    from dualpath.vllm.kv_tensors import describe_kv_caches
 
     if not verbs.list_devices():
         pytest.skip("a CUDA GPU but no RDMA device: dma-buf needs both")

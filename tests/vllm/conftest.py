@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dualpath.cluster.vllm_local import ENGINE_ENV, NodeProcess, engine_args
+from dualpath.cluster.vllm_node import ENGINE_ENV, NodeProcess, engine_args
 from dualpath.vllm import models
 from dualpath.vllm.driver import EngineProcess
 

@@ -29,7 +29,7 @@ import pytest
 
 from dualpath import cpus
 from dualpath.cluster.run import make_trace
-from dualpath.cluster.vllm_local import ENGINE_ENV, PlainVllm, engine_args
+from dualpath.cluster.vllm_node import ENGINE_ENV, PlainVllm, engine_args
 from dualpath.cluster.vllm_pd import VllmPdCluster
 from dualpath.scheduler.generate import Generator
 from dualpath.trace.model import stream_token_ids

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from dualpath.cluster.vllm_local import ENGINE_ENV, engine_args
+from dualpath.cluster.vllm_node import ENGINE_ENV, engine_args
 from dualpath.vllm.driver import EngineProcess
 from tests.vllm.conftest import Conversation
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dualpath import faults
+from dualpath import fault_injection
 from dualpath.aio import waited_out
 from dualpath.buffers.pool import Reservation
 from dualpath.buffers.region import PinnedRegion
@@ -447,7 +447,7 @@ class VllmEngine:
             else:
                 ok, reader = await self._start_read(
                     request_id, keys, res, arrivals,
-                    zero_layer0=worker_copies and faults.active("load_skip_layer"))
+                    zero_layer0=worker_copies and fault_injection.active("load_skip_layer"))
             failed = tuple(range(ok, len(keys)))
             yield LoadStep(0, failed)
             if worker_copies:
@@ -476,7 +476,7 @@ class VllmEngine:
             else:
                 queue: asyncio.Queue[int] = asyncio.Queue()
                 layers, skipped = list(range(L)), 0
-                if faults.active("load_skip_layer"):
+                if fault_injection.active("load_skip_layer"):
                     layers, skipped = layers[1:], 1
                     queue.put_nowait(1)
                 writer = asyncio.ensure_future(write_layers(
@@ -587,10 +587,10 @@ class VllmEngine:
         return block
 
     def _inject(self, res: Reservation, blocks, zero_layer0: bool) -> dict[int, np.ndarray]:
-        """Negative controls (dualpath/faults.py), once layer 0 is in the buffer: a bit
+        """Negative controls (dualpath/fault_injection.py), once layer 0 is in the buffer: a bit
         flipped after the checksum passed; or (worker_copies) layer 0 as if never read.
         Layer 0 of each damaged block as it was read (for :meth:`_as_read`)."""
-        flip = faults.active("load_flip_byte")
+        flip = fault_injection.active("load_flip_byte")
         if not (flip or zero_layer0):
             return {}
         lb = self.space.layout.layer_bytes

@@ -12,7 +12,7 @@ Layouts understood (anything else is refused, naming the shape):
   as ``[num_blocks, kv_heads, 2 * block_size, head_size]``: per head a K plane, then a V
   plane of ``block_size`` rows. Segments: (head, K), (head, V) of head-size "rows". The
   K plane's bytes are element-major, ``[head_size, block_size]`` (what the kernel
-  writes; tests/unit/test_vllm_placement.py), so its "rows" are not tokens: DualPath
+  writes; tests/unit/test_vllm_kv_tensors.py), so its "rows" are not tokens: DualPath
   moves vLLM CPU blocks whole, never a range of their tokens.
 - Flash-attention style ``[2, num_blocks, block_size, kv_heads, head_size]`` (NHD): K and
   V planes of whole blocks; one segment each of kv_heads x head_size rows.

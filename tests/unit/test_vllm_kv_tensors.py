@@ -1,4 +1,4 @@
-"""vLLM's KV tensors as a KvPlacement (dualpath/vllm/placement.py), checked against the
+"""vLLM's KV tensors as a KvPlacement (dualpath/vllm/kv_tensors.py), checked against the
 tensors' own meaning: moving block b of layer l through the placement's runs must give
 the engine's in-block order (per head K rows then V rows on the CPU backend; K then V
 planes for NHD; per plane and head for HND), read from the tensors by indexing."""
@@ -9,7 +9,7 @@ import torch
 
 from dualpath.errors import UsageError
 from dualpath.kv.placement import KvPlacement, runs
-from dualpath.vllm.placement import describe_kv_caches
+from dualpath.vllm.kv_tensors import describe_kv_caches
 
 L, NB, H, B, D = 3, 5, 2, 8, 4
 

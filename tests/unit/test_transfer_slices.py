@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dualpath.errors import UsageError
-from dualpath.transfer.plan import plan_rows, plan_slices, spread
+from dualpath.transfer.slices import plan_rows, plan_slices, spread
 
 
 def test_items_are_cut_at_slice_bytes_in_order():

@@ -21,7 +21,7 @@ from dualpath.errors import UsageError
 
 KNOWN = frozenset({"load_skip_layer", "load_flip_byte"})
 
-log = logging.getLogger("dualpath.faults")
+log = logging.getLogger("dualpath.fault_injection")
 
 
 def _parse(text: str) -> frozenset[str]:

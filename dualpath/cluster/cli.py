@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from dualpath.engines import KINDS
 from dualpath.errors import UsageError
 
 
@@ -23,7 +24,7 @@ def register(sub) -> None:
     p.add_argument("--engines-per-node", type=int, help="overrides engine.engines_per_node")
     p.add_argument("--snic-gbit", type=float, help="per-node storage-NIC limit in Gbit/s "
                    "(overrides storage.snic_gbit_per_s)")
-    p.add_argument("--engine", choices=("emulated", "vllm"), default="emulated",
+    p.add_argument("--engine", choices=tuple(KINDS), default="emulated",
                    help="emulated (the cost model) or vllm: a vLLM instance beside every "
                    "node (kv_producer / kv_consumer) and the OpenAI front end")
     p.add_argument("--model", help="--engine vllm: a local model directory (default: "
@@ -102,7 +103,7 @@ def register(sub) -> None:
                     "reach --report-listen at (default: its host)")
     vl = r.add_argument_group("vLLM (--engine vllm: real tokens through the OpenAI front "
                               "end; the A.3 rule with the model's own generations)")
-    vl.add_argument("--engine", choices=("emulated", "vllm"), default="emulated")
+    vl.add_argument("--engine", choices=tuple(KINDS), default="emulated")
     vl.add_argument("--url", help="a running front end (e.g. http://127.0.0.1:8000); "
                     "default: start a local vLLM P/D cluster with one")
     vl.add_argument("--model", help="the model directory (its vocabulary; the local "

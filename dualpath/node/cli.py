@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+from dualpath.engines import KINDS
 from dualpath.errors import DualPathError, UsageError
 
 
@@ -19,7 +20,7 @@ def register(sub) -> None:
     p.add_argument("--config", help="TOML config file ([engine], [storage], [buffers], "
                    "[transport], [transfer], [kv_lane])")
     p.add_argument("--control-listen", help="overrides engine.control_listen")
-    p.add_argument("--engine", choices=("emulated", "vllm"), help="overrides engine.kind")
+    p.add_argument("--engine", choices=tuple(KINDS), help="overrides engine.kind")
     p.add_argument("--ready-file", help="write the control address here once serving "
                    "(for supervisors)")
     p.set_defaults(func=_node)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dualpath.config import key
+from dualpath.engines import KINDS
 from dualpath.errors import ConfigError
 from dualpath.kv.profiles import PROFILES
 from dualpath.rpc import check_listen
@@ -18,7 +19,7 @@ class EngineConfig:
                     "model; PE or DE role, for benchmarks at scale) or 'vllm' (a vLLM "
                     "instance beside the node, running dualpath.vllm.connector: role "
                     "'both' without a scheduler, or a prefill / decode node whose "
-                    "instance it drives at vllm_url).", choices=("emulated", "vllm"))
+                    "instance it drives at vllm_url).", choices=tuple(KINDS))
     engines_per_node: int = key(1, "Engines (one per real or emulated GPU) in this node's "
                                 "group; rank 0 is the leader that fetches from the scheduler.",
                                 min=1, max=64)

@@ -35,7 +35,7 @@ from dualpath.buffers.region import PinnedRegion
 from dualpath.config import Config
 from dualpath.doctor.checks import startup_memory
 from dualpath.doctor.facts import has_ipc_lock, memory_facts
-from dualpath.engines import KINDS
+from dualpath.engines import open_kind
 from dualpath.engines.protocol import NodeEngine, NodeParts
 from dualpath.errors import ConfigError, UsageError
 from dualpath.lane import describe as describe_lane
@@ -69,7 +69,7 @@ class NodeDaemon:
         self.notifier = notifier or Notifier({})   # systemd's, from run(); silent here
         if role not in ROLES:
             raise UsageError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
-        self.kind = KINDS[config.engine.kind]
+        self.kind = open_kind(config.engine.kind)
         self.kind.check(config, role)
         self.cfg = config
         self.role = role

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from dualpath.engines import KINDS
+from dualpath.engines import KINDS, open_kind
 from dualpath.engines.emulated.decode import EmulatedDecoder
 from dualpath.engines.emulated.kind import EmulatedNode
 from dualpath.engines.emulated.prefill import EmulatedPrefillPath
@@ -32,10 +32,23 @@ def _has(obj, name: str) -> bool:
 
 def test_the_registry_names_each_kind_by_its_name():
     assert sorted(KINDS) == ["emulated", "vllm"]
-    for name, kind in KINDS.items():
+    for name in KINDS:
+        kind = open_kind(name)
         assert kind.name == name
         missing = {m for m in _members(EngineKind) if not hasattr(kind, m)}
         assert not missing, (name, missing)
+    with pytest.raises(KeyError):
+        open_kind("sglang")
+
+
+def test_the_config_and_the_clis_take_the_registered_kinds():
+    from dualpath import config as _config
+    from dualpath.node.config import EngineConfig
+
+    assert set(KINDS) == {"emulated", "vllm"}
+    assert EngineConfig().kind in KINDS
+    with pytest.raises(Exception, match="engine.kind"):
+        _config.load(None, {"engine.kind": "sglang"})
 
 
 @pytest.mark.parametrize("cls", [EmulatedNode, VllmNode])

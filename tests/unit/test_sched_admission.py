@@ -48,6 +48,18 @@ def test_ids_and_payloads_are_bounded_and_duplicates_named():
     assert [r.request_id for r in adm.accepted] == ["a"]
 
 
+@pytest.mark.parametrize("rid", ["a\nINFO forged line", "nul\x00", "esc\x1b[31m", "tab\t"])
+def test_a_request_id_with_a_control_character_is_refused(rid):
+    """An id is written into log lines and the journal: a newline or NUL in it would
+    split or forge them. Refused INVALID at submit, naming it (repr); others pass."""
+    s = core()
+    adm = s.submit([RequestSpec(10, request_id=rid), RequestSpec(10, request_id="ok-é 1")])
+    assert reasons(adm) == [(0, RejectReason.INVALID)]
+    assert "only printable characters" in adm.rejected[0].detail
+    assert "\n" not in adm.rejected[0].detail and "\x00" not in adm.rejected[0].detail
+    assert [r.request_id for r in adm.accepted] == ["ok-é 1"]
+
+
 def test_the_queue_is_bounded_by_requests_and_by_bytes():
     s = core(max_queued_requests=3)
     adm = s.submit([RequestSpec(10) for _ in range(5)])

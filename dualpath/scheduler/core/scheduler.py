@@ -379,6 +379,11 @@ class Scheduler:
         """What a request must satisfy before its id is looked up (INVALID, DUPLICATE
         within the call)."""
         p = self.params
+        if not s.request_id.isprintable():
+            # A control character (NUL, newline) in an id would split or forge the log
+            # lines and journal records that name it.
+            return RejectReason.INVALID, (f"request id {s.request_id[:32]!r}: only "
+                                          "printable characters")
         name = s.request_id[:MAX_REQUEST_ID_BYTES] or "(unnamed)"
         if s.prompt_tokens <= 0 or s.hit_tokens < 0 or s.max_new_tokens < 0:
             return RejectReason.INVALID, (f"request {name}: prompt_tokens must be > 0, "

@@ -524,7 +524,7 @@ int dp_tcp_conn_reset(dp_tcp_conn *conn)
     if (conn->fd >= 0) {
         /* An abortive close (RST): bytes still queued for the peer are discarded, not
          * delivered after the caller gave their WRITEs up, as a QP reset flushes its
-         * work requests. A fence relies on it (dualpath/engine/fence.py). */
+         * work requests. A fence relies on it (dualpath/paths/fence.py). */
         struct linger lg = {.l_onoff = 1, .l_linger = 0};
         (void)setsockopt(conn->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
         epoll_ctl(conn->cq->epfd, EPOLL_CTL_DEL, conn->fd, NULL);

@@ -18,7 +18,7 @@ path comes from a route's :meth:`Route.runs`; nobody computes an offset by hand.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -55,12 +55,12 @@ class PrefillPlan:
     ``[local, local + remote)`` the DE (paper §4: the PE read, the DE read, a split)."""
 
     request_id: str
-    attempt: int
     prompt_tokens: int
     block_tokens: int
     spans: tuple[BlockSpan, ...]
     local: int
     remote: int
+    token_ids: np.ndarray = field(compare=False, repr=False)    # the prompt's
 
     @property
     def hit_blocks(self) -> int:

@@ -69,12 +69,14 @@ class PrefillPath:
             _cancel_once(old)
             old_e.tokens.pop(rid, None)
         e.tokens[rid] = a.prompt_tokens
-        plan = self.plan(a)
-        if plan.read_tokens:        # (an older attempt's expectation ends either way)
-            self.space.read_queue.expect(rid, plan.read_tokens)
+        # The read queue counts this node's part from the assignment on (the plan, with
+        # the prompt's blocks, is made when the attempt runs).
+        tokens = self._parts(a)[0] * self.space.fmt.block_tokens
+        if tokens:                  # (an older attempt's expectation ends either way)
+            self.space.read_queue.expect(rid, tokens)
         else:
             self.space.read_queue.forget(rid)
-        t = self.node.spawn(self._prefill(e, a, plan, old))
+        t = self.node.spawn(self._prefill(e, a, old))
         self.tasks[rid] = self.runs[(rid, a.attempt)] = t
         self.current[rid] = (a.attempt, e)
 
@@ -125,15 +127,14 @@ class PrefillPath:
                             a.decode_read_tokens, T)
 
     def plan(self, a: Assignment) -> PrefillPlan:
-        """``a``'s KV plan here (pure, once per attempt): its read queue counts the
-        plan's reads from the assignment on."""
+        """``a``'s KV plan here (pure; once per attempt, when it runs)."""
         T = self.space.fmt.block_tokens
         local, remote = self._parts(a)
-        spans = block_spans(a.payload.token_ids(a.prompt_tokens, self.node.tokens), T)
-        return PrefillPlan(a.request_id, a.attempt, a.prompt_tokens, T, tuple(spans),
-                           local, remote)
+        ids = a.payload.token_ids(a.prompt_tokens, self.node.tokens)
+        return PrefillPlan(a.request_id, a.prompt_tokens, T, tuple(block_spans(ids, T)),
+                           local, remote, ids)
 
-    async def _prefill(self, e: EngineRank, a: Assignment, plan: PrefillPlan,
+    async def _prefill(self, e: EngineRank, a: Assignment,
                        after: asyncio.Task | None) -> None:
         n = self.node
         rid = a.request_id
@@ -143,7 +144,7 @@ class PrefillPath:
             if after is not None:         # the older attempt's writes end first
                 await asyncio.wait([after])
             async with e.slots:
-                await self.prefill(e, a, plan)
+                await self.prefill(e, a, self.plan(a))
             n.complete(rid, e, CompletionStage.PREFILL_DONE)
             n.metrics.phase_s.labels("prefill").observe(time.monotonic() - t0)
         except asyncio.CancelledError:

@@ -68,7 +68,7 @@ class VllmPrefillPath(PrefillPath):
         T, k = fmt.block_tokens, fmt.units
         p = a.payload
         rid, prompt, de = a.request_id, a.prompt_tokens, a.decode_address
-        ids = p.token_ids(prompt, n.tokens)
+        ids = plan.token_ids
         spans, keys = plan.spans, plan.full_keys
         # The partial last block: the instance saves its tokens too, and they go to the
         # DE with the rest, so the decode instance computes the first token only, not

@@ -6,33 +6,45 @@ role against it, hands :meth:`EngineKind.open` the node's parts and from then on
 to the :class:`NodeEngine` it got back. It never tests an engine's type.
 
 Where vLLM's KV connector (``KVConnectorBase_V1``) names a step, the engines take it
-under that name, each in its own way:
+under that name, each in its own way (the worker-side half of the vLLM connector,
+dualpath/vllm/connector.py, *is* a ``KVConnectorBase_V1``; these are the node-side steps it
+calls, and the emulated engine's own):
 
 =============================  ==========================================================
 vLLM connector step            here
 =============================  ==========================================================
-``get_num_new_matched_tokens`` the hit lookup. vLLM: the connector's Lookup
-                               (:meth:`~dualpath.engines.vllm.engine.VllmEngine.lookup`)
-                               finds the staged or stored leading blocks; emulated: the
-                               scheduler's hit, staged in full (the paths' ``_parts``).
-``start_load_kv``              the staged hit handed to the engine. vLLM: Load (its
-                               worker WRITEs the PE-buffer slots into its KV tensors);
-                               emulated: the forward's :meth:`load` of a layer's context
-                               into "HBM".
-``wait_for_layer_load(l)``     layer ``l`` is in. vLLM: the Load stream's layer progress
-                               (a :class:`~dualpath.paths.layers.LayerSource`: vLLM's
-                               forward waits for layer ``l`` only); emulated: the whole
-                               hit is staged before the forward starts (the paper's
-                               Fig. 4 steps 1-2), each layer's load finds it in.
-``save_kv_layer`` /            the computed KV on its way out. vLLM: BeginSave / EndSave
-``wait_for_save``              (the worker WRITEs each saved layer into PE-buffer slots,
-                               sent on to the DE); emulated: the forward's :meth:`send`
-                               of each layer to the DE buffer, awaited before PrefillDone.
-``request_finished``           the request's memory let go: ``PrefillPath._end_attempt``
-                               running the engine's let-go (PE) and
-                               ``DecodePath.release_buffer`` (DE), fenced while a peer
-                               may still write (dualpath/paths/fence.py).
+``get_num_new_matched_tokens`` the hit lookup. vLLM: :meth:`~dualpath.engines.vllm.
+                               engine.VllmEngine.get_num_new_matched_tokens` (the
+                               connector's Lookup: the staged or stored leading blocks);
+                               emulated: the scheduler's hit, staged in full
+                               (:meth:`PrefillPath.plan`).
+``start_load_kv``              the staged hit handed to the engine. vLLM:
+                               :meth:`~dualpath.engines.vllm.engine.VllmEngine.
+                               start_load_kv` (its worker WRITEs the PE-buffer slots into
+                               its KV tensors, yielding layer progress); emulated: the
+                               forward starts each layer's load as the layer before
+                               computes (engines/emulated/forward.py).
+``wait_for_layer_load(l)``     layer ``l`` is in. vLLM: the worker waits for the load's
+                               layer progress (a :class:`~dualpath.paths.layers.
+                               LayerSource` on the node); emulated: ``ForwardJob.
+                               wait_for_layer_load`` (the layer's context PE buffer ->
+                               HBM; the hit was staged before the forward: Fig. 4 steps
+                               1-2).
+``save_kv_layer`` /            the computed KV on its way out. vLLM: the worker's saves
+``wait_for_save``              into slots from ``begin_save``, committed by ``end_save``
+                               (each saved layer sent on to the DE); emulated:
+                               ``ForwardJob.save_kv_layer`` (each layer to the DE buffer),
+                               every save awaited at the step's end, before PrefillDone.
+``request_finished``           the request's memory let go: each prefill path's
+                               ``request_finished`` (run by ``PrefillPath._end_attempt``,
+                               whatever cancels it) and ``DecodePath.release_buffer``
+                               (DE), fenced while a peer may still write
+                               (dualpath/paths/fence.py).
 =============================  ==========================================================
+
+Each attempt follows one plan per side (dualpath/paths/kvplan.py): a
+:class:`~dualpath.paths.kvplan.PrefillPlan` made when its prefill runs, a
+:class:`~dualpath.paths.kvplan.DecodePlan` made at its PrepareRequest.
 
 A new engine (SGLang, say) is one package under dualpath/engines/ with a ``kind.py``
 whose :class:`EngineKind` opens a :class:`NodeEngine` (its prefill a

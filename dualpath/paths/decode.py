@@ -43,7 +43,7 @@ from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.placement import KvPlacement
 from dualpath.kv.prefix import KEY_BYTES
 from dualpath.paths.errors import RequestFailed, StaleAttempt
-from dualpath.paths.kvplan import BlockSpan, block_spans, blocks_for
+from dualpath.paths.kvplan import BlockSpan, DecodePlan, block_spans, blocks_for, decode_plan
 from dualpath.paths.kvspace import KvSpace
 from dualpath.paths.payload import Payload
 from dualpath.paths.peers import LoadOrder, PrefillReport, Timings, report_calls
@@ -63,7 +63,7 @@ class DecodeState:
     request_id: str
     engine: EngineRank
     payload: Payload
-    spans: list[BlockSpan]
+    plan: DecodePlan                            # its blocks, held and slotted (kvplan.py)
     buffer: Reservation | None                  # DE-buffer slots (None: oracle)
     pe_address: str
     attempt: int = 0
@@ -78,11 +78,21 @@ class DecodeState:
     loads: list[asyncio.Task] = field(default_factory=list)   # its loads into the PE
     owner: Identity | None = None               # the node that prepared it (mutual TLS)
     ended: asyncio.Event = field(default_factory=asyncio.Event)   # dropped, released
-    # vLLM: leading prompt blocks the decode instance likely holds (the PE sends none of
-    # them: node.proto PrepareRequestResponse.held_blocks), and the first block with a
-    # slot (``buffer`` block i is prompt block base + i; 0 when this node reads for the PE)
-    held: int = 0
-    base: int = 0
+
+    @property
+    def spans(self) -> tuple[BlockSpan, ...]:
+        return self.plan.spans
+
+    @property
+    def held(self) -> int:
+        """vLLM: leading prompt blocks the decode instance likely holds (the PE sends
+        none of them: node.proto PrepareRequestResponse.held_blocks)."""
+        return self.plan.held
+
+    @property
+    def base(self) -> int:
+        """The first block with a slot (``buffer`` block i is prompt block base + i)."""
+        return self.plan.base
 
 
 class NotYours(RequestFailed):
@@ -314,13 +324,13 @@ class DecodePath:
             del self.requests[rid]
             n.spawn(self._end(old, fence=not old.decoding))
         p = req.payload
-        spans = block_spans(p.token_ids(req.prompt_tokens, n.tokens),
-                            self.space.fmt.block_tokens)
+        T = self.space.fmt.block_tokens
+        spans = block_spans(p.token_ids(req.prompt_tokens, n.tokens), T)
         moves_kv = self.decoder.moves_kv(p)
-        cached = (min(self.decoder.held(p, spans), len(spans) - 1)   # one slot at least
-                  if moves_kv else 0)
-        base = 0 if req.decode_read_tokens else cached
-        res = await self.space.pool.reserve(len(spans) - base) if moves_kv else None
+        plan = decode_plan(rid, req.attempt, req.prompt_tokens, T, spans, moves_kv,
+                           self.decoder.held(p, spans) if moves_kv else 0,
+                           req.decode_read_tokens)
+        res = await self.space.pool.reserve(plan.slots) if moves_kv else None
         if self.requests.get(rid) is not None or \
                 (req.attempt and req.attempt < self.assigned.get(rid, 0)) or \
                 self._was_cancelled(req):
@@ -329,9 +339,9 @@ class DecodePath:
                 res.release()
             raise StaleAttempt(f"PrepareRequest of {rid} (attempt {req.attempt}) was "
                                "overtaken while it waited for buffer slots")
-        st = DecodeState(rid, e, p, spans, res, req.prefill_address, attempt=req.attempt,
-                         owner=req.owner, held=cached, base=base)
-        n.metrics.held_by_instance.inc(cached)
+        st = DecodeState(rid, e, p, plan, res, req.prefill_address, attempt=req.attempt,
+                         owner=req.owner)
+        n.metrics.held_by_instance.inc(plan.held)
         self.requests[rid] = st
         if req.decode_read_tokens:  # (an older attempt's expectation ends either way)
             self.space.read_queue.expect(rid, req.decode_read_tokens)
@@ -340,7 +350,7 @@ class DecodePath:
         e.tokens.setdefault(rid, req.prompt_tokens)
         if res is None:
             return None, [], 0, 0
-        return self.space.buffer, list(res.slots), cached, base
+        return self.space.buffer, list(res.slots), plan.held, plan.base
 
     async def accept_order(self, order: LoadOrder) -> None:
         """Start a LOAD_HIT_KV order (the DE read path)."""

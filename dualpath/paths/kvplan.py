@@ -8,7 +8,8 @@ synthetic KV is as deterministic as the rest (and the DE can verify all of it).
 A :class:`PrefillPlan` is one attempt's plan on its PE, built once from the assignment:
 the prompt's blocks and the hit blocks each side reads; an engine that learns more (what
 is stored now, what its instance holds) derives a new one (:meth:`PrefillPlan.
-with_parts`), never edits it.
+with_parts`), never edits it. A :class:`DecodePlan` is the same attempt's plan on its DE,
+built once from the PrepareRequest: the blocks, those its instance holds, its slots.
 
 A :class:`Route` is one path a request's KV takes between two memories: a placement and
 the request's units on each side (dualpath/kv/placement.py). Every WRITE of every read
@@ -97,6 +98,51 @@ class PrefillPlan:
             raise ValueError(f"{self.request_id}: parts ({local}, {remote}) exceed the "
                              f"planned hit of {self.hit_blocks} blocks")
         return replace(self, local=local, remote=remote)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One attempt of a request on its DE, built once from its PrepareRequest: the
+    prompt's blocks (``spans``, the partial last one included), the leading ones the
+    decode instance holds already (``held``: the PE sends none of them), the first block
+    with a DE-buffer slot (``base``: slot i holds block base + i) and the hit blocks this
+    node reads for the PE (``reads``, from block 0 on: they need slots, held or not)."""
+
+    request_id: str
+    attempt: int
+    prompt_tokens: int
+    block_tokens: int
+    spans: tuple[BlockSpan, ...]
+    moves_kv: bool                  # False: an oracle request (no slots, nothing moved)
+    held: int = 0
+    reads: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.held < max(1, len(self.spans)):
+            raise ValueError(f"{self.request_id}: {self.held} held blocks of "
+                             f"{len(self.spans)}; one at least must come from the PE")
+        if self.held and not self.moves_kv:
+            raise ValueError(f"{self.request_id}: an oracle request holds no blocks")
+
+    @property
+    def base(self) -> int:
+        """The first prompt block with a slot (0 when this node reads for the PE)."""
+        return 0 if self.reads else self.held
+
+    @property
+    def slots(self) -> int:
+        """DE-buffer slots the attempt reserves."""
+        return len(self.spans) - self.base if self.moves_kv else 0
+
+
+def decode_plan(request_id: str, attempt: int, prompt_tokens: int, block_tokens: int,
+                spans: Sequence[BlockSpan], moves_kv: bool, held: int,
+                read_tokens: int) -> DecodePlan:
+    """A DE's plan (pure): ``held`` is what the engine says it likely holds, capped so
+    the last block comes from the PE (its first token is computed there)."""
+    held = max(0, min(held, len(spans) - 1)) if moves_kv else 0
+    return DecodePlan(request_id, attempt, prompt_tokens, block_tokens, tuple(spans),
+                      moves_kv, held, blocks_for(read_tokens, block_tokens))
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:

@@ -170,10 +170,10 @@ class PrefillPath:
         raise NotImplementedError
 
     async def _end_attempt(self, de: str, rid: str, attempt: int, prepared: bool,
-                           finished: bool, let_go) -> None:
-        """The end of an attempt, whatever cancels it meanwhile: ``let_go`` (the engine's
-        release of what the attempt held, told whether the DE must hear it did not
-        finish) runs to its end (a scheduler cancel landing while the DE is told would
+                           finished: bool, request_finished) -> None:
+        """The end of an attempt, whatever cancels it meanwhile: ``request_finished``
+        (the engine's release of what the attempt held, told whether the DE must hear
+        it did not finish) runs to its end (a scheduler cancel landing while the DE is told would
         leak the slots for good). A PrepareRequest that never answered (it failed, or
         we were cancelled while it was on its way) may still reach the DE and prepare a
         state nobody ends: the DE refuses it once it knows the attempt cancelled, told
@@ -181,7 +181,7 @@ class PrefillPath:
         n = self.node
         if not prepared and not finished:
             n.spawn(n.peers.cancel_until_answered(de, rid, attempt))
-        await to_the_end(let_go(prepared and not finished))
+        await to_the_end(request_finished(prepared and not finished))
 
     def _usable(self, rid: str, usable: int, hit_blocks: int, T: int) -> int:
         """The first token to compute: the hit, or where its first bad block begins."""

@@ -49,7 +49,7 @@ class Job:
         for _ in range(self.slow):
             await asyncio.sleep(0)
 
-    async def load(self, layer, window, stop):
+    async def wait_for_layer_load(self, layer, window, stop):
         self.events.append(("load", self.request_id, layer, stop))
         await self._turns()
 
@@ -60,7 +60,7 @@ class Job:
         self.written.setdefault(layer, []).append((first, stop))
         self.events.append(("compute", self.request_id, layer))
 
-    async def send(self, layer, window, first, stop, last):
+    async def save_kv_layer(self, layer, window, first, stop, last):
         await self._turns()
         self.events.append(("sent", self.request_id, layer, first, stop, last))
 

@@ -21,9 +21,16 @@ from dualpath.kv.layout import BlockLayout
 from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.paths.decode import DecodePath, DecodeState
 from dualpath.paths.errors import StaleAttempt
+from dualpath.paths.kvplan import BlockSpan, DecodePlan
 from dualpath.paths.peers import LoadOrder
 
 FMT = KvFormat.flat(BlockLayout(2, 4, 8))
+
+
+def _plan(blocks: int, held: int = 0) -> DecodePlan:
+    T = FMT.block_tokens
+    return DecodePlan("r1", 1, blocks * T, T,
+                      tuple(BlockSpan(i, bytes(16), T) for i in range(blocks)), True, held)
 
 
 class Slots:
@@ -54,7 +61,7 @@ def test_an_order_is_not_carried_out_for_a_request_dropped_while_connecting():
     async def main():
         gate, spawned = asyncio.Event(), []
         d = _path(gate, spawned)
-        st = DecodeState("r1", engine=None, payload=None, spans=[None, None],
+        st = DecodeState("r1", engine=None, payload=None, plan=_plan(2),
                          buffer=Slots(), pe_address="pe", attempt=1)
         d.requests["r1"] = st
         order = LoadOrder("r1", [bytes(16)], "pe",
@@ -75,7 +82,7 @@ def test_a_cancel_waits_for_the_load_of_a_request_the_scheduler_dropped_first():
     async def main():
         writes_end = asyncio.Event()
         d = _path(asyncio.Event(), [])
-        st = DecodeState("r1", engine=None, payload=None, spans=[None, None],
+        st = DecodeState("r1", engine=None, payload=None, plan=_plan(2),
                          buffer=Slots(), pe_address="pe", attempt=1)
 
         async def load():                 # a load with WRITEs in flight: a cancel waits
@@ -116,7 +123,7 @@ def _writing_load(writes_end: asyncio.Event):
 def test_a_fence_asking_after_prefill_done_waits_for_the_load_and_leaves_the_decode():
     async def main(writes_end: asyncio.Event, decoding: asyncio.Event):
         d = _path(asyncio.Event(), [])
-        st = DecodeState("r1", engine=None, payload=None, spans=[None], buffer=Slots(),
+        st = DecodeState("r1", engine=None, payload=None, plan=_plan(1), buffer=Slots(),
                          pe_address="pe", attempt=1)
         st.decoding = True                # PrefillDone came; the load still writes
         load = _writing_load(writes_end)
@@ -140,12 +147,12 @@ def test_a_cancel_of_an_older_attempt_waits_for_it_and_leaves_the_newer_one():
     async def main(writes_end: asyncio.Event):
         d = _path(asyncio.Event(), [])
         d.node.fences.hold = lambda *a, **kw: None
-        old = DecodeState("r1", engine=None, payload=None, spans=[None], buffer=Slots(),
+        old = DecodeState("r1", engine=None, payload=None, plan=_plan(1), buffer=Slots(),
                           pe_address="pe", attempt=1)
         old.tasks.append(_writing_load(writes_end))
         d.requests["r1"] = old
         d.cancel("r1")                    # dropped (a newer attempt came) while writing
-        new = DecodeState("r1", engine=None, payload=None, spans=[None], buffer=Slots(),
+        new = DecodeState("r1", engine=None, payload=None, plan=_plan(1), buffer=Slots(),
                           pe_address="pe", attempt=2)
         d.requests["r1"] = new
         await asyncio.sleep(0)
@@ -182,8 +189,8 @@ def test_an_order_into_a_reservation_without_the_held_blocks_slots_is_refused():
     async def main():
         spawned: list = []
         d = _path(asyncio.Event(), spawned)
-        st = DecodeState("r1", engine=None, payload=None, spans=[None, None, None],
-                         buffer=Slots(), pe_address="pe", attempt=1, held=2, base=2)
+        st = DecodeState("r1", engine=None, payload=None, plan=_plan(3, held=2),
+                         buffer=Slots(), pe_address="pe", attempt=1)
         d.requests["r1"] = st
         order = LoadOrder("r1", [bytes(16)], "pe",
                           KvPlacement.full_blocks(FMT, "hbm", 1024, 4), [0], 1, 0)

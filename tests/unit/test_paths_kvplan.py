@@ -9,6 +9,7 @@ PE fills a layer as the hit tokens' route runs + ``layer_runs(hit, prompt)``
 prompt exactly once.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -20,7 +21,14 @@ from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.prefix import ROOT_KEY, block_keys, chain_key
-from dualpath.paths.kvplan import Route, block_spans, blocks_for, layer_runs
+from dualpath.paths.kvplan import (
+    PrefillPlan,
+    Route,
+    block_spans,
+    blocks_for,
+    decode_plan,
+    layer_runs,
+)
 from dualpath.paths.payload import Payload, encode_token_ids
 from dualpath.trace.model import synthetic_token_ids, trajectory_key, trajectory_token_ids
 
@@ -244,3 +252,56 @@ def test_an_instances_top_logprobs_are_read_by_token_id_in_its_order():
     for bad in ({"hello": -1.0}, None, {f"token_id:{i}": 0.0 for i in range(22)}):
         with pytest.raises(ValueError):
             _top(bad)
+
+
+# ------------------------------------------------------------------ plans: pure, immutable, one per attempt and side
+
+def _prefill(prompt: int, local: int, remote: int) -> PrefillPlan:
+    ids = np.arange(prompt, dtype=np.int32)
+    return PrefillPlan("r", prompt, T, tuple(block_spans(ids, T)), local, remote, ids)
+
+
+def test_a_prefill_plan_names_the_stored_blocks_and_the_partial_tail_apart():
+    p = _prefill(10, 1, 1)                 # blocks [0,4) [4,8) full, [8,10) partial
+    assert len(p.keys) == 3 and p.full_keys == p.keys[:2] and p.tail_keys == p.keys[2:]
+    assert (p.read_tokens, p.decode_read_tokens, p.hit_blocks) == (4, 4, 2)
+    whole = _prefill(8, 2, 0)
+    assert whole.tail_keys == [] and whole.full_keys == whole.keys
+
+
+def test_a_prefill_plan_is_never_edited_and_never_grows():
+    p = _prefill(13, 2, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.local = 0
+    q = p.with_parts(0, 3)
+    assert (p.local, p.remote, q.local, q.remote) == (2, 1, 0, 3) and q.keys == p.keys
+    for parts in [(3, 1), (-1, 1), (0, 4)]:
+        with pytest.raises(ValueError, match="exceed the planned hit of 3 blocks"):
+            p.with_parts(*parts)
+
+
+def _spans(blocks: int):
+    return block_spans(np.arange(blocks * T, dtype=np.int32), T)
+
+
+def test_a_decode_plan_keeps_one_block_for_the_prefill_node_to_send():
+    spans = _spans(3)
+    p = decode_plan("r", 2, 12, T, spans, True, held=9, read_tokens=0)
+    assert (p.held, p.base, p.slots, p.attempt) == (2, 2, 1, 2)   # the last block comes
+    none = decode_plan("r", 1, 12, T, spans, True, held=0, read_tokens=0)
+    assert (none.held, none.base, none.slots) == (0, 0, 3)
+
+
+def test_a_decode_plan_that_reads_for_the_prefill_node_slots_every_block():
+    # Its reads land in its own slots, held by its instance or not (node.proto).
+    p = decode_plan("r", 1, 12, T, _spans(3), True, held=2, read_tokens=2 * T)
+    assert (p.held, p.reads, p.base, p.slots) == (2, 2, 0, 3)
+
+
+def test_an_oracle_decode_plan_reserves_nothing_and_holds_nothing():
+    p = decode_plan("r", 1, 12, T, _spans(3), False, held=2, read_tokens=0)
+    assert (p.held, p.slots) == (0, 0)
+    with pytest.raises(ValueError, match="oracle request holds no blocks"):
+        dataclasses.replace(p, held=1)
+    with pytest.raises(ValueError, match="one at least must come from the PE"):
+        dataclasses.replace(p, moves_kv=True, held=3)

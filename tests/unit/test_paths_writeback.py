@@ -142,7 +142,7 @@ def test_an_adopted_partial_last_block_is_served_and_never_persisted(tmp_path):
                     break
                 await asyncio.sleep(0.01)
             assert space.store.contains(KEYS[1])
-            assert eng.lookup("m", KEYS[:2] + [tail])[0] == 3     # held: found
+            assert eng.get_num_new_matched_tokens("m", KEYS[:2] + [tail])[0] == 3     # held: found
             assert space.pool.free == space.pool.capacity - 3
             eng.release_adopted(s)
             for _ in range(100):
@@ -151,7 +151,7 @@ def test_an_adopted_partial_last_block_is_served_and_never_persisted(tmp_path):
                 await asyncio.sleep(0.01)
             assert space.pool.free == space.pool.capacity
             assert not space.store.contains(tail)
-            assert eng.lookup("m", KEYS[:2] + [tail])[0] == 2     # let go: gone
+            assert eng.get_num_new_matched_tokens("m", KEYS[:2] + [tail])[0] == 2     # let go: gone
 
     asyncio.run(main())
 

@@ -20,11 +20,13 @@ HBM, per member of a step (one request's slice of its engine's batch):
 - without (``layerwise`` off: the paper's Basic): every layer's window, held for the
   whole step, all moved in before layer 0 computes.
 
-A member's :class:`ForwardJob` (the request's prefill) moves its KV: ``load`` (the
-context computed so far, staged in the PE buffer, into a window), ``write`` (the KV the
-layer computed: the emulated model's), ``send`` (that layer to the DE buffer, and for a
-chunk that is not the request's last, the chunk's KV back into the PE buffer, where the
-next chunk loads it from). A job that fails ends its request only; the step goes on
+A member's :class:`ForwardJob` (the request's prefill) moves its KV, its steps named as
+vLLM's KV connector names them (engines/protocol.py): ``wait_for_layer_load`` (the
+context computed so far, staged in the PE buffer, into a window; the layer computes once
+it returned), ``write`` (the KV the layer computed: the emulated model's),
+``save_kv_layer`` (that layer to the DE buffer, and for a chunk that is not the
+request's last, the chunk's KV back into the PE buffer, where the next chunk loads it
+from); the step's end awaits every save (``wait_for_save``). A job that fails ends its request only; the step goes on
 without it. A job withdrawn (its request cancelled) leaves at the next layer, once the
 moves it started ended.
 
@@ -81,7 +83,8 @@ class ForwardJob(Protocol):
     prompt_tokens: int
     moves_kv: bool                  # False: an oracle request (no HBM, nothing moved)
 
-    async def load(self, layer: int, window: Sequence[int], stop: int) -> None:
+    async def wait_for_layer_load(self, layer: int, window: Sequence[int],
+                                  stop: int) -> None:
         """Move layer ``layer`` of tokens [0, stop) from the PE buffer into the HBM
         units ``window`` (unit i holds the request's tokens [i*T, (i+1)*T))."""
 
@@ -90,8 +93,8 @@ class ForwardJob(Protocol):
         """The KV layer ``layer`` computed for tokens [first, stop), into the slots
         ``blocks`` (block i's slot index in ``window``)."""
 
-    async def send(self, layer: int, window: Sequence[int], first: int, stop: int,
-                   last: bool) -> None:
+    async def save_kv_layer(self, layer: int, window: Sequence[int], first: int,
+                            stop: int, last: bool) -> None:
         """Layer ``layer``'s KV, in HBM units ``window``, on to the DE buffer (what it
         lacks of [0, stop)); unless ``last``, tokens [first, stop) into the PE buffer
         too (the next chunk's context)."""
@@ -408,13 +411,13 @@ class PrefillForward:
             if reuse >= 0 and reuse in m.sends:
                 await asyncio.gather(m.sends[reuse], return_exceptions=True)
             if m.start:
-                await m.entry.job.load(layer, m.window(layer), m.start)
+                await m.entry.job.wait_for_layer_load(layer, m.window(layer), m.start)
         m.loads[layer] = retrieved(asyncio.ensure_future(go()))
 
     async def _send(self, m: _Member, layer: int) -> None:
         if not m.entry.job.moves_kv:
             return
-        await m.entry.job.send(layer, m.window(layer), m.start, m.stop,
+        await m.entry.job.save_kv_layer(layer, m.window(layer), m.start, m.stop,
                                m.stop >= m.entry.job.prompt_tokens)
 
     async def _finish(self, m: _Member) -> None:

@@ -141,10 +141,10 @@ class EmulatedPrefillPath(PrefillPath):
             finished = True
         finally:
             await self._end_attempt(de, rid, a.attempt, prep is not None, finished,
-                                    lambda tell: self._let_go(de, rid, a.attempt, tell,
+                                    lambda tell: self.request_finished(de, rid, a.attempt, tell,
                                                               watch, pebuf))
 
-    async def _let_go(self, de: str, rid: str, attempt: int, tell: bool,
+    async def request_finished(self, de: str, rid: str, attempt: int, tell: bool,
                       watch, pebuf: Reservation | None) -> None:
         """The end of an attempt here: the DE told (when it did not finish) and our
         PE-buffer slots released, or fenced while the DE's load may still write into
@@ -173,13 +173,13 @@ class _OracleJob:
     prompt_tokens: int
     moves_kv = False
 
-    async def load(self, layer, window, stop) -> None:
+    async def wait_for_layer_load(self, layer, window, stop) -> None:
         return
 
     def write(self, layer, window, first, stop, blocks) -> None:
         return
 
-    async def send(self, layer, window, first, stop, last) -> None:
+    async def save_kv_layer(self, layer, window, first, stop, last) -> None:
         return
 
 
@@ -227,7 +227,8 @@ class _Job:
             move = self._moves[key] = self._route(kind, window).move(spans)
         return move.rows(layer)
 
-    async def load(self, layer: int, window: Sequence[int], stop: int) -> None:
+    async def wait_for_layer_load(self, layer: int, window: Sequence[int],
+                                  stop: int) -> None:
         n = self.path.node
         await write_rows(n.transfer, n.address, *self._rows("load", window, layer,
                                                              [(0, stop)]))
@@ -236,8 +237,8 @@ class _Job:
               blocks: Sequence[int]) -> None:
         self.path.engine.write_layer_kv(window, blocks, self.spans, layer, first, stop)
 
-    async def send(self, layer: int, window: Sequence[int], first: int, stop: int,
-                   last: bool) -> None:
+    async def save_kv_layer(self, layer: int, window: Sequence[int], first: int,
+                            stop: int, last: bool) -> None:
         n = self.path.node
         spans = [(first, stop)]
         if first == self.first:                # the first chunk: the hit the DE lacks

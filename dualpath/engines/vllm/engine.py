@@ -355,8 +355,9 @@ class VllmEngine:
             return None
         return st
 
-    def lookup(self, model_id: str, keys: Sequence[bytes], request_id: str = "",
-               ticket: str = "") -> tuple[int, int]:
+    def get_num_new_matched_tokens(self, model_id: str, keys: Sequence[bytes],
+                                   request_id: str = "", ticket: str = ""
+                                   ) -> tuple[int, int]:
         """How many leading ``keys`` the store holds (0 before a worker attached); for
         a staged P/D prefill (its ticket), the leading keys of its staged hit, and the
         leading prompt blocks its DE is not sent (else 0)."""
@@ -391,9 +392,9 @@ class VllmEngine:
             return "", b""
         return self.offer.name, self.offer.grant()
 
-    async def load(self, request_id: str, worker_name: str, keys: list[bytes],
-                   units: list[int], worker_copies: bool = False,
-                   ticket: str = "") -> AsyncIterator[LoadStep]:
+    async def start_load_kv(self, request_id: str, worker_name: str, keys: list[bytes],
+                            units: list[int], worker_copies: bool = False,
+                            ticket: str = "") -> AsyncIterator[LoadStep]:
         """Load ``keys`` into the worker's engine blocks ``units`` (units_per_block per
         key), layer by layer; yields progress (see :class:`LoadStep`). ``worker_copies``:
         only into the buffer; the last step names the slots, held until

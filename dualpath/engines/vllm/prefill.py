@@ -179,7 +179,7 @@ class VllmPrefillPath(PrefillPath):
             finished = True
         finally:
             await self._end_attempt(de, rid, a.attempt, prep is not None, finished,
-                                    lambda tell: self._let_go(de, rid, a.attempt, tell,
+                                    lambda tell: self.request_finished(de, rid, a.attempt, tell,
                                                               stage, res, reader, out,
                                                               watch))
 
@@ -189,7 +189,7 @@ class VllmPrefillPath(PrefillPath):
         cache = self.vllm.instance_cache
         return bool(keys) and cache is not None and cache.leading(salt, keys) == len(keys)
 
-    async def _let_go(self, de: str, rid: str, attempt: int, tell: bool, stage, res,
+    async def request_finished(self, de: str, rid: str, attempt: int, tell: bool, stage, res,
                       reader, out, watch) -> None:
         """The end of an attempt here: the pushes and reads settled, the DE told (when
         it did not finish), the stage's slots released, or fenced while the DE's load

@@ -66,7 +66,7 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
         if not request.block_keys:          # a worker's heartbeat
             return connector_pb2.LookupResponse(hit_blocks=0, worker_attached=attached)
         try:
-            hit, unsent = self.engine.lookup(request.model_id, list(request.block_keys),
+            hit, unsent = self.engine.get_num_new_matched_tokens(request.model_id, list(request.block_keys),
                                              request.request_id, request.ticket)
         except DualPathError as e:
             await self._abort(context, e)
@@ -76,7 +76,7 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
     async def Load(self, request, context):
         await self.callers.require(context, own=True)
         try:
-            async for step in self.engine.load(request.request_id, request.worker_name,
+            async for step in self.engine.start_load_kv(request.request_id, request.worker_name,
                                                list(request.block_keys), list(request.units),
                                                request.worker_copies, request.ticket):
                 yield connector_pb2.LoadProgress(

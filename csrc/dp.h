@@ -337,7 +337,9 @@ struct dp_tcp_cfg {
                                        [2000] */
     uint32_t max_conns_per_peer;    /* admitted connections per peer tag [16] */
     uint32_t max_credentials;       /* issued, not yet used credentials [4096] */
-    uint32_t _pad;
+    uint32_t max_pending_per_addr;  /* of max_pending, those one source address may hold
+                                       [max_pending / 8, at least 1]: a flood from one
+                                       address cannot starve admitted peers' handshakes */
 };
 
 /* [handle] Listen on host:port (numeric or resolvable host; port 0 = any free port, see

@@ -99,8 +99,11 @@ dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *
         c.max_conns_per_peer = DEFAULT_CONNS_PER_PEER;
     if (!c.max_credentials)
         c.max_credentials = DEFAULT_MAX_CREDS;
+    if (!c.max_pending_per_addr)
+        c.max_pending_per_addr = c.max_pending / 8 ? c.max_pending / 8 : 1;
     if (c.max_regions > 0xffff || c.sockbuf_bytes > (1u << 30) || (c.flags & ~DP_TCP_OPEN) ||
         c.max_credentials > 0xffff || c.max_pending > 65536 ||
+        c.max_pending_per_addr > c.max_pending ||
         c.handshake_timeout_ms > 3600000) {
         errno = EINVAL;
         return NULL;
@@ -113,6 +116,7 @@ dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *
     eng->sockbuf = c.sockbuf_bytes;
     eng->flags = c.flags;
     eng->max_pending = c.max_pending;
+    eng->max_pending_per_addr = c.max_pending_per_addr;
     eng->handshake_timeout_ms = c.handshake_timeout_ms;
     eng->max_conns_per_peer = c.max_conns_per_peer;
     eng->max_creds = c.max_credentials;

@@ -115,6 +115,8 @@ struct tcp_srv_conn {
     uint32_t hello_got;              /* pending: bytes of the hello read so far */
     struct tcp_hello hello;
     struct tcp_srv_conn *pend_prev, *pend_next;   /* pending FIFO (by deadline) */
+    uint8_t addr[16];                /* the source address (IPv4 in its first 4 bytes) */
+    uint8_t addr_len;
     struct tcp_req_hdr hdr;          /* the header being read */
     uint32_t hdr_got;                /* bytes of it read so far */
     uint64_t left;                   /* payload bytes of the current item still to read */
@@ -146,7 +148,7 @@ struct dp_tcp {
     uint32_t max_regions;
     uint32_t hi_slot;                /* slots [0, hi_slot) may be live (under lock) */
     uint32_t flags;                  /* DP_TCP_OPEN */
-    uint32_t max_pending, handshake_timeout_ms, max_conns_per_peer;
+    uint32_t max_pending, handshake_timeout_ms, max_conns_per_peer, max_pending_per_addr;
     pthread_mutex_t cred_lock;       /* the credential table: admit/revoke (any thread),
                                         the server thread's check */
     struct tcp_cred *creds;

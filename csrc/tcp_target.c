@@ -19,6 +19,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -297,16 +298,26 @@ static void srv_expire_pending(dp_tcp *eng, struct tcp_srv_conn **dead)
         srv_close(eng, eng->pend_head, dead);
 }
 
+/* Handshakes under way from c's source address (a walk of at most max_pending). */
+static uint32_t pend_from(const dp_tcp *eng, const struct tcp_srv_conn *c)
+{
+    uint32_t n = 0;
+    for (const struct tcp_srv_conn *p = eng->pend_head; p; p = p->pend_next)
+        n += p->addr_len == c->addr_len && !memcmp(p->addr, c->addr, c->addr_len);
+    return n;
+}
+
 /* A new connection: served at once on an open engine; else challenged, unless
- * max_pending handshakes are under way (then closed: a flood of idle connections holds
- * at most max_pending descriptors, each for at most the handshake timeout). */
+ * max_pending handshakes are under way, or max_pending_per_addr from its address (then
+ * closed: a flood of idle connections holds at most max_pending descriptors, each for
+ * at most the handshake timeout, and one address at most its share of them). */
 static int srv_greet(dp_tcp *eng, struct tcp_srv_conn *c)
 {
     if (eng->flags & DP_TCP_OPEN) {
         c->admitted = 1;
         return 0;
     }
-    if (eng->n_pending >= eng->max_pending)
+    if (eng->n_pending >= eng->max_pending || pend_from(eng, c) >= eng->max_pending_per_addr)
         return -1;
     struct tcp_challenge ch = {.magic = htole32(TCP_CHALLENGE_MAGIC)};
     int64_t now;
@@ -320,10 +331,25 @@ static int srv_greet(dp_tcp *eng, struct tcp_srv_conn *c)
     return 0;
 }
 
+/* The source address of an accepted connection, as compared by pend_from. */
+static void srv_addr(struct tcp_srv_conn *c, const struct sockaddr_storage *ss)
+{
+    if (ss->ss_family == AF_INET) {
+        memcpy(c->addr, &((const struct sockaddr_in *)ss)->sin_addr, 4);
+        c->addr_len = 4;
+    } else if (ss->ss_family == AF_INET6) {
+        memcpy(c->addr, &((const struct sockaddr_in6 *)ss)->sin6_addr, 16);
+        c->addr_len = 16;
+    }
+}
+
 static void srv_accept(dp_tcp *eng)
 {
     for (;;) {
-        int fd = accept4(eng->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        struct sockaddr_storage ss = {0};
+        socklen_t ss_len = sizeof ss;
+        int fd = accept4(eng->listen_fd, (struct sockaddr *)&ss, &ss_len,
+                         SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             /* EAGAIN: done; ECONNABORTED and the like: the peer retries */
             if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
@@ -336,6 +362,7 @@ static void srv_accept(dp_tcp *eng)
             continue;
         }
         tcp_tune_socket(fd, eng->sockbuf, 0);
+        srv_addr(c, &ss);
         c->fd = fd;
         c->events = EPOLLIN;
         TCP_STAT_ADD(eng, conns_accepted, 1);

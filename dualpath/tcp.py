@@ -134,7 +134,7 @@ class TcpEngine(Owner):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_regions: int = 1024,
                  sockbuf_bytes: int = 0, open: bool = False, max_pending: int = 64,
                  handshake_timeout_ms: int = 2000, max_conns_per_peer: int = 16,
-                 max_credentials: int = 4096):
+                 max_credentials: int = 4096, max_pending_per_addr: int = 0):
         if not isinstance(host, str) or not host:
             raise UsageError(f"host must be a non-empty str, not {host!r}")
         check_range("port", port, 0, 65535)
@@ -144,12 +144,14 @@ class TcpEngine(Owner):
         check_range("handshake_timeout_ms", handshake_timeout_ms, 1, 3_600_000)
         check_range("max_conns_per_peer", max_conns_per_peer, 1, (1 << 32) - 1)
         check_range("max_credentials", max_credentials, 1, 65535)
+        check_range("max_pending_per_addr", max_pending_per_addr, 0, max_pending)
         super().__init__()
         cfg = ffi.new("struct dp_tcp_cfg *")
         cfg.max_regions, cfg.sockbuf_bytes = max_regions, sockbuf_bytes
         cfg.flags = lib.DP_TCP_OPEN if open else 0
         cfg.max_pending, cfg.handshake_timeout_ms = max_pending, handshake_timeout_ms
         cfg.max_conns_per_peer, cfg.max_credentials = max_conns_per_peer, max_credentials
+        cfg.max_pending_per_addr = max_pending_per_addr     # 0: max_pending / 8
         self.open = open
         self._adopt(check_ptr(lib.dp_tcp_create(host.encode(), port, cfg),
                               f"listen on {host}:{port}", ffi))

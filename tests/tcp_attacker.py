@@ -10,6 +10,9 @@ Modes:
   TcpConnection code presenting a credential (wrong or already used); report the errno.
 - {"mode": "flood", "host", "port", "n"}: open n TCP connections and hold them idle,
   print {"held": n} and wait for stdin to close.
+- {"mode": "storm", "host", "port", "n"}: keep n unauthenticated connections open,
+  opening a new one for each the target closes, until stdin closes; print
+  {"storming": n} once the first n are open and {"reopened": count} at the end.
 """
 
 import json
@@ -78,9 +81,49 @@ def flood(spec) -> None:
         s.close()
 
 
+def storm(spec) -> None:
+    import threading
+    import time
+
+    n = spec["n"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, n + 256)), hard))
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+
+    def opened() -> socket.socket:
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.connect((spec["host"], spec["port"]))
+        except BlockingIOError:
+            pass
+        return s
+    held = [opened() for _ in range(n)]
+    print(json.dumps({"storming": n}), flush=True)
+    reopened = 0
+    while not done.is_set():
+        for i, s in enumerate(held):
+            try:
+                while s.recv(4096):       # the challenge: read and ignored
+                    pass
+            except (BlockingIOError, OSError) as e:
+                if isinstance(e, BlockingIOError):
+                    continue
+            s.close()                     # closed by the target (EOF or reset): again
+            held[i] = opened()
+            reopened += 1
+        time.sleep(0.01)
+    for s in held:
+        s.close()
+    print(json.dumps({"reopened": reopened}), flush=True)
+
+
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     if spec["mode"] == "flood":
         flood(spec)
+    elif spec["mode"] == "storm":
+        storm(spec)
     else:
         print(json.dumps({"write": write, "credential": credential}[spec["mode"]](spec)))

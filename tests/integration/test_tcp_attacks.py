@@ -134,6 +134,41 @@ def test_two_thousand_idle_connections_keep_the_target_bounded_and_serving(ns, t
         flood.wait(WAIT_S)
 
 
+def test_a_handshake_storm_from_one_address_leaves_room_for_admitted_peers(ns, target):
+    # The audit (issue 38): the 64 pending-handshake slots were shared first come, first
+    # served, and an unauthenticated storm (reopening every connection the target
+    # closed) let 2 of 20 admitted peers through on b658318. Now one address holds at
+    # most max_pending / 8 of them: each of 20 admitted connects (one try each, from
+    # the victim's address) gets in while the storm goes on.
+    a, b, cq = target["a"], target["b"], target["cq"]
+    storm = ns.popen(ns.attacker, [sys.executable, "-c", ATTACKER,
+                                   json.dumps({"mode": "storm", "host": ns.victim_ip,
+                                               "port": b.port, "n": 200})],
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ok = []
+    try:
+        assert json.loads(storm.stdout.readline()) == {"storming": 200}
+        for _ in range(int(WAIT_S / 0.1)):       # the storm is being refused
+            if b.stats().conns_refused >= 400:
+                break
+            ns.call_in(ns.victim, lambda: __import__("time").sleep(0.1))
+        for _ in range(20):
+            conn = a.connection(cq)
+            try:
+                ns.call_in(ns.victim, conn.connect, ns.victim_ip, b.port, 10.0, b.admit(7))
+                ok.append(True)
+            except RdmaError as e:
+                ok.append(e.errno)
+            finally:
+                conn.close()
+    finally:
+        storm.stdin.close()
+        end = json.loads(storm.stdout.readline())
+        storm.wait(WAIT_S)
+    assert end["reopened"] > 0                     # it stormed throughout
+    assert ok == [True] * 20, ok
+
+
 def test_rkeys_are_random_not_sequential():
     with TcpEngine() as eng:
         bufs = [bytearray(4096) for _ in range(64)]

@@ -19,10 +19,19 @@ def register(sub) -> None:
 
 
 def _check(args) -> int:
+    """Exit 0 for a valid file (with a ``warning:`` line on stderr for each risky but
+    valid setting: a section's ``warnings()``), 2 for an invalid one."""
+    import sys
+
     from dualpath import config
 
-    config.load(args.path)
-    print(f"{args.path}: ok")
+    cfg = config.load(args.path)
+    warned = [w for sec in cfg.sections.values() if hasattr(sec, "warnings")
+              for w in sec.warnings()]
+    for w in warned:
+        print(f"{args.path}: warning: {w}", file=sys.stderr)
+    print(f"{args.path}: ok" + (f" ({len(warned)} warning{'s' * (len(warned) > 1)})"
+                                if warned else ""))
     return 0
 
 

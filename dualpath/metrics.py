@@ -15,7 +15,11 @@ server runs on its own daemon thread.
 from __future__ import annotations
 
 import logging
+import socket
+import ssl
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
 from prometheus_client import (
@@ -27,11 +31,11 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
     generate_latest,
-    start_http_server,
 )
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dualpath.errors import UsageError
-from dualpath.rpc import parse_listen
+from dualpath.rpc import is_loopback, parse_listen
 
 PREFIX = "dualpath_"
 
@@ -92,11 +96,12 @@ class MetricsServer:
     host: str
     port: int
     _httpd: Any = None
+    https: bool = False
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"{'https' if self.https else 'http'}://{host}:{self.port}/metrics"
 
     def close(self) -> None:
         if self._httpd is not None:
@@ -111,20 +116,94 @@ class MetricsServer:
         self.close()
 
 
+#: Scrapes served at once (a thread each); a connection past it is closed unanswered
+#: (prometheus-client's own server started a thread per connection, unbounded).
+MAX_SCRAPES = 4
+#: A scrape connection that sends or takes nothing this long is closed.
+SCRAPE_TIMEOUT_S = 5.0
+
+
+class _Scrape(BaseHTTPRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S          # the socket's: a silent client is let go
+
+    def do_GET(self) -> None:
+        if self.path.partition("?")[0] not in ("/metrics", "/"):
+            self.send_error(404)
+            return
+        body = generate_latest(self.server.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+class _ScrapeServer(ThreadingHTTPServer):
+    """At most :data:`MAX_SCRAPES` connections served at once, each on its own daemon
+    thread with :data:`SCRAPE_TIMEOUT_S` on its socket; more are closed at accept."""
+
+    daemon_threads = True
+    request_queue_size = 128            # the listen backlog (socketserver's default: 5)
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry,
+                 ssl_context: ssl.SSLContext | None = None):
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.registry = registry
+        self.ssl_context = ssl_context
+        self.slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        super().__init__((host, port), _Scrape)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            if self.ssl_context is not None:     # the handshake on this thread, bounded
+                request.settimeout(SCRAPE_TIMEOUT_S)
+                try:
+                    request = self.ssl_context.wrap_socket(request, server_side=True)
+                except (OSError, ssl.SSLError):
+                    self.shutdown_request(request)
+                    return
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 def start_metrics_server(listen: str, registry: CollectorRegistry,
-                         what: str = "metrics_listen") -> MetricsServer | None:
-    """Serve ``registry`` at ``http://listen/metrics`` on a daemon thread; ``listen`` ""
-    means off (returns None), port 0 picks a free port (see ``.port``). ``what`` names
-    the setting in errors (e.g. ``scheduler.metrics_listen``)."""
+                         what: str = "metrics_listen",
+                         ssl_context: ssl.SSLContext | None = None) -> MetricsServer | None:
+    """Serve ``registry`` at ``http://listen/metrics`` on a daemon thread, bounded
+    (:class:`_ScrapeServer`); ``listen`` "" means off (returns None), port 0 picks a free
+    port (see ``.port``). ``what`` names the setting in errors (e.g.
+    ``scheduler.metrics_listen``); over HTTPS with ``ssl_context`` (tls.metrics_https).
+    A plain-HTTP listen address that is not loopback is logged as a warning: the figures
+    name nodes, engines and queue depths to whoever reaches it."""
     if not listen:
         return None
     host, port = parse_listen(listen, what)
     try:
-        httpd, _thread = start_http_server(port, addr=host, registry=registry)
+        httpd = _ScrapeServer(host, port, registry, ssl_context)
     except OSError as e:  # address in use, not ours: say which setting, no traceback
         raise UsageError(f"{what} = {listen!r}: cannot listen ({e.strerror})") from None
-    srv = MetricsServer(host, httpd.server_port, httpd)
-    log.info("metrics: serving %s", srv.url)
+    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
+    srv = MetricsServer(host, httpd.server_port, httpd, https=ssl_context is not None)
+    if is_loopback(host) or srv.https:
+        log.info("metrics: serving %s", srv.url)
+    else:
+        log.warning("metrics: serving %s beyond loopback, in plain HTTP: anyone who "
+                    "reaches it reads the figures (bind %s to 127.0.0.1 and scrape "
+                    "through the host, or firewall the port)", srv.url, what)
     return srv
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from dualpath.config import key
 from dualpath.errors import ConfigError
-from dualpath.rpc import check_listen
+from dualpath.rpc import check_listen, is_loopback, parse_listen
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,9 @@ class FrontendConfig:
     listen: str = key("127.0.0.1:8000", "HTTP host:port of the API (port 0 = a free one).")
     api_key_file: str = key("", "File holding the API key clients send as 'Authorization: "
                             "Bearer <key>'; empty = no key (loopback use).")
+    cert_file: str = key("", "PEM certificate the API serves HTTPS with (with key_file); "
+                         "empty = plain HTTP (loopback, or behind a TLS proxy).")
+    key_file: str = key("", "PEM private key of cert_file.")
     model: str = key("", "The model name clients ask for (/v1/models); empty = the "
                      "tokenizer directory's name.")
     tokenizer: str = key("", "Directory of the model's tokenizer (text prompts, chat "
@@ -35,6 +38,14 @@ class FrontendConfig:
                               max=1 << 30)
     max_in_flight: int = key(256, "Requests served at once; more are answered 429.",
                              min=1, max=1 << 16)
+    max_connections: int = key(1024, "HTTP connections held at once; past it a new one is "
+                               "closed at once (slow clients cannot hold every "
+                               "descriptor).", min=8, max=1 << 16)
+    header_timeout_s: float = key(10.0, "A connection that has not sent a whole request "
+                                  "head (line and headers) this long after it opened is "
+                                  "closed.", min=0.5, max=600.0)
+    body_timeout_s: float = key(30.0, "Bound on receiving one request's body (408 past "
+                                "it).", min=0.5, max=3600.0)
     request_timeout_s: float = key(600.0, "Bound on one request, queueing included.",
                                    min=1.0)
     index_blocks: int = key(1 << 20, "Blocks the front end remembers as stored (the hit "
@@ -45,3 +56,24 @@ class FrontendConfig:
         check_listen("frontend", listen=self.listen)
         if self.model and len(self.model) > 256:
             raise ConfigError("frontend.model: at most 256 characters")
+        if bool(self.cert_file) != bool(self.key_file):
+            given, missing = (("cert_file", "key_file") if self.cert_file
+                              else ("key_file", "cert_file"))
+            raise ConfigError(f"config key frontend.{given} needs frontend.{missing} too: "
+                              "HTTPS takes both")
+
+    def warnings(self) -> list[str]:
+        """What `dualpath config check` and the front end's start-up warn about: an API
+        open beyond loopback without a key, or in plain HTTP."""
+        host, _ = parse_listen(self.listen, "frontend.listen")
+        if is_loopback(host):
+            return []
+        out = []
+        if not self.api_key_file:
+            out.append(f"frontend.listen = {self.listen} serves beyond loopback without "
+                       "frontend.api_key_file: anyone who reaches it may submit requests")
+        if not self.cert_file:
+            out.append(f"frontend.listen = {self.listen} serves beyond loopback in plain "
+                       "HTTP (no frontend.cert_file): keys and prompts cross the network "
+                       "in the clear")
+        return out

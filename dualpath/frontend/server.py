@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import secrets
+import ssl
 import uuid
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from aiohttp import web
 
 from dualpath import metrics, tls
 from dualpath.errors import ConfigError, DualPathError, RemoteUnavailable, UsageError
+from dualpath.frontend import edge
 from dualpath.frontend import protocol as api
 from dualpath.frontend.config import FrontendConfig
 from dualpath.frontend.index import HitIndex
@@ -40,6 +42,10 @@ from dualpath.scheduler.client import rpc_error
 from dualpath.scheduler.generate import FINAL, Generated, GenerationFailed, Generator
 
 log = logging.getLogger("dualpath.frontend")
+
+#: Bodies past this are parsed off the event loop (a 4 MiB JSON list of token ids takes
+#: about a second to parse: the loop would stall every other request meanwhile).
+PARSE_IN_THREAD_BYTES = 64 << 10
 
 _REJECT_STATUS = {"REJECT_REASON_QUEUE_FULL": 429, "REJECT_REASON_DUPLICATE": 409,
                   "REJECT_REASON_INVALID": 400, "REJECT_REASON_TOO_LARGE": 400, FINAL: 400}
@@ -82,18 +88,37 @@ class FrontEnd:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
-        self.runner = web.AppRunner(app, access_log=None)
+        # A client that hangs up cancels its handler: the generator withdraws its
+        # request from the cluster and the handler gives its in-flight slot back.
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self.runner.setup()
+        edge.bound(self.runner.server, self.cfg.max_connections, self.cfg.header_timeout_s)
         host, _, port = self.cfg.listen.rpartition(":")
-        site = web.TCPSite(self.runner, host.strip("[]"), int(port))
+        site = web.TCPSite(self.runner, host.strip("[]"), int(port),
+                           ssl_context=self._https())
         await site.start()
         bound = site._server.sockets[0].getsockname()[1]
-        self.url = f"http://{host}:{bound}"
+        self.url = f"{'https' if self.cfg.cert_file else 'http'}://{host}:{bound}"
+        for w in self.cfg.warnings():
+            log.warning("front end: %s", w)
         log.info("front end on %s: model %s, %s, API key %s, scheduler %s", self.url,
                  self.model, f"tokenizer {self.cfg.tokenizer}" if self.tokens.available
                  else "token-id prompts only (no tokenizer)",
                  "required" if self.key else "off", self.gen.scheduler)
         return self.url
+
+    def _https(self) -> ssl.SSLContext | None:
+        """The API's TLS context (frontend.cert_file/key_file), or None for plain HTTP;
+        ConfigError naming the key when the files cannot be used."""
+        if not self.cfg.cert_file:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.cfg.cert_file, self.cfg.key_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"frontend.cert_file / frontend.key_file "
+                              f"({self.cfg.cert_file}, {self.cfg.key_file}): {e}") from None
+        return ctx
 
     async def close(self) -> None:
         if self.runner is not None:
@@ -105,6 +130,7 @@ class FrontEnd:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        rearm = edge.head_came(request, self.cfg.header_timeout_s)
         try:
             if request.path not in ("/health", "/metrics") and self.key:
                 got = request.headers.get("Authorization", "")
@@ -134,6 +160,8 @@ class FrontEnd:
             err = api.ApiError(500, "internal error (logged by the front end)",
                                type_="server_error", code="internal_error")
             return web.json_response(err.body(), status=500)
+        finally:
+            rearm()
 
     def _count(self, request: web.Request, status: int) -> None:
         if request.path.startswith("/v1/") and request.method == "POST":
@@ -151,9 +179,25 @@ class FrontEnd:
             {"id": self.model, "object": "model", "created": 0, "owned_by": "dualpath"}]})
 
     async def _body(self, request: web.Request):
+        """The request's JSON: its declared length checked before a byte is read (413),
+        its arrival bounded (``body_timeout_s``: 408), a large one parsed off the loop,
+        nesting too deep for the parser a 400."""
+        limit = self.cfg.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise api.ApiError(413, f"the request body ({request.content_length} bytes) is "
+                               f"larger than {limit} bytes", code="request_too_large")
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+        except TimeoutError:
+            raise api.ApiError(408, f"the request body did not arrive within "
+                               f"{self.cfg.body_timeout_s:g} s", code="request_timeout") \
+                from None
+        try:
+            if len(raw) > PARSE_IN_THREAD_BYTES:
+                return await asyncio.to_thread(json.loads, raw)
             return json.loads(raw)
+        except RecursionError:
+            raise api.bad("the request body is nested too deeply to parse") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise api.bad(f"the request body is not JSON: {e}") from None
 

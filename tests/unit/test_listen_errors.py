@@ -69,3 +69,41 @@ def test_plaintext_grpc_listens_on_loopback_only():
         await server.stop(None)
 
     asyncio.run(go())
+
+
+def test_the_metrics_server_bounds_its_threads_and_lets_silent_clients_go():
+    # The audit (issue 38): prometheus-client's server started a thread per connection
+    # with no timeout; 50 silent connections here held 50 threads for ever on
+    # b658318. Now at most MAX_SCRAPES are served (the rest closed at accept), each
+    # silent one let go after SCRAPE_TIMEOUT_S, and a scrape after them is answered.
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from dualpath import metrics
+
+    reg = metrics.new_registry(process=False)
+    metrics.counter(reg, "dualpath_test_scrapes_total", "x").inc()
+    srv = metrics.start_metrics_server("127.0.0.1:0", reg)
+    before = threading.active_count()
+    held = [socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+            for _ in range(50)]
+    try:
+        time.sleep(0.5)                      # the accepts happen (not a timing assertion)
+        assert threading.active_count() <= before + metrics.MAX_SCRAPES
+        for s in held[metrics.MAX_SCRAPES:]:  # the ones past the cap: closed unanswered
+            assert s.recv(1) == b""
+    finally:
+        for s in held:
+            s.close()
+    body = ""
+    for _ in range(200):                     # until the held slots are let go
+        try:
+            with urllib.request.urlopen(srv.url, timeout=30) as r:
+                body = r.read().decode()
+                break
+        except OSError:
+            time.sleep(0.1)
+    srv.close()
+    assert "dualpath_test_scrapes_total 1.0" in body

@@ -33,6 +33,7 @@ SECTIONS: dict[str, str] = {
     "tls": "dualpath.tls:TlsConfig",
     "transport": "dualpath.config_sections:TransportConfig",
     "kv_lane": "dualpath.config_sections:KvLaneConfig",
+    "grpc": "dualpath.config_sections:GrpcConfig",
     "transfer": "dualpath.transfer.config:TransferConfig",
     "scheduler": "dualpath.scheduler.config:SchedulerConfig",
     "scheduler_client": "dualpath.scheduler.config:SchedulerClientConfig",

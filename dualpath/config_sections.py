@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dualpath import lane
+from dualpath import lane, rpc
 from dualpath.config import key
 
 
@@ -33,3 +33,21 @@ class KvLaneConfig:
                              "on the wire = traffic_class >> 2; the default's DSCP (24) is "
                              "the one deploy/qos/roce-dscp.sh queues at low priority.",
                              min=0, max=255)
+
+
+@dataclass(frozen=True)
+class GrpcConfig:
+    """Bounds every gRPC port of the process keeps (scheduler, node, worker agent, sinks):
+    what one connection may hold before it proves itself, and how many it may hold."""
+
+    max_connections: int = key(
+        rpc.MAX_CONNECTIONS, "Connections one gRPC port holds at once, those still in "
+        "their TLS handshake included; past it a new connection is closed at once (a "
+        "flood of idle connections exhausted a node's descriptors).", min=16, max=65536)
+    handshake_timeout_s: float = key(
+        rpc.HANDSHAKE_TIMEOUT_S, "A connection that has not finished its TLS and HTTP/2 "
+        "handshake by then is closed (gRPC's own default is 120 s).", min=1.0, max=120.0)
+    idle_timeout_s: float = key(
+        rpc.IDLE_TIMEOUT_S, "A connection that carried no call for this long is closed (a "
+        "client reconnects when it calls again; keepalive pings do not count as calls).",
+        min=10.0, max=86400.0)

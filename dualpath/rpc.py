@@ -85,6 +85,28 @@ def bind(server: grpc.aio.Server, address: str, what: str,
         raise UsageError(f"{what} = {address!r}: cannot listen ({e})") from None
 
 
+#: The connection bounds of a gRPC port when no ``[grpc]`` section says otherwise
+#: (dualpath.config_sections.GrpcConfig takes its defaults from here).
+MAX_CONNECTIONS = 1024
+HANDSHAKE_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 300.0
+
+
+def server_options(limits=None) -> list[tuple[str, object]]:
+    """The options every gRPC server of ours is made with: the keepalive its clients'
+    pings need (:data:`SERVER_KEEPALIVE`), one port per process (no SO_REUSEPORT), and
+    the connection bounds of ``limits`` (a ``[grpc]`` section; the defaults above when
+    None): gRPC closes a connection past ``max_connections`` at once, one still in its
+    handshake after ``handshake_timeout_s``, and one idle for ``idle_timeout_s``."""
+    cap, hs, idle = ((MAX_CONNECTIONS, HANDSHAKE_TIMEOUT_S, IDLE_TIMEOUT_S) if limits is None
+                     else (limits.max_connections, limits.handshake_timeout_s,
+                           limits.idle_timeout_s))
+    return [("grpc.so_reuseport", 0), *SERVER_KEEPALIVE,
+            ("grpc.max_allowed_incoming_connections", int(cap)),
+            ("grpc.server_handshake_timeout_ms", int(hs * 1000)),
+            ("grpc.max_connection_idle_ms", int(idle * 1000))]
+
+
 # Keepalive of long-lived channels (leaders, peer channels between nodes, submitters and
 # replay clients): ping an idle connection every 10 s and drop it when a ping is not
 # answered within 5 s, so a peer that vanished without a FIN (host down, a partition) is

@@ -34,10 +34,12 @@ on gRPC's threads and touches only its own state.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
 import shutil
+import socket
 import ssl
 import stat
 import subprocess
@@ -72,6 +74,14 @@ class TlsConfig:
                         "user.")
     trust_domain: str = key("dualpath", "The cluster's identity namespace: only URI SANs "
                             "spiffe://<trust_domain>/... name a peer.")
+    scheduler_identity: str = key("scheduler/scheduler", "The identity (ROLE/NAME) the "
+                                  "scheduler's certificate must name: every client of the "
+                                  "scheduler checks it answers as this, not merely from a "
+                                  "certificate of the cluster's CA (its certificate carries "
+                                  "the DNS name <name>.<role>.<trust_domain> for it).")
+    metrics_https: bool = key(False, "Serve this process's /metrics (metrics_listen) over "
+                              "HTTPS with cert_file/key_file (Prometheus: scheme https, "
+                              "its tls_config ca_file this CA).")
     plaintext: bool = key(False, "Run gRPC without TLS (no identities; loopback and tests "
                           "only). Logged as a warning at start-up. Must be set explicitly: "
                           "without it and without ca/cert/key files, daemons refuse to start.")
@@ -87,6 +97,16 @@ class TlsConfig:
             missing = [k for k in files if k not in given]
             raise ConfigError(f"config key tls.{given[0]} needs tls.{missing[0]} too: mutual "
                               "TLS takes ca_file, cert_file and key_file together")
+        try:
+            ident = as_identity(self.scheduler_identity, "config key tls.scheduler_identity")
+        except UsageError as e:
+            raise ConfigError(str(e)) from None
+        if ident.role != "scheduler":
+            raise ConfigError(f"config key tls.scheduler_identity = "
+                              f"{self.scheduler_identity!r}: the role must be scheduler")
+        if self.metrics_https and not self.cert_file:
+            raise ConfigError("config key tls.metrics_https = true needs tls.cert_file and "
+                              "tls.key_file (the certificate /metrics is served with)")
         if not self.trust_domain or "/" in self.trust_domain or ":" in self.trust_domain:
             raise ConfigError(f"config key tls.trust_domain = {self.trust_domain!r}: expected "
                               "a non-empty name without '/' or ':' (e.g. 'dualpath')")
@@ -125,6 +145,38 @@ def parse_identity(uri: str, trust_domain: str) -> Identity | None:
     if not sep or role not in ROLES or not name or "/" in name:
         return None
     return Identity(role, name)
+
+
+def identity_dns(ident: Identity, trust_domain: str) -> str:
+    """The DNS name a certificate carries beside its URI SAN, ``<name>.<role>.<trust
+    domain>``, so that a client checks *who* answers, not only where: its channel asks
+    gRPC to verify the server's certificate against this name instead of the host's
+    (``grpc.ssl_target_name_override``)."""
+    return f"{ident.name}.{ident.role}.{trust_domain}"
+
+
+def as_identity(value: Identity | str, what: str) -> Identity:
+    """``"role/name"`` (or an Identity) -> Identity; UsageError naming ``what``."""
+    if isinstance(value, Identity):
+        return value
+    role, sep, name = value.partition("/")
+    if not sep or role not in ROLES or not name or "/" in name:
+        raise UsageError(f"{what} = {value!r}: expected ROLE/NAME with ROLE one of "
+                         + ", ".join(ROLES))
+    return Identity(role, name)
+
+
+async def require_role(context: grpc.aio.ServicerContext, cfg: TlsConfig, role: str,
+                       what: str) -> None:
+    """Over mutual TLS, abort the call PERMISSION_DENIED unless the caller's identity has
+    ``role`` (plaintext: no identities, nothing checked)."""
+    if cfg.plaintext or not is_secure(context):
+        return
+    ident = peer_identity(context, cfg.trust_domain)
+    if ident is None or ident.role != role:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"{what} takes calls from {role} identities only, not "
+                            f"{ident or 'a certificate without one'}")
 
 
 def is_secure(context: grpc.aio.ServicerContext) -> bool:
@@ -265,24 +317,93 @@ def channel_credentials(cfg: TlsConfig) -> grpc.ChannelCredentials | None:
     return None if m is None else grpc.ssl_channel_credentials(m.ca, m.key, m.cert)
 
 
-def channel(address: str, cfg: TlsConfig,
-            options: Iterable[tuple[str, object]] = ()) -> grpc.aio.Channel:
-    """A grpc.aio channel to ``address``: mutual TLS, or plaintext when configured."""
+def metrics_context(cfg: TlsConfig) -> ssl.SSLContext | None:
+    """The server context /metrics is served with (``tls.metrics_https``), or None for
+    plain HTTP."""
+    if not cfg.metrics_https:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+    return ctx
+
+
+def channel(address: str, cfg: TlsConfig, options: Iterable[tuple[str, object]] = (),
+            expect: Identity | str | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to ``address``: mutual TLS, or plaintext when configured. With
+    ``expect`` ("role/name"), the server must be that identity (its certificate's
+    :func:`identity_dns` name; a call to another fails UNAVAILABLE naming both)."""
     creds = channel_credentials(cfg)
     opts = list(options)
     if creds is None:
         return grpc.aio.insecure_channel(address, opts)
-    return grpc.aio.secure_channel(address, creds, opts)
+    if not expect:
+        return grpc.aio.secure_channel(address, creds, opts)
+    want = as_identity(expect, "the expected server identity")
+    opts.append(("grpc.ssl_target_name_override", identity_dns(want, cfg.trust_domain)))
+    return grpc.aio.secure_channel(address, creds, opts,
+                                   interceptors=[_WhoAnswered(address, cfg, want)])
 
 
-def sync_channel(address: str, cfg: TlsConfig,
-                 options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
+def sync_channel(address: str, cfg: TlsConfig, options: Iterable[tuple[str, object]] = (),
+                 expect: Identity | str | None = None) -> grpc.Channel:
     """:func:`channel` for blocking callers (supervisors' health checks, vLLM's
-    scheduler)."""
+    scheduler); a wrong server fails UNAVAILABLE with gRPC's own words."""
     creds = channel_credentials(cfg)
     opts = list(options)
+    if creds is not None and expect:
+        want = as_identity(expect, "the expected server identity")
+        opts.append(("grpc.ssl_target_name_override", identity_dns(want, cfg.trust_domain)))
     return (grpc.insecure_channel(address, opts) if creds is None
             else grpc.secure_channel(address, creds, opts))
+
+
+def presented_identity(address: str, cfg: TlsConfig, timeout_s: float = 3.0) -> str:
+    """Who the server at ``address`` says it is (its certificate's URI SANs), for an
+    error message; a description of the failure when it cannot be read."""
+    host, _, port = address.rpartition(":")
+    ctx = ssl.create_default_context(cafile=cfg.ca_file)
+    ctx.check_hostname = False
+    ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) \
+                as raw, ctx.wrap_socket(raw) as conn:
+            cert = conn.getpeercert() or {}
+    except (OSError, ValueError) as e:
+        return f"unknown (its certificate could not be read: {e})"
+    uris = [v for k, v in cert.get("subjectAltName", ()) if k == "URI"]
+    idents = [str(i) for i in (parse_identity(u, cfg.trust_domain) for u in uris) if i]
+    return ", ".join(idents) or ("no identity of trust domain " + cfg.trust_domain
+                                 + (f" (URI SANs: {', '.join(uris)})" if uris else ""))
+
+
+class _WhoAnswered(grpc.aio.UnaryUnaryClientInterceptor):
+    """A unary call whose server failed the identity check fails UNAVAILABLE naming the
+    identity expected and the one presented (gRPC says only "Hostname Verification
+    Check failed"; a stream keeps gRPC's words)."""
+
+    def __init__(self, address: str, cfg: TlsConfig, want: Identity):
+        self.address, self.cfg, self.want = address, cfg, want
+
+    async def _explain(self, e: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+        if e.code() != grpc.StatusCode.UNAVAILABLE or \
+                "Hostname Verification" not in (e.details() or ""):
+            return e
+        got = await asyncio.to_thread(presented_identity, self.address, self.cfg)
+        return grpc.aio.AioRpcError(
+            e.code(), e.initial_metadata(), e.trailing_metadata(),
+            details=f"the server at {self.address} is {got}, not the expected "
+                    f"{self.want} (its certificate lacks the DNS name "
+                    f"{identity_dns(self.want, self.cfg.trust_domain)})",
+            debug_error_string=e.debug_error_string())
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        call = await continuation(details, request)
+        try:
+            await call
+        except grpc.aio.AioRpcError as e:
+            raise await self._explain(e) from None
+        return call
 
 
 def mode(cfg: TlsConfig) -> str:
@@ -449,7 +570,9 @@ def make_cluster_pki(directory: str | Path, identities: Iterable[str], *,
         run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
             "-keyout", f"{base}.key", "-out", f"{base}.csr", "-subj", f"/CN=dualpath {role} {name}")
         os.chmod(d / f"{base}.key", 0o600)
-        san = ",".join([f"URI:{Identity(role, name).uri(trust_domain)}", *san_hosts])
+        ident = Identity(role, name)
+        san = ",".join([f"URI:{ident.uri(trust_domain)}",
+                        f"DNS:{identity_dns(ident, trust_domain)}", *san_hosts])
         (d / f"{base}.ext").write_text(f"subjectAltName={san}\n"
                                        "extendedKeyUsage=serverAuth,clientAuth\n")
         run("x509", "-req", "-in", f"{base}.csr", "-CA", f"{ca_name}.crt", "-CAkey",

@@ -342,7 +342,8 @@ class LocalCluster:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + self.start_timeout_s
-        with tls.sync_channel(self.scheduler_address, self.client_tls) as ch:
+        with tls.sync_channel(self.scheduler_address, self.client_tls,
+                              expect=self.client_tls.scheduler_identity) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while True:
                 self._deadline_check(self.scheduler, "the scheduler", self._sched_log,
@@ -386,8 +387,8 @@ class LocalCluster:
         """An Admin stub (the cluster's admin certificate) and its channel."""
         from dualpath.v1 import admin_pb2_grpc
 
-        ch = tls.sync_channel(self.scheduler_address,
-                              config_tls(self.pki.section("admin/operator")))
+        cfg = config_tls(self.pki.section("admin/operator"))
+        ch = tls.sync_channel(self.scheduler_address, cfg, expect=cfg.scheduler_identity)
         return admin_pb2_grpc.AdminStub(ch), ch
 
     def dead(self) -> list[str]:

@@ -136,7 +136,8 @@ class Leader:
 
     def _connect(self) -> None:
         self.channel = tls.channel(self.scheduler_address, self.tls_config,
-                                   options=CHANNEL_OPTIONS)
+                                   options=CHANNEL_OPTIONS,
+                                   expect=self.tls_config.scheduler_identity)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
 
     async def _reconnect(self) -> None:

@@ -160,6 +160,10 @@ class PeerClient:
         self.channels = channels
         self.timeout_s = timeout_s
 
+    def expect(self, peer: str, identity: str) -> None:
+        """The scheduler said ``identity`` serves at ``peer`` (GrpcChannels.expect)."""
+        self.channels.expect(peer, identity)
+
     def _node(self, peer: str) -> node_pb2_grpc.NodeStub:
         return node_pb2_grpc.NodeStub(self.channels.channel(peer))
 

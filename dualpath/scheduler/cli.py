@@ -168,7 +168,7 @@ def _run_scheduler(args) -> int:
     if args.metrics_listen is not None:
         over["metrics_listen"] = args.metrics_listen
     cfg = dataclasses.replace(full.scheduler, **over)
-    _run(serve(cfg, full.tls, config_path=args.config))
+    _run(serve(cfg, full.tls, config_path=args.config, limits=full.grpc))
     return EXIT_OK
 
 
@@ -277,7 +277,7 @@ async def _check(client, args):
     rows, found, out = [], [], []
     for node_id, addr in nodes:
         try:
-            async with tls.channel(addr, client.tls_config) as ch:
+            async with tls.channel(addr, client.tls_config, expect=f"node/{node_id}") as ch:
                 h = Holdings.from_pb(await node_pb2_grpc.NodeStub(ch).Holdings(
                     node_pb2.HoldingsRequest(), timeout=10))
         except grpc.aio.AioRpcError as e:

@@ -50,12 +50,17 @@ class SchedulerClient:
 
     def __init__(self, address: str, *, credentials: grpc.ChannelCredentials | None = None,
                  admin_token: str | None = None, timeout_s: float = 5.0,
-                 options: Iterable[tuple[str, object]] = ()):
+                 options: Iterable[tuple[str, object]] = (),
+                 channel: grpc.aio.Channel | None = None):
         opts = list(options)
         given = {k for k, _ in opts}
         opts += [kv for kv in rpc.CHANNEL_OPTIONS if kv[0] not in given]
-        self.channel = (grpc.aio.secure_channel(address, credentials, opts)
-                        if credentials is not None else grpc.aio.insecure_channel(address, opts))
+        if channel is not None:            # made by from_config (checks who answers)
+            self.channel = channel
+        else:
+            self.channel = (grpc.aio.secure_channel(address, credentials, opts)
+                            if credentials is not None
+                            else grpc.aio.insecure_channel(address, opts))
         self.address = address
         self.timeout_s = timeout_s
         self._auth = tls.bearer_metadata(admin_token)
@@ -68,12 +73,15 @@ class SchedulerClient:
                     address: str | None = None,
                     admin_token: str | None = None) -> SchedulerClient:
         """A client per ``[scheduler_client]`` over ``[tls]`` (mutual TLS with our
-        certificate, or explicit plaintext); ConfigError when neither is configured."""
-        creds = tls.channel_credentials(tls_config)
+        certificate, the server checked to be ``tls.scheduler_identity``, or explicit
+        plaintext); ConfigError when neither is configured."""
         if admin_token is None and cfg.admin_token_file:
             admin_token = tls.read_token(cfg.admin_token_file, "scheduler_client.admin_token_file")
-        return cls(address or cfg.address, credentials=creds, admin_token=admin_token,
-                   timeout_s=cfg.timeout_ms / 1000.0)
+        address = address or cfg.address
+        ch = tls.channel(address, tls_config, rpc.CHANNEL_OPTIONS,
+                         expect=tls_config.scheduler_identity)
+        return cls(address, admin_token=admin_token, timeout_s=cfg.timeout_ms / 1000.0,
+                   channel=ch)
 
     async def close(self) -> None:
         await self.channel.close()

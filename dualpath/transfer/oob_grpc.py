@@ -26,17 +26,31 @@ from dualpath.v1 import engine_pb2, engine_pb2_grpc
 
 class GrpcChannels:
     """One grpc.aio channel per peer address, made on first use (mutual TLS per ``tls``,
-    or plaintext when it says so); loop-owned."""
+    or plaintext when it says so); loop-owned.
+
+    Who answers at an address is checked once the scheduler said who must
+    (:meth:`expect`, from an assignment: the DE's control address and the identity that
+    registered its group); until then, any server with a certificate of the cluster's CA
+    for that host name is taken. Only the scheduler's word sets an expectation: an
+    address a peer names for itself (a PrepareRequest's) never does, or one node could
+    make this one refuse another."""
 
     def __init__(self, tls_config: TlsConfig):
         self.tls = tls_config
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self._expect: dict[str, str] = {}          # address -> "role/name"
+
+    def expect(self, address: str, identity: str) -> None:
+        """Calls to ``address`` from now on need the server to be ``identity``."""
+        if identity:
+            self._expect[address] = identity
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
+        want = self._expect.get(address, "")
+        ch = self._channels.get((address, want))
         if ch is None:
-            ch = tls.channel(address, self.tls, options=CHANNEL_OPTIONS)
-            self._channels[address] = ch
+            ch = tls.channel(address, self.tls, options=CHANNEL_OPTIONS, expect=want or None)
+            self._channels[(address, want)] = ch
         return ch
 
     async def close(self) -> None:

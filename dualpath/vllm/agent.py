@@ -272,9 +272,7 @@ class WorkerAgent:
         tls.log_mode(s.tls, "DualPath worker agent")
         self.channels = GrpcChannels(s.tls)
         self.oob = GrpcOutOfBand(self.channels)
-        # Peers dial with dualpath.rpc.CHANNEL_OPTIONS (keepalive pings): allow them.
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                               *rpc.SERVER_KEEPALIVE])
+        self.server = grpc.aio.server(options=rpc.server_options())
         engine_pb2_grpc.add_EngineServicer_to_server(_EngineEdge(self), self.server)
         port = rpc.bind(self.server, s.listen, "vLLM worker agent listen",
                         tls.server_credentials(s.tls))

@@ -214,11 +214,21 @@ def tls_section(pki, identity: str) -> str:
                                for k, v in pki.section(identity).items())
 
 
-def credentials(pki, identity: str):
-    """Channel credentials presenting ``identity``'s certificate (None: plaintext)."""
-    from dualpath import tls
+def scheduler_client(addr: str, pki, identity: str, options=(), tls_config=None):
+    """A SchedulerClient as a real one is made: over mutual TLS presenting ``identity``
+    of ``pki`` (or the ``tls_config`` given) and checking that the server is the
+    scheduler (tls.channel's identity check, as every leader's), or plaintext."""
+    from dualpath import rpc, tls
+    from dualpath.scheduler.client import SchedulerClient
 
-    return None if pki is None else tls.channel_credentials(pki.config(identity))
+    cfg = tls_config or (pki.config(identity) if pki is not None else None)
+    if cfg is None:
+        return SchedulerClient(addr, timeout_s=30, options=options)
+    opts = list(options)
+    given = {k for k, _ in opts}
+    opts += [kv for kv in rpc.CHANNEL_OPTIONS if kv[0] not in given]
+    return SchedulerClient(addr, timeout_s=30, channel=tls.channel(
+        addr, cfg, opts, expect=cfg.scheduler_identity))
 
 
 def bench_identities(args) -> list[str]:
@@ -340,8 +350,7 @@ async def leaders(k: int, args, addr: str, ctl, rx: list, tx: dict) -> None:
         clients = [SchedulerClient(addr, timeout_s=30, options=opts)
                    for _ in range(args.channels)]
     else:
-        clients = [SchedulerClient(addr, timeout_s=30, options=opts,
-                                   credentials=credentials(args.pki, f"node/{g.group_id}"))
+        clients = [scheduler_client(addr, args.pki, f"node/{g.group_id}", opts)
                    for _, g in mine]
     kvb = profile.kv_bytes_per_token
     channel = {g.group_id: clients[j % len(clients)] for j, (_, g) in enumerate(mine)}
@@ -439,9 +448,8 @@ async def leaders(k: int, args, addr: str, ctl, rx: list, tx: dict) -> None:
     async def health_probe() -> None:
         # The floor again, from inside this process (own connection): when it is slow
         # and the separate process's is not, the delay is this process's, not the daemon's.
-        probe_client = SchedulerClient(addr, timeout_s=30,
-                                       options=[("grpc.use_local_subchannel_pool", 1)],
-                                       credentials=credentials(args.pki, "client/bench"))
+        probe_client = scheduler_client(addr, args.pki, "client/bench",
+                                        [("grpc.use_local_subchannel_pool", 1)])
         await probe_client.health()
         await asyncio.sleep(max(0.0, window_at - mono()))
         while (t := mono()) < window_end:
@@ -462,7 +470,6 @@ async def coordinate(args, profile, addr: str, pid: int, metrics_url: str,
                      procs: list, ctls: list) -> dict:
     """Wait for the leader processes, start them together, submit requests, and read
     every process's CPU and the daemon's histograms around the window."""
-    from dualpath.scheduler.client import SchedulerClient
     from dualpath.v1 import scheduler_pb2 as pb
 
     for c in ctls:
@@ -518,8 +525,7 @@ async def coordinate(args, profile, addr: str, pid: int, metrics_url: str,
         return (time.monotonic(), cpu_seconds(pid), [cpu_seconds(p.pid) for p in procs],
                 time.process_time(), cpu_seconds(floor.pid), host_busy_s())
 
-    async with SchedulerClient(addr, timeout_s=30,
-                               credentials=credentials(args.pki, "client/bench")) as client:
+    async with scheduler_client(addr, args.pki, "client/bench") as client:
         sub = asyncio.get_running_loop().create_task(submitter(client))
         await asyncio.sleep(max(0.0, window_at - time.monotonic() - 0.5))
         # Scrape the daemon's histograms outside the window: rendering /metrics holds
@@ -591,11 +597,10 @@ async def probe(addr: str, at: float, seconds: float, tls_section: dict) -> dict
     one every 10 ms from monotonic time ``at``, against the same daemon under the same
     load (over mutual TLS with the ``tls_section`` files when given)."""
     from dualpath import tls
-    from dualpath.scheduler.client import SchedulerClient
 
-    creds = tls.channel_credentials(tls.TlsConfig(**tls_section)) if tls_section else None
+    cfg = tls.TlsConfig(**tls_section) if tls_section else None
     lat = []
-    async with SchedulerClient(addr, timeout_s=30, credentials=creds) as c:
+    async with scheduler_client(addr, None, "", tls_config=cfg) as c:
         await c.health()  # connect before the window
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         end = time.monotonic() + seconds

@@ -31,7 +31,7 @@ def credentials(spec):
 async def one(c: SchedulerClient, op):
     if op[0] == "register":
         r = await c.register_group(op[1], pb.ENGINE_ROLE_DECODE, [pb.EngineInfo(
-            engine_id=f"{op[1]}.0", rank=0, node_id=op[2], hbm_bytes=1 << 30)])
+            engine_id=f"{op[2]}/e0", rank=0, node_id=op[2], hbm_bytes=1 << 30)])
         return r.lease_id
     if op[0] == "fetch":
         return len((await c.fetch(op[1], op[2], [])).assignments)

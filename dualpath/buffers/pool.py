@@ -150,7 +150,7 @@ class BlockPool:
 
     def try_reserve(self, nblocks: int) -> Reservation | None:
         """Reserve now or return None (also None while others wait: no barging)."""
-        self._check_size(nblocks)
+        self.check_size(nblocks)
         if self._waiters or nblocks > len(self._free_slots):
             return None
         return self._take(nblocks)
@@ -173,7 +173,9 @@ class BlockPool:
                 self._grant()                   # the head may have changed
             raise
 
-    def _check_size(self, nblocks: int) -> None:
+    def check_size(self, nblocks: int) -> None:
+        """PoolTooSmall unless a reservation of ``nblocks`` can ever be granted (a caller
+        that sizes a request checks before any per-block work)."""
         if nblocks < 1:
             raise UsageError(f"{self.name}: reserve at least one block, got {nblocks}")
         if nblocks > self.capacity:

@@ -162,10 +162,12 @@ class _Sink(node_pb2_grpc.ReplaySinkServicer):
     """Timings from the DEs; the poller's results and failures share its queue as
     ("timings", t), ("results", [RequestResult]) and ("error", exception)."""
 
-    def __init__(self):
+    def __init__(self, node_tls: tls.TlsConfig):
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.node_tls = node_tls
 
     async def Report(self, request, context):
+        await tls.require_role(context, self.node_tls, "node", "the replay sink")
         await refuse_oversized(request, context)
         for t in request.timings:
             self.queue.put_nowait(("timings", t))
@@ -287,14 +289,15 @@ async def replay(scheduler: str, trace: Trace, nodes: Sequence[str], *,
     tag = f"{o.mode}-{uuid.uuid4().hex[:8]}"
     policy = o.read_policy or MODE_READ_POLICY[o.mode]
     layerwise = MODE_LAYERWISE[o.mode] if o.layerwise is None else o.layerwise
-    sink = _Sink()
-    server = grpc.aio.server(options=list(rpc.SERVER_KEEPALIVE))
+    sink = _Sink(node_tls)
+    server = grpc.aio.server(options=rpc.server_options())
     node_pb2_grpc.add_ReplaySinkServicer_to_server(sink, server)
     port = rpc.bind(server, o.sink_listen, "replay sink (--report-listen)",
                     tls.server_credentials(node_tls))
     await server.start()
     sink_addr = f"{o.sink_host or o.sink_listen.rpartition(':')[0]}:{port}"
-    channel = tls.channel(scheduler, tls_config, options=rpc.CHANNEL_OPTIONS)
+    channel = tls.channel(scheduler, tls_config, options=rpc.CHANNEL_OPTIONS,
+                          expect=tls_config.scheduler_identity)
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     st = _ReplayState(o)
     bar = Progress(sched.total_rounds, f"replay {o.mode}") if o.progress else None

@@ -57,6 +57,11 @@ class EngineConfig:
                         "/v1/completions), e.g. http://127.0.0.1:8100.")
     vllm_request_timeout_s: float = key(600.0, "Bound on one request to that vLLM "
                                         "instance (a prefill, or a whole decode).", min=1.0)
+    prepare_ttl_s: float = key(30.0, "Decode node: how long a request prepared here "
+                               "(Node.PrepareRequest) waits for the scheduler's "
+                               "assignment of it to this node; past it, its buffer slots "
+                               "are let go (a prepare the scheduler never assigned here).",
+                               min=1.0, max=3600.0)
 
     def validate(self) -> None:
         check_listen("engine", ("metrics_listen",), control_listen=self.control_listen,

@@ -107,7 +107,8 @@ class NodeDaemon:
         self.peers = PeerClient(self.channels)
         # The gRPC server is bound first: our name on the data plane is its address.
         self.server, port, self.health = new_server(ecfg.control_listen,
-                                                    tls.server_credentials(cfg.tls))
+                                                    tls.server_credentials(cfg.tls),
+                                                    cfg.grpc)
         host = ecfg.control_listen.rpartition(":")[0]
         self.address = f"{ecfg.advertise or host}:{port}"
         # Before any region is mapped: what the configuration pins against what the
@@ -146,7 +147,8 @@ class NodeDaemon:
         self.registry.register(OwnedCounters(self.transfer.stats, self._store_stats))
         self.registry.register(PoolGauges(self._pool))
         self.metrics_srv = _metrics.start_metrics_server(ecfg.metrics_listen, self.registry,
-                                                        "engine.metrics_listen")
+                                                        "engine.metrics_listen",
+                                                        tls.metrics_context(cfg.tls))
         if self.metrics_srv is not None:
             st.callback(self.metrics_srv.close)
         await self.server.start()

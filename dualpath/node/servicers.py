@@ -21,8 +21,8 @@ from dualpath.errors import DualPathError
 from dualpath.kv import placement_wire
 from dualpath.node.holdings import Holdings
 from dualpath.paths.auth import Callers
-from dualpath.paths.decode import DecodePath, NotYours, PrepareCall
-from dualpath.paths.errors import StaleAttempt
+from dualpath.paths.decode import DecodePath, PrepareCall
+from dualpath.paths.errors import NotYours, StaleAttempt
 from dualpath.paths.payload import Payload
 from dualpath.paths.peers import LoadOrder, PrefillReport, top_from_pb
 from dualpath.v1 import (
@@ -33,14 +33,15 @@ from dualpath.v1 import (
 )
 
 
-def new_server(address: str, credentials: grpc.ServerCredentials | None = None
-               ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+def new_server(address: str, credentials: grpc.ServerCredentials | None = None,
+               limits=None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A grpc.aio server (not started) with the standard health service, bound to
     ``address`` (port 0 = a free port; mutual TLS with ``credentials``): the server, its
     port and its health servicer (NOT_SERVING until set). Bound first, so its address
-    can name the node; the node's services are added (:func:`add_services`) once made."""
-    # Peers dial with dualpath.rpc.CHANNEL_OPTIONS (keepalive pings): allow them.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *rpc.SERVER_KEEPALIVE])
+    can name the node; the node's services are added (:func:`add_services`) once made.
+    Connections are bounded by ``limits`` (the [grpc] section: dualpath.rpc.
+    server_options, whose keepalive allows the pings of our peers' channels)."""
+    server = grpc.aio.server(options=rpc.server_options(limits))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = rpc.bind(server, address, "engine.control_listen", credentials)
@@ -161,6 +162,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await self.stop(request.request_id, request.attempt, ident)
         except StaleAttempt as e:
             await context.abort(grpc.StatusCode.ABORTED, str(e))
+        except NotYours as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         return engine_pb2.CancelRequestResponse()
 
 

@@ -42,7 +42,7 @@ from dualpath.buffers.pool import Reservation
 from dualpath.errors import DualPathError, UsageError
 from dualpath.kv.placement import KvPlacement
 from dualpath.kv.prefix import KEY_BYTES
-from dualpath.paths.errors import RequestFailed, StaleAttempt
+from dualpath.paths.errors import NotYours, StaleAttempt
 from dualpath.paths.kvplan import BlockSpan, DecodePlan, block_spans, blocks_for, decode_plan
 from dualpath.paths.kvspace import KvSpace
 from dualpath.paths.payload import Payload
@@ -95,10 +95,6 @@ class DecodeState:
         return self.plan.base
 
 
-class NotYours(RequestFailed):
-    """A request prepared here by one node, touched by another (PERMISSION_DENIED)."""
-
-
 #: Bounds on what a PrepareRequest may ask the DE to allocate for.
 MAX_PROMPT_TOKENS = 1 << 24
 #: Requests whose cancelled attempt a DE remembers (a PrepareRequest of it that arrives
@@ -138,6 +134,9 @@ class Decoder(Protocol):
 
     def held(self, p: Payload, spans: list[BlockSpan]) -> int:
         """Leading prompt blocks the engine likely holds already (none is sent)."""
+
+    def most_held(self) -> int:
+        """A bound on :meth:`held` for any prompt now (a size check before the spans)."""
 
     async def run(self, st: DecodeState, done: PrefillReport, timings: Timings) -> None:
         """Decode ``st`` (its PE's PrefillDone: ``done``), filling ``timings``; raises
@@ -325,8 +324,12 @@ class DecodePath:
             n.spawn(self._end(old, fence=not old.decoding))
         p = req.payload
         T = self.space.fmt.block_tokens
-        spans = block_spans(p.token_ids(req.prompt_tokens, n.tokens), T)
         moves_kv = self.decoder.moves_kv(p)
+        if moves_kv:        # before any per-token work (a 2^24-token prompt's ids, keys)
+            nb = blocks_for(req.prompt_tokens, T)
+            self.space.pool.check_size(nb if req.decode_read_tokens
+                                       else max(1, nb - self.decoder.most_held()))
+        spans = block_spans(p.token_ids(req.prompt_tokens, n.tokens), T)
         plan = decode_plan(rid, req.attempt, req.prompt_tokens, T, spans, moves_kv,
                            self.decoder.held(p, spans) if moves_kv else 0,
                            req.decode_read_tokens)
@@ -348,9 +351,30 @@ class DecodePath:
         else:
             self.space.read_queue.forget(rid)
         e.tokens.setdefault(rid, req.prompt_tokens)
+        if rid not in self.assigned:
+            n.spawn(self._expire_unassigned(st))
         if res is None:
             return None, [], 0, 0
         return self.space.buffer, list(res.slots), plan.held, plan.base
+
+    async def _expire_unassigned(self, st: DecodeState) -> None:
+        """A state prepared before the scheduler assigned its request here is dropped
+        once ``engine.prepare_ttl_s`` passed with no assignment: a PrepareRequest the
+        scheduler never made (a node preparing requests of its own choosing held every
+        slot for ever). Its slots are fenced like any drop's until the preparer says its
+        writes ended (one whose control port refuses connections is gone)."""
+        await asyncio.sleep(self.node.cfg.engine.prepare_ttl_s)
+        rid = st.request_id
+        if self.requests.get(rid) is not st or rid in self.assigned or st.decoding:
+            return
+        log.warning("%s: prepared by %s %.0f s ago and never assigned here by the "
+                    "scheduler; dropping it", rid, st.owner or st.pe_address,
+                    self.node.cfg.engine.prepare_ttl_s)
+        self.node.metrics.requests.labels("prepare_expired").inc()
+        del self.requests[rid]
+        st.engine.tokens.pop(rid, None)
+        self.space.read_queue.forget(rid)
+        await self._end(st, fence=True)
 
     async def accept_order(self, order: LoadOrder) -> None:
         """Start a LOAD_HIT_KV order (the DE read path)."""

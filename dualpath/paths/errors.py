@@ -21,3 +21,9 @@ class NeverFits(RequestFailed):
 class StaleAttempt(DualPathError):
     """A message of an older attempt than the one held for the request (ABORTED): the
     scheduler gave that execution up, so it may neither write, finish nor cancel."""
+
+
+class NotYours(RequestFailed):
+    """A request one node acts on for the scheduler, touched by another (PERMISSION_DENIED):
+    a DE's request prepared by another PE, a PE's prefill stopped by a node that is not
+    its DE."""

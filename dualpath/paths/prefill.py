@@ -34,7 +34,7 @@ from dualpath import clock
 from dualpath.aio import to_the_end
 from dualpath.buffers.pool import PoolTooSmall
 from dualpath.paths.assignment import Assignment, split_blocks
-from dualpath.paths.errors import NeverFits, PeerUnavailable
+from dualpath.paths.errors import NeverFits, NotYours, PeerUnavailable
 from dualpath.paths.kvplan import PrefillPlan, block_spans
 from dualpath.paths.kvspace import KvSpace
 from dualpath.paths.peers import PrefillReport
@@ -55,6 +55,9 @@ class PrefillPath:
         self.space = space             # a vLLM node's: set once its worker attached
         self.tasks: dict[str, asyncio.Task] = {}    # request -> its newest prefill
         self.current: dict[str, tuple[int, EngineRank]] = {}   # request -> attempt, engine
+        # request -> the identity of its DE's node, from the newest assignment: the only
+        # peer that may stop its attempts here (Engine.CancelRequest; "": plaintext)
+        self.decoders: dict[str, str] = {}
         self.runs: dict[tuple[str, int], asyncio.Task] = {}    # every live prefill
 
     def assign(self, e: EngineRank, a: Assignment) -> None:
@@ -69,6 +72,8 @@ class PrefillPath:
             _cancel_once(old)
             old_e.tokens.pop(rid, None)
         e.tokens[rid] = a.prompt_tokens
+        # Whoever answers at the DE's address must be the node that registered its group.
+        self.node.peers.expect(a.decode_address, a.decode_identity)
         # The read queue counts this node's part from the assignment on (the plan, with
         # the prompt's blocks, is made when the attempt runs).
         tokens = self._parts(a)[0] * self.space.fmt.block_tokens
@@ -79,6 +84,7 @@ class PrefillPath:
         t = self.node.spawn(self._prefill(e, a, old))
         self.tasks[rid] = self.runs[(rid, a.attempt)] = t
         self.current[rid] = (a.attempt, e)
+        self.decoders[rid] = a.decode_identity
 
     def cancel(self, rid: str) -> None:
         """Stop every attempt of ``rid`` here (the scheduler cancelled it)."""
@@ -90,8 +96,12 @@ class PrefillPath:
         """Engine.CancelRequest from the DE: stop the attempts of ``rid`` up to
         ``attempt`` (0 = all) and return once their tasks ended, so none of their writes
         is on its way any more. A newer attempt running here is left alone. True when
-        there was one to stop. ``caller`` (the DecodePath's argument) is not checked
-        on this side."""
+        there was one to stop. ``caller`` must be the DE node the scheduler assigned
+        the request to (NotYours otherwise: another node cannot stop it)."""
+        want = self.decoders.get(rid, "")
+        if caller is not None and want and str(caller) != want:
+            raise NotYours(f"request {rid} is decoded by {want}; {caller} may not stop "
+                           "its prefill")
         ts = [t for (r, att), t in self.runs.items()
               if r == rid and (not attempt or att <= attempt)]
         for t in ts:
@@ -159,7 +169,7 @@ class PrefillPath:
         finally:
             self.runs.pop((rid, a.attempt), None)
             if self.tasks.get(rid) is me:
-                del self.tasks[rid], self.current[rid]
+                del self.tasks[rid], self.current[rid], self.decoders[rid]
                 e.tokens.pop(rid, None)
                 self.space.read_queue.forget(rid)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from dualpath.node.leader import RESULTS_PER_CALL
 from dualpath.paths.payload import Payload, encode_token_ids
 from dualpath.paths.peers import Top, refuse_oversized, top_from_pb
 from dualpath.v1 import node_pb2, node_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger("dualpath.generate")
 
 _ENDED = (scheduler_pb2.REQUEST_STATE_FAILED, scheduler_pb2.REQUEST_STATE_CANCELLED)
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -75,10 +78,14 @@ class Generated:
 
 
 class _Sink(node_pb2_grpc.ReplaySinkServicer):
+    """Where the decode nodes send a request's tokens: node identities only (a client
+    certificate put its own tokens into another user's live request: issue 38)."""
+
     def __init__(self, gen: Generator):
         self.gen = gen
 
     async def Report(self, request, context):
+        await tls.require_role(context, self.gen.node_tls, "node", "the generation sink")
         await refuse_oversized(request, context)
         for t in request.timings:
             f = self.gen._waiting.get(t.request_id)
@@ -87,6 +94,7 @@ class _Sink(node_pb2_grpc.ReplaySinkServicer):
         return node_pb2.ReportAck()
 
     async def Partial(self, request, context):
+        await tls.require_role(context, self.gen.node_tls, "node", "the generation sink")
         cb = self.gen._partials.get(request.request_id)
         if cb is not None:
             try:
@@ -117,18 +125,20 @@ class Generator:
         self._decoded: set[str] = set()  # DECODE_DONE recorded: only the sink's report due
         self._submitted: set[str] = set()  # accepted by the scheduler: polled
         self._poller: asyncio.Task | None = None
+        self._withdrawing: set[asyncio.Task] = set()
         self._closed = False
         self.server = None
         self.channel = None
 
     async def start(self) -> Generator:
-        self.server = grpc.aio.server(options=list(rpc.SERVER_KEEPALIVE))
+        self.server = grpc.aio.server(options=rpc.server_options())
         node_pb2_grpc.add_ReplaySinkServicer_to_server(_Sink(self), self.server)
         port = rpc.bind(self.server, self.sink_listen, "generation sink",
                         tls.server_credentials(self.node_tls))
         await self.server.start()
         self.sink = f"{self.sink_host or self.sink_listen.rpartition(':')[0]}:{port}"
-        self.channel = tls.channel(self.scheduler, self.tls_config, options=rpc.CHANNEL_OPTIONS)
+        self.channel = tls.channel(self.scheduler, self.tls_config, options=rpc.CHANNEL_OPTIONS,
+                                   expect=self.tls_config.scheduler_identity)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         return self
 
@@ -181,6 +191,10 @@ class Generator:
             t = fut.result()            # or the poller's error for this request
             self._acks.append(request_id)
             self._kick()
+        except (asyncio.CancelledError, GenerationFailed):
+            if not fut.done():          # the caller went away or gave up waiting
+                self._withdraw(request_id)
+            raise
         finally:
             self._waiting.pop(request_id, None)
             self._partials.pop(request_id, None)
@@ -243,9 +257,28 @@ class Generator:
                 elif st.state >= scheduler_pb2.REQUEST_STATE_DECODE_DONE:
                     self._decoded.add(st.request_id)
 
+    def _withdraw(self, request_id: str) -> None:
+        """The cluster stops serving ``request_id`` (its caller, a front end's client,
+        went away): Scheduler.WithdrawRequests, in the background, best effort (the
+        request's own bounds end it otherwise)."""
+        async def go() -> None:
+            try:
+                r = await self.stub.WithdrawRequests(scheduler_pb2.WithdrawRequestsRequest(
+                    request_ids=[request_id]), timeout=5)
+                if r.withdrawn_request_ids:
+                    log.info("request %s withdrawn: its caller went away", request_id)
+            except grpc.aio.AioRpcError as e:
+                log.warning("request %s: could not withdraw it (%s %s); it runs to its "
+                            "end", request_id, e.code().name, e.details())
+        t = asyncio.get_running_loop().create_task(go())
+        self._withdrawing.add(t)
+        t.add_done_callback(self._withdrawing.discard)
+
     async def close(self) -> None:
         """Fail what still waits, send the acknowledgements due (bounded), stop."""
         self._closed = True
+        if self._withdrawing:
+            await asyncio.wait(self._withdrawing, timeout=5)
         for rid, f in self._waiting.items():
             if not f.done():
                 f.set_exception(GenerationFailed(f"request {rid}: the generator closed"))

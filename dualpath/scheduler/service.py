@@ -496,7 +496,9 @@ def _assignment(r: Request, with_pe: bool) -> scheduler_pb2.Assignment:
         prefill_read_tokens=r.prefill_read_tokens, decode_read_tokens=r.decode_read_tokens,
         prefill_control_address=pe.control_address if pe else "",
         decode_control_address=de.control_address,  # type: ignore[union-attr]
-        payload=r.payload, attempt=r.attempt)
+        payload=r.payload, attempt=r.attempt,
+        prefill_identity=pe.group.owner if pe else "",
+        decode_identity=de.group.owner)  # type: ignore[union-attr]
 
 
 def _completions(msgs) -> list[Completion]:
@@ -673,9 +675,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def SubmitRequest(self, request, context):
         svc = self.svc
         core = svc.core
-        await caller_identity(context, svc.trust_domain, _SUBMITTER, "SubmitRequest")
+        caller = await caller_identity(context, svc.trust_domain, _SUBMITTER,
+                                       "SubmitRequest")
         specs = [RequestSpec(r.prompt_tokens, r.hit_tokens, r.max_new_tokens, r.request_id,
-                             r.payload) for r in request.requests]
+                             r.payload, caller) for r in request.requests]
         await _refuse_if_failed(svc, context)
         try:
             out = core.submit(specs, svc.clock())
@@ -693,6 +696,29 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             waiting_for_engines=core.waiting_for_engines())
         await svc.durable(context)
         return reply
+
+    async def WithdrawRequests(self, request, context):
+        svc = self.svc
+        caller = await caller_identity(context, svc.trust_domain, _SUBMITTER,
+                                       "WithdrawRequests")
+        await _refuse_if_failed(svc, context)
+        ids = list(request.request_ids)
+        if len(ids) > svc.core.params.max_submit_requests:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(ids)} request ids in one WithdrawRequests; at most "
+                                f"{svc.core.params.max_submit_requests}")
+        try:
+            ended = svc.core.cancel(ids, svc.clock(), submitter=caller)
+            svc.commit()
+            svc.changed()
+        except _ERRORS as e:
+            await _abort(context, e)
+        gone = [rid for rid, x in zip(ids, ended, strict=True) if x is not None]
+        if gone:
+            log.info("%s withdrew %d requests: %s", caller or "a plaintext client", len(gone),
+                     ", ".join(gone[:20]))
+        await svc.durable(context)
+        return scheduler_pb2.WithdrawRequestsResponse(withdrawn_request_ids=gone)
 
     async def GetResults(self, request, context):
         svc = self.svc
@@ -838,17 +864,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
 def create_server(address: str, service: SchedulerService | None = None, *,
                   credentials: grpc.ServerCredentials | None = None,
-                  admin_token: str | None = None) -> tuple[grpc.aio.Server, int]:
+                  admin_token: str | None = None,
+                  limits=None) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server (not started) with the Scheduler, Admin, health and reflection
     services bound to ``address`` (port 0 = a free port; mutual TLS with
-    ``credentials``, plaintext without); returns it and the port. Call from inside the
+    ``credentials``, plaintext without; connection bounds ``limits``, a [grpc] section:
+    dualpath.rpc.server_options); returns it and the port. Call from inside the
     event loop that will run it. ``service.dualpath_service`` is reachable as
     ``server.dualpath_service`` for tests."""
     svc = service or SchedulerService()
     server = grpc.aio.server(
         interceptors=[tls.AdminAuthInterceptor(admin_token, (ADMIN_PREFIX,),
                                                svc.trust_domain)],
-        options=[("grpc.so_reuseport", 0), *rpc.SERVER_KEEPALIVE])
+        options=rpc.server_options(limits))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(svc), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(svc), server)
     health_servicer = health.aio.HealthServicer()
@@ -881,6 +909,7 @@ def tune_gc() -> None:
 async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
                 config_path: str | None = None,
                 stop: asyncio.Event | None = None,
+                limits=None,
                 on_ready: Callable[[int, int | None], None] | None = None) -> None:
     """Run the scheduler until SIGTERM/SIGINT (or ``stop`` is set): bind, log how it is
     reachable, sweep leases, serve /metrics, then shut down gracefully."""
@@ -888,9 +917,11 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
     token = (tls.read_token(config.admin_token_file, "scheduler.admin_token_file")
              if config.admin_token_file else None)
     svc = SchedulerService(config, trust_domain=tls_config.trust_domain)
-    server, port = create_server(config.listen, svc, credentials=creds, admin_token=token)
+    server, port = create_server(config.listen, svc, credentials=creds, admin_token=token,
+                                 limits=limits)
     metrics_srv = _metrics.start_metrics_server(config.metrics_listen, svc.registry,
-                                                 "scheduler.metrics_listen")
+                                                 "scheduler.metrics_listen",
+                                                 tls.metrics_context(tls_config))
     stop = stop or asyncio.Event()
     svc.on_fatal = stop.set
     notifier, watchdog = Notifier(), None     # systemd's Type=notify (deploy/*.service)

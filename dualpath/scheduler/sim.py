@@ -107,17 +107,19 @@ class SimCluster:
         hbm_tokens = profile.hbm_bytes // profile.kv_bytes_per_token
         self.groups: list[SimGroup] = []
         self.engines: dict[str, SimEngine] = {}
+        # Named as node daemons name themselves (a node identity registers group
+        # <node>, engines <node>/e<k> on node <node>: scheduler/core/scheduler.py).
         for role, count, tag in ((Role.PREFILL, pe_nodes, "pe"), (Role.DECODE, de_nodes, "de")):
             for n in range(count):
-                node = SimNode(f"{tag}-node{n}", self.read_tokens_per_s)
+                node = SimNode(f"{tag}{n}", self.read_tokens_per_s)
                 engines = []
                 for k in range(engines_per_node):
-                    e = SimEngine(f"{tag}{n}.{k}", role, node,
+                    e = SimEngine(f"{tag}{n}/e{k}", role, node,
                                   hbm_tokens if role is Role.DECODE else 0)
                     e.free_hbm_tokens = e.hbm_tokens
                     engines.append(e)
                     self.engines[e.engine_id] = e
-                self.groups.append(SimGroup(f"{tag}-group{n}", role, engines))
+                self.groups.append(SimGroup(f"{tag}{n}", role, engines))
         self._next = 0
         self._decoder: dict[str, SimEngine] = {}  # request -> its DE, while prefilling
         self._early: dict[str, float] = {}  # prefill done before its DE saw the placement

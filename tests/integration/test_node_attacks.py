@@ -31,6 +31,9 @@ from dualpath.cluster.local import free_port, write_toml
 from tests import netns
 
 WAIT_S = 60.0
+#: The victim's engine.prepare_ttl_s (no scheduler ever assigns it anything): long enough
+#: for a test's few calls after a prepare, short enough to watch one expire.
+PREPARE_TTL_S = 10.0
 
 ATTACKER = r'''
 import json, sys, grpc
@@ -49,13 +52,18 @@ if spec.get("cert"):
 else:
     ch = grpc.insecure_channel(addr)
 eng, node = engine_pb2_grpc.EngineStub(ch), node_pb2_grpc.NodeStub(ch)
-payload = Payload("t", 0, prompt_tokens=100, hit_tokens=0, gen_tokens=1).encode()
+payload = Payload("t", 0, prompt_tokens=spec.get("payload_tokens", 100), hit_tokens=0,
+                  gen_tokens=1).encode()
 def call(name, fn):
     if name not in spec.get("calls", [name]):
         return {"ok": None}
     try:
         r = fn()
-        return {"ok": True, "reply": str(r)[:300]}
+        out = {"ok": True, "reply": str(r)[:300]}
+        if hasattr(r, "fenced_blocks"):             # Holdings
+            out.update(requests=r.requests, fenced=r.fenced_blocks,
+                       free=sum(p.free_blocks for p in r.pools))
+        return out
     except grpc.RpcError as e:
         return {"ok": False, "code": e.code().name, "details": (e.details() or "")[:200]}
 out = {}
@@ -65,7 +73,8 @@ out["exchange"] = call("exchange", lambda: eng.ExchangeEndpoint(
         engine_id="x", transport="tcp", endpoint=oob.encode(req))), timeout=10))
 rid = spec.get("request", "r-attack")
 out["prepare"] = call("prepare", lambda: node.PrepareRequest(node_pb2.PrepareRequestRequest(
-    request_id=rid, decode_engine_id="d0/e0", prefill_control_address="10.0.0.1:1",
+    request_id=rid, decode_engine_id="d0/e0",
+    prefill_control_address=spec.get("prefill", "10.0.0.1:1"),
     prompt_tokens=spec.get("prompt_tokens", 100), hit_tokens=0,
     payload=payload), timeout=10))
 out["done"] = call("done", lambda: node.PrefillDone(node_pb2.PrefillDoneRequest(
@@ -111,11 +120,12 @@ def victim(ns, tmp_path_factory):
     port, data = free_port(), free_port()
     cfg = tmp / "d0.toml"
     write_toml(cfg, {"engine": {"control_listen": f"{ns.victim_ip}:{port}",
-                                "decode_hbm_mib": 16},
+                                "decode_hbm_mib": 16, "prepare_ttl_s": PREPARE_TTL_S},
                      "transport": {"kind": "tcp"},
                      "transfer": {"tcp_listen": ns.victim_ip, "tcp_port": data},
                      "storage": {"dir": str(tmp / "kv")},
                      "buffers": {"de_buffer_mib": 8, "mlock": False},
+                     "grpc": {"max_connections": 64, "handshake_timeout_s": 2.0},
                      "tls": pki.section("node/d0")})
     ready = tmp / "ready"
     log = open(tmp / "d0.log", "wb")  # noqa: SIM115 - closed at teardown
@@ -196,16 +206,63 @@ def test_a_prompt_past_the_bound_is_refused_before_anything_is_allocated(ns, vic
     assert ok["prepare"]["ok"] is True, ok                  # and it still serves
 
 
+def test_a_prepare_the_scheduler_never_assigned_here_expires(ns, victim):
+    # The audit (issue 38): a decode node prepared requests of its own choosing on both
+    # decode nodes; their 512 slots were held for ever and real requests waited 50 s.
+    # Here nothing is ever assigned (no scheduler): the prepare's slots come back after
+    # engine.prepare_ttl_s. Its preparer's control port refuses connections (it is
+    # gone), so the fence asking it lets them go.
+    def holdings():
+        return _attack(ns, victim, "client/c", calls=("holdings",))["holdings"]
+    before = holdings()
+    out = _attack(ns, victim, "node/p0", request="r-squat", calls=("prepare",),
+                  prefill="127.0.0.1:1")
+    assert out["prepare"]["ok"], out
+    held = holdings()
+    assert held["free"] < before["free"] and held["requests"] == before["requests"] + 1
+    deadline = time.monotonic() + PREPARE_TTL_S + WAIT_S
+    while (now := holdings())["requests"] > before["requests"]:
+        assert time.monotonic() < deadline, now
+        time.sleep(1.0)
+    assert now["free"] == before["free"] and now["fenced"] == 0, now
+    assert "never assigned here by the scheduler" in victim["log"].read_text()
+
+
+def test_a_prompt_past_the_buffer_is_refused_before_any_per_token_work(ns, victim):
+    # The audit (issue 38): a PrepareRequest at the size bound (2^24 prompt tokens, the
+    # payload agreeing) built its token ids and block keys on the event loop before the
+    # buffer check: the decode node stalled 12 s and lost its lease. The buffer's
+    # capacity is checked first now; the ids (128 MiB of them) are never made, which the
+    # node's peak memory shows (VmHWM does not come down after a spike).
+    pid = victim["proc"].pid
+    peak = _status_kib(pid, "VmHWM")
+    out = _attack(ns, victim, "node/p0", request="r-past-buffer", calls=("prepare",),
+                  prompt_tokens=1 << 24, payload_tokens=1 << 24)
+    assert out["prepare"]["code"] == "OUT_OF_RANGE", out
+    assert "de_buffer: a request needs 262144 blocks" in out["prepare"]["details"], out
+    assert _status_kib(pid, "VmHWM") < peak + 64 * 1024
+
+
 def _rss_kib(pid: int) -> int:
+    return _status_kib(pid, "VmRSS")
+
+
+def _status_kib(pid: int, field: str) -> int:
     with open(f"/proc/{pid}/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
 
 
-def test_two_thousand_idle_connections_keep_the_node_bounded_and_serving(ns, victim):
+@pytest.mark.parametrize("port", ["data", "control"])
+def test_two_thousand_idle_connections_keep_the_node_bounded_and_serving(ns, victim, port):
+    # The data port bounds its handshakes itself (csrc/tcp_ctl.c); the gRPC control port
+    # by [grpc] max_connections (64 here) and handshake_timeout_s (2 s here): on b658318
+    # it held every connection for 120 s, and about 20,000 of them exhausted a decode
+    # node's descriptors until its health check timed out and it lost its lease.
     node_pid = victim["proc"].pid          # `ip netns exec` execs the node in place
     fds_before = len(os.listdir(f"/proc/{node_pid}/fd"))
+    target = victim["data_port"] if port == "data" else victim["addr"].split(":")[1]
     flood = ns.popen(ns.attacker, [sys.executable, "-c", FLOOD, victim["addr"].split(":")[0],
-                                   str(victim["data_port"]), "2000"],
+                                   str(target), "2000"],
                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert json.loads(flood.stdout.readline()) == {"held": 2000}
@@ -221,7 +278,7 @@ def test_two_thousand_idle_connections_keep_the_node_bounded_and_serving(ns, vic
             "c = TlsConfig(ca_file=sys.argv[2], cert_file=sys.argv[3], key_file=sys.argv[4])\n"
             "ch = tls.sync_channel(sys.argv[1], c)\n"
             "r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),"
-            " timeout=30)\n"
+            " timeout=30, wait_for_ready=True)\n"
             "print(r.status)\n")
         cert, key = victim["pki"].certs["node/p0"]
         out = ns.python(ns.attacker, code, victim["addr"], victim["pki"].ca_cert, cert, key)

@@ -78,7 +78,8 @@ def _path(cls, block_tokens: int = 64):
         coro.close()
         spawned.append(coro)
         return SimpleNamespace(done=lambda: False)
-    node = SimpleNamespace(spawn=spawn, tokens=trajectory_token_ids)
+    node = SimpleNamespace(spawn=spawn, tokens=trajectory_token_ids,
+                           peers=SimpleNamespace(expect=lambda peer, identity: None))
     path = cls.__new__(cls)
     PrefillPath.__init__(path, node, SimpleNamespace(
         read_queue=ReadQueue(store=SimpleNamespace(

@@ -69,11 +69,13 @@ def tls_scheduler(d, scheduler_toml: str):
     more [scheduler] lines); yields (address, pki, client config path, process, log)."""
     from dualpath import tls
 
-    pki = tls.make_cluster_pki(d / "pki", ("scheduler/s", "node/node-7", "client/ctl"))
+    pki = tls.make_cluster_pki(d / "pki", ("scheduler/scheduler", "node/node-1", "node/node-7",
+                                           "client/ctl"))
     (d / "token").write_text(TOKEN + "\n")
     cfg = d / "scheduler.toml"
     cfg.write_text(f'[scheduler]\nadmin_token_file = "{d / "token"}"\n'
-                   'model_profile = "ds27b"\n' + scheduler_toml + tls_toml(pki, "scheduler/s"))
+                   'model_profile = "ds27b"\n' + scheduler_toml
+                   + tls_toml(pki, "scheduler/scheduler"))
     client_cfg = d / "client.toml"
     client_cfg.write_text(tls_toml(pki, "client/ctl"))
     proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "scheduler", "--config",
@@ -99,9 +101,9 @@ def daemon(tmp_path_factory):
         async def register():
             async with SchedulerClient(addr, credentials=tls.channel_credentials(
                     pki.config("node/node-7"))) as c:
-                info = [pb.EngineInfo(engine_id=f"de7.{k}", rank=k, node_id="node-7",
+                info = [pb.EngineInfo(engine_id=f"node-7/e{k}", rank=k, node_id="node-7",
                                       hbm_bytes=1 << 30) for k in range(2)]
-                await c.register_group("de7", pb.ENGINE_ROLE_DECODE, info)
+                await c.register_group("node-7", pb.ENGINE_ROLE_DECODE, info)
 
         asyncio.run(register())
         yield {"addr": addr, "token_file": str(d / "token"), "proc": proc, "log": log,
@@ -130,7 +132,7 @@ def test_ctl_engines_in_a_real_subprocess(daemon):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:4] == ["ENGINE", "GROUP", "NODE", "ROLE"]
-    assert [ln.split()[0] for ln in lines[1:]] == ["de7.0", "de7.1"]
+    assert [ln.split()[0] for ln in lines[1:]] == ["node-7/e0", "node-7/e1"]
     assert all(" decode " in ln and " up " in ln for ln in lines[1:])
 
 
@@ -140,12 +142,12 @@ def test_ctl_json_groups_stats_drain_set_and_submit(daemon, capsys):
     rc, out, _ = ctl(capsys, "ctl", "engines", "--json", *a)
     assert rc == 0
     engines = json.loads(out)["engines"]
-    assert [e["engine_id"] for e in engines] == ["de7.0", "de7.1"]
+    assert [e["engine_id"] for e in engines] == ["node-7/e0", "node-7/e1"]
     assert engines[0]["role"] == "ENGINE_ROLE_DECODE" and engines[0]["drained"] is False
     assert engines[0]["free_hbm_bytes"] > 0  # a number, not protobuf's JSON string
 
     rc, out, _ = ctl(capsys, "ctl", "groups", *a)
-    assert rc == 0 and "de7" in out and "decode" in out
+    assert rc == 0 and "node-7" in out and "decode" in out
 
     rc, out, _ = ctl(capsys, "submit", "--prompt-tokens", "4000", "--hit-tokens", "3500",
                      "--count", "3", "--json", "--scheduler", daemon["addr"], "--config",
@@ -157,8 +159,8 @@ def test_ctl_json_groups_stats_drain_set_and_submit(daemon, capsys):
     assert rc == 0 and st["submitted_requests_total"] == 3
     assert st["model_profile"] == "ds27b"
 
-    rc, out, _ = ctl(capsys, "ctl", "drain", "de7.1", *a)
-    assert rc == 0 and out.strip() == "engine de7.1 drained"
+    rc, out, _ = ctl(capsys, "ctl", "drain", "node-7/e1", *a)
+    assert rc == 0 and out.strip() == "engine node-7/e1 drained"
     rc, out, _ = ctl(capsys, "ctl", "engines", "--json", *a)
     assert [e["drained"] for e in json.loads(out)["engines"]] == [False, True]
 

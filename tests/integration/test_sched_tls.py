@@ -66,8 +66,11 @@ async def code(coro):
     return "OK"
 
 
-def de(group, node="n"):
-    return [pb.EngineInfo(engine_id=f"{group}.0", rank=0, node_id=node, hbm_bytes=1 << 30)]
+def de(group, node=None):
+    """One decode engine as node ``group`` names it (a node identity registers its own
+    group, engines and node: issue 38)."""
+    node = group if node is None else node
+    return [pb.EngineInfo(engine_id=f"{node}/e0", rank=0, node_id=node, hbm_bytes=1 << 30)]
 
 
 def test_handshake_refuses_plaintext_certless_and_foreign_clients(pki):
@@ -114,6 +117,73 @@ def test_a_group_is_bound_to_the_identity_that_registered_it(pki):
             # Its own release works (idempotent for the replaced lease).
             assert (await d0.release_group("d0", lease)).requeued_requests == 0
             assert await code(d0.release_group("d0", again.lease_id)) == "OK"
+
+    asyncio.run(body())
+
+
+def test_a_node_registers_only_its_own_group_engines_and_node(pki):
+    # The audit (issue 38): a node registered a group naming another node's engine ids;
+    # the real node, restarted, was refused (ALREADY_EXISTS) until the squatter let go.
+    # On b658318 each of the three squats below registered.
+    async def body():
+        async with server(pki) as addr, client(addr, pki, "node/d0") as d0, \
+                client(addr, pki, "node/d1") as d1:
+            squats = [de("d0"),                                  # d0's engine on d0
+                      [pb.EngineInfo(engine_id="d1/e0", rank=0, node_id="d0",
+                                     hbm_bytes=1 << 30)],         # its own engine, on d0
+                      [pb.EngineInfo(engine_id="e0", rank=0, node_id="d1",
+                                     hbm_bytes=1 << 30)]]         # an unnamed engine id
+            for engines in squats:
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await d1.register_group("d1", pb.ENGINE_ROLE_DECODE, engines)
+                assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "node/d1 registers only group 'd1' with engines 'd1/...' on node " \
+                       "'d1'" in ei.value.details()
+            # The real d0 registers its own, and d1 its own.
+            assert await code(d0.register_group("d0", pb.ENGINE_ROLE_DECODE, de("d0"))) == "OK"
+            assert await code(d1.register_group("d1", pb.ENGINE_ROLE_DECODE, de("d1"))) == "OK"
+
+    asyncio.run(body())
+
+
+def test_a_submitter_withdraws_its_own_requests_and_no_others(pki):
+    # Issue 38: a front end whose client hangs up must free what the request holds in
+    # the cluster; only an admin could cancel before (b658318 has no such call).
+    async def body():
+        async with server(pki) as addr, client(addr, pki, "client/fe") as fe, \
+                client(addr, pki, "node/d1") as other, \
+                client(addr, pki, "admin/ops", TOKEN) as ops:
+            await fe.submit([pb.RequestSpec(request_id=f"fe-{i}", prompt_tokens=10)
+                             for i in range(2)])
+            mine = pb.WithdrawRequestsRequest(request_ids=["fe-0", "nope"])
+            theirs = await other.scheduler.WithdrawRequests(mine, timeout=10)
+            assert list(theirs.withdrawn_request_ids) == []       # not its requests
+            got = await fe.scheduler.WithdrawRequests(mine, timeout=10)
+            assert list(got.withdrawn_request_ids) == ["fe-0"]
+            again = await fe.scheduler.WithdrawRequests(mine, timeout=10)
+            assert list(again.withdrawn_request_ids) == []        # ended already
+            live = {r.request_id for r in (await ops.list_requests(all=True)).requests}
+            assert live == {"fe-1"}
+
+    asyncio.run(body())
+
+
+def test_assignments_name_the_identities_that_registered_each_side(pki):
+    # Issue 38: a node acts on a request only for the peers the scheduler paired it with;
+    # the assignment names them (the owners of the PE's and the DE's groups).
+    async def body():
+        async with server(pki) as addr, client(addr, pki, "node/d0") as d0, \
+                client(addr, pki, "node/d1") as d1, client(addr, pki, "client/fe") as fe:
+            dl = (await d0.register_group("d0", pb.ENGINE_ROLE_DECODE, de("d0"))).lease_id
+            pl = (await d1.register_group("d1", pb.ENGINE_ROLE_PREFILL, [pb.EngineInfo(
+                engine_id="d1/e0", rank=0, node_id="d1")])).lease_id
+            await fe.submit([pb.RequestSpec(prompt_tokens=10, max_new_tokens=1)])
+            free = [pb.EngineStatus(engine_id="d0/e0", free_hbm_bytes=1 << 30)]
+            (a,) = (await d0.fetch("d0", dl, free)).assignments
+            assert (a.prefill_identity, a.decode_identity) == ("", "node/d0")
+            (a,) = (await d1.fetch("d1", pl, [pb.EngineStatus(engine_id="d1/e0")])
+                    ).assignments
+            assert (a.prefill_identity, a.decode_identity) == ("node/d1", "node/d0")
 
     asyncio.run(body())
 
@@ -277,7 +347,7 @@ def test_attacker_namespace_cannot_register_or_hijack_a_group(ns, tmp_path_facto
                                         "'tests.sched_calls', run_name='__main__')",
                                         json.dumps(spec)))
 
-        legit = calls(ns.victim, "node/d0", [["register", "d0", "n0"]])
+        legit = calls(ns.victim, "node/d0", [["register", "d0", "d0"]])
         assert legit[0].startswith("OK:")
         lease = int(legit[0][3:])
         hijack = [["register", "d0", "evil"], ["fetch", "d0", lease], ["report", "d0", lease]]

@@ -34,12 +34,13 @@ def daemon(tmp_path_factory):
         node_creds = tls.channel_credentials(pki.config("node/node-7"))
 
         async def register():
-            async with SchedulerClient(addr, credentials=node_creds) as c:
-                for gid, role, node, n, read_q in (("pe1", pb.ENGINE_ROLE_PREFILL, "node-1", 1,
-                                                    777),
-                                                   ("de7", pb.ENGINE_ROLE_DECODE, "node-7", 2,
-                                                    12345)):
-                    info = [pb.EngineInfo(engine_id=f"{gid}.{k}", rank=k, node_id=node,
+            # Each node registers its own group, named as it is (issue 38).
+            for node, role, n, read_q in (("node-1", pb.ENGINE_ROLE_PREFILL, 1, 777),
+                                          ("node-7", pb.ENGINE_ROLE_DECODE, 2, 12345)):
+                async with SchedulerClient(addr, credentials=tls.channel_credentials(
+                        pki.config(f"node/{node}"))) as c:
+                    gid = node
+                    info = [pb.EngineInfo(engine_id=f"{node}/e{k}", rank=k, node_id=node,
                                           hbm_bytes=1 << 30) for k in range(n)]
                     lease = (await c.register_group(gid, role, info)).lease_id
                     # One fetch with nothing queued: the node's read queue as its leader
@@ -95,10 +96,12 @@ def test_once_screen_names_groups_queue_nodes_and_a_rate_that_follows_submission
     assert daemon["addr"] in out.splitlines()[0]
     assert re.search(r"^requests  queued 0 \(global 0,", out, re.MULTILINE), out
     assert re.search(r"^per s .*submitted 0\.0 ", out, re.MULTILINE), out
-    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln[:3] in ("pe1", "de7")}
-    assert rows["pe1"][1:3] == ["prefill", "up"] and rows["de7"][1:3] == ["decode", "up"]
-    nodes = {ln.split()[0]: ln.split() for ln in out.splitlines()
-             if ln.startswith("node-")}
+    # Groups and nodes share their names (a node registers its own group): a group's
+    # row says its lease state where a node's names its group.
+    lines = [ln.split() for ln in out.splitlines() if ln.startswith("node-")]
+    rows = {w[0]: w for w in lines if w[2] in ("up", "down")}
+    assert rows["node-1"][1:3] == ["prefill", "up"] and rows["node-7"][1:3] == ["decode", "up"]
+    nodes = {w[0]: w for w in lines if w[2] not in ("up", "down")}
     assert nodes["node-1"][4:6] == ["0.0", "777"]        # READ_MB/S, READ_Q_TOK
     assert nodes["node-7"][4:6] == ["0.0", "12345"]
     assert "write-back is in the node's /metrics" in out
@@ -122,7 +125,7 @@ def test_once_json_holds_the_same_figures(daemon, capsys, submit_between_polls):
     f = json.loads(out)   # one object
     assert f["scheduler"] == daemon["addr"] and f["groups_up"] == 2
     assert [(g["group_id"], g["role"], g["state"], g["engines"]) for g in f["groups"]] == \
-        [("de7", "decode", "up", 2), ("pe1", "prefill", "up", 1)]
+        [("node-1", "prefill", "up", 1), ("node-7", "decode", "up", 2)]
     assert {n["node_id"]: n["read_queue_tokens"] for n in f["nodes"]} == \
         {"node-1": 777, "node-7": 12345}
     assert f["totals"]["submitted"] >= 4 and f["queued_requests"] == f["queue"]["global"]

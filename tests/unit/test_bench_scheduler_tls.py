@@ -48,6 +48,6 @@ def test_pki_names_one_node_certificate_per_group_after_its_group_id(bench):
     args = argparse.Namespace(model="ds660b", pe_nodes=2, de_nodes=3, engines_per_node=2,
                               grpc_speedup=20.0, seed=1)
     ids = bench.bench_identities(args)
-    assert ids == ["node/pe-group0", "node/pe-group1", "node/de-group0", "node/de-group1",
-                   "node/de-group2", "scheduler/scheduler", "client/bench"]
+    assert ids == ["node/pe0", "node/pe1", "node/de0", "node/de1",
+                   "node/de2", "scheduler/scheduler", "client/bench"]
     assert bench.tls_section(None, "scheduler/scheduler") == "[tls]\nplaintext = true\n"

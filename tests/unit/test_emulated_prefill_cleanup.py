@@ -9,6 +9,7 @@ release of its PE-buffer slots: they leaked, and the pool emptied for good (issu
 freezing the prefill node past its lease a few times stalled the cluster)."""
 
 import asyncio
+import dataclasses
 import types
 
 import numpy as np
@@ -23,12 +24,14 @@ from dualpath.kv.layout import BlockLayout
 from dualpath.kv.placement import KvFormat
 from dualpath.kv.profiles import get_profile
 from dualpath.paths.assignment import Assignment
+from dualpath.paths.errors import NotYours
 from dualpath.paths.kvspace import KvSpace
 from dualpath.paths.payload import Payload
 from dualpath.paths.peers import Prepared
 from dualpath.paths.ranks import EngineRank
 from dualpath.paths.resources import NodeResources
 from dualpath.roles import ReadSide
+from dualpath.tls import Identity
 from dualpath.trace.model import trajectory_token_ids
 
 LAYOUT = BlockLayout(layers=4, tokens=8, token_bytes=16)
@@ -81,6 +84,9 @@ def _prefill_path(events, peers_cancel):
             events.append("prefill done")
 
         cancel = staticmethod(peers_cancel)
+
+        def expect(self, peer, identity):
+            events.append(f"expect {identity or '-'} at {peer}")
 
     node = NodeResources("p0", "prefill", "pe:1", types.SimpleNamespace(
         engine=types.SimpleNamespace(layerwise=True)), SlowTransfer(events), Peers(),
@@ -142,3 +148,31 @@ def test_a_cancel_while_the_de_is_told_still_releases_the_pe_buffer():
     free, capacity = asyncio.run(main())
     assert free == capacity, f"{capacity - free} PE-buffer slots leaked"
     assert events[-1] == "DE told"
+
+
+def test_only_the_decode_node_assigned_may_stop_a_prefill():
+    # The audit's attack (issue 38): a decode node stopped a prefill node's work on a
+    # request that was not its own (Engine.CancelRequest); the request then sat in
+    # "prefilling" for minutes. The assignment names its DE's identity; no other may.
+    async def main():
+        async def cancel(de, rid, attempt):
+            return True
+        path, e, a, forward = _prefill_path([], cancel)
+        a = dataclasses.replace(a, attempt=1, decode_identity="node/d0")
+        running = asyncio.Event()
+
+        async def hang(e_, a_, plan):
+            running.set()
+            await asyncio.Event().wait()
+        path.prefill = hang
+        e.slots = asyncio.Semaphore(1)            # (the node sets it when it opens)
+        path.assign(e, a)
+        await asyncio.wait_for(running.wait(), 10)
+        with pytest.raises(NotYours, match="decoded by node/d0; node/d1 may not stop"):
+            await path.stop("r1", 1, Identity("node", "d1"))
+        assert path.held_requests() == 1          # still running
+        assert await path.stop("r1", 1, Identity("node", "d0")) is True
+        assert path.held_requests() == 0 and "r1" not in path.decoders
+        await forward.close()
+
+    asyncio.run(main())

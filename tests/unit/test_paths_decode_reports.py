@@ -106,7 +106,7 @@ def test_an_unreachable_sink_is_logged_not_raised(caplog):
 def test_a_sink_refuses_more_than_its_bound_and_takes_nothing_of_it(sink):
     async def run():
         if sink == "replay":
-            servicer = replay._Sink()
+            servicer = replay._Sink(tls.PLAINTEXT)
             taken = lambda: servicer.queue.qsize()
         else:
             gen = generate.Generator("127.0.0.1:1", tls.PLAINTEXT, tls.PLAINTEXT)

@@ -106,7 +106,7 @@ def test_a_failure_reason_is_bounded():
 def test_cancellations_in_a_registration_answer_share_the_reply_budget():
     s = Scheduler(params(max_fetch_reply_bytes=4096, max_payload_bytes=0))
     g = s.register_group("d0", Role.DECODE, specs("d0", Role.DECODE), now=0.0,
-                         claims=[Claim(f"gone-{i:03d}", "d0.0", 1) for i in range(500)])
+                         claims=[Claim(f"gone-{i:03d}", "d0/e0", 1) for i in range(500)])
     first = s.take_cancelled(g)
     assert 0 < len(first) < 500 and sum(len(x) + 8 for x in first) <= 4096
     rest = s.fetch("d0", g.lease_id, [], 0.1).cancelled

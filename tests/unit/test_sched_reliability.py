@@ -48,7 +48,7 @@ def cluster(pes=1, des=2, **kw):
 
 
 def specs(gid, role):
-    return [EngineSpec(f"{gid}.0", 0, f"node-{gid}", "", 10**6 if role is Role.DECODE else 0)]
+    return [EngineSpec(f"{gid}/e0", 0, gid, "", 10**6 if role is Role.DECODE else 0)]
 
 
 def reports(g):
@@ -314,7 +314,7 @@ def test_a_group_registering_again_keeps_what_its_engines_claim():
     assert len(mine) == 2
     keep, drop = mine
     claims = [Claim(keep.request_id, keep.de.engine_id, keep.attempt),
-              Claim("unknown", "d0.0", 1), Claim(drop.request_id, "d0.0", drop.attempt + 5)]
+              Claim("unknown", "d0/e0", 1), Claim(drop.request_id, "d0/e0", drop.attempt + 5)]
     g = s.register_group("d0", Role.DECODE, specs("d0", Role.DECODE), now=0.5, claims=claims)
     assert sorted(s.take_cancelled(g)) == sorted(["unknown", drop.request_id])
     assert keep.de.group is g and keep.attempt == 1 and keep.stage is Stage.PREFILLING
@@ -342,13 +342,13 @@ def test_after_a_restart_the_groups_claims_resume_what_they_still_run():
     s = restored(("both", 2), ("decoding", 1), ("de_only", 1), ("pe_only", 1), ("none", 3))
     assert s.stage_counts()[Stage.RECOVERING] == 5
     d = s.register_group("d0", Role.DECODE, specs("d0", Role.DECODE), now=100.1, claims=[
-        Claim("both", "d0.0", 2), Claim("decoding", "d0.0", 1, prefill_done=True),
-        Claim("de_only", "d0.0", 1), Claim("none", "d0.0", 2)])      # a stale attempt
+        Claim("both", "d0/e0", 2), Claim("decoding", "d0/e0", 1, prefill_done=True),
+        Claim("de_only", "d0/e0", 1), Claim("none", "d0/e0", 2)])      # a stale attempt
     assert d.lease_id == 41                       # lease ids never repeat
     assert s.take_cancelled(d) == ["none"]
     assert s.requests["decoding"].stage is Stage.DECODING
     p = s.register_group("p0", Role.PREFILL, specs("p0", Role.PREFILL), now=100.2, claims=[
-        Claim("both", "p0.0", 2), Claim("pe_only", "p0.0", 1)])
+        Claim("both", "p0/e0", 2), Claim("pe_only", "p0/e0", 1)])
     assert s.take_cancelled(p) == []
     both = s.requests["both"]
     assert both.stage is Stage.PREFILLING and both.pe.group is p and both.de.group is d
@@ -365,7 +365,7 @@ def test_after_a_restart_the_groups_claims_resume_what_they_still_run():
     assert [r.request_id for r in s.global_queue] == ["de_only", "pe_only", "none"]
     audit(s)
     # The adopted ones finish normally.
-    s.report("d0", d.lease_id, [Completion("decoding", "d0.0", DONE, 1)], 103.1)
+    s.report("d0", d.lease_id, [Completion("decoding", "d0/e0", DONE, 1)], 103.1)
     assert s.finished["decoding"].outcome is Outcome.DECODE_DONE
 
 
@@ -373,5 +373,5 @@ def test_a_claim_of_a_finished_request_is_refused():
     s = restored(("a", 1))
     s.cancel(["a"], 100.0)
     d = s.register_group("d0", Role.DECODE, specs("d0", Role.DECODE), now=100.1,
-                         claims=[Claim("a", "d0.0", 1, prefill_done=True)])
+                         claims=[Claim("a", "d0/e0", 1, prefill_done=True)])
     assert s.take_cancelled(d) == ["a"]

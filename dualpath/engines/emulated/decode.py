@@ -53,6 +53,9 @@ class EmulatedDecoder:
         """An emulated engine keeps no prefix cache of its own: nothing held."""
         return 0
 
+    def most_held(self) -> int:
+        return 0
+
     async def run(self, st: DecodeState, done: PrefillReport, timings: Timings) -> None:
         """Verify every prompt byte, DE buffer -> DE HBM, then the tokens after the
         prefill's first from this engine's decode batch (one per step, a step as long as

@@ -140,6 +140,11 @@ class VllmDecoder:
         full = p.prompt_tokens // self.engine.space.fmt.block_tokens
         return cache.leading(p.cache_salt, [s.key for s in spans[:full]])
 
+    def most_held(self) -> int:
+        """The hint's keys: it never says more leading blocks than it holds."""
+        cache = self.engine.instance_cache
+        return 0 if cache is None else len(cache)
+
 
 def rest_sampling(s: dict, head: int) -> dict:
     """The request's sampling for the decode instance, which continues after the ``head``

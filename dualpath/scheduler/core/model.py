@@ -91,6 +91,9 @@ class Request:
     claim_pe: Engine | None = None
     claim_de: Engine | None = None
     wire_bytes: int = 0               # what its Assignment adds to a fetch reply (at most)
+    # Who submitted it ("role/name"; "" over plaintext or after a scheduler restart: the
+    # journal does not keep it): the one identity besides an admin that may cancel it.
+    submitter: str = ""
 
     @property
     def new_tokens(self) -> int:
@@ -201,6 +204,7 @@ class RequestSpec:
     max_new_tokens: int = 0
     request_id: str = ""
     payload: bytes = b""
+    submitter: str = ""               # the identity that submitted it (mutual TLS)
 
 
 class RejectReason(IntEnum):

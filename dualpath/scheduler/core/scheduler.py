@@ -36,7 +36,10 @@ Identity: a group is bound to the identity that first registered it (``owner``, 
 its certificate at the RPC edge; "" when the edge has none). Another identity can neither
 register that group id, nor fetch, report or release for it; the same identity may (a
 restarted node). The binding outlives the lease, not the scheduler process: after a
-restart the first registrant of a group id owns it again.
+restart the first registrant of a group id owns it again. A node identity
+("node/<name>") names what it registers: group ``<name>``, engines ``<name>/...`` on
+node ``<name>`` (:func:`_check_named`), so no node can squat another's group or engine
+ids before it registers.
 
 Leases: every leader call renews its group's lease for ``params.lease_s``; a group whose
 deadline passes is marked down (by ``expire`` or by its own late call).
@@ -189,6 +192,7 @@ class Scheduler:
         owner (PermissionDenied for another, before anything changes)."""
         if not group_id:
             raise UsageError("group_id must not be empty")
+        _check_named(owner, group_id, specs)
         old = self.groups.get(group_id)
         if old is not None and old.owner != owner:
             raise PermissionDenied(f"group {group_id} is bound to {_who(old.owner)}; "
@@ -362,7 +366,8 @@ class Scheduler:
             rid = s.request_id or self._auto_id(self._next_seq)
             r = Request(rid, s.prompt_tokens, _clamped_hit(s), s.max_new_tokens, s.payload,
                         self._next_seq, since=now, submitted=now,
-                        wire_bytes=wire if s.request_id else wire_bytes(rid, s.payload))
+                        wire_bytes=wire if s.request_id else wire_bytes(rid, s.payload),
+                        submitter=s.submitter)
             self.requests[rid] = r
             self.held_bytes += r.wire_bytes + REQUEST_FIXED_BYTES
             adm.accepted.append(r)
@@ -804,14 +809,18 @@ class Scheduler:
 
     # ------------------------------------------------------------ admin
 
-    def cancel(self, request_ids: list[str], now: float) -> list[Request | Finished | None]:
+    def cancel(self, request_ids: list[str], now: float,
+               submitter: str | None = None) -> list[Request | Finished | None]:
         """End queued or running requests CANCELLED (their engines are told to drop
-        them); an ended or unknown id is left as it is. What each id is now."""
+        them); an ended or unknown id is left as it is. What each id is now. With
+        ``submitter`` (a client withdrawing its own requests), a live request someone
+        else submitted is left as it is too (and answered None: nothing is said of it)."""
         out: list[Request | Finished | None] = []
         for rid in request_ids:
             r = self.requests.get(rid)
-            if r is None:
-                out.append(self.finished.get(rid))
+            if r is None or (submitter is not None and r.submitter != submitter):
+                out.append(self.finished.get(rid) if r is None and submitter is None
+                           else None)
                 continue
             st = r.stage
             if st is Stage.GLOBAL_QUEUE:
@@ -831,7 +840,9 @@ class Scheduler:
             for e in (pe, r.de, r.claim_pe, r.claim_de):
                 if e is not None and e.group.up:
                     e.group.pending_cancel.append(rid)
-            out.append(self._finish(r, Outcome.CANCELLED, now, "cancelled by an operator"))
+            out.append(self._finish(r, Outcome.CANCELLED, now,
+                                    "cancelled by an operator" if submitter is None
+                                    else "withdrawn by its submitter"))
         return out
 
     def drain(self, engine_id: str, undo: bool = False) -> Engine:
@@ -903,3 +914,18 @@ class Scheduler:
 
 def _who(identity: str) -> str:
     return identity or "an unauthenticated caller"
+
+
+def _check_named(owner: str, group_id: str, specs: list[EngineSpec]) -> None:
+    """A node identity ``node/<name>`` registers group ``<name>``, its engines
+    ``<name>/...`` on node ``<name>`` only (PermissionDenied otherwise); other callers
+    (plaintext: "") are not bound to names."""
+    role, _, name = owner.partition("/")
+    if role != "node":
+        return
+    bad = f"group {group_id!r}" if group_id != name else next(
+        (f"engine {s.engine_id!r} on node {s.node_id!r}" for s in specs
+         if s.node_id != name or not s.engine_id.startswith(name + "/")), None)
+    if bad is not None:
+        raise PermissionDenied(f"{owner} registers only group {name!r} with engines "
+                               f"'{name}/...' on node {name!r}, not {bad[:200]}")

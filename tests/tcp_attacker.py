@@ -62,19 +62,22 @@ def credential(spec) -> dict:
             conn.close()
 
 
+def _opened(spec) -> socket.socket:
+    """A connection to the target, its connect under way (non-blocking)."""
+    s = socket.socket()
+    s.setblocking(False)
+    try:
+        s.connect((spec["host"], spec["port"]))
+    except BlockingIOError:
+        pass
+    return s
+
+
 def flood(spec) -> None:
     n = spec["n"]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, n + 256)), hard))
-    held = []
-    for _ in range(n):
-        s = socket.socket()
-        s.setblocking(False)
-        try:
-            s.connect((spec["host"], spec["port"]))
-        except BlockingIOError:
-            pass
-        held.append(s)
+    held = [_opened(spec) for _ in range(n)]
     print(json.dumps({"held": len(held)}), flush=True)
     sys.stdin.read()      # hold them until the test closes our stdin
     for s in held:
@@ -90,16 +93,7 @@ def storm(spec) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, n + 256)), hard))
     done = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-
-    def opened() -> socket.socket:
-        s = socket.socket()
-        s.setblocking(False)
-        try:
-            s.connect((spec["host"], spec["port"]))
-        except BlockingIOError:
-            pass
-        return s
-    held = [opened() for _ in range(n)]
+    held = [_opened(spec) for _ in range(n)]
     print(json.dumps({"storming": n}), flush=True)
     reopened = 0
     while not done.is_set():
@@ -111,7 +105,7 @@ def storm(spec) -> None:
                 if isinstance(e, BlockingIOError):
                     continue
             s.close()                     # closed by the target (EOF or reset): again
-            held[i] = opened()
+            held[i] = _opened(spec)
             reopened += 1
         time.sleep(0.01)
     for s in held:

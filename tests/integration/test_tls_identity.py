@@ -11,7 +11,6 @@ impostor's call on the code before this change (no expectation existed)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 
 import grpc
@@ -21,9 +20,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dualpath import metrics, tls
 from dualpath.config import load
 from dualpath.scheduler.client import SchedulerClient
-from dualpath.scheduler.service import SchedulerService, create_server
 from dualpath.transfer.oob_grpc import GrpcChannels
 from dualpath.v1 import scheduler_pb2 as pb
+from tests.integration.test_sched_tls import server as scheduler_as
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="the openssl command is needed to make test certs "
@@ -36,23 +35,11 @@ def pki(tmp_path_factory):
                                 ["scheduler/scheduler", "client/fe", "node/d0", "node/d1"])
 
 
-@contextlib.asynccontextmanager
-async def scheduler_as(pki, identity):
-    svc = SchedulerService(registry=metrics.new_registry(process=False))
-    srv, port = create_server("127.0.0.1:0", svc,
-                              credentials=tls.server_credentials(pki.config(identity)))
-    await srv.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await srv.stop(None)
-
-
 def test_a_node_refuses_a_scheduler_that_shows_another_identity(pki):
     cfg = load(None, {})
 
     async def register(server_identity):
-        async with scheduler_as(pki, server_identity) as addr, \
+        async with scheduler_as(pki, identity=server_identity) as addr, \
                 SchedulerClient.from_config(cfg.scheduler_client, pki.config("node/d0"),
                                             address=addr) as c:
             try:
@@ -150,7 +137,6 @@ def test_metrics_are_served_over_https_when_asked(pki):
     import ssl
     import urllib.request
 
-    from dualpath import metrics
     from dualpath.errors import ConfigError
 
     reg = metrics.new_registry(process=False)

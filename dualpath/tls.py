@@ -328,10 +328,14 @@ def metrics_context(cfg: TlsConfig) -> ssl.SSLContext | None:
 
 
 def channel(address: str, cfg: TlsConfig, options: Iterable[tuple[str, object]] = (),
-            expect: Identity | str | None = None) -> grpc.aio.Channel:
+            expect: Identity | str | None = None, explain: bool = False
+            ) -> grpc.aio.Channel:
     """A grpc.aio channel to ``address``: mutual TLS, or plaintext when configured. With
     ``expect`` ("role/name"), the server must be that identity (its certificate's
-    :func:`identity_dns` name; a call to another fails UNAVAILABLE naming both)."""
+    :func:`identity_dns` name); a call to another fails UNAVAILABLE, in gRPC's words
+    ("Hostname Verification Check failed"), which :func:`explained` turns into both
+    identities. ``explain``: every unary call's failure explained so by an interceptor
+    (CLIs; not on hot channels: an interceptor costs every call)."""
     creds = channel_credentials(cfg)
     opts = list(options)
     if creds is None:
@@ -340,8 +344,9 @@ def channel(address: str, cfg: TlsConfig, options: Iterable[tuple[str, object]] 
         return grpc.aio.secure_channel(address, creds, opts)
     want = as_identity(expect, "the expected server identity")
     opts.append(("grpc.ssl_target_name_override", identity_dns(want, cfg.trust_domain)))
-    return grpc.aio.secure_channel(address, creds, opts,
-                                   interceptors=[_WhoAnswered(address, cfg, want)])
+    return grpc.aio.secure_channel(
+        address, creds, opts,
+        interceptors=[_WhoAnswered(address, cfg, want)] if explain else None)
 
 
 def sync_channel(address: str, cfg: TlsConfig, options: Iterable[tuple[str, object]] = (),
@@ -377,32 +382,38 @@ def presented_identity(address: str, cfg: TlsConfig, timeout_s: float = 3.0) -> 
                                  + (f" (URI SANs: {', '.join(uris)})" if uris else ""))
 
 
+async def explained(e: grpc.aio.AioRpcError, address: str, cfg: TlsConfig,
+                    expect: Identity | str | None) -> str:
+    """A failed call's details; when the server at ``address`` failed the check that it
+    is ``expect``, who it is instead and what its certificate lacks (a TLS probe of the
+    server, off the event loop: only on this failure)."""
+    details = e.details() or ""
+    if not expect or e.code() != grpc.StatusCode.UNAVAILABLE or \
+            "Hostname Verification" not in details:
+        return details
+    want = as_identity(expect, "the expected server identity")
+    got = await asyncio.to_thread(presented_identity, address, cfg)
+    return (f"the server at {address} is {got}, not the expected {want} (its certificate "
+            f"lacks the DNS name {identity_dns(want, cfg.trust_domain)})")
+
+
 class _WhoAnswered(grpc.aio.UnaryUnaryClientInterceptor):
-    """A unary call whose server failed the identity check fails UNAVAILABLE naming the
-    identity expected and the one presented (gRPC says only "Hostname Verification
-    Check failed"; a stream keeps gRPC's words)."""
+    """Every unary call's failure :func:`explained` (a stream keeps gRPC's words)."""
 
     def __init__(self, address: str, cfg: TlsConfig, want: Identity):
         self.address, self.cfg, self.want = address, cfg, want
-
-    async def _explain(self, e: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
-        if e.code() != grpc.StatusCode.UNAVAILABLE or \
-                "Hostname Verification" not in (e.details() or ""):
-            return e
-        got = await asyncio.to_thread(presented_identity, self.address, self.cfg)
-        return grpc.aio.AioRpcError(
-            e.code(), e.initial_metadata(), e.trailing_metadata(),
-            details=f"the server at {self.address} is {got}, not the expected "
-                    f"{self.want} (its certificate lacks the DNS name "
-                    f"{identity_dns(self.want, self.cfg.trust_domain)})",
-            debug_error_string=e.debug_error_string())
 
     async def intercept_unary_unary(self, continuation, details, request):
         call = await continuation(details, request)
         try:
             await call
         except grpc.aio.AioRpcError as e:
-            raise await self._explain(e) from None
+            why = await explained(e, self.address, self.cfg, self.want)
+            if why == e.details():
+                raise
+            raise grpc.aio.AioRpcError(e.code(), e.initial_metadata(),
+                                       e.trailing_metadata(), details=why,
+                                       debug_error_string=e.debug_error_string()) from None
         return call
 
 

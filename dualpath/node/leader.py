@@ -202,8 +202,10 @@ class Leader:
                     self.status(f"lease lost ({e.details()}); registering again")
                     self.lease_id = 0
                     continue
+                why = await tls.explained(e, self.scheduler_address, self.tls_config,
+                                          self.tls_config.scheduler_identity)
                 log.warning("%s: scheduler %s: %s %s; retrying in %.2f s", self.node_id,
-                            self.scheduler_address, e.code().name, e.details(), backoff)
+                            self.scheduler_address, e.code().name, why, backoff)
                 self.status(f"scheduler {self.scheduler_address}: {e.code().name}; "
                             f"{'retrying' if self.lease_id else 'not registered yet'}")
                 if e.code() in _RETRIED:

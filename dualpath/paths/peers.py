@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from dualpath import tls
 from dualpath.errors import UsageError
 from dualpath.kv import placement_wire
 from dualpath.kv.placement import KvPlacement
@@ -174,7 +175,8 @@ class PeerClient:
         try:
             return await call
         except grpc.aio.AioRpcError as e:
-            msg = f"{what} to {peer}: {e.code().name} {e.details()}"
+            why = await tls.explained(e, peer, self.channels.tls, self.channels.expected(peer))
+            msg = f"{what} to {peer}: {e.code().name} {why}"
             if e.code() == grpc.StatusCode.OUT_OF_RANGE:    # larger than its buffer
                 raise NeverFits(msg) from None
             raise PeerUnavailable(msg) from None

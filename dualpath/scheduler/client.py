@@ -79,7 +79,7 @@ class SchedulerClient:
             admin_token = tls.read_token(cfg.admin_token_file, "scheduler_client.admin_token_file")
         address = address or cfg.address
         ch = tls.channel(address, tls_config, rpc.CHANNEL_OPTIONS,
-                         expect=tls_config.scheduler_identity)
+                         expect=tls_config.scheduler_identity, explain=True)
         return cls(address, admin_token=admin_token, timeout_s=cfg.timeout_ms / 1000.0,
                    channel=ch)
 

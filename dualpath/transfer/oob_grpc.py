@@ -45,6 +45,10 @@ class GrpcChannels:
         if identity:
             self._expect[address] = identity
 
+    def expected(self, address: str) -> str:
+        """Who must answer at ``address`` ("" : any server the CA signed for the host)."""
+        return self._expect.get(address, "")
+
     def channel(self, address: str) -> grpc.aio.Channel:
         want = self._expect.get(address, "")
         ch = self._channels.get((address, want))

@@ -59,7 +59,11 @@ def test_a_node_refuses_a_scheduler_that_shows_another_identity(pki):
 
 def test_a_node_refuses_a_peer_other_than_the_one_the_scheduler_named(pki):
     # PE -> DE: the assignment names the DE's identity (the owner of its group); a
-    # server at that address with another node's certificate is refused.
+    # server at that address with another node's certificate is refused, and the node's
+    # error names both (a health-only server: the right one answers UNIMPLEMENTED).
+    from dualpath.paths.errors import PeerUnavailable
+    from dualpath.paths.peers import PeerClient
+
     async def body():
         srv = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), srv)
@@ -69,23 +73,30 @@ def test_a_node_refuses_a_peer_other_than_the_one_the_scheduler_named(pki):
         addr = f"127.0.0.1:{port}"
         out = []
         channels = GrpcChannels(pki.config("node/d0"))
+        peers = PeerClient(channels)
         try:
             for expect in ("", "node/d1", "node/d0"):
-                channels.expect(addr, expect)
+                peers.expect(addr, expect)
                 try:
                     await health_pb2_grpc.HealthStub(channels.channel(addr)).Check(
                         health_pb2.HealthCheckRequest(), timeout=10)
-                    out.append("OK")
+                    health_ok = "OK"
                 except grpc.aio.AioRpcError as e:
-                    out.append(f"{e.code().name}: {e.details()}")
+                    health_ok = e.code().name
+                try:
+                    await peers.stop(addr, "r", 1, timeout_s=10)
+                except PeerUnavailable as e:
+                    out.append((health_ok, str(e)))
         finally:
             await channels.close()
             await srv.stop(None)
         return out
 
     unchecked, right, wrong = asyncio.run(body())
-    assert unchecked == "OK" and right == "OK"
-    assert wrong.startswith("UNAVAILABLE") and "is node/d1, not the expected node/d0" in wrong
+    assert unchecked[0] == right[0] == "OK" and "UNIMPLEMENTED" in right[1]
+    assert wrong[0] == "UNAVAILABLE"
+    assert "is node/d1, not the expected node/d0 (its certificate lacks the DNS name " \
+           "d0.node.dualpath)" in wrong[1], wrong
 
 
 def test_the_expected_scheduler_identity_is_a_checked_config_key():

@@ -231,14 +231,17 @@ class NodeDaemon:
         if self.leader is not None:
             self.leader.complete(rid, engine, stage, error, suspect, final)
 
-    async def _ask_writer(self, peer: str, rid: str, attempt: int) -> None:
+    async def _ask_writer(self, peer: str, rid: str, attempt: int, writer=None) -> None:
         """A fence's question to the peer that may write into our memory: stop that
-        attempt and answer once your writes ended (bounded by their own timeouts). A
-        peer whose control port refuses connections is gone: a node stops serving only
-        after its tasks ended (close()), and a restarted one listens elsewhere."""
+        attempt and answer once your writes ended (bounded by their own timeouts). Only
+        the writer (``writer``, the identity that prepared the request) answers for it:
+        another server at that address is not believed. A peer whose control port
+        refuses connections is gone: a node stops serving only after its tasks ended
+        (close()), and a restarted one listens elsewhere."""
         try:
             await self.peers.stop(peer, rid, attempt,
-                                  timeout_s=2 * self.cfg.transfer.timeout_s + 5)
+                                  timeout_s=2 * self.cfg.transfer.timeout_s + 5,
+                                  expect=str(writer) if writer is not None else "")
         except PeerUnavailable:
             if not await _refuses_connections(peer):
                 raise

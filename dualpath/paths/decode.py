@@ -77,6 +77,7 @@ class DecodeState:
     tasks: list[asyncio.Task] = field(default_factory=list)
     loads: list[asyncio.Task] = field(default_factory=list)   # its loads into the PE
     owner: Identity | None = None               # the node that prepared it (mutual TLS)
+    sink_identity: str = ""                     # its submitter: who its sink must be
     ended: asyncio.Event = field(default_factory=asyncio.Event)   # dropped, released
 
     @property
@@ -124,6 +125,7 @@ class _Result:
     attempt: int
     timings: Timings
     sink: str
+    expect: str = ""                 # who the sink must be (the request's submitter)
 
 
 class Decoder(Protocol):
@@ -155,6 +157,9 @@ class DecodePath:
         self.decoder = decoder(self)
         self.requests: dict[str, DecodeState] = {}
         self.assigned: dict[str, int] = {}      # request -> its DE-only assignment's attempt
+        # request -> who submitted it (the assignment's word): the identity its sink must
+        # answer as when its tokens and results go there ("": the host name is checked)
+        self.submitters: dict[str, str] = {}
         self.results: dict[str, _Result] = {}   # waiting for the scheduler's record
         self.reports: set[asyncio.Task] = set()  # sink reports on their way
         self.outbox: dict[str, list[Timings]] = {}   # sink -> reports of this loop turn
@@ -173,6 +178,7 @@ class DecodePath:
         state of an older attempt is dropped."""
         rid = a.request_id
         self.assigned[rid] = max(a.attempt, self.assigned.get(rid, 0))
+        self.submitters[rid] = a.submitter_identity
         old = self.requests.get(rid)
         if old is not None and old.attempt < a.attempt:
             del self.requests[rid]
@@ -185,6 +191,7 @@ class DecodePath:
         """The scheduler cancelled ``rid`` here (or this node lost it): drop its state;
         its PE may still be pushing, so its slots are fenced unless PrefillDone came."""
         self.assigned.pop(rid, None)
+        self.submitters.pop(rid, None)
         st = self.requests.pop(rid, None)
         if st is not None:
             self.node.spawn(self._end(st, fence=not st.decoding))
@@ -411,6 +418,7 @@ class DecodePath:
         if st.decoding:
             return
         st.decoding = True
+        st.sink_identity = self.submitters.get(st.request_id, "")
         st.tasks.append(self.node.spawn(self.decode(st, done)))
 
     def release_buffer(self, st: DecodeState, fence: bool = False) -> None:
@@ -496,7 +504,9 @@ class DecodePath:
                 e.tokens.pop(rid, None)
                 e.reserved_blocks.pop(rid, None)
         if p.sink:
-            self.results[rid] = _Result(st.attempt, timings, p.sink)
+            self.results[rid] = _Result(st.attempt, timings, p.sink, st.sink_identity)
+        if rid not in self.assigned:
+            self.submitters.pop(rid, None)
         # A mismatch may be the PE's bytes or our read: no side is blamed alone.
         n.complete(rid, e, stage, error=error,
                    suspect="" if timings.bytes_mismatched else e.engine_id)
@@ -511,7 +521,7 @@ class DecodePath:
             return
         if not self.outbox:
             asyncio.get_running_loop().call_soon(self._send_reports)
-        self.outbox.setdefault(r.sink, []).append(r.timings)
+        self.outbox.setdefault((r.sink, r.expect), []).append(r.timings)
 
     def drop_result(self, rid: str) -> None:
         """The scheduler did not record that completion (a stale attempt): no report."""
@@ -536,15 +546,15 @@ class DecodePath:
 
     def _send_reports(self) -> None:
         outbox, self.outbox = self.outbox, {}
-        for sink, timings in outbox.items():
+        for (sink, expect), timings in outbox.items():
             for call in report_calls(timings):
-                t = self.node.spawn(self._report(sink, call))
+                t = self.node.spawn(self._report(sink, call, expect))
                 self.reports.add(t)
                 t.add_done_callback(self.reports.discard)
 
-    async def _report(self, sink: str, timings: list[Timings]) -> None:
+    async def _report(self, sink: str, timings: list[Timings], expect: str = "") -> None:
         try:
-            await self.node.peers.report(sink, timings)
+            await self.node.peers.report(sink, timings, expect=expect)
         except DualPathError as err:
             log.warning("replay sink %s unreachable for %d results (%s, ...): %s", sink,
                         len(timings), timings[0].request_id, err)

@@ -41,9 +41,10 @@ log = logging.getLogger("dualpath.node")
 ASK_FOR_S = 600.0
 ASK_BACKOFF_S = (0.1, 2.0)
 
-#: ``ask(peer, request_id, attempt)``: returns once the peer's writes for that attempt
-#: ended; raises DualPathError when the peer did not answer.
-Ask = Callable[[str, str, int], Awaitable[None]]
+#: ``ask(peer, request_id, attempt, writer)``: returns once the peer's writes for that
+#: attempt ended; raises DualPathError when the peer did not answer (or, ``writer``
+#: given, a server other than that identity answered at ``peer``).
+Ask = Callable[[str, str, int, Identity | None], Awaitable[None]]
 
 
 @dataclass
@@ -117,7 +118,7 @@ class Fences:
         delay, last = ASK_BACKOFF_S[0], ""
         while time.monotonic() - f.since < ASK_FOR_S:
             try:
-                await self.ask(f.peer, f.request_id, f.attempt)
+                await self.ask(f.peer, f.request_id, f.attempt, f.writer)
             except DualPathError as e:
                 if str(e) != last:
                     log.warning("fence of %s (attempt %d): %s has not answered yet: %s",

@@ -168,14 +168,15 @@ class PeerClient:
     def _node(self, peer: str) -> node_pb2_grpc.NodeStub:
         return node_pb2_grpc.NodeStub(self.channels.channel(peer))
 
-    def _engine(self, peer: str) -> engine_pb2_grpc.EngineStub:
-        return engine_pb2_grpc.EngineStub(self.channels.channel(peer))
+    def _engine(self, peer: str, expect: str = "") -> engine_pb2_grpc.EngineStub:
+        return engine_pb2_grpc.EngineStub(self.channels.channel(peer, expect))
 
-    async def _call(self, peer: str, what: str, call):
+    async def _call(self, peer: str, what: str, call, expect: str = ""):
         try:
             return await call
         except grpc.aio.AioRpcError as e:
-            why = await tls.explained(e, peer, self.channels.tls, self.channels.expected(peer))
+            why = await tls.explained(e, peer, self.channels.tls,
+                                      self.channels.expected(peer, expect))
             msg = f"{what} to {peer}: {e.code().name} {why}"
             if e.code() == grpc.StatusCode.OUT_OF_RANGE:    # larger than its buffer
                 raise NeverFits(msg) from None
@@ -230,12 +231,12 @@ class PeerClient:
             timeout=self.timeout_s))
 
     async def stop(self, peer: str, request_id: str, attempt: int,
-                   timeout_s: float | None = None) -> None:
+                   timeout_s: float | None = None, expect: str = "") -> None:
         """``peer`` stops ``attempt`` of ``request_id`` and answers once its writes for it
-        ended (PeerUnavailable when it does not answer in time)."""
-        await self._call(peer, "CancelRequest", self._engine(peer).CancelRequest(
+        ended (PeerUnavailable when it does not answer in time, or is not ``expect``)."""
+        await self._call(peer, "CancelRequest", self._engine(peer, expect).CancelRequest(
             engine_pb2.CancelRequestRequest(request_id=request_id, attempt=attempt),
-            timeout=timeout_s or self.timeout_s))
+            timeout=timeout_s or self.timeout_s), expect)
 
     async def cancel(self, peer: str, request_id: str, attempt: int) -> bool:
         """Best effort and bounded: the peer may be gone (its lease then ends the request
@@ -262,25 +263,25 @@ class PeerClient:
 
     async def partial(self, sink: str, request_id: str, attempt: int, offset: int,
                       ids: Sequence[int], logprobs: Sequence[float],
-                      top: Sequence[Top] = ()) -> None:
-        await self._call(sink, "ReplaySink.Partial",
-                         node_pb2_grpc.ReplaySinkStub(self.channels.channel(sink)).Partial(
-                             node_pb2.PartialTokens(
-                                 request_id=request_id, attempt=attempt, offset=offset,
-                                 token_ids=list(ids), logprobs=list(logprobs),
-                                 top=[top_pb(t) for t in top]),
-                             timeout=self.timeout_s))
+                      top: Sequence[Top] = (), expect: str = "") -> None:
+        """Tokens so far to the sink, which must be ``expect`` (the submitter) if said."""
+        stub = node_pb2_grpc.ReplaySinkStub(self.channels.channel(sink, expect))
+        await self._call(sink, "ReplaySink.Partial", stub.Partial(
+            node_pb2.PartialTokens(request_id=request_id, attempt=attempt, offset=offset,
+                                   token_ids=list(ids), logprobs=list(logprobs),
+                                   top=[top_pb(t) for t in top]),
+            timeout=self.timeout_s), expect)
 
-    async def report(self, sink: str, timings: Sequence[Timings]) -> None:
-        """``timings`` (at most REPORTS_PER_CALL) to the sink in one call."""
+    async def report(self, sink: str, timings: Sequence[Timings], expect: str = "") -> None:
+        """``timings`` (at most REPORTS_PER_CALL) to the sink in one call; the sink must
+        be ``expect`` (their submitter) if said."""
         if len(timings) > REPORTS_PER_CALL:
             raise UsageError(f"{len(timings)} reports in one call; at most "
                              f"{REPORTS_PER_CALL}")
-        await self._call(sink, "ReplaySink.Report",
-                         node_pb2_grpc.ReplaySinkStub(self.channels.channel(sink)).Report(
-                             node_pb2.RequestTimingsBatch(timings=[_timings_pb(t)
-                                                                   for t in timings]),
-                             timeout=self.timeout_s))
+        stub = node_pb2_grpc.ReplaySinkStub(self.channels.channel(sink, expect))
+        await self._call(sink, "ReplaySink.Report", stub.Report(
+            node_pb2.RequestTimingsBatch(timings=[_timings_pb(t) for t in timings]),
+            timeout=self.timeout_s), expect)
 
 
 def report_bytes(t: Timings) -> int:

@@ -498,7 +498,8 @@ def _assignment(r: Request, with_pe: bool) -> scheduler_pb2.Assignment:
         decode_control_address=de.control_address,  # type: ignore[union-attr]
         payload=r.payload, attempt=r.attempt,
         prefill_identity=pe.group.owner if pe else "",
-        decode_identity=de.group.owner)  # type: ignore[union-attr]
+        decode_identity=de.group.owner,  # type: ignore[union-attr]
+        submitter_identity=r.submitter)
 
 
 def _completions(msgs) -> list[Completion]:

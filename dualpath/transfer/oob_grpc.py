@@ -45,12 +45,15 @@ class GrpcChannels:
         if identity:
             self._expect[address] = identity
 
-    def expected(self, address: str) -> str:
+    def expected(self, address: str, expect: str = "") -> str:
         """Who must answer at ``address`` ("" : any server the CA signed for the host)."""
-        return self._expect.get(address, "")
+        return expect or self._expect.get(address, "")
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        want = self._expect.get(address, "")
+    def channel(self, address: str, expect: str = "") -> grpc.aio.Channel:
+        """The channel to ``address``; the server must be ``expect`` when given (a
+        caller that knows from the scheduler whom one call is for), else whom
+        :meth:`expect` named for the address, else anyone the CA signed for the host."""
+        want = expect or self._expect.get(address, "")
         ch = self._channels.get((address, want))
         if ch is None:
             ch = tls.channel(address, self.tls, options=CHANNEL_OPTIONS, expect=want or None)

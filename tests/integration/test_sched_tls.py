@@ -181,6 +181,7 @@ def test_assignments_name_the_identities_that_registered_each_side(pki):
             free = [pb.EngineStatus(engine_id="d0/e0", free_hbm_bytes=1 << 30)]
             (a,) = (await d0.fetch("d0", dl, free)).assignments
             assert (a.prefill_identity, a.decode_identity) == ("", "node/d0")
+            assert a.submitter_identity == "client/fe"          # whom its tokens go to
             (a,) = (await d1.fetch("d1", pl, [pb.EngineStatus(engine_id="d1/e0")])
                     ).assignments
             assert (a.prefill_identity, a.decode_identity) == ("node/d1", "node/d0")

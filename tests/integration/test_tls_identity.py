@@ -87,16 +87,28 @@ def test_a_node_refuses_a_peer_other_than_the_one_the_scheduler_named(pki):
                     await peers.stop(addr, "r", 1, timeout_s=10)
                 except PeerUnavailable as e:
                     out.append((health_ok, str(e)))
+            # A call that names whom it is for (a fence asking the node that prepared
+            # the request; a result for its submitter) checks that, whatever the
+            # address's own expectation says.
+            peers.expect(addr, "node/d1")
+            for expect in ("node/d1", "node/d0"):
+                try:
+                    await peers.stop(addr, "r", 1, timeout_s=10, expect=expect)
+                except PeerUnavailable as e:
+                    out.append(str(e))
         finally:
             await channels.close()
             await srv.stop(None)
         return out
 
-    unchecked, right, wrong = asyncio.run(body())
+    unchecked, right, wrong = asyncio.run(body())[:3]
     assert unchecked[0] == right[0] == "OK" and "UNIMPLEMENTED" in right[1]
     assert wrong[0] == "UNAVAILABLE"
     assert "is node/d1, not the expected node/d0 (its certificate lacks the DNS name " \
            "d0.node.dualpath)" in wrong[1], wrong
+    named_right, named_wrong = asyncio.run(body())[3:]
+    assert "UNIMPLEMENTED" in named_right
+    assert "is node/d1, not the expected node/d0" in named_wrong
 
 
 def test_the_expected_scheduler_identity_is_a_checked_config_key():

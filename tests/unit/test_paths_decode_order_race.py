@@ -50,7 +50,7 @@ def _path(connect_gate: asyncio.Event, spawned: list):
         return asyncio.ensure_future(coro)
 
     d = DecodePath.__new__(DecodePath)
-    d.requests, d.assigned, d.ending, d.cancelled = {}, {}, {}, {}
+    d.requests, d.assigned, d.ending, d.cancelled, d.submitters = {}, {}, {}, {}, {}
     d.space = SimpleNamespace(fmt=FMT, read_queue=SimpleNamespace(forget=lambda rid: None))
     d.node = SimpleNamespace(transfer=SimpleNamespace(connect=connect), spawn=spawn,
                              fences=SimpleNamespace(settled=lambda *a: None))

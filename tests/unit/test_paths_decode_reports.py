@@ -28,8 +28,9 @@ class _Peers:
         self.calls: list[tuple[str, list[str]]] = []
         self.fail = fail
 
-    async def report(self, sink, timings):
+    async def report(self, sink, timings, expect=""):
         self.calls.append((sink, [t.request_id for t in timings]))
+        self.expects = getattr(self, "expects", []) + [(sink, expect)]
         if self.fail:
             raise PeerUnavailable(f"{sink}: UNAVAILABLE")
 
@@ -134,3 +135,21 @@ def test_a_sink_refuses_more_than_its_bound_and_takes_nothing_of_it(sink):
             await server.stop(None)
 
     asyncio.run(run())
+
+
+def test_results_go_to_their_sink_as_their_submitter_only():
+    # Issue 38: the decode node checks that the sink answering is the identity that
+    # submitted the request (the scheduler's assignment says who); results of two
+    # submitters that name one sink address go in a call each, each with its own.
+    async def run():
+        peers = _Peers()
+        path = _path(peers, {})
+        for rid, who in (("a", "client/fe"), ("b", "client/other"), ("c", "client/fe")):
+            path.results[rid] = _Result(1, Timings(rid, "d0/e0", "p0", "d0", attempt=1),
+                                        "sink:1", who)
+            path.send_result(rid, 1)
+        await asyncio.sleep(0.05)
+        return peers
+    peers = asyncio.run(run())
+    assert sorted(peers.expects) == [("sink:1", "client/fe"), ("sink:1", "client/other")]
+    assert sorted(peers.calls) == [("sink:1", ["a", "c"]), ("sink:1", ["b"])]

@@ -76,7 +76,8 @@ class VllmDecoder:
         # The blocks its instance loads or computes for this request count under its
         # cache salt (instance_cache.py).
         self.engine.salts[st.request_id] = p.cache_salt
-        stream = _Streamer(self.node, st.request_id, st.attempt, p.sink) \
+        stream = _Streamer(self.node, st.request_id, st.attempt, p.sink,
+                           st.sink_identity) \
             if p.stream and p.sink else None
         # The prefill sampled the first token (as a single instance does at the end of
         # its prefill); the decode instance continues after it.
@@ -159,8 +160,9 @@ class _Streamer:
     """Sends a request's tokens to its sink as they grow (ReplaySink.Partial), one call
     at a time, coalescing what arrived meanwhile; best effort (Report has them all)."""
 
-    def __init__(self, node, request_id: str, attempt: int, sink: str):
+    def __init__(self, node, request_id: str, attempt: int, sink: str, expect: str = ""):
         self.node, self.request_id, self.attempt, self.sink = node, request_id, attempt, sink
+        self.expect = expect                # the submitter: who the sink must be
         self.ids: list[int] = []
         self.lps: list[float] = []
         self.top: list[Top] = []
@@ -184,7 +186,7 @@ class _Streamer:
                     await self.node.peers.partial(self.sink, self.request_id, self.attempt,
                                                   self.sent, self.ids[self.sent:n],
                                                   self.lps[self.sent:n],
-                                                  self.top[self.sent:n])
+                                                  self.top[self.sent:n], expect=self.expect)
                 except DualPathError as e:
                     if not warned:
                         warned = True

@@ -167,6 +167,11 @@ class _ScrapeServer(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request, client_address) -> None:
+        # The socket timeout bounds each read; this bounds the whole connection (a
+        # client trickling a byte a few seconds would hold its slot for ever).
+        deadline = threading.Timer(2 * SCRAPE_TIMEOUT_S, _cut, (request,))
+        deadline.daemon = True
+        deadline.start()
         try:
             if self.ssl_context is not None:     # the handshake on this thread, bounded
                 request.settimeout(SCRAPE_TIMEOUT_S)
@@ -177,7 +182,16 @@ class _ScrapeServer(ThreadingHTTPServer):
                     return
             super().process_request_thread(request, client_address)
         finally:
+            deadline.cancel()
             self.slots.release()
+
+
+def _cut(sock: socket.socket) -> None:
+    """End a scrape connection past its deadline (its thread then ends)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def start_metrics_server(listen: str, registry: CollectorRegistry,

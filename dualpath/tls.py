@@ -366,11 +366,11 @@ def presented_identity(address: str, cfg: TlsConfig, timeout_s: float = 3.0) -> 
     """Who the server at ``address`` says it is (its certificate's URI SANs), for an
     error message; a description of the failure when it cannot be read."""
     host, _, port = address.rpartition(":")
-    ctx = ssl.create_default_context(cafile=cfg.ca_file)
-    ctx.check_hostname = False
-    ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-    ctx.set_alpn_protocols(["h2"])
     try:
+        ctx = ssl.create_default_context(cafile=cfg.ca_file)
+        ctx.check_hostname = False
+        ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+        ctx.set_alpn_protocols(["h2"])
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) \
                 as raw, ctx.wrap_socket(raw) as conn:
             cert = conn.getpeercert() or {}

@@ -77,7 +77,11 @@ class DecodeState:
     tasks: list[asyncio.Task] = field(default_factory=list)
     loads: list[asyncio.Task] = field(default_factory=list)   # its loads into the PE
     owner: Identity | None = None               # the node that prepared it (mutual TLS)
-    sink_identity: str = ""                     # its submitter: who its sink must be
+    # Its submitter, once the scheduler assigned the request here (``assigned_here``):
+    # who its sink must be. Nothing goes to a sink before (a prepare the scheduler never
+    # made here must not stream into anyone's request).
+    sink_identity: str = ""
+    assigned_here: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)   # dropped, released
 
     @property
@@ -180,6 +184,8 @@ class DecodePath:
         self.assigned[rid] = max(a.attempt, self.assigned.get(rid, 0))
         self.submitters[rid] = a.submitter_identity
         old = self.requests.get(rid)
+        if old is not None and old.attempt <= a.attempt:
+            old.sink_identity, old.assigned_here = a.submitter_identity, True
         if old is not None and old.attempt < a.attempt:
             del self.requests[rid]
             self.node.spawn(self._end(old, fence=not old.decoding))
@@ -350,7 +356,8 @@ class DecodePath:
             raise StaleAttempt(f"PrepareRequest of {rid} (attempt {req.attempt}) was "
                                "overtaken while it waited for buffer slots")
         st = DecodeState(rid, e, p, plan, res, req.prefill_address, attempt=req.attempt,
-                         owner=req.owner)
+                         owner=req.owner, sink_identity=self.submitters.get(rid, ""),
+                         assigned_here=rid in self.submitters)
         n.metrics.held_by_instance.inc(plan.held)
         self.requests[rid] = st
         if req.decode_read_tokens:  # (an older attempt's expectation ends either way)
@@ -418,7 +425,9 @@ class DecodePath:
         if st.decoding:
             return
         st.decoding = True
-        st.sink_identity = self.submitters.get(st.request_id, "")
+        if st.request_id in self.submitters:
+            st.sink_identity = self.submitters[st.request_id]
+            st.assigned_here = True
         st.tasks.append(self.node.spawn(self.decode(st, done)))
 
     def release_buffer(self, st: DecodeState, fence: bool = False) -> None:
@@ -504,7 +513,8 @@ class DecodePath:
                 e.tokens.pop(rid, None)
                 e.reserved_blocks.pop(rid, None)
         if p.sink:
-            self.results[rid] = _Result(st.attempt, timings, p.sink, st.sink_identity)
+            self.results[rid] = _Result(st.attempt, timings, p.sink,
+                                        self.submitters.get(rid, st.sink_identity))
         if rid not in self.assigned:
             self.submitters.pop(rid, None)
         # A mismatch may be the PE's bytes or our read: no side is blamed alone.

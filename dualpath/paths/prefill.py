@@ -55,9 +55,9 @@ class PrefillPath:
         self.space = space             # a vLLM node's: set once its worker attached
         self.tasks: dict[str, asyncio.Task] = {}    # request -> its newest prefill
         self.current: dict[str, tuple[int, EngineRank]] = {}   # request -> attempt, engine
-        # request -> the identity of its DE's node, from the newest assignment: the only
-        # peer that may stop its attempts here (Engine.CancelRequest; "": plaintext)
-        self.decoders: dict[str, str] = {}
+        # (request, attempt) -> the identity of its DE's node: the only peer that may
+        # stop that attempt here (Engine.CancelRequest; "": plaintext)
+        self.decoders: dict[tuple[str, int], str] = {}
         self.runs: dict[tuple[str, int], asyncio.Task] = {}    # every live prefill
 
     def assign(self, e: EngineRank, a: Assignment) -> None:
@@ -84,7 +84,7 @@ class PrefillPath:
         t = self.node.spawn(self._prefill(e, a, old))
         self.tasks[rid] = self.runs[(rid, a.attempt)] = t
         self.current[rid] = (a.attempt, e)
-        self.decoders[rid] = a.decode_identity
+        self.decoders[(rid, a.attempt)] = a.decode_identity
 
     def cancel(self, rid: str) -> None:
         """Stop every attempt of ``rid`` here (the scheduler cancelled it)."""
@@ -98,12 +98,14 @@ class PrefillPath:
         is on its way any more. A newer attempt running here is left alone. True when
         there was one to stop. ``caller`` must be the DE node the scheduler assigned
         the request to (NotYours otherwise: another node cannot stop it)."""
-        want = self.decoders.get(rid, "")
-        if caller is not None and want and str(caller) != want:
-            raise NotYours(f"request {rid} is decoded by {want}; {caller} may not stop "
-                           "its prefill")
-        ts = [t for (r, att), t in self.runs.items()
+        ts = [(att, t) for (r, att), t in self.runs.items()
               if r == rid and (not attempt or att <= attempt)]
+        for att, _ in ts:
+            want = self.decoders.get((rid, att), "")
+            if caller is not None and want and str(caller) != want:
+                raise NotYours(f"request {rid} (attempt {att}) is decoded by {want}; "
+                               f"{caller} may not stop its prefill")
+        ts = [t for _, t in ts]
         for t in ts:
             _cancel_once(t)
         if ts:
@@ -168,8 +170,9 @@ class PrefillPath:
                        else e.engine_id, final=isinstance(err, (NeverFits, PoolTooSmall)))
         finally:
             self.runs.pop((rid, a.attempt), None)
+            self.decoders.pop((rid, a.attempt), None)
             if self.tasks.get(rid) is me:
-                del self.tasks[rid], self.current[rid], self.decoders[rid]
+                del self.tasks[rid], self.current[rid]
                 e.tokens.pop(rid, None)
                 self.space.read_queue.forget(rid)
 

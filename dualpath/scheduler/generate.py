@@ -174,9 +174,11 @@ class Generator:
         if on_partial is not None:
             self._partials[request_id] = on_partial
         t0 = time.time()
+        answered = False                # the scheduler said accepted or rejected
         try:
             r = await self.stub.SubmitRequest(
                 scheduler_pb2.SubmitRequestRequest(requests=[spec]), timeout=10)
+            answered = True
             if r.rejected:
                 rej = r.rejected[0]
                 name = scheduler_pb2.RejectReason.Name(rej.reason)
@@ -192,7 +194,10 @@ class Generator:
             self._acks.append(request_id)
             self._kick()
         except (asyncio.CancelledError, GenerationFailed):
-            if not fut.done():          # the caller went away or gave up waiting
+            # The caller went away or gave up waiting: withdraw what the scheduler took
+            # (or may have: its answer never came), never a rejected submission (a
+            # DUPLICATE's original lives on).
+            if not fut.done() and (request_id in self._submitted or not answered):
                 self._withdraw(request_id)
             raise
         finally:

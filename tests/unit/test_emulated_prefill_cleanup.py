@@ -168,11 +168,12 @@ def test_only_the_decode_node_assigned_may_stop_a_prefill():
         e.slots = asyncio.Semaphore(1)            # (the node sets it when it opens)
         path.assign(e, a)
         await asyncio.wait_for(running.wait(), 10)
-        with pytest.raises(NotYours, match="decoded by node/d0; node/d1 may not stop"):
+        with pytest.raises(NotYours, match=r"\(attempt 1\) is decoded by node/d0; node/d1 may "
+                                           "not stop"):
             await path.stop("r1", 1, Identity("node", "d1"))
         assert path.held_requests() == 1          # still running
         assert await path.stop("r1", 1, Identity("node", "d0")) is True
-        assert path.held_requests() == 0 and "r1" not in path.decoders
+        assert path.held_requests() == 0 and ("r1", 1) not in path.decoders
         await forward.close()
 
     asyncio.run(main())

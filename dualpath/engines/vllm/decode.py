@@ -76,8 +76,7 @@ class VllmDecoder:
         # The blocks its instance loads or computes for this request count under its
         # cache salt (instance_cache.py).
         self.engine.salts[st.request_id] = p.cache_salt
-        stream = _Streamer(self.node, st.request_id, st.attempt, p.sink,
-                           st.sink_identity) \
+        stream = _Streamer(self.node, st, p.sink) \
             if p.stream and p.sink else None
         # The prefill sampled the first token (as a single instance does at the end of
         # its prefill); the decode instance continues after it.
@@ -160,9 +159,10 @@ class _Streamer:
     """Sends a request's tokens to its sink as they grow (ReplaySink.Partial), one call
     at a time, coalescing what arrived meanwhile; best effort (Report has them all)."""
 
-    def __init__(self, node, request_id: str, attempt: int, sink: str, expect: str = ""):
-        self.node, self.request_id, self.attempt, self.sink = node, request_id, attempt, sink
-        self.expect = expect                # the submitter: who the sink must be
+    def __init__(self, node, st, sink: str):
+        self.node, self.request_id, self.attempt, self.sink = node, st.request_id, \
+            st.attempt, sink
+        self.st = st                        # its sink_identity: who the sink must be
         self.ids: list[int] = []
         self.lps: list[float] = []
         self.top: list[Top] = []
@@ -181,12 +181,19 @@ class _Streamer:
             await self.more.wait()
             self.more.clear()
             n = len(self.ids)
+            if not self.st.assigned_here:   # not assigned here (yet): nothing is sent
+                if self.done:
+                    return
+                await asyncio.sleep(0.05)
+                self.more.set()
+                continue
             if n > self.sent:
                 try:
                     await self.node.peers.partial(self.sink, self.request_id, self.attempt,
                                                   self.sent, self.ids[self.sent:n],
                                                   self.lps[self.sent:n],
-                                                  self.top[self.sent:n], expect=self.expect)
+                                                  self.top[self.sent:n],
+                                                  expect=self.st.sink_identity)
                 except DualPathError as e:
                     if not warned:
                         warned = True

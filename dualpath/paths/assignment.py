@@ -28,8 +28,7 @@ class Assignment:
     payload: Payload
     payload_bytes: bytes            # the wire form, forwarded to the DE untouched
     attempt: int = 0                # which execution (scheduler.proto Assignment.attempt)
-    prefill_identity: str = ""      # who registered the PE's / the DE's group: the only
-    decode_identity: str = ""       # peers that may act on it ("": plaintext, or no PE yet)
+    decode_identity: str = ""       # who registered the DE's group: who may stop it here
     submitter_identity: str = ""    # whom its tokens go to (the sink must answer as it)
 
     @classmethod
@@ -45,7 +44,7 @@ class Assignment:
                    int(a.prompt_tokens), int(a.hit_tokens), int(a.max_new_tokens),
                    int(a.prefill_read_tokens), int(a.decode_read_tokens),
                    a.decode_control_address, Payload.decode(a.payload), a.payload,
-                   int(a.attempt), a.prefill_identity, a.decode_identity,
+                   int(a.attempt), a.decode_identity,
                    a.submitter_identity)
 
 

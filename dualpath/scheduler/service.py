@@ -497,7 +497,6 @@ def _assignment(r: Request, with_pe: bool) -> scheduler_pb2.Assignment:
         prefill_control_address=pe.control_address if pe else "",
         decode_control_address=de.control_address,  # type: ignore[union-attr]
         payload=r.payload, attempt=r.attempt,
-        prefill_identity=pe.group.owner if pe else "",
         decode_identity=de.group.owner,  # type: ignore[union-attr]
         submitter_identity=r.submitter)
 

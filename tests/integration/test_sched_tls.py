@@ -168,7 +168,7 @@ def test_a_submitter_withdraws_its_own_requests_and_no_others(pki):
     asyncio.run(body())
 
 
-def test_assignments_name_the_identities_that_registered_each_side(pki):
+def test_assignments_name_the_decode_node_and_the_submitter(pki):
     # Issue 38: a node acts on a request only for the peers the scheduler paired it with;
     # the assignment names them (the owners of the PE's and the DE's groups).
     async def body():
@@ -180,11 +180,11 @@ def test_assignments_name_the_identities_that_registered_each_side(pki):
             await fe.submit([pb.RequestSpec(prompt_tokens=10, max_new_tokens=1)])
             free = [pb.EngineStatus(engine_id="d0/e0", free_hbm_bytes=1 << 30)]
             (a,) = (await d0.fetch("d0", dl, free)).assignments
-            assert (a.prefill_identity, a.decode_identity) == ("", "node/d0")
+            assert a.decode_identity == "node/d0"
             assert a.submitter_identity == "client/fe"          # whom its tokens go to
             (a,) = (await d1.fetch("d1", pl, [pb.EngineStatus(engine_id="d1/e0")])
                     ).assignments
-            assert (a.prefill_identity, a.decode_identity) == ("node/d1", "node/d0")
+            assert a.decode_identity == "node/d0" and a.submitter_identity == "client/fe"
 
     asyncio.run(body())
 

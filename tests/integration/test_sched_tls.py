@@ -169,8 +169,8 @@ def test_a_submitter_withdraws_its_own_requests_and_no_others(pki):
 
 
 def test_assignments_name_the_decode_node_and_the_submitter(pki):
-    # Issue 38: a node acts on a request only for the peers the scheduler paired it with;
-    # the assignment names them (the owners of the PE's and the DE's groups).
+    # Issue 38: the assignment names who the nodes must deal with: the owner of the DE's
+    # group (the PE lets only it stop the prefill) and the submitter (the DE's sink).
     async def body():
         async with server(pki) as addr, client(addr, pki, "node/d0") as d0, \
                 client(addr, pki, "node/d1") as d1, client(addr, pki, "client/fe") as fe:

@@ -25,7 +25,8 @@ client processes on 127.0.0.1). ``--transport verbs --vs-perftest`` runs perftes
 prints no result.
 
 The TCP provider runs authenticated (every connection admitted by a credential's
-challenge-response, as deployed) and, as its own peer ``tcp_open``, on a twin pair of
+challenge-response, as deployed, into a scoped region: each WRITE's range looked up in
+the writer's grant, among 64 other peers' grants) and, as its own peer ``tcp_open``, on a twin pair of
 engines without admission (DP_TCP_OPEN), back to back with ours at each size and batch
 (the twin first in even rounds, ours first in odd ones). tcp_auth_overhead_max_ge_64k is
 1 - authenticated / open bandwidth at the worst size >= 64 KiB, each size's ratio the
@@ -206,7 +207,12 @@ class TcpRig:
                 b = TcpEngine("127.0.0.1", 0, sockbuf_bytes=sockbuf, open=kind == "open",
                               max_conns_per_peer=64)
                 cq = a.cq(max(depth, 64))
-                self.pairs[kind] = (a, b, a.register(self.src), b.register(self.dst), cq)
+                dst_mr = b.register(self.dst, scoped=kind == "auth")
+                if kind == "auth":      # as deployed: scoped, the writer's grant found
+                    for peer in range(2, 66):      # among other peers' (decoys)
+                        b.grant(peer, dst_mr, [(0, len(self.dst))])
+                    b.grant(1, dst_mr, [(0, len(self.dst))])
+                self.pairs[kind] = (a, b, a.register(self.src), dst_mr, cq)
                 self.connect_us[kind] = self._time_connects(a, b, cq, kind)
                 conn = a.connection(cq, config)
                 conn.connect("127.0.0.1", b.port, credential=self._cred(b, kind))
@@ -216,7 +222,7 @@ class TcpRig:
             raise
         a, b = self.pairs["auth"][:2]
         self.description = (f"TCP provider over loopback, engine {a.port} -> {b.port} "
-                            f"(admitted by credential; twin without admission for "
+                            f"(admitted by credential, scoped; twin without admission for "
                             f"tcp_open), {depth} credits, sockbuf {sockbuf or 'autotuned'}")
 
     @staticmethod

@@ -324,6 +324,11 @@ typedef struct dp_tcp_conn dp_tcp_conn;
 enum {
     DP_TCP_SECRET_BYTES = 16,     /* a credential's secret (128 bits) */
     DP_TCP_OPEN = 1,              /* dp_tcp_cfg.flags: no admission (benchmarks only) */
+    DP_TCP_SCOPED = 1 << 16,      /* dp_tcp_mr_reg access: peers WRITE only into windows
+                                     granted to them (dp_tcp_grant) */
+    DP_TCP_PEER_TRUSTED = 1 << 30,    /* a peer tag with this bit (dp_tcp_admit) is the
+                                         owner's own (its worker): no scope applies */
+    DP_TCP_MAX_WINDOWS = 1 << 20, /* windows per grant */
 };
 
 /* Engine configuration; zero fields take the defaults in brackets. */
@@ -339,7 +344,7 @@ struct dp_tcp_cfg {
     uint32_t max_credentials;       /* issued, not yet used credentials [4096] */
     uint32_t max_pending_per_addr;  /* of max_pending, those one source address may hold
                                        [max_pending / 8, at least 1]: a flood from one
-                                       address cannot starve admitted peers' handshakes */
+                                       address cannot starve admitted peers' handshakes */    uint32_t max_grants;            /* live grants (dp_tcp_grant) [4096], at most 65535 */
 };
 
 /* [handle] Listen on host:port (numeric or resolvable host; port 0 = any free port, see
@@ -357,7 +362,8 @@ struct dp_tcp_stats {
     uint64_t refused;         /* WRITEs refused (rkey, access, bounds, dereg) */
     uint64_t flushed;         /* WRITEs dropped after a failure on their connection */
     uint64_t ack_stalls;      /* times a socket stopped being read because its acks
-                                 could not be sent (the initiator is not polling) */
+                                 could not be sent (the initiator is not polling) */    uint64_t out_of_scope;    /* of `refused`: WRITEs into a scoped region outside the
+                                 writer's granted windows (or after their ungrant) */
 };
 /* [int] Read the counters (any thread; each value is read atomically). */
 int dp_tcp_stats(dp_tcp *eng, struct dp_tcp_stats *out);
@@ -369,6 +375,24 @@ int dp_tcp_admit(dp_tcp *eng, uint32_t peer, const uint8_t *secret, uint32_t *ou
 /* [int] Withdraw an unused credential (ENOENT when unknown or already used). Any thread.
  * Connections it admitted stay up. */
 int dp_tcp_revoke(dp_tcp *eng, uint32_t id);
+/* Scope (per-request windows). A region registered with DP_TCP_SCOPED takes a peer's
+ * WRITE only where a grant of that peer's tag covers it whole: the owner grants a peer the
+ * windows of one request's memory when the request is assigned to it and ungrants them
+ * when the request ends, so an admitted peer cannot write into memory serving another
+ * request (nor, after the ungrant, an old attempt into memory that serves a new one).
+ * A refused WRITE completes REM_ACCESS_ERR like a bad rkey. Connections of a tag with
+ * DP_TCP_PEER_TRUSTED, and the engine's own connect_self copies, are not scoped.
+ *
+ * [int] Grant peer tag `peer` the n windows `ranges` (n pairs of address, length; each
+ * inside the region whose rkey is `rkey`, which must be live and scoped; they may touch
+ * or overlap) of that region; *out_id names the grant. EINVAL: n is 0 or over
+ * DP_TCP_MAX_WINDOWS, a window is empty or outside the region, the region is not scoped;
+ * ENOENT: no live region has that rkey; ENOSPC: max_grants are live. Any thread. */
+int dp_tcp_grant(dp_tcp *eng, uint32_t peer, uint32_t rkey, const uint64_t *ranges,
+                 uint32_t n, uint32_t *out_id);
+/* [int] End a grant (ENOENT when unknown or ended). When it returns no byte lands in
+ * its windows any more, a WRITE under way included (its rest is refused). Any thread. */
+int dp_tcp_ungrant(dp_tcp *eng, uint32_t id);
 /* [int] Stop the server thread (closing accepted sockets) and free the engine; its
  * regions, CQs and connections must be gone (EBUSY otherwise). */
 int dp_tcp_destroy(dp_tcp *eng);

@@ -27,6 +27,7 @@ enum {
     DEFAULT_HANDSHAKE_MS = 2000,
     DEFAULT_CONNS_PER_PEER = 16,
     DEFAULT_MAX_CREDS = 4096,
+    DEFAULT_MAX_GRANTS = 4096,
     DEFAULT_MAX_SEND_WR = 256,
     MAX_SEND_WR = 65536,
     LISTEN_BACKLOG = 256,
@@ -81,6 +82,7 @@ static void engine_free(dp_tcp *eng)
     if (eng->creds)
         explicit_bzero(eng->creds, (size_t)eng->max_creds * sizeof *eng->creds);
     free(eng->creds);
+    tcp_scope_free(eng);
     free(eng->regions);
     free(eng->discard);
     free(eng);
@@ -99,10 +101,12 @@ dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *
         c.max_conns_per_peer = DEFAULT_CONNS_PER_PEER;
     if (!c.max_credentials)
         c.max_credentials = DEFAULT_MAX_CREDS;
+    if (!c.max_grants)
+        c.max_grants = DEFAULT_MAX_GRANTS;
     if (!c.max_pending_per_addr)
         c.max_pending_per_addr = c.max_pending / 8 ? c.max_pending / 8 : 1;
     if (c.max_regions > 0xffff || c.sockbuf_bytes > (1u << 30) || (c.flags & ~DP_TCP_OPEN) ||
-        c.max_credentials > 0xffff || c.max_pending > 65536 ||
+        c.max_credentials > 0xffff || c.max_pending > 65536 || c.max_grants > 0xffff ||
         c.max_pending_per_addr > c.max_pending ||
         c.handshake_timeout_ms > 3600000) {
         errno = EINVAL;
@@ -120,6 +124,7 @@ dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *
     eng->handshake_timeout_ms = c.handshake_timeout_ms;
     eng->max_conns_per_peer = c.max_conns_per_peer;
     eng->max_creds = c.max_credentials;
+    eng->max_grants = c.max_grants;
     pthread_mutex_init(&eng->cred_lock, NULL);
     pthread_rwlockattr_t attr;
     pthread_rwlockattr_init(&attr);
@@ -129,9 +134,10 @@ dp_tcp *dp_tcp_create(const char *host, uint16_t port, const struct dp_tcp_cfg *
     pthread_rwlockattr_destroy(&attr);
     eng->regions = calloc(c.max_regions, sizeof *eng->regions);
     eng->creds = calloc(c.max_credentials, sizeof *eng->creds);
+    eng->grants = calloc(c.max_grants, sizeof *eng->grants);
     eng->discard = malloc(TCP_DISCARD);
     int err = ENOMEM;
-    if (!eng->regions || !eng->creds || !eng->discard)
+    if (!eng->regions || !eng->creds || !eng->grants || !eng->discard)
         goto fail;
     err = listen_on(eng, host, port);
     if (err)
@@ -177,6 +183,7 @@ int dp_tcp_stats(dp_tcp *eng, struct dp_tcp_stats *out)
     out->refused = __atomic_load_n(&eng->stats.refused, __ATOMIC_RELAXED);
     out->flushed = __atomic_load_n(&eng->stats.flushed, __ATOMIC_RELAXED);
     out->ack_stalls = __atomic_load_n(&eng->stats.ack_stalls, __ATOMIC_RELAXED);
+    out->out_of_scope = __atomic_load_n(&eng->stats.out_of_scope, __ATOMIC_RELAXED);
     return 0;
 }
 
@@ -249,7 +256,7 @@ dp_tcp_mr *dp_tcp_mr_reg(dp_tcp *eng, void *addr, uint64_t length, uint32_t acce
 {
     if (!eng || !addr || !length || !out ||
         (access & ~(uint32_t)(DP_ACCESS_LOCAL_WRITE | DP_ACCESS_REMOTE_WRITE |
-                              DP_ACCESS_REMOTE_READ)) ||
+                              DP_ACCESS_REMOTE_READ | DP_TCP_SCOPED)) ||
         (uintptr_t)addr + length < (uintptr_t)addr) {
         errno = EINVAL;
         return NULL;

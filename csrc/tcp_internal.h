@@ -94,6 +94,21 @@ struct tcp_region {
     uint8_t live;
 };
 
+/* A grant (tcp_scope.c): the windows of one region that one peer tag may WRITE into,
+ * sorted, disjoint [start, end) address pairs. id = gen << 16 | slot. Under eng->lock. */
+struct tcp_grant {
+    uint32_t id;
+    uint32_t peer;
+    uint32_t key;                    /* the region's rkey when granted */
+    uint32_t n;                      /* windows */
+    uint64_t *win;                   /* 2 * n: start, end */
+    uint32_t next;                   /* the next grant of its bucket (slot + 1; 0 = end) */
+    uint16_t gen;
+    uint8_t live;
+};
+
+enum { TCP_GRANT_BUCKETS = 256 };    /* grants hashed by peer tag */
+
 /* An issued credential: id = gen << 16 | slot (not secret), the secret, the peer tag. */
 struct tcp_cred {
     uint32_t id;
@@ -123,6 +138,9 @@ struct tcp_srv_conn {
     uint8_t *dst;                    /* where they go: the region, or NULL = discard */
     uint32_t slot;                   /* the current item's region, rechecked per recv */
     uint32_t key;
+    uint32_t grant;                  /* the current item's window (scoped region): its
+                                        grant's table slot, rechecked per recv */
+    uint32_t grant_id;               /* 0: the region is not scoped */
     uint8_t cur_signalled;
     uint8_t flushing;                /* after a failure: drain everything, ack nothing */
     uint64_t cur_seq;
@@ -149,6 +167,9 @@ struct dp_tcp {
     uint32_t hi_slot;                /* slots [0, hi_slot) may be live (under lock) */
     uint32_t flags;                  /* DP_TCP_OPEN */
     uint32_t max_pending, handshake_timeout_ms, max_conns_per_peer, max_pending_per_addr;
+    struct tcp_grant *grants;        /* under lock (tcp_scope.c) */
+    uint32_t max_grants;
+    uint32_t grant_heads[TCP_GRANT_BUCKETS];   /* slot + 1 of a bucket's first grant */
     pthread_mutex_t cred_lock;       /* the credential table: admit/revoke (any thread),
                                         the server thread's check */
     struct tcp_cred *creds;
@@ -260,8 +281,21 @@ static inline int region_covers(const struct tcp_region *r, uint64_t addr, uint6
     return addr >= r->addr && len <= r->length && addr - r->addr <= r->length - len;
 }
 
+/* tcp_scope.c: may a connection of peer tag `peer` WRITE [addr, addr + len) into the
+ * scoped region r? Its grant's slot + 1 (0: no window covers it). Caller holds eng->lock;
+ * *hint is the slot to try first (the connection's last). */
+uint32_t tcp_scope_find(const dp_tcp *eng, uint32_t peer, const struct tcp_region *r,
+                        uint64_t addr, uint64_t len, uint32_t hint);
+/* The grant in `slot` still has id `id` (not ungranted since). Caller holds eng->lock. */
+static inline int tcp_scope_live(const dp_tcp *eng, uint32_t slot, uint32_t id)
+{
+    return slot < eng->max_grants && eng->grants[slot].live && eng->grants[slot].id == id;
+}
+void tcp_scope_free(dp_tcp *eng);
+
 /* The files call downward only: tcp_ctl.c -> tcp_target.c, tcp_dp.c, tcp_auth.c ->
- * tcp_sock.c; tcp_target.c -> tcp_auth.c -> tcp_sock.c; tcp_dp.c -> tcp_sock.c. */
+ * tcp_sock.c; tcp_target.c -> tcp_auth.c -> tcp_sock.c; tcp_dp.c -> tcp_sock.c;
+ * tcp_target.c, tcp_ctl.c -> tcp_scope.c. */
 
 /* tcp_sock.c: the clock, socket options, name resolution. */
 int tcp_now_ns(int64_t *out);

@@ -13,7 +13,10 @@
  * recvmsg the payload straight into the region with the next header in the same call
  * ([payload rest][next header] iovecs), so a small WRITE costs one recvmsg and a large
  * one no copy beyond the kernel's. The region is rechecked under the table's read lock
- * around every recvmsg into it, so a dereg can never race a write into freed memory.
+ * around every recvmsg into it, so a dereg can never race a write into freed memory. A
+ * scoped region (DP_TCP_SCOPED) also needs a window granted to the writer's peer tag
+ * (tcp_scope.c), found before the payload is aimed and rechecked with the region, so
+ * an ungrant stops a WRITE under way.
  */
 #include <endian.h>
 #include <errno.h>
@@ -78,13 +81,24 @@ static int srv_begin(dp_tcp *eng, struct tcp_srv_conn *c)
         pthread_rwlock_rdlock(&eng->lock);
         const struct tcp_region *r = region_find(eng, key);
         int ok = r && (r->access & DP_ACCESS_REMOTE_WRITE) && region_covers(r, addr, c->left);
-        pthread_rwlock_unlock(&eng->lock);
+        uint32_t g = 0, scoped = ok && (r->access & DP_TCP_SCOPED) &&
+                                !(c->peer & DP_TCP_PEER_TRUSTED);
+        if (scoped) {
+            g = tcp_scope_find(eng, c->peer, r, addr, c->left, c->grant);
+            ok = g != 0;
+        }
         if (ok) {
             c->dst = (uint8_t *)(uintptr_t)addr;
             c->slot = (uint32_t)(r - eng->regions);
             c->key = key;
-        } else {
+            c->grant = g ? g - 1 : c->grant;
+            c->grant_id = g ? eng->grants[g - 1].id : 0;
+        }
+        pthread_rwlock_unlock(&eng->lock);
+        if (!ok) {
             TCP_STAT_ADD(eng, refused, 1);
+            if (scoped)
+                TCP_STAT_ADD(eng, out_of_scope, 1);
             srv_fail(c, TCP_WC_REM_ACCESS_ERR);
         }
     }
@@ -149,9 +163,12 @@ static int srv_readable(dp_tcp *eng, struct tcp_srv_conn *c)
         if (into_region) {
             pthread_rwlock_rdlock(&eng->lock);
             const struct tcp_region *r = &eng->regions[c->slot];
-            if (!r->live || r->key != c->key) {    /* deregistered mid-WRITE */
+            int ungranted = c->grant_id && !tcp_scope_live(eng, c->grant, c->grant_id);
+            if (!r->live || r->key != c->key || ungranted) {  /* dereg'd/ungranted mid-WRITE */
                 pthread_rwlock_unlock(&eng->lock);
                 TCP_STAT_ADD(eng, refused, 1);
+                if (ungranted)
+                    TCP_STAT_ADD(eng, out_of_scope, 1);
                 srv_fail(c, TCP_WC_REM_ACCESS_ERR);
                 continue;
             }

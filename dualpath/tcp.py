@@ -35,6 +35,8 @@ import errno
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from dualpath._native import ffi, lib
 from dualpath._owner import Owner, RegionOwner, check_range, timeout_ns
 from dualpath.dp import (
@@ -123,6 +125,7 @@ class TcpStats:
     refused: int        # refused before writing: rkey, access, bounds, dereg
     flushed: int        # dropped after a failure on their connection
     ack_stalls: int     # a socket was not read because its acks could not be sent
+    out_of_scope: int = 0   # of refused: outside the writer's granted windows
 
 
 class TcpEngine(Owner):
@@ -134,7 +137,8 @@ class TcpEngine(Owner):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_regions: int = 1024,
                  sockbuf_bytes: int = 0, open: bool = False, max_pending: int = 64,
                  handshake_timeout_ms: int = 2000, max_conns_per_peer: int = 16,
-                 max_credentials: int = 4096, max_pending_per_addr: int = 0):
+                 max_credentials: int = 4096, max_pending_per_addr: int = 0,
+                 max_grants: int = 4096):
         if not isinstance(host, str) or not host:
             raise UsageError(f"host must be a non-empty str, not {host!r}")
         check_range("port", port, 0, 65535)
@@ -145,6 +149,7 @@ class TcpEngine(Owner):
         check_range("max_conns_per_peer", max_conns_per_peer, 1, (1 << 32) - 1)
         check_range("max_credentials", max_credentials, 1, 65535)
         check_range("max_pending_per_addr", max_pending_per_addr, 0, max_pending)
+        check_range("max_grants", max_grants, 1, 65535)
         super().__init__()
         cfg = ffi.new("struct dp_tcp_cfg *")
         cfg.max_regions, cfg.sockbuf_bytes = max_regions, sockbuf_bytes
@@ -152,6 +157,7 @@ class TcpEngine(Owner):
         cfg.max_pending, cfg.handshake_timeout_ms = max_pending, handshake_timeout_ms
         cfg.max_conns_per_peer, cfg.max_credentials = max_conns_per_peer, max_credentials
         cfg.max_pending_per_addr = max_pending_per_addr     # 0: max_pending / 8
+        cfg.max_grants = max_grants
         self.open = open
         self._adopt(check_ptr(lib.dp_tcp_create(host.encode(), port, cfg),
                               f"listen on {host}:{port}", ffi))
@@ -169,14 +175,45 @@ class TcpEngine(Owner):
         return self.host, self.port
 
     def register(self, buf=None, access: int = ACCESS_RW, *, addr: int | None = None,
-                 length: int | None = None) -> TcpRegion:
-        return TcpRegion(self, buf, access, addr=addr, length=length)
+                 length: int | None = None, scoped: bool = False) -> TcpRegion:
+        """Register memory; ``scoped``: peers WRITE into it only inside windows granted
+        to them (:meth:`grant`)."""
+        return TcpRegion(self, buf, access, addr=addr, length=length, scoped=scoped)
 
-    def admit(self, peer: int) -> Credential:
-        """A fresh credential for one connection of ``peer`` (the caller's tag for it;
-        admitted connections per tag are capped). Any thread."""
+    def grant(self, peer: int, region: TcpRegion, ranges) -> int:
+        """Let peer tag ``peer`` WRITE into the windows ``ranges`` (``(offset, length)``
+        pairs from the region's start) of the scoped ``region``; the grant's id, for
+        :meth:`ungrant`. Any thread."""
         self._check_open()
-        check_range("peer", peer, 0, (1 << 32) - 1)
+        rows = np.asarray(ranges, dtype=np.uint64).reshape(-1, 2).copy()
+        if not len(rows):
+            raise UsageError("a grant needs at least one window")
+        rows[:, 0] += np.uint64(region.addr)
+        rows = np.ascontiguousarray(rows)
+        out = ffi.new("uint32_t *")
+        check(lib.dp_tcp_grant(self._handle, peer, region.rkey,
+                               ffi.cast("const uint64_t *", rows.ctypes.data), len(rows), out),
+              f"grant peer {peer} {len(rows)} windows of {region!r}")
+        return out[0]
+
+    def ungrant(self, grant_id: int) -> bool:
+        """End a grant: from the return on, no byte lands in its windows (a WRITE under
+        way included). False when it had ended already. Any thread."""
+        self._check_open()
+        rc = lib.dp_tcp_ungrant(self._handle, grant_id)
+        if rc == -errno.ENOENT:
+            return False
+        check(rc, f"ungrant {grant_id:#x}")
+        return True
+
+    def admit(self, peer: int, *, trusted: bool = False) -> Credential:
+        """A fresh credential for one connection of ``peer`` (the caller's tag for it;
+        admitted connections per tag are capped); ``trusted``: the owner's own (its
+        worker), whose WRITEs no scope limits. Any thread."""
+        self._check_open()
+        check_range("peer", peer, 0, lib.DP_TCP_PEER_TRUSTED - 1)
+        if trusted:
+            peer |= lib.DP_TCP_PEER_TRUSTED
         secret = os.urandom(SECRET_BYTES)
         out = ffi.new("uint32_t *")
         check(lib.dp_tcp_admit(self._handle, peer, secret, out),
@@ -198,7 +235,8 @@ class TcpEngine(Owner):
         out = ffi.new("struct dp_tcp_stats *")
         check(lib.dp_tcp_stats(self._handle, out), "TCP engine stats")
         return TcpStats(out.conns_accepted, out.conns_admitted, out.conns_refused,
-                        out.writes, out.bytes, out.refused, out.flushed, out.ack_stalls)
+                        out.writes, out.bytes, out.refused, out.flushed, out.ack_stalls,
+                        out.out_of_scope)
 
     def cq(self, depth: int) -> TcpCompletionQueue:
         return TcpCompletionQueue(self, depth)
@@ -215,11 +253,13 @@ class TcpRegion(RegionOwner):
     _what = "TCP region"
 
     def __init__(self, engine: TcpEngine, buf=None, access: int = ACCESS_RW, *,
-                 addr: int | None = None, length: int | None = None):
+                 addr: int | None = None, length: int | None = None, scoped: bool = False):
         keep, ptr, length = memory_range(buf, access, addr=addr, length=length)
         super().__init__([engine])
+        self.scoped = scoped
         info = ffi.new("struct dp_mr_info *")
-        self._registered(check_ptr(lib.dp_tcp_mr_reg(engine._handle, ptr, length, int(access),
+        flags = int(access) | (lib.DP_TCP_SCOPED if scoped else 0)
+        self._registered(check_ptr(lib.dp_tcp_mr_reg(engine._handle, ptr, length, flags,
                                                      info),
                                    f"register {length} bytes on {engine!r}", ffi),
                          engine, info, Access(int(access)), keep)

@@ -123,6 +123,8 @@ class NodeDaemon:
                                             transfer=cfg.transfer, lane=cfg.kv_lane)
         st.push_async_callback(self.transfer.close)
         await self.transfer.start()
+        if not cfg.tls.plaintext:       # our vLLM worker (our certificate) writes anywhere
+            self.transfer.trust(str(tls.Identity("node", self.node_id)))
         self.metrics.transport.labels(self.transfer.transport).set(1)
         self.snic_bytes_per_s = gbit_to_bytes_per_s(s.snic_gbit_per_s) if s.snic_gbit_per_s else 0
         self.limiter = CountingLimiter(s.snic_gbit_per_s, s.snic_burst_bytes or None)
@@ -176,7 +178,10 @@ class NodeDaemon:
         region = PinnedRegion(mib << 20, huge_pages=b.huge_pages, lock=b.mlock,
                               what=f"{self.node_id} {name}", shared=shared)
         self._regions.append(region)
-        self.transfer.register(name, addr=region.addr, length=region.nbytes)
+        # Scoped under mutual TLS: a peer WRITEs only into the slots of the requests it
+        # was given (KvSpace.grant); plaintext has no identities to scope by.
+        self.transfer.register(name, addr=region.addr, length=region.nbytes,
+                               scoped=not self.cfg.tls.plaintext)
         return region
 
     @property

@@ -51,6 +51,7 @@ from dualpath.paths.ranks import EngineRank
 from dualpath.paths.resources import NodeResources
 from dualpath.roles import CompletionStage
 from dualpath.tls import Identity
+from dualpath.transfer import Grant
 from dualpath.transfer.kvio import write_layers
 
 log = logging.getLogger("dualpath.node")
@@ -83,6 +84,9 @@ class DecodeState:
     sink_identity: str = ""
     assigned_here: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)   # dropped, released
+    # Where its PE may WRITE in our buffer: its slots, until the PE is done or the
+    # attempt ends (the transfer engine refuses its other WRITEs there).
+    grant: Grant | None = None
 
     @property
     def spans(self) -> tuple[BlockSpan, ...]:
@@ -358,6 +362,8 @@ class DecodePath:
         st = DecodeState(rid, e, p, plan, res, req.prefill_address, attempt=req.attempt,
                          owner=req.owner, sink_identity=self.submitters.get(rid, ""),
                          assigned_here=rid in self.submitters)
+        if res is not None:
+            st.grant = self.space.grant(n.transfer, str(req.owner or ""), res)
         n.metrics.held_by_instance.inc(plan.held)
         self.requests[rid] = st
         if req.decode_read_tokens:  # (an older attempt's expectation ends either way)
@@ -425,6 +431,8 @@ class DecodePath:
         if st.decoding:
             return
         st.decoding = True
+        if st.grant is not None:
+            st.grant.close()            # its PE wrote every byte it had to
         if st.request_id in self.submitters:
             st.sink_identity = self.submitters[st.request_id]
             st.assigned_here = True
@@ -434,6 +442,8 @@ class DecodePath:
         """``st``'s DE-buffer slots back (or fenced while its PE may still write)."""
         if self.requests.get(st.request_id) in (None, st):
             self.space.read_queue.forget(st.request_id)
+        if st.grant is not None:
+            st.grant.close()            # a late WRITE of its PE is refused from here
         if st.buffer is None or st.buffer.released:
             return
         if fence:

@@ -27,6 +27,7 @@ from dualpath.storage.config import StorageConfig
 from dualpath.storage.ratelimit import RateLimiter
 from dualpath.storage.read_queue import ReadQueue
 from dualpath.storage.store import BlockStore
+from dualpath.transfer import Grant, TransferEngine
 
 
 @dataclass(frozen=True)
@@ -49,13 +50,14 @@ class KvSpace:
     """See the module docstring. ``close()`` stops the read queue and the store."""
 
     def __init__(self, fmt: KvFormat, store: BlockStore, read_queue: ReadQueue,
-                 pool: BlockPool, buffer: KvPlacement):
+                 pool: BlockPool, buffer: KvPlacement, region_name: str):
         self.fmt = fmt
         self.layout = fmt.block_layout()
         self.store = store
         self.read_queue = read_queue
         self.pool = pool
         self.buffer = buffer         # placement of the pool's slots in the node's region
+        self.buffer_region = region_name     # that region's name in the transfer engine
         # The node's blocks on their way to storage, whoever writes them (pending.py):
         # its reads find them here.
         self.pending = PendingBlocks()
@@ -76,7 +78,7 @@ class KvSpace:
         pool = BlockPool(region_name, region.array, layout, region_addr=region.addr,
                          key=f"buffers.{region_name}_mib")
         buffer = KvPlacement.full_blocks(fmt, region_name, pool.stride, pool.capacity)
-        return cls(fmt, store, ReadQueue(store, limiter), pool, buffer)
+        return cls(fmt, store, ReadQueue(store, limiter), pool, buffer, region_name)
 
     @classmethod
     def for_store(cls, store: BlockStore, read_queue: ReadQueue, pool: BlockPool,
@@ -84,7 +86,21 @@ class KvSpace:
         """The emulated engine's space: a store and pool already made for its profile."""
         fmt = KvFormat.flat(pool.layout)
         return cls(fmt, store, read_queue, pool,
-                   KvPlacement.full_blocks(fmt, region_name, pool.stride, pool.capacity))
+                   KvPlacement.full_blocks(fmt, region_name, pool.stride, pool.capacity),
+                   region_name)
+
+    def grant(self, transfer: TransferEngine, peer: str, res: Reservation, first: int = 0,
+              stop: int | None = None) -> Grant:
+        """Let ``peer`` (an identity, ``node/<id>``) WRITE into blocks ``[first, stop)``
+        of ``res`` (one request's slots) and nowhere else in the buffer, until the grant
+        is closed (docs/security.md, "The data plane's scope"). "" (plaintext): no
+        grant, as the region is not scoped then."""
+        stop = len(res) if stop is None else stop
+        if not peer or stop <= first:
+            return transfer.grant("", self.buffer_region, [])
+        stride = self.pool.stride
+        return transfer.grant(peer, self.buffer_region,
+                              [(res.offset(i), stride) for i in range(first, stop)])
 
     def buffer_units(self, res: Reservation) -> list[int]:
         """Unit ids (for :func:`dualpath.kv.placement.runs`) of a reservation's blocks."""

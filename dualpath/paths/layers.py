@@ -105,6 +105,8 @@ class RemoteWatch(_Counted):
         self.peer = peer
         self.loaded_blocks = 0
         self.complete = False            # the DE said every layer landed: it writes no more
+        # Where the DE may WRITE in our buffer (a transfer Grant), until it is complete.
+        self.scope = None
         self.task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
@@ -113,6 +115,8 @@ class RemoteWatch(_Counted):
                 if prog.layers_done > 0:
                     self.loaded_blocks = prog.loaded_blocks
                 self.complete = self.complete or prog.complete
+                if self.complete and self.scope is not None:
+                    self.scope.close()
                 self._set(prog.layers_done)
         except grpc.aio.AioRpcError as e:
             self._fail(f"{self.peer}: {e.code().name} {e.details()}")
@@ -121,3 +125,5 @@ class RemoteWatch(_Counted):
     def close(self) -> None:
         self.call.cancel()
         self.task.cancel()
+        if self.scope is not None:
+            self.scope.close()           # a late WRITE of the DE is refused from here

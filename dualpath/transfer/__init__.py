@@ -9,7 +9,7 @@
 """
 
 from dualpath.transfer.config import TransferConfig
-from dualpath.transfer.engine import TransferEngine
+from dualpath.transfer.engine import Grant, TransferEngine
 from dualpath.transfer.oob import ConnectReply, ConnectRequest, InProcessChannel, OutOfBand
 from dualpath.transfer.provider import Connection, Provider, RegionInfo
 from dualpath.transfer.transport import (
@@ -20,7 +20,7 @@ from dualpath.transfer.transport import (
 )
 
 __all__ = [
-    "ConnectReply", "ConnectRequest", "Connection", "InProcessChannel", "OutOfBand",
+    "ConnectReply", "ConnectRequest", "Connection", "Grant", "InProcessChannel", "OutOfBand",
     "Provider", "RegionInfo", "TransferConfig", "TransferEngine", "TransportChoice",
     "open_provider", "select_transport", "selected_transport",
 ]

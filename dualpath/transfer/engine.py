@@ -75,6 +75,22 @@ log = logging.getLogger("dualpath.transfer")
 
 
 
+class Grant:
+    """Windows of one of our scoped regions that one peer may WRITE into, until
+    :meth:`close` (idempotent; once it returns, none of that peer's bytes lands in them).
+    Owned by the request it was made for."""
+
+    __slots__ = ("_engine", "_handle")
+
+    def __init__(self, engine: TransferEngine, handle):
+        self._engine, self._handle = engine, handle
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None and self._engine._state != "closed":
+            self._engine.provider.ungrant(handle)
+
+
 class TransferEngine:
     """WRITEs to peers by name. Create it, ``await start()`` (or ``async with``) on the
     loop that will call :meth:`write`, register buffers, write, ``await close()``.
@@ -97,6 +113,7 @@ class TransferEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._regions: dict[str, Region] = {}
         self._gpu: dict[str, int] = {}          # region -> GPU device, for device memory
+        self._scoped: set[str] = set()          # regions registered scoped
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Task] = {}
         self._recoveries: set[asyncio.Task] = set()
@@ -138,10 +155,12 @@ class TransferEngine:
         await self.close()
 
     def register(self, name: str, buf=None, *, addr: int | None = None,
-                 length: int | None = None, gpu_device: int | None = None) -> Region:
+                 length: int | None = None, gpu_device: int | None = None,
+                 scoped: bool = False) -> Region:
         """Register a buffer (or a raw range the caller keeps alive; device memory of GPU
         ``gpu_device`` when given) once, as ``name``: the source of our writes and a
-        target of peers' writes. Loop thread."""
+        target of peers' writes; ``scoped``: of the writes of peers only those inside
+        windows :meth:`grant` gave them (where the provider scopes). Loop thread."""
         if self._state not in ("new", "running"):
             raise UsageError(f"transfer engine {self.name} is closed")
         if name in self._regions:
@@ -150,7 +169,9 @@ class TransferEngine:
             region = self.provider.register_gpu(addr, length, gpu_device)
             self._gpu[name] = gpu_device
         else:
-            region = self.provider.register(buf, addr=addr, length=length)
+            region = self.provider.register(buf, addr=addr, length=length, scoped=scoped)
+            if scoped:
+                self._scoped.add(name)
         self._regions[name] = region
         log.info("transfer engine %s: region %r, %d bytes", self.name, name, region.length)
         # Addresses help an attacker aim a WRITE: DEBUG only.
@@ -169,11 +190,35 @@ class TransferEngine:
         old.close()
         device = self._gpu.get(name)
         region = (self.provider.register_gpu(addr, length, device) if device is not None
-                  else self.provider.register(addr=addr, length=length))
+                  else self.provider.register(addr=addr, length=length,
+                                              scoped=name in self._scoped))
         self._regions[name] = region
         self.stats["rekeys"] += 1
         log.info("transfer engine %s: region %r rekeyed (fence)", self.name, name)
         return region
+
+    def grant(self, peer: str, region: str, ranges) -> Grant:
+        """Let ``peer`` (the name its connect came under: its certificate identity
+        over TLS) WRITE into ``ranges`` (``(offset, length)`` rows) of our scoped region
+        ``region`` until the grant is closed; its other WRITEs into that region are
+        refused where they land (REM_ACCESS_ERR). A no-op grant where the provider does
+        not scope. Loop thread."""
+        r = self._regions.get(region)
+        if r is None:
+            raise UsageError(f"no region named {region!r} to grant")
+        if region not in self._scoped or not len(ranges):
+            return Grant(self, None)
+        return Grant(self, self.provider.grant(peer, r, ranges))
+
+    def trust(self, peer: str) -> None:
+        """``peer`` is our own (the vLLM worker beside this node): no scope limits its
+        WRITEs (it writes where our connector hands it slots). Before its connect."""
+        self.provider.trust(peer)
+
+    @property
+    def scopes(self) -> bool:
+        """Whether grants are enforced where peers' WRITEs land (the provider scopes)."""
+        return self.provider.scopes
 
     def region_infos(self) -> dict[str, RegionInfo]:
         return {n: RegionInfo(r.addr, r.length, r.rkey) for n, r in self._regions.items()}

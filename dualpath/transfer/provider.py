@@ -74,6 +74,10 @@ class Admissions:
             tag = self._tags[peer] = self._next
         return tag
 
+    def tag(self, peer: str) -> int:
+        """The peer's tag, made when it has none (a grant may come before its connect)."""
+        return self.admit(peer, 0)
+
     def forget(self, peer: str) -> None:
         self._tags.pop(peer, None)
 
@@ -145,10 +149,29 @@ class Provider(ABC):
     # (Connection.connect_self); verbs keeps the NIC's loopback, as the CNIC does.
     copies_to_self: bool = False
 
+    # Whether a region registered ``scoped`` takes a peer's WRITEs only inside windows
+    # granted to that peer (:meth:`grant`); where False, ``scoped`` is accepted and
+    # grants are no-ops (the region is as open to every admitted peer as any other).
+    scopes: bool = False
+
     @abstractmethod
     def register(self, buf=None, *, addr: int | None = None,
-                 length: int | None = None) -> Region:
-        """Register a buffer (or a raw range the caller keeps alive) for WRITE both ways."""
+                 length: int | None = None, scoped: bool = False) -> Region:
+        """Register a buffer (or a raw range the caller keeps alive) for WRITE both ways;
+        ``scoped``: peers WRITE into it only inside windows granted to them."""
+
+    def grant(self, peer: str, region: Region, ranges) -> object | None:
+        """Let ``peer`` (its admission name) WRITE into ``ranges`` (``(offset, length)``
+        rows from the region's start) of the scoped ``region``; a handle for
+        :meth:`ungrant` (None where the provider does not scope)."""
+        return None
+
+    def ungrant(self, grant: object) -> None:
+        """End a grant: once this returns no byte of ``peer``'s lands in its windows."""
+
+    def trust(self, peer: str) -> None:
+        """``peer`` is our own (the node's vLLM worker, with the node's certificate): its
+        connections from now on are not scoped."""
 
     def register_gpu(self, addr: int, length: int, device: int) -> Region:
         """Register device memory ``[addr, addr + length)`` of GPU ``device`` (owned by the

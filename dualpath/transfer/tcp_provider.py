@@ -8,6 +8,10 @@ the ConnectReply of the authenticated out-of-band exchange, so only a peer that 
 that exchange can connect at all. The active side's endpoint is empty. ``accept``
 withdraws the unused credential of the same (peer, connection) it issued before, so a
 peer holds at most connections_per_peer of them; ``forget`` withdraws all of a peer's.
+
+Scope: a region registered ``scoped`` takes a peer's WRITEs only inside windows granted
+to that peer's admission tag (csrc/tcp_scope.c); the tag of a peer named by ``trust``
+(the node's own worker) is admitted trusted, unscoped.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class TcpProvider(Provider):
     ``host``) to peers."""
 
     kind = "tcp"
+    scopes = True
     poll_slice_s = 0.05     # wait() sleeps in epoll and wake() interrupts it
     copies_to_self = True
 
@@ -70,11 +75,25 @@ class TcpProvider(Provider):
         self.address = encode_address(*self._advertise)
         self._admissions = Admissions()
         self._creds: dict[tuple[str, int], Credential] = {}   # unused, by (peer, index)
+        self._trusted: set[str] = set()
         self.description = (f"tcp listening on {host}:{self.engine.port}, "
                             + ("OPEN (no admission)" if open else "admission by credential"))
 
-    def register(self, buf=None, *, addr=None, length=None):
-        return self.engine.register(buf, ACCESS_RW, addr=addr, length=length)
+    def register(self, buf=None, *, addr=None, length=None, scoped=False):
+        return self.engine.register(buf, ACCESS_RW, addr=addr, length=length,
+                                    scoped=scoped and not self.engine.open)
+
+    def grant(self, peer: str, region, ranges) -> int | None:
+        if not region.scoped:
+            return None
+        return self.engine.grant(self._admissions.tag(peer), region, ranges)
+
+    def ungrant(self, grant) -> None:
+        if grant is not None:
+            self.engine.ungrant(grant)
+
+    def trust(self, peer: str) -> None:
+        self._trusted.add(peer)
 
     def connection(self, max_send_wr: int) -> Connection:
         return _TcpConnection(self, TcpConfig(max_send_wr=max_send_wr, **self._conn_config))
@@ -86,7 +105,8 @@ class TcpProvider(Provider):
         old = self._creds.pop((peer, index), None)
         if old is not None:
             self.engine.revoke(old)
-        cred = self._creds[(peer, index)] = self.engine.admit(tag)
+        cred = self._creds[(peer, index)] = self.engine.admit(tag,
+                                                              trusted=peer in self._trusted)
         return encode_address(*self._advertise, cred)
 
     def forget(self, peer: str) -> None:

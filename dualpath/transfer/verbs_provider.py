@@ -72,7 +72,8 @@ class VerbsProvider(Provider):
                             f"gid {f'[{gid.index}] {gid}' if gid else 'none (LID)'} "
                             f"sl {service_level} tc {traffic_class}")
 
-    def register(self, buf=None, *, addr=None, length=None):
+    def register(self, buf=None, *, addr=None, length=None, scoped=False):
+        # Not scoped per request (Provider.scopes is False): see docs/security.md.
         return self.pd.mr(buf, verbs.ACCESS_RW, addr=addr, length=length)
 
     def register_gpu(self, addr: int, length: int, device: int):

@@ -92,6 +92,59 @@ out["holdings"] = call("holdings", lambda: node.Holdings(node_pb2.HoldingsReques
 print(json.dumps(out))
 '''
 
+# A node admitted on the DE's data port WRITEs 4 KiB at each of ``offsets`` of its
+# de_buffer, one fresh connection each (a refused WRITE puts a connection in ERR);
+# ``prepare`` first prepares a request of its own (its slots and their stride printed),
+# ``cancel`` ends it before the WRITEs (an old attempt's late bytes).
+WRITER = r'''
+import json, os, sys, grpc
+from dualpath.kv import placement_wire
+from dualpath.paths.payload import Payload
+from dualpath.tcp import Item, TcpEngine
+from dualpath.transfer import oob
+from dualpath.transfer.tcp_provider import decode_address
+from dualpath.v1 import engine_pb2, engine_pb2_grpc, node_pb2, node_pb2_grpc
+spec = json.loads(sys.argv[1])
+creds = grpc.ssl_channel_credentials(open(spec["ca"], "rb").read(),
+                                     open(spec["key"], "rb").read(),
+                                     open(spec["cert"], "rb").read())
+ch = grpc.secure_channel(spec["addr"], creds)
+eng, node = engine_pb2_grpc.EngineStub(ch), node_pb2_grpc.NodeStub(ch)
+out = {}
+rid = spec.get("prepare")
+if rid:
+    r = node.PrepareRequest(node_pb2.PrepareRequestRequest(
+        request_id=rid, decode_engine_id="d0/e0", prefill_control_address="127.0.0.1:1",
+        prompt_tokens=100, hit_tokens=0,
+        payload=Payload("t", 0, prompt_tokens=100, hit_tokens=0, gen_tokens=1).encode()),
+        timeout=10)
+    out["slots"] = list(r.slots)
+    out["stride"] = placement_wire.from_pb(r.buffer).group_stride
+    if spec.get("cancel"):
+        eng.CancelRequest(engine_pb2.CancelRequestRequest(request_id=rid), timeout=10)
+offsets = spec.get("offsets") or [s * out["stride"] for s in out["slots"][:1]]
+e = TcpEngine("127.0.0.1", 0)
+src = bytearray(os.urandom(4096))
+mr, cq = e.register(src), e.cq(16)
+out["status"] = []
+for off in offsets:
+    req = oob.ConnectRequest("attacker:1", "tcp", (0,), (b"",))
+    rep = oob.decode(eng.ExchangeEndpoint(engine_pb2.ExchangeEndpointRequest(
+        caller=engine_pb2.DataPlaneEndpoint(engine_id="x", transport="tcp",
+                                            endpoint=oob.encode(req))), timeout=10
+        ).callee.endpoint)
+    host, port, cred = decode_address(rep.endpoints[0])
+    info = rep.regions["de_buffer"]
+    conn = e.connection(cq)
+    conn.connect(host, port, 10, credential=cred)
+    conn.post_write([Item(mr.addr, info.addr + off, 4096, mr.lkey, info.rkey, 1)])
+    (wc,) = cq.wait(10)
+    out["status"].append(int(wc.status))
+    conn.close()
+e.close()
+print(json.dumps(out))
+'''
+
 FLOOD = r'''
 import socket, sys, json, time
 host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -286,3 +339,30 @@ def test_two_thousand_idle_connections_keep_the_node_bounded_and_serving(ns, vic
     finally:
         flood.stdin.close()
         flood.wait(WAIT_S)
+
+
+def _write(ns, victim, who: str, **spec) -> dict:
+    pki = victim["pki"]
+    cert, key = pki.certs[who]
+    spec.update(addr=victim["addr"], ca=pki.ca_cert, cert=cert, key=key)
+    return json.loads(ns.python(ns.attacker, WRITER, json.dumps(spec)))
+
+
+def test_a_node_writes_only_into_the_slots_of_its_own_requests(ns, victim):
+    # The audit (issue 38): a node admitted on a decode node's data port wrote into a
+    # slot that a prefill node had prepared for another request. The DE's buffer is
+    # scoped now: each preparer may WRITE into its own request's slots only, and only
+    # while that attempt lives (status 10 is REM_ACCESS_ERR, refused where it lands).
+    mine = _write(ns, victim, "node/p0", prepare="r-slot-p0")
+    assert mine["status"] == [0], mine                # its own slot: lands
+    victim_slot = mine["slots"][0] * mine["stride"]
+    theirs = _write(ns, victim, "node/p1", prepare="r-slot-p1",
+                    offsets=[victim_slot, victim_slot + mine["stride"] - 4096])
+    assert theirs["slots"][0] != mine["slots"][0]
+    assert theirs["status"] == [10, 10], theirs       # p0's request's slot: refused
+    own = _write(ns, victim, "node/p1", offsets=[theirs["slots"][0] * theirs["stride"]])
+    assert own["status"] == [0], own                  # (its own still lands)
+    late = _write(ns, victim, "node/p0", prepare="r-slot-late", cancel=True)
+    assert late["status"] == [10], late               # an ended attempt's late WRITE
+    for rid, who in (("r-slot-p0", "node/p0"), ("r-slot-p1", "node/p1")):
+        assert _attack(ns, victim, who, request=rid, calls=("cancel",))["cancel"]["ok"]

@@ -225,6 +225,7 @@ def _preparing_path():
     d.ranks = {"de/e0": SimpleNamespace(tokens={})}
     d.space.buffer = "de_buffer"
     d.space.pool = _Pool()
+    d.space.grant = lambda transfer, peer, res: SimpleNamespace(close=lambda: None)
     d.node.tokens = None
     d.node.metrics = SimpleNamespace(held_by_instance=SimpleNamespace(inc=lambda n: None))
     payload = SimpleNamespace(prompt_tokens=8, oracle=False,

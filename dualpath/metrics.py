@@ -224,3 +224,18 @@ def start_metrics_server(listen: str, registry: CollectorRegistry,
 def render(registry: CollectorRegistry) -> str:
     """The exposition text (what /metrics returns), for tests and `ctl`."""
     return generate_latest(registry).decode()
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """A /metrics page as sample name (labels dropped, summed) -> value (tests, benches)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out[smp.name] = out.get(smp.name, 0.0) + smp.value
+    return out

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -44,6 +45,7 @@ from dualpath import tls
 from dualpath.cluster.lifetime import Janitor, child_env, kill_group
 from dualpath.cpus import on_cpus
 from dualpath.errors import DualPathError, UsageError
+from dualpath.metrics import scrape
 
 log = logging.getLogger("dualpath.cluster")
 
@@ -378,6 +380,15 @@ class LocalCluster:
         """Prefill nodes first (the order reports list storage NICs in)."""
         return [n.node_id for n in self.nodes if n.role == "prefill"] + \
             [n.node_id for n in self.nodes if n.role == "decode"]
+
+    def node_metrics(self, name: str) -> dict[str, float]:
+        """Daemon ``name``'s /metrics (the URL its log names last: a restart moves it):
+        sample name (labels dropped, summed) -> value."""
+        text = (self.dir / "logs" / f"{name}.log").read_text()
+        urls = re.findall(r"metrics: serving (http://\S+/metrics)", text)
+        if not urls:
+            raise ClusterError(f"{name} logged no metrics URL")
+        return scrape(urls[-1])
 
     def addresses(self) -> dict[str, str]:
         """node id -> control address (the Node service), prefill nodes first."""

@@ -29,6 +29,7 @@ from dualpath.cluster.local import ClusterError, LocalCluster, free_port, log_ta
 from dualpath.cluster.vllm_node import CONNECTOR, ENGINE_ENV
 from dualpath.cpus import on_cpus
 from dualpath.errors import UsageError
+from dualpath.metrics import scrape
 from dualpath.vllm.sizing import plan_buffers, plan_cores
 
 log = logging.getLogger("dualpath.cluster")
@@ -303,16 +304,7 @@ class VllmPdCluster:
 
     def node_metrics(self, node_id: str) -> dict[str, float]:
         """``node_id``'s /metrics: sample name (labels dropped, summed) -> value."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        url = f"http://127.0.0.1:{self.metrics_ports[node_id]}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(text):
-            for smp in fam.samples:
-                out[smp.name] = out.get(smp.name, 0.0) + smp.value
-        return out
+        return scrape(f"http://127.0.0.1:{self.metrics_ports[node_id]}/metrics")
 
     def wait_written(self, timeout_s: float = 900.0) -> float:
         """Until no node has committed blocks left to persist (write-back drained);

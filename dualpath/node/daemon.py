@@ -146,7 +146,8 @@ class NodeDaemon:
             *engine_services(self.callers, self.oob, self.transfer, decode,
                              self.stop_request, self.limiter, self.holdings, engine.forward),
             *engine.services])
-        self.registry.register(OwnedCounters(self.transfer.stats, self._store_stats))
+        self.registry.register(OwnedCounters(self.transfer.stats, self._store_stats,
+                                             self.transfer.provider.target_stats))
         self.registry.register(PoolGauges(self._pool))
         self.metrics_srv = _metrics.start_metrics_server(ecfg.metrics_listen, self.registry,
                                                         "engine.metrics_listen",

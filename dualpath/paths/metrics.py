@@ -130,6 +130,13 @@ _OWNED_COUNTERS = (
       "attempted; their in-flight writes go back to the queue.")),
     ("dualpath_node_transfer_retried_slices_total", "transfer", "retried_slices",
      "Writes posted again after their connection broke."),
+    ("dualpath_node_data_writes_refused_total", "target", "refused",
+     ("Peers' WRITEs into this node refused where they landed, before a byte was written "
+      "(a bad key or range, memory deregistered, or out of the writer's scope). TCP "
+      "provider only.")),
+    ("dualpath_node_data_writes_out_of_scope_total", "target", "out_of_scope",
+     ("Of those, WRITEs outside the windows granted to their writer: another request's "
+      "slots, or an ended attempt's (docs/security.md, the data plane's scope).")),
     ("dualpath_node_store_corrupt_blocks_total", "store", "corrupt_blocks",
      ("Stored blocks that failed their checksum (or header, length) check: quarantined "
      "and recomputed.")),
@@ -141,12 +148,13 @@ _OWNED_COUNTERS = (
 
 
 class OwnedCounters:
-    """A collector exporting the transfer engine's and the block store's own counters
-    at scrape time (they are kept by their owners' threads; each read here is one dict or
+    """A collector exporting the transfer engine's, its provider's target side's and the
+    block store's own counters at scrape time (they are kept by their owners' threads; each read here is one dict or
     attribute read)."""
 
-    def __init__(self, transfer: Mapping[str, int], store: Callable[[], Mapping[str, int]]):
-        self._sources = {"transfer": lambda: transfer, "store": store}
+    def __init__(self, transfer: Mapping[str, int], store: Callable[[], Mapping[str, int]],
+                 target: Callable[[], Mapping[str, int]] = dict):
+        self._sources = {"transfer": lambda: transfer, "store": store, "target": target}
 
     def describe(self) -> Iterator[CounterMetricFamily]:
         for name, _, _, doc in _OWNED_COUNTERS:

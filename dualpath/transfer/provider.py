@@ -169,6 +169,11 @@ class Provider(ABC):
     def ungrant(self, grant: object) -> None:
         """End a grant: once this returns no byte of ``peer``'s lands in its windows."""
 
+    def target_stats(self) -> dict[str, int]:
+        """Counters of peers' WRITEs into our regions, where the provider sees them
+        (``refused``, ``out_of_scope``); empty where the NIC keeps them (verbs)."""
+        return {}
+
     def trust(self, peer: str) -> None:
         """``peer`` is our own (the node's vLLM worker, with the node's certificate): its
         connections from now on are not scoped."""

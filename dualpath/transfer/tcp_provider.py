@@ -92,6 +92,12 @@ class TcpProvider(Provider):
         if grant is not None:
             self.engine.ungrant(grant)
 
+    def target_stats(self) -> dict[str, int]:
+        if self.engine.closed:
+            return {}
+        st = self.engine.stats()
+        return {"refused": st.refused, "out_of_scope": st.out_of_scope}
+
     def trust(self, peer: str) -> None:
         self._trusted.add(peer)
 

@@ -160,7 +160,8 @@ class DualPathConnector(KVConnectorBase_V1):
                 self.settings, self.model_id,
                 prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
         mc = vllm_config.model_config
-        self._geometry = (mc.get_head_size(), mc.get_total_num_kv_heads())
+        self._mla = bool(mc.use_mla)             # a latent per token: no heads, no K/V
+        self._geometry = (mc.get_head_size(), 1 if self._mla else mc.get_total_num_kv_heads())
         log.info("DualPath connector (%s): node %s, model %s, vLLM %s (supported %s)",
                  role.name.lower(), self.settings.node_address, self.model_id,
                  vllm.__version__, SUPPORTED_VLLM)
@@ -177,7 +178,8 @@ class DualPathConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches):
         head_size, kv_heads = self._geometry
         self._worker.register(describe_kv_caches(kv_caches, self.block_size, head_size,
-                                                 kv_heads, self.settings.block_units))
+                                                 kv_heads, self.settings.block_units,
+                                                 mla=self._mla))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

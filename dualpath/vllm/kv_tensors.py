@@ -17,6 +17,10 @@ Layouts understood (anything else is refused, naming the shape):
 - Flash-attention style ``[2, num_blocks, block_size, kv_heads, head_size]`` (NHD): K and
   V planes of whole blocks; one segment each of kv_heads x head_size rows.
 - ``[2, num_blocks, kv_heads, block_size, head_size]`` (HND): per plane and head.
+- MLA (``mla=True``): ``[num_blocks, block_size, head_size]`` or
+  ``[num_blocks, 1, block_size, head_size]``: one latent row per token (kv_lora_rank +
+  the rope part; no K/V planes, no heads), the block's rows end to end: one segment.
+  The same latent on every tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ class KvTensors:
     ranges: list[MemoryRange]
     placement: KvPlacement
     layer_names: list[str]          # index = DualPath layer
-    layout: str                     # "cpu" | "nhd" | "hnd"
+    layout: str                     # "cpu" | "nhd" | "hnd" | "mla"
     dtype: str
 
 
 def describe_kv_caches(kv_caches: dict, block_size: int, head_size: int, num_kv_heads: int,
-                       units_per_block: int = 1) -> KvTensors:
-    """See the module docstring. ``kv_caches``: layer name -> tensor, in model order."""
+                       units_per_block: int = 1, *, mla: bool = False) -> KvTensors:
+    """See the module docstring. ``kv_caches``: layer name -> tensor, in model order;
+    ``mla``: the model keeps a latent per token (vLLM's ``use_mla``)."""
     if not kv_caches:
         raise UsageError("no KV cache tensors to register")
     names = list(kv_caches)
@@ -54,7 +59,18 @@ def describe_kv_caches(kv_caches: dict, block_size: int, head_size: int, num_kv_
     e = t0.element_size()
     shape, stride = tuple(t0.shape), [s * e for s in t0.stride()]
     segs: list[tuple[int, int, int]]            # (plane, offset in block, row bytes)
-    if len(shape) == 4 and shape[1] == num_kv_heads and shape[2] == block_size and \
+    if mla:
+        if shape[1:] not in ((block_size, head_size), (1, block_size, head_size)):
+            raise UsageError(f"MLA KV tensor layout {shape} (block size {block_size}, latent "
+                             f"{head_size}) is not [blocks, (1,) block size, latent]")
+        layout, nblocks, unit_stride = "mla", shape[0], stride[0]
+        row = head_size * e
+        if stride[-1] != e or stride[-2] != row or stride[0] != block_size * row:
+            raise UsageError(f"MLA KV tensor {shape} with strides {t0.stride()} is not "
+                             "contiguous per block")
+        planes = [[0] for _ in tensors]
+        segs = [(0, 0, row)]
+    elif len(shape) == 4 and shape[1] == num_kv_heads and shape[2] == block_size and \
             shape[3] == 2 * head_size:
         layout, nblocks, unit_stride = "cpu", shape[0], stride[0]
         row = head_size * e

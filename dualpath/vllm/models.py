@@ -5,6 +5,10 @@
   dequantized by transformers into a float32 safetensors directory vLLM loads.
 - ``tiny``: a seeded, randomly initialised Llama (4 layers, 1 KV head of 32, 256 KV bytes
   per token per layer) with SmolLM2's tokenizer, for fast tests.
+- ``mla``: a seeded, randomly initialised DeepSeek-V2 (MLA: a 576-wide latent per token
+  and layer, kv_lora_rank 512 + rope 64, no head dimension; 2 dense layers) with
+  SmolLM2's tokenizer (experts configured, every layer dense: ``first_k_dense_replace``).
+  Run it with :data:`MLA_ENGINE_ARGS`.
 
 Nothing is downloaded: the GGUF comes from the installed package, the tiny model is made
 here. :func:`prepare` writes into ``<dir>/<name>`` through a temporary directory and a
@@ -23,11 +27,24 @@ from pathlib import Path
 from dualpath.errors import UsageError
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-NAMES = ("smollm2", "tiny")
+NAMES = ("smollm2", "tiny", "mla")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
         "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "initializer_range": 0.2, "tie_word_embeddings": True}
+MLA = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None,
+       "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
+       "v_head_dim": 32, "first_k_dense_replace": 2, "n_routed_experts": 4,
+       "moe_intermediate_size": 64, "num_experts_per_tok": 2, "n_shared_experts": 1,
+       "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "initializer_range": 0.2,
+       "tie_word_embeddings": False}
+#: What the ``mla`` model needs of vLLM's CPU build: torch's rotary embedding, not the
+#: CPU custom op (wrong for a 3-D multi-head query; with it greedy output drifts from
+#: transformers'), and the reference CPU MLA backend on every host (on one with AMX
+#: tiles vLLM prefers its AMX backend, which takes bfloat16 weights only).
+MLA_ENGINE_ARGS = {"compilation_config": {"custom_ops": ["-rotary_embedding"]},
+                   "attention_config": {"backend": "CPU_MLA"}}
 
 
 def default_dir() -> Path:
@@ -103,14 +120,33 @@ def _write_tiny(out: Path, seed: int, tokenizer_from: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    for f in tokenizer_from.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",
-                                                        "chat_template.jinja"):
-            shutil.copy(f, out / f.name)
-    vocab = json.loads((tokenizer_from / "config.json").read_text())["vocab_size"]
+    vocab = _copy_tokenizer(tokenizer_from, out)
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, bos_token_id=1, eos_token_id=2, **TINY)
     model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    c = json.loads((out / "config.json").read_text())
+    c["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(c, indent=1))
+
+
+def _copy_tokenizer(src: Path, out: Path) -> int:
+    """SmolLM2's tokenizer files into ``out``; its vocabulary size."""
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",
+                                                        "chat_template.jinja"):
+            shutil.copy(f, out / f.name)
+    return json.loads((src / "config.json").read_text())["vocab_size"]
+
+
+def _write_mla(out: Path, seed: int, tokenizer_from: Path) -> None:
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    vocab = _copy_tokenizer(tokenizer_from, out)
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(vocab_size=vocab, bos_token_id=1, eos_token_id=2, **MLA)
+    model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     c = json.loads((out / "config.json").read_text())
     c["dtype"] = "float32"
@@ -122,10 +158,12 @@ def prepare(root: Path | None = None, names=NAMES, seed: int = 0) -> dict[str, P
     root = root or default_dir()
     out: dict[str, Path] = {}
     smol = root / "smollm2"
-    if "smollm2" in names or "tiny" in names:      # the tiny model borrows its tokenizer
+    if {"smollm2", "tiny", "mla"} & set(names):      # the tiny ones borrow its tokenizer
         out_smol = _atomic(smol, _write_smollm2)
         if "smollm2" in names:
             out["smollm2"] = out_smol
     if "tiny" in names:
         out["tiny"] = _atomic(root / "tiny", lambda d: _write_tiny(d, seed, smol))
+    if "mla" in names:
+        out["mla"] = _atomic(root / "mla", lambda d: _write_mla(d, seed, smol))
     return out

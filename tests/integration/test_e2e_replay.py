@@ -56,6 +56,12 @@ def test_replay_completes_and_verifies(cluster, mode, read_policy):
     if read_policy == "split":       # each side read its half of a hit into the PE
         assert run.snic_bytes["p0"] > 0
         assert run.snic_bytes["d0"] + run.snic_bytes["d1"] > 0
+    # Every WRITE of a node landed inside the scope its peer granted it (a refused one
+    # would end in a recompute: the bytes above would still verify).
+    for n in cluster.node_ids():
+        m = cluster.node_metrics(n)
+        assert m["dualpath_node_data_writes_refused_total"] == 0, (n, mode, read_policy)
+        assert m["dualpath_node_data_writes_out_of_scope_total"] == 0
 
 
 def test_no_layerwise_and_oracle(cluster):

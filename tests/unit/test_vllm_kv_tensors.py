@@ -57,6 +57,22 @@ def test_gpu_style_layouts(layout):
         assert _full_block_bytes(kv, layer, block) == want
 
 
+@pytest.mark.parametrize("shape", [(NB, B, 9), (NB, 1, B, 9)])
+def test_the_mla_latent_is_one_row_per_token(shape):
+    # vLLM's CPU MLA backend: a [blocks, (1,) block size, latent] tensor per layer (the
+    # latent is kv_lora_rank + rope wide; 9 here); a block is its rows, token order.
+    big = torch.randn(L, *shape)
+    caches = {f"l{i}": big[i] for i in range(L)}
+    kv = describe_kv_caches(caches, B, 9, 1, mla=True)
+    assert kv.layout == "mla" and kv.placement.fmt.row_bytes == (9 * 4,)
+    for layer, block in ((0, 0), (2, 3)):
+        assert _full_block_bytes(kv, layer, block) == big[layer, block].numpy().tobytes()
+    with pytest.raises(UsageError, match="MLA KV tensor layout"):
+        describe_kv_caches({"a": torch.zeros(NB, 2, B, 9)}, B, 9, 1, mla=True)
+    with pytest.raises(UsageError, match="is not one DualPath knows"):   # MLA unsaid
+        describe_kv_caches(caches, B, 9, 1)
+
+
 def test_unknown_or_mixed_layouts_are_refused_naming_the_shape():
     with pytest.raises(UsageError, match=r"\(5, 8, 4\) .* is not one DualPath knows"):
         describe_kv_caches({"a": torch.zeros(5, 8, 4)}, B, D, H)

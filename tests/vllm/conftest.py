@@ -39,16 +39,17 @@ class Rig:
         self.node.stop()
 
 
-def make_rig(tmp: Path, model: Path, max_model_len: int, node_settings: dict | None = None
-             ) -> Rig:
+def make_rig(tmp: Path, model: Path, max_model_len: int, node_settings: dict | None = None,
+             engine_extra: dict | None = None) -> Rig:
     node = NodeProcess(tmp / "node", settings=node_settings).start()
+    extra = engine_extra or {}
     try:
         dp = EngineProcess(engine_args(model, node=node, prefix_caching=False,
-                                       max_model_len=max_model_len), tmp / "dp.log",
-                           env=ENGINE_ENV)
+                                       max_model_len=max_model_len, **extra),
+                           tmp / "dp.log", env=ENGINE_ENV)
         oracle = EngineProcess(engine_args(model, prefix_caching=True,
-                                           max_model_len=max_model_len), tmp / "oracle.log",
-                               env=ENGINE_ENV)
+                                           max_model_len=max_model_len, **extra),
+                               tmp / "oracle.log", env=ENGINE_ENV)
     except BaseException:
         node.stop()
         raise

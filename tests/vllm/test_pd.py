@@ -186,6 +186,12 @@ def test_a_pd_conversation_is_the_oracle_on_every_read_path(rig):
         assert len(prompt) % T and partial_loaded() - before == 1, policy
         stored = len(prompt) + conv.gen - 1
         conv.advance(a["token_ids"])
+    # Every WRITE of every path landed inside the scope its peer granted it (a refused
+    # one would have ended in a recompute, which the tokens above would not show).
+    for n in rig.pd.metrics_ports:
+        m = rig.pd.node_metrics(n)
+        assert m["dualpath_node_data_writes_refused_total"] == 0, n
+        assert m["dualpath_node_data_writes_out_of_scope_total"] == 0, n
 
 
 class _At:

@@ -382,6 +382,34 @@ def presented_identity(address: str, cfg: TlsConfig, timeout_s: float = 3.0) -> 
                                  + (f" (URI SANs: {', '.join(uris)})" if uris else ""))
 
 
+def certificate_identities(path: str, trust_domain: str) -> list[Identity] | None:
+    """The identities (URI SANs of ``trust_domain``) a PEM certificate file names; None
+    where this Python cannot decode one (the check that needs it is skipped then)."""
+    decode = getattr(getattr(ssl, "_ssl", None), "_test_decode_cert", None)
+    if decode is None:
+        return None
+    try:
+        cert = decode(path)
+    except (OSError, ssl.SSLError, ValueError):
+        return None
+    uris = [v for k, v in cert.get("subjectAltName", ()) if k == "URI"]
+    return [i for i in (parse_identity(u, trust_domain) for u in uris) if i]
+
+
+def check_own_identity(cfg: TlsConfig, want: Identity | str, key: str) -> None:
+    """ConfigError when this process's certificate does not name ``want`` (the config
+    key ``key`` says it must): its clients would refuse every call, naming both."""
+    if not cfg.enabled:
+        return
+    got = certificate_identities(cfg.cert_file, cfg.trust_domain)
+    want = as_identity(want, f"config key {key}")
+    if got is not None and want not in got:
+        raise ConfigError(f"tls.cert_file = {cfg.cert_file!r} names "
+                          f"{', '.join(map(str, got)) or 'no identity of trust domain ' + cfg.trust_domain}"
+                          f", not {want} ({key}): its clients expect {want} and would refuse "
+                          "every call")
+
+
 async def explained(e: grpc.aio.AioRpcError, address: str, cfg: TlsConfig,
                     expect: Identity | str | None) -> str:
     """A failed call's details; when the server at ``address`` failed the check that it

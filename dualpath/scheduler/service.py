@@ -914,6 +914,8 @@ async def serve(config: SchedulerConfig, tls_config: tls.TlsConfig, *,
     """Run the scheduler until SIGTERM/SIGINT (or ``stop`` is set): bind, log how it is
     reachable, sweep leases, serve /metrics, then shut down gracefully."""
     creds = tls.server_credentials(tls_config)
+    tls.check_own_identity(tls_config, tls_config.scheduler_identity,
+                           "tls.scheduler_identity")
     token = (tls.read_token(config.admin_token_file, "scheduler.admin_token_file")
              if config.admin_token_file else None)
     svc = SchedulerService(config, trust_domain=tls_config.trust_domain)

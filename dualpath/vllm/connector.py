@@ -141,7 +141,7 @@ class DualPathConnector(KVConnectorBase_V1):
             log.warning("DualPath: kv_load_failure_policy is %r: a block that fails to load "
                         "fails its request instead of being recomputed",
                         kvt.kv_load_failure_policy)
-        self.model_id = model_id(vllm_config)
+        self.model_id = self.settings.model_id or model_id(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -20,17 +20,29 @@ save_timeout_s    bound on persisting one step's new blocks (default 60; past it
 shared_buffer  map the node daemon's DRAM buffer (same host, KV in host memory) and copy
                layers from it instead of receiving WRITEs (default true; false forces
                the data plane, e.g. to measure it)
+model_id       the model's id as the operator names it (letters, digits, ``._-``; at
+               most 64): the store namespace of its KV, used as it is; default: derived
+               (below)
 ============== =========================================================================
 
 The model id names the model, its weights and its KV geometry, so KV of one model can
 never be served to another (the store namespace derives from it): the scheduler and the
-worker compute it alike from the vLLM config.
+worker compute it alike from the vLLM config. It is derived from what defines the KV,
+never from where or when the files were written, so hosts holding the same weights
+agree on it and share their hits: the model's config.json (keys that only record
+provenance, such as ``_name_or_path``, left out), the dtypes, the block size, the KV
+geometry, and per weight file its name, size and a digest of its content's identity
+(a safetensors file's whole header, which names every tensor's dtype, shape and
+offset, and 64 KiB at 17 evenly spaced offsets: reading every byte of a 600 GB model
+at start-up would take minutes; two checkpoints that differ differ all over). A hub
+name instead of a directory: the name and revision.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +52,7 @@ from dualpath.errors import UsageError
 from dualpath.rpc import parse_listen
 
 KEYS = ("node_address", "config", "listen", "advertise", "block_units", "lookup_timeout_s",
-        "load_timeout_s", "save_timeout_s", "shared_buffer")
+        "load_timeout_s", "save_timeout_s", "shared_buffer", "model_id")
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,7 @@ class ConnectorSettings:
     load_timeout_s: float = 60.0
     save_timeout_s: float = 60.0
     shared_buffer: bool = True
+    model_id: str = ""                  # the operator's; "" = derived (model_id())
 
     @classmethod
     def from_extra_config(cls, extra: dict) -> ConnectorSettings:
@@ -85,22 +98,27 @@ class ConnectorSettings:
         if not isinstance(shared, bool):
             raise UsageError(f"kv_connector_extra_config.shared_buffer must be true or "
                              f"false, not {shared!r}")
+        mid = extra.get("model_id", "")
+        if not isinstance(mid, str) or (mid and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", mid)):
+            raise UsageError(f"kv_connector_extra_config.model_id must be 1-64 letters, digits, "
+                             f"'.', '_' or '-', not {mid!r}")
         return cls(node, cfg, listen, str(extra.get("advertise", "")), units, **times,
-                   shared_buffer=shared)
+                   shared_buffer=shared, model_id=mid)
 
 
 def model_id(vllm_config) -> str:
-    """``<name>-<hash>``: the served name, and a hash of the model (its weights' files
-    for a local directory, the revision otherwise), the dtypes, the block size and the
-    KV geometry. Equal in vLLM's scheduler and worker processes."""
+    """``<name>-<hash>``: the served name, and a hash of what defines the model's KV (see
+    the module docstring). Equal in vLLM's scheduler and worker processes, and on every
+    host with the same weights."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     h = hashlib.blake2b(digest_size=8)
-    for part in (mc.model, mc.revision or "", str(mc.dtype), str(cc.cache_dtype),
-                 cc.block_size, mc.get_num_layers(vllm_config.parallel_config),
+    for part in (str(mc.dtype), str(cc.cache_dtype), cc.block_size,
+                 mc.get_num_layers(vllm_config.parallel_config),
                  mc.get_total_num_kv_heads(), mc.get_head_size(),
+                 bool(getattr(mc, "use_mla", False)),
                  vllm_config.parallel_config.tensor_parallel_size):
         h.update(str(part).encode() + b"\0")
-    h.update(_weights_fingerprint(mc.model).encode())
+    h.update(model_identity(mc.model, mc.revision or ""))
     name = mc.served_model_name
     name = name[0] if isinstance(name, list | tuple) else name
     name = Path(str(name or mc.model)).name or "model"
@@ -108,15 +126,41 @@ def model_id(vllm_config) -> str:
     return f"{name[-48:]}-{h.hexdigest()}"
 
 
-def _weights_fingerprint(model: str) -> str:
-    """Names, sizes and mtimes of a local model directory's weight and config files (so
-    replacing the weights in place changes the id); "" for a hub name."""
+#: Keys of a config.json that record where or with what the model was written, not what
+#: it is.
+PROVENANCE = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+SAMPLES, SAMPLE_BYTES = 17, 64 << 10
+MAX_HEADER = 100 << 20
+
+
+def model_identity(model: str, revision: str = "") -> bytes:
+    """What defines a model's weights, as bytes to hash (module docstring): a local
+    directory's config and weight files' contents, a hub name's name and revision."""
     d = Path(model)
     if not d.is_dir():
-        return ""
-    parts = []
+        return f"hub:{model}@{revision}".encode()
+    h = hashlib.blake2b(digest_size=16)
+    cfg = d / "config.json"
+    if cfg.is_file():
+        c = json.loads(cfg.read_text())
+        c = {k: v for k, v in c.items() if k not in PROVENANCE} if isinstance(c, dict) else c
+        h.update(json.dumps(c, sort_keys=True).encode() + b"\0")
     for f in sorted(d.iterdir()):
-        if f.suffix in (".safetensors", ".bin", ".json", ".gguf", ".pt"):
-            s = os.stat(f)
-            parts.append(f"{f.name}:{s.st_size}:{s.st_mtime_ns}")
-    return "|".join(parts)
+        if f.suffix in WEIGHT_SUFFIXES and f.is_file():
+            h.update(f"{f.name}:{f.stat().st_size}:".encode() + _content_digest(f) + b"\0")
+    return h.digest()
+
+
+def _content_digest(path: Path) -> bytes:
+    """A safetensors file's header, and SAMPLES chunks of SAMPLE_BYTES evenly spaced."""
+    h = hashlib.blake2b(digest_size=16)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        if path.suffix == ".safetensors" and size >= 8:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(n, MAX_HEADER, size - 8)))
+        for i in range(SAMPLES):
+            fh.seek(max(0, (size - SAMPLE_BYTES) * i // (SAMPLES - 1)))
+            h.update(fh.read(SAMPLE_BYTES))
+    return h.digest()

@@ -299,6 +299,19 @@ def test_daemons_refuse_to_start_without_tls_unless_plaintext_is_explicit(tmp_pa
     assert "scheduler.admin_token_file = " in capsys.readouterr().err
 
 
+def test_a_scheduler_refuses_to_start_with_a_certificate_its_clients_would_refuse(
+        pki, tmp_path, capsys):
+    # Every client expects tls.scheduler_identity (issue 38); a scheduler started with
+    # another certificate would be refused by each of them, naming both. It says so at
+    # start-up instead, and exits 2.
+    cfg = tmp_path / "s.toml"
+    sec = pki.section("node/d0") | {"scheduler_identity": "scheduler/sched"}
+    cfg.write_text("[tls]\n" + "".join(f'{k} = "{v}"\n' for k, v in sec.items()))
+    assert cli.main(["scheduler", "--config", str(cfg), "--listen", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err
+    assert "names node/d0, not scheduler/sched (tls.scheduler_identity)" in err, err
+
+
 def test_plaintext_is_logged_as_a_warning(tmp_path):
     cfg = tmp_path / "s.toml"
     cfg.write_text("[tls]\nplaintext = true\n")
@@ -329,7 +342,7 @@ def test_attacker_namespace_cannot_register_or_hijack_a_group(ns, tmp_path_facto
     pki = tls.make_cluster_pki(d, IDENTITIES, ips=("127.0.0.1", ns.victim_ip),
                                foreign=("node/d0",))
     cfg = d / "sched.toml"
-    sched = pki.section("scheduler/sched")
+    sched = pki.section("scheduler/sched") | {"scheduler_identity": "scheduler/sched"}
     cfg.write_text("[scheduler]\nlease_ms = 600000\n[tls]\n" + "".join(
         f'{k} = "{v}"\n' for k, v in sched.items()))
     proc = ns.popen(ns.victim, [sys.executable, "-m", "dualpath.cli", "scheduler",

@@ -104,9 +104,9 @@ def test_a_node_says_ready_then_how_registration_goes_and_pings_the_watchdog(tmp
 
 
 def test_the_scheduler_says_ready_with_its_address_and_stops(tmp_path, notify):
-    pki = tls.make_cluster_pki(tmp_path / "pki", ("scheduler/s",))
+    pki = tls.make_cluster_pki(tmp_path / "pki", ("scheduler/scheduler",))
     cfg = tmp_path / "scheduler.toml"
-    cfg.write_text('[scheduler]\nmetrics_listen = ""\n' + tls_toml(pki, "scheduler/s"))
+    cfg.write_text('[scheduler]\nmetrics_listen = ""\n' + tls_toml(pki, "scheduler/scheduler"))
     with daemon(["scheduler", "--config", str(cfg), "--listen", "127.0.0.1:0"],
                 notify) as (proc, log):
         port = log.wait_for(r"scheduler listening on 127\.0\.0\.1:(\d+)").group(1)

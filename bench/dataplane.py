@@ -26,7 +26,7 @@ prints no result.
 
 The TCP provider runs authenticated (every connection admitted by a credential's
 challenge-response, as deployed, into a scoped region: each WRITE's range looked up in
-the writer's grant, among 64 other peers' grants) and, as its own peer ``tcp_open``, on a twin pair of
+the writer's grant, which shares its hash bucket with 64 other peers' grants) and, as its own peer ``tcp_open``, on a twin pair of
 engines without admission (DP_TCP_OPEN), back to back with ours at each size and batch
 (the twin first in even rounds, ours first in odd ones). tcp_auth_overhead_max_ge_64k is
 1 - authenticated / open bandwidth at the worst size >= 64 KiB, each size's ratio the
@@ -209,8 +209,8 @@ class TcpRig:
                 cq = a.cq(max(depth, 64))
                 dst_mr = b.register(self.dst, scoped=kind == "auth")
                 if kind == "auth":      # as deployed: scoped, the writer's grant found
-                    for peer in range(2, 66):      # among other peers' (decoys)
-                        b.grant(peer, dst_mr, [(0, len(self.dst))])
+                    for k in range(1, 65):   # in its bucket among 64 other peers' (decoys)
+                        b.grant(1 + 256 * k, dst_mr, [(0, len(self.dst))])
                     b.grant(1, dst_mr, [(0, len(self.dst))])
                 self.pairs[kind] = (a, b, a.register(self.src), dst_mr, cq)
                 self.connect_us[kind] = self._time_connects(a, b, cq, kind)

@@ -344,7 +344,8 @@ struct dp_tcp_cfg {
     uint32_t max_credentials;       /* issued, not yet used credentials [4096] */
     uint32_t max_pending_per_addr;  /* of max_pending, those one source address may hold
                                        [max_pending / 8, at least 1]: a flood from one
-                                       address cannot starve admitted peers' handshakes */    uint32_t max_grants;            /* live grants (dp_tcp_grant) [4096], at most 65535 */
+                                       address cannot starve admitted peers' handshakes */
+    uint32_t max_grants;            /* live grants (dp_tcp_grant) [4096], at most 65535 */
 };
 
 /* [handle] Listen on host:port (numeric or resolvable host; port 0 = any free port, see
@@ -362,7 +363,8 @@ struct dp_tcp_stats {
     uint64_t refused;         /* WRITEs refused (rkey, access, bounds, dereg) */
     uint64_t flushed;         /* WRITEs dropped after a failure on their connection */
     uint64_t ack_stalls;      /* times a socket stopped being read because its acks
-                                 could not be sent (the initiator is not polling) */    uint64_t out_of_scope;    /* of `refused`: WRITEs into a scoped region outside the
+                                 could not be sent (the initiator is not polling) */
+    uint64_t out_of_scope;    /* of `refused`: WRITEs into a scoped region outside the
                                  writer's granted windows (or after their ungrant) */
 };
 /* [int] Read the counters (any thread; each value is read atomically). */

@@ -8,6 +8,7 @@ ABORTED (the scheduler gave that execution up; docs/reliability.md); one for a r
 
 from __future__ import annotations
 
+import errno
 import itertools
 from collections.abc import Awaitable, Callable
 
@@ -17,7 +18,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from dualpath import rpc
 from dualpath.buffers.pool import PoolTooSmall
 from dualpath.engines.emulated.forward import STEPS_PER_ANSWER, PrefillForward
-from dualpath.errors import DualPathError
+from dualpath.errors import DualPathError, TransferError
 from dualpath.kv import placement_wire
 from dualpath.node.holdings import Holdings
 from dualpath.paths.auth import Callers
@@ -126,6 +127,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"request {request.request_id} was not prepared here")
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED if e.errno == errno.EPERM
+                                else grpc.StatusCode.UNAVAILABLE, str(e))
         except DualPathError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return engine_pb2.TransferOrderAccepted()

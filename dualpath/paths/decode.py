@@ -363,7 +363,11 @@ class DecodePath:
                          owner=req.owner, sink_identity=self.submitters.get(rid, ""),
                          assigned_here=rid in self.submitters)
         if res is not None:
-            st.grant = self.space.grant(n.transfer, str(req.owner or ""), res)
+            try:
+                st.grant = self.space.grant(n.transfer, str(req.owner or ""), res)
+            except BaseException:
+                res.release()           # nothing else holds it yet
+                raise
         n.metrics.held_by_instance.inc(plan.held)
         self.requests[rid] = st
         if req.decode_read_tokens:  # (an older attempt's expectation ends either way)
@@ -413,7 +417,11 @@ class DecodePath:
         if order.target.fmt != self.space.fmt:
             raise UsageError(f"{st.request_id}: target KV format {order.target.fmt.signature()}"
                              f" is not ours ({self.space.fmt.signature()})")
-        await self.node.transfer.connect(order.target_peer)
+        # Only into the memory of the node that prepared it: the server at the order's
+        # address must be that identity (a node naming another node's address would
+        # have this one write into that node's memory, with this node's grants there).
+        await self.node.transfer.connect(order.target_peer,
+                                         expect=str(st.owner) if st.owner else "")
         # A first connect waits: meanwhile the request may have been dropped here (its PE
         # cancelled it: the PE's memory may already serve another request) or overtaken
         # by a newer attempt. Its load must not start then; checked with no await before

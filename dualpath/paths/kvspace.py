@@ -20,6 +20,7 @@ import numpy as np
 
 from dualpath.buffers.pool import BlockPool, Reservation
 from dualpath.buffers.region import PinnedRegion
+from dualpath.errors import UsageError
 from dualpath.kv.placement import KvFormat, KvPlacement
 from dualpath.kv.profiles import geometry_profile
 from dualpath.paths.pending import PendingBlocks
@@ -96,8 +97,13 @@ class KvSpace:
         is closed (docs/security.md, "The data plane's scope"). "" (plaintext): no
         grant, as the region is not scoped then."""
         stop = len(res) if stop is None else stop
-        if not peer or stop <= first:
-            return transfer.grant("", self.buffer_region, [])
+        if stop <= first:
+            return transfer.grant(peer, self.buffer_region, [])
+        if not peer and transfer.scoped(self.buffer_region):
+            raise UsageError(f"no identity to grant {self.buffer_region} slots to: a scoped "
+                             "buffer refuses every WRITE of a writer without a grant")
+        if not peer:
+            return transfer.grant(peer, self.buffer_region, [])
         stride = self.pool.stride
         return transfer.grant(peer, self.buffer_region,
                               [(res.offset(i), stride) for i in range(first, stop)])

@@ -149,8 +149,8 @@ _OWNED_COUNTERS = (
 
 class OwnedCounters:
     """A collector exporting the transfer engine's, its provider's target side's and the
-    block store's own counters at scrape time (they are kept by their owners' threads; each read here is one dict or
-    attribute read)."""
+    block store's own counters at scrape time (kept by their owners' threads; read here
+    as one dict each, the target's by one C call that reads its counters atomically)."""
 
     def __init__(self, transfer: Mapping[str, int], store: Callable[[], Mapping[str, int]],
                  target: Callable[[], Mapping[str, int]] = dict):

@@ -174,8 +174,9 @@ class Conn:
 
 
 class Peer:
-    def __init__(self, name: str, regions: dict[str, RegionInfo]):
+    def __init__(self, name: str, regions: dict[str, RegionInfo], identity: str = ""):
         self.name = name
+        self.identity = identity            # who the exchange checked answers ("" none)
         self.regions = regions              # replaced whole by the loop on recovery
         self.conns: list[Conn] = []
         self.pending: deque[Seg] = deque()     # data-path thread

@@ -215,6 +215,10 @@ class TransferEngine:
         WRITEs (it writes where our connector hands it slots). Before its connect."""
         self.provider.trust(peer)
 
+    def scoped(self, region: str) -> bool:
+        """Whether region ``region`` takes only granted WRITEs of peers."""
+        return region in self._scoped and self.provider.scopes
+
     @property
     def scopes(self) -> bool:
         """Whether grants are enforced where peers' WRITEs land (the provider scopes)."""
@@ -223,9 +227,16 @@ class TransferEngine:
     def region_infos(self) -> dict[str, RegionInfo]:
         return {n: RegionInfo(r.addr, r.length, r.rkey) for n, r in self._regions.items()}
 
-    async def connect(self, peer: str) -> None:
-        """Connect to ``peer`` now (write() does it on first use)."""
-        await self._peer(peer)
+    async def connect(self, peer: str, *, expect: str = "") -> None:
+        """Connect to ``peer`` now (write() does it on first use); ``expect``: the
+        identity ("role/name") that must serve it, checked by the out-of-band exchange
+        (TransferError EPERM when another one does, or when we are connected to it
+        already as another, or unchecked)."""
+        p = await self._peer(peer, expect)
+        if expect and p.identity != expect:
+            raise TransferError(f"peer {peer!r} is connected as "
+                                f"{p.identity or 'an unchecked identity'}, not {expect}",
+                                errno=errno.EPERM)
 
     async def write(self, peer: str, items, *, local: str = "default",
                     remote: str = "default", timeout: float | None = None) -> None:
@@ -339,13 +350,13 @@ class TransferEngine:
     async def _run_blocking(self, fn, *args):
         return await self._loop.run_in_executor(self._connector, fn, *args)
 
-    async def _peer(self, name: str) -> Peer:
+    async def _peer(self, name: str, expect: str = "") -> Peer:
         p = self._peers.get(name)
         if p is not None:
             return p
         task = self._connecting.get(name)
         if task is None:
-            task = self._loop.create_task(self._connect_peer(name))
+            task = self._loop.create_task(self._connect_peer(name, expect))
             self._connecting[name] = task
             task.add_done_callback(lambda _: self._connecting.pop(name, None))
         return await asyncio.shield(task)
@@ -363,7 +374,7 @@ class TransferEngine:
         without a network stack (no exchange: nothing outside this process is reached)."""
         return name == self.name and self.provider.copies_to_self
 
-    async def _connect_peer(self, name: str) -> Peer:
+    async def _connect_peer(self, name: str, expect: str = "") -> Peer:
         n = self.config.connections_per_peer
         conns: list[Connection] = []
 
@@ -379,7 +390,7 @@ class TransferEngine:
             else:
                 req = ConnectRequest(self.name, self.transport, tuple(range(n)),
                                      tuple(c.endpoint() for c in conns))
-                reply = await self.oob.request(name, req)
+                reply = await self.oob.request(name, req, expect)
                 self._check_reply(name, reply, n)
                 await asyncio.gather(*(self._run_blocking(c.connect, ep,
                                                           self.config.connect_timeout_s)
@@ -393,7 +404,8 @@ class TransferEngine:
                 raise TransferError(f"cannot connect to peer {name!r}: {e}",
                                     errno=getattr(e, "errno", 0) or 0) from e
             raise
-        p = Peer(name, dict(regions))
+        p = Peer(name, dict(regions),
+                 "" if self._to_self(name) else self.oob.verified(name, expect))
         p.conns = [Conn(p, i, c) for i, c in enumerate(conns)]
         self._peers[name] = p
         self._dp.command(AddPeer(p))
@@ -433,7 +445,7 @@ class TransferEngine:
                 else:
                     req = ConnectRequest(self.name, self.transport, (c.index,),
                                          (c.conn.endpoint(),))
-                    reply = await self.oob.request(p.name, req)
+                    reply = await self.oob.request(p.name, req, p.identity)
                     self._check_reply(p.name, reply, 1)
                     p.regions = dict(reply.regions)
                     await self._run_blocking(c.conn.connect, reply.endpoints[0],

@@ -74,9 +74,15 @@ class OutOfBand(ABC):
     """Carries ConnectRequests to named engines. Called on the owner's event loop."""
 
     @abstractmethod
-    async def request(self, peer: str, req: ConnectRequest) -> ConnectReply:
+    async def request(self, peer: str, req: ConnectRequest, expect: str = "") -> ConnectReply:
         """Deliver ``req`` to the engine serving ``peer``; raise TransferError (with
-        errno) when it cannot be reached."""
+        errno) when it cannot be reached, or (``expect``: an identity "role/name") when
+        another identity serves it."""
+
+    def verified(self, peer: str, expect: str = "") -> str:
+        """Who answered a :meth:`request` to ``peer`` made with ``expect``, as far as the
+        channel checked it ("": not checked; a channel without identities)."""
+        return ""
 
     @abstractmethod
     def serve(self, name: str, handler: Handler) -> None:
@@ -101,7 +107,7 @@ class InProcessChannel(OutOfBand):
     def unserve(self, name: str) -> None:
         self._handlers.pop(name, None)
 
-    async def request(self, peer: str, req: ConnectRequest) -> ConnectReply:
+    async def request(self, peer: str, req: ConnectRequest, expect: str = "") -> ConnectReply:
         handler = self._handlers.get(peer)
         if handler is None:
             raise TransferError(f"peer {peer!r} is not reachable over the out-of-band "

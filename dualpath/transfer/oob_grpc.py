@@ -93,12 +93,18 @@ class GrpcOutOfBand(oob.OutOfBand):
         handler = next(iter(self._handlers.values()))
         return oob.encode(await handler(req))
 
-    async def request(self, peer: str, req: oob.ConnectRequest) -> oob.ConnectReply:
+    def verified(self, peer: str, expect: str = "") -> str:
+        if peer in self._handlers:
+            return ""                   # ourselves, in process
+        return self.channels.expected(peer, expect)
+
+    async def request(self, peer: str, req: oob.ConnectRequest,
+                      expect: str = "") -> oob.ConnectReply:
         local = self._handlers.get(peer)
         if local is not None:
             reply = oob.decode(oob.encode(await local(oob.decode(oob.encode(req)))))
         else:
-            stub = engine_pb2_grpc.EngineStub(self.channels.channel(peer))
+            stub = engine_pb2_grpc.EngineStub(self.channels.channel(peer, expect))
             try:
                 r = await stub.ExchangeEndpoint(engine_pb2.ExchangeEndpointRequest(
                     caller=engine_pb2.DataPlaneEndpoint(engine_id=req.source,
@@ -106,6 +112,11 @@ class GrpcOutOfBand(oob.OutOfBand):
                                                         endpoint=oob.encode(req))),
                     timeout=self.timeout_s)
             except grpc.aio.AioRpcError as e:
+                want = self.channels.expected(peer, expect)
+                if want and "Hostname Verification" in (e.details() or ""):
+                    raise TransferError(f"the server at {peer} is not {want} (its "
+                                        "certificate does not name it): no connection",
+                                        errno=errno.EPERM) from None
                 raise TransferError(f"peer {peer} unreachable for ExchangeEndpoint: "
                                     f"{e.code().name} {e.details()}",
                                     errno=errno.ECONNREFUSED) from None

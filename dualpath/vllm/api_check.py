@@ -2,7 +2,7 @@
 
 vLLM's v1 connector API is marked experimental and changes between releases. This check
 reads a release's sources (the installed vLLM's, or those inside a wheel from PyPI:
-tools/vllm_release_check.py) and our connector module as syntax trees and says, per
+dualpath/vllm/releases.py) and our connector module as syntax trees and says, per
 drift, what no longer fits:
 
 - a ``from vllm... import name`` of our module whose module or name the release lacks;
@@ -29,8 +29,11 @@ from dataclasses import dataclass
 #: ``module -> its source`` (None: the release has no such module).
 Sources = Callable[[str], "str | None"]
 
-#: Methods whose answer matters beyond existing: (name, what the body must name).
+#: Methods whose answer matters beyond existing: (name, what they must return).
 ANSWERS = {"kv_cache_access": "REGISTERS"}
+#: Hooks of newer releases that we define and older ones do not call (not a drift where
+#: the release lacks them; their bodies' imports are of those newer releases).
+NEWER_HOOKS = frozenset({"kv_cache_access"})
 
 
 @dataclass(frozen=True)
@@ -189,11 +192,30 @@ def compare_signature(ours: Method, theirs: Method) -> str:
 def _vllm_imports(tree: ast.Module) -> dict[str, tuple[str, str]]:
     """Our module-level ``from vllm... import X [as Y]``: local name -> (module, X)."""
     out = {}
-    for n in tree.body:
+    for n in _statements(tree.body):
         if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "vllm":
             for a in n.names:
                 out[a.asname or a.name] = (n.module, a.name)
     return out
+
+
+def _inner_imports(tree: ast.Module) -> list[tuple[str, str, str]]:
+    """``from vllm... import X`` inside our functions (not NEWER_HOOKS'): (function,
+    module, X)."""
+    out = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) and fn.name not in NEWER_HOOKS:
+            for n in ast.walk(fn):
+                if isinstance(n, ast.ImportFrom) and n.module and \
+                        n.module.split(".")[0] == "vllm":
+                    out += [(fn.name, n.module, a.name) for a in n.names]
+    return out
+
+
+def _returns(fn: ast.FunctionDef) -> list[str]:
+    """What ``fn``'s return statements return, as source text."""
+    return [ast.unparse(n.value) for n in ast.walk(fn)
+            if isinstance(n, ast.Return) and n.value is not None]
 
 
 def check(ours_src: str, release: Sources) -> list[Drift]:
@@ -205,7 +227,12 @@ def check(ours_src: str, release: Sources) -> list[Drift]:
     def tree_of(module: str) -> ast.Module | None:
         if module not in trees:
             src = release(module)
-            trees[module] = ast.parse(src) if src is not None else None
+            try:
+                trees[module] = ast.parse(src) if src is not None else None
+            except SyntaxError as e:    # newer Python syntax than ours: say so, not crash
+                drifts.append(Drift(f"module {module}", f"cannot be read here ({e.msg}, "
+                                                        f"line {e.lineno})"))
+                trees[module] = None
         return trees[module]
 
     imported = _vllm_imports(ours)
@@ -215,15 +242,24 @@ def check(ours_src: str, release: Sources) -> list[Drift]:
             drifts.append(Drift(f"import {module}.{name}", "the release has no such module"))
         elif not defines(t, name):
             drifts.append(Drift(f"import {module}.{name}", f"{module} has no {name}"))
+    for fn, module, name in _inner_imports(ours):
+        t = tree_of(module)
+        if t is None or not defines(t, name):
+            drifts.append(Drift(f"import {module}.{name} (in {fn})",
+                                f"the release has no {name} there"))
     for cls in classes(ours).values():
         for base in _base_names(cls):
             if base not in imported:
                 continue
             module, name = imported[base]
             t = tree_of(module)
-            theirs = release_methods(t, name) if t is not None else None
-            if theirs is None:
+            if t is None:
                 continue                    # (reported as an import above)
+            theirs = release_methods(t, name)
+            if theirs is None:              # re-exported or defined conditionally
+                drifts.append(Drift(f"{cls.name}({name})", f"{module} does not define class "
+                                    f"{name} at its top level: cannot check it"))
+                continue
             mine = methods(cls)
             for mname, m in sorted(theirs.items()):
                 where = f"{cls.name}.{mname}"
@@ -231,12 +267,19 @@ def check(ours_src: str, release: Sources) -> list[Drift]:
                     drifts.append(Drift(where, f"abstract in {name}, not implemented"))
                 elif mname in mine:
                     why = compare_signature(mine[mname], m)
+                    if not why and isinstance(mine[mname].node, ast.AsyncFunctionDef) != \
+                            isinstance(m.node, ast.AsyncFunctionDef):
+                        why = "async on one side only"
                     if why:
                         drifts.append(Drift(where, why))
                 if mname in ANSWERS:
                     need = ANSWERS[mname]
-                    body = ast.unparse(mine[mname].node) if mname in mine else ""
-                    if need not in body:
+                    got = _returns(mine[mname].node) if mname in mine else []
+                    if not got or not all(r.endswith(need) for r in got):
                         drifts.append(Drift(where, f"not answered: {name}.{mname} must "
                                                    f"return {need} for this connector"))
+            for mname in sorted(set(mine) - set(theirs)):
+                if not mname.startswith("_") and mname not in NEWER_HOOKS:
+                    drifts.append(Drift(f"{cls.name}.{mname}", f"overrides nothing in the "
+                                        f"release's {name} (renamed or removed: never called)"))
     return drifts

@@ -29,13 +29,16 @@ The model id names the model, its weights and its KV geometry, so KV of one mode
 never be served to another (the store namespace derives from it): the scheduler and the
 worker compute it alike from the vLLM config. It is derived from what defines the KV,
 never from where or when the files were written, so hosts holding the same weights
-agree on it and share their hits: the model's config.json (keys that only record
-provenance, such as ``_name_or_path``, left out), the dtypes, the block size, the KV
-geometry, and per weight file its name, size and a digest of its content's identity
-(a safetensors file's whole header, which names every tensor's dtype, shape and
-offset, and 64 KiB at 17 evenly spaced offsets: reading every byte of a 600 GB model
-at start-up would take minutes; two checkpoints that differ differ all over). A hub
-name instead of a directory: the name and revision.
+agree on it and share their hits: the model config vLLM runs (its hf_config, overrides
+included; keys that only record provenance, such as ``_name_or_path``, left out), the
+dtypes, the block size, the KV geometry, and per weight file its name, size and content:
+hashed whole up to 1 GiB; a larger file by its identity (a safetensors file's whole
+header, which names every tensor's dtype, shape and offset, and the first and last 4 KiB
+of every tensor, so an edit of any whole tensor changes the id; other formats 17 evenly
+spaced 64 KiB samples), since reading every byte of a 600 GB model at start-up would
+take minutes. An edit that leaves every tensor's first and last 4 KiB alone needs the
+operator's ``model_id``. A hub name instead of a directory: the name and the revision
+(pin one: without it the id does not follow the hub's ``main``).
 """
 
 from __future__ import annotations
@@ -107,9 +110,10 @@ class ConnectorSettings:
 
 
 def model_id(vllm_config) -> str:
-    """``<name>-<hash>``: the served name, and a hash of what defines the model's KV (see
-    the module docstring). Equal in vLLM's scheduler and worker processes, and on every
-    host with the same weights."""
+    """``<model type>-<hash>``: the model's architecture type (config.json's
+    ``model_type``; not its path or served name, which differ between hosts) and a hash
+    of what defines its KV (see the module docstring). Equal in vLLM's scheduler and
+    worker processes, and on every host with the same weights."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     h = hashlib.blake2b(digest_size=8)
     for part in (str(mc.dtype), str(cc.cache_dtype), cc.block_size,
@@ -118,34 +122,47 @@ def model_id(vllm_config) -> str:
                  bool(getattr(mc, "use_mla", False)),
                  vllm_config.parallel_config.tensor_parallel_size):
         h.update(str(part).encode() + b"\0")
-    h.update(model_identity(mc.model, mc.revision or ""))
-    name = mc.served_model_name
-    name = name[0] if isinstance(name, list | tuple) else name
-    name = Path(str(name or mc.model)).name or "model"
-    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in str(name or mc.model))
+    # The config vLLM runs (hf_overrides, rope scaling included: K is cached after RoPE).
+    hf = getattr(mc, "hf_config", None)
+    cfg = hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else None
+    h.update(model_identity(mc.model, mc.revision or "", cfg))
+    kind = (cfg or {}).get("model_type") or _config_of(Path(str(mc.model))).get(
+        "model_type") or "model"
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in str(kind))
     return f"{name[-48:]}-{h.hexdigest()}"
 
 
-#: Keys of a config.json that record where or with what the model was written, not what
+#: Keys of a model config that record where or with what the model was written, not what
 #: it is.
-PROVENANCE = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
+PROVENANCE = frozenset({"_name_or_path", "transformers_version", "_commit_hash",
+                        "name_or_path"})
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+#: Files up to this size are hashed whole; larger ones by their identity (below).
+WHOLE_BYTES = 1 << 30
 SAMPLES, SAMPLE_BYTES = 17, 64 << 10
+TENSOR_EDGE = 4096                      # bytes of each tensor's start and end hashed
 MAX_HEADER = 100 << 20
 
 
-def model_identity(model: str, revision: str = "") -> bytes:
-    """What defines a model's weights, as bytes to hash (module docstring): a local
-    directory's config and weight files' contents, a hub name's name and revision."""
+def _config_of(d: Path) -> dict:
+    try:
+        c = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return c if isinstance(c, dict) else {}
+
+
+def model_identity(model: str, revision: str = "", config: dict | None = None) -> bytes:
+    """What defines a model's weights, as bytes to hash (module docstring): the config
+    (``config``, vLLM's effective one; else the directory's config.json) without its
+    provenance keys, and each weight file's content; a hub name's name and revision."""
     d = Path(model)
     if not d.is_dir():
         return f"hub:{model}@{revision}".encode()
     h = hashlib.blake2b(digest_size=16)
-    cfg = d / "config.json"
-    if cfg.is_file():
-        c = json.loads(cfg.read_text())
-        c = {k: v for k, v in c.items() if k not in PROVENANCE} if isinstance(c, dict) else c
-        h.update(json.dumps(c, sort_keys=True).encode() + b"\0")
+    c = config if config is not None else _config_of(d)
+    c = {k: v for k, v in c.items() if k not in PROVENANCE}
+    h.update(json.dumps(c, sort_keys=True, default=str).encode() + b"\0")
     for f in sorted(d.iterdir()):
         if f.suffix in WEIGHT_SUFFIXES and f.is_file():
             h.update(f"{f.name}:{f.stat().st_size}:".encode() + _content_digest(f) + b"\0")
@@ -153,14 +170,35 @@ def model_identity(model: str, revision: str = "") -> bytes:
 
 
 def _content_digest(path: Path) -> bytes:
-    """A safetensors file's header, and SAMPLES chunks of SAMPLE_BYTES evenly spaced."""
+    """A file's content whole up to WHOLE_BYTES; a larger one by its identity: a
+    safetensors file's whole header (every tensor's name, dtype, shape, offsets) and the
+    first and last TENSOR_EDGE bytes of every tensor (an edit of any whole tensor, such
+    as a merged adapter or a targeted weight edit, changes them), else SAMPLES chunks
+    of SAMPLE_BYTES evenly spaced."""
     h = hashlib.blake2b(digest_size=16)
     size = path.stat().st_size
     with open(path, "rb") as fh:
-        if path.suffix == ".safetensors" and size >= 8:
+        if size <= WHOLE_BYTES:
+            while chunk := fh.read(8 << 20):
+                h.update(chunk)
+            return h.digest()
+        spans: list[tuple[int, int]] = []
+        if path.suffix == ".safetensors":
             n = int.from_bytes(fh.read(8), "little")
-            h.update(fh.read(min(n, MAX_HEADER, size - 8)))
-        for i in range(SAMPLES):
-            fh.seek(max(0, (size - SAMPLE_BYTES) * i // (SAMPLES - 1)))
-            h.update(fh.read(SAMPLE_BYTES))
+            header = fh.read(min(n, MAX_HEADER, size - 8))
+            h.update(header)
+            try:
+                meta = json.loads(header)
+                spans = sorted((8 + n + int(v["data_offsets"][0]), 8 + n + int(v["data_offsets"][1]))
+                               for k, v in meta.items() if k != "__metadata__")
+            except (ValueError, KeyError, TypeError, IndexError):
+                spans = []
+        if not spans:
+            spans = [(max(0, (size - SAMPLE_BYTES) * i // (SAMPLES - 1)),
+                      min(size, max(0, (size - SAMPLE_BYTES) * i // (SAMPLES - 1))
+                          + SAMPLE_BYTES)) for i in range(SAMPLES)]
+        for a, b in spans:
+            for start in {a, max(a, b - TENSOR_EDGE)}:
+                fh.seek(start)
+                h.update(fh.read(min(TENSOR_EDGE, b - start)))
     return h.digest()

@@ -120,6 +120,17 @@ if rid:
         timeout=10)
     out["slots"] = list(r.slots)
     out["stride"] = placement_wire.from_pb(r.buffer).group_stride
+    if spec.get("order_into"):      # have the DE load into the memory at that address
+        try:
+            eng.SubmitTransferOrder(engine_pb2.TransferOrder(
+                request_id=rid, kind=engine_pb2.TRANSFER_KIND_LOAD_HIT_KV,
+                block_keys=[bytes(16)], target_peer=spec["order_into"], target=r.buffer,
+                target_units=[0]), timeout=10)
+            out["order"] = {"ok": True}
+        except grpc.RpcError as e:
+            out["order"] = {"ok": False, "code": e.code().name, "details": e.details()}
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.exit(0)
     if spec.get("cancel"):
         eng.CancelRequest(engine_pb2.CancelRequestRequest(request_id=rid), timeout=10)
 offsets = spec.get("offsets") or [s * out["stride"] for s in out["slots"][:1]]
@@ -366,3 +377,17 @@ def test_a_node_writes_only_into_the_slots_of_its_own_requests(ns, victim):
     assert late["status"] == [10], late               # an ended attempt's late WRITE
     for rid, who in (("r-slot-p0", "node/p0"), ("r-slot-p1", "node/p1")):
         assert _attack(ns, victim, who, request=rid, calls=("cancel",))["cancel"]["ok"]
+
+
+def test_a_node_cannot_order_a_load_into_another_nodes_memory(ns, victim):
+    # The review of issue 38's scope: p1 prepared a request on d0 (so it may order its
+    # load) and named another node's control address as the target: d0 would have
+    # written into that node's memory, inside the windows that node granted d0 for its
+    # own requests. d0 now connects only to the preparer's identity there; here the
+    # address is d0's own (node/d0, not node/p1): refused, nothing loaded.
+    out = _write(ns, victim, "node/p1", prepare="r-order-elsewhere",
+                 order_into=victim["addr"])
+    assert out["order"]["code"] == "PERMISSION_DENIED", out
+    assert "not node/p1" in out["order"]["details"], out
+    assert _attack(ns, victim, "node/p1", request="r-order-elsewhere",
+                   calls=("cancel",))["cancel"]["ok"]

@@ -42,7 +42,7 @@ class Slots:
 
 
 def _path(connect_gate: asyncio.Event, spawned: list):
-    async def connect(peer):
+    async def connect(peer, expect=""):
         await connect_gate.wait()
 
     def spawn(coro):

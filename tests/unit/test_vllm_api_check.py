@@ -74,3 +74,29 @@ def test_a_moved_import_and_an_unanswered_access_are_named(installed):
     assert [str(d) for d in api_check.check(mute, asks)] == [
         ("DualPathConnector.kv_cache_access: not answered: KVConnectorBase_V1"
          ".kv_cache_access must return REGISTERS for this connector")]
+
+
+def test_a_renamed_hook_and_a_reexported_base_are_named(installed):
+    # The release renamed a hook we override: ours would never be called.
+    renamed = edited(installed, BASE, "def get_block_ids_with_load_errors(self)",
+                     "def get_failed_block_ids(self)")
+    assert ("DualPathConnector.get_block_ids_with_load_errors: overrides nothing in the "
+            "release's KVConnectorBase_V1 (renamed or removed: never called)") in drifts(renamed)
+    # The base class moved to another module and is re-exported: not silently skipped.
+    moved = edited(installed, BASE, "class KVConnectorBase_V1(", "class _Moved(")
+
+    def reexport(m):
+        src = moved(m)
+        return src + "\nfrom elsewhere import KVConnectorBase_V1\n" if m == BASE else src
+    assert any("does not define class KVConnectorBase_V1" in d for d in drifts(reexport))
+
+
+def test_an_answer_in_a_docstring_is_not_an_answer(installed):
+    asks = edited(installed, BASE, "    def __init__(", "    @classmethod\n"
+                  "    def kv_cache_access(cls, kv_transfer_config):\n"
+                  "        return 1\n\n    def __init__(")
+    mute = OURS.replace("return KVCacheAccess.REGISTERS",
+                        "# not REGISTERS: KVCacheAccess.REGISTERS\n"
+                        "        return KVCacheAccess.IN_PROCESS")
+    assert "KVCacheAccess.REGISTERS" in mute         # (named, not returned)
+    assert any("not answered" in str(d) for d in api_check.check(mute, asks))

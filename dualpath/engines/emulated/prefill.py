@@ -152,13 +152,13 @@ class EmulatedPrefillPath(PrefillPath):
         PE-buffer slots released, or fenced while the DE's load may still write into
         them (it did not say it ended)."""
         n = self.node
-        if watch is not None:
-            watch.close()
         told = False
         if tell:
             # The DE drops its state (its slots: our writes ended) and its load into
             # our memory, answering once that load ended.
             told = await n.peers.cancel(de, rid, attempt)
+        if watch is not None:
+            watch.close()               # (its scope after the load ended, when told)
         if pebuf is not None:
             if watch is not None and not watch.complete and not told:
                 n.fences.hold(de, rid, attempt, pebuf)

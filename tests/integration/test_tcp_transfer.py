@@ -385,11 +385,11 @@ def test_connections_are_made_and_reset_on_the_data_path_thread():
             fails = {"n": 1}
             request = a.oob.request
 
-            async def flaky(peer, req):
+            async def flaky(peer, req, expect=""):
                 if fails["n"]:
                     fails["n"] -= 1
                     raise TransferError("exchange lost", errno=errno.ECONNRESET)
-                return await request(peer, req)
+                return await request(peer, req, expect)
             a.oob.request = flaky
             await a._recover(c)
             dp = a._dp._thread

@@ -116,14 +116,18 @@ def _write_smollm2(out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def _write_tiny(out: Path, seed: int, tokenizer_from: Path) -> None:
+def _write_seeded(out: Path, seed: int, tokenizer_from: Path, config_cls: str,
+                  model_cls: str, params: dict) -> None:
+    """A randomly initialised transformers model of ``config_cls``/``model_cls`` with
+    ``params``, seeded, float32, with SmolLM2's tokenizer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     vocab = _copy_tokenizer(tokenizer_from, out)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, bos_token_id=1, eos_token_id=2, **TINY)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    cfg = getattr(transformers, config_cls)(vocab_size=vocab, bos_token_id=1,
+                                            eos_token_id=2, **params)
+    model = getattr(transformers, model_cls)(cfg).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     c = json.loads((out / "config.json").read_text())
     c["dtype"] = "float32"
@@ -139,20 +143,6 @@ def _copy_tokenizer(src: Path, out: Path) -> int:
     return json.loads((src / "config.json").read_text())["vocab_size"]
 
 
-def _write_mla(out: Path, seed: int, tokenizer_from: Path) -> None:
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    vocab = _copy_tokenizer(tokenizer_from, out)
-    torch.manual_seed(seed)
-    cfg = DeepseekV2Config(vocab_size=vocab, bos_token_id=1, eos_token_id=2, **MLA)
-    model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
-    c = json.loads((out / "config.json").read_text())
-    c["dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(c, indent=1))
-
-
 def prepare(root: Path | None = None, names=NAMES, seed: int = 0) -> dict[str, Path]:
     """Prepare ``names`` under ``root``; their directories."""
     root = root or default_dir()
@@ -163,7 +153,9 @@ def prepare(root: Path | None = None, names=NAMES, seed: int = 0) -> dict[str, P
         if "smollm2" in names:
             out["smollm2"] = out_smol
     if "tiny" in names:
-        out["tiny"] = _atomic(root / "tiny", lambda d: _write_tiny(d, seed, smol))
+        out["tiny"] = _atomic(root / "tiny", lambda d: _write_seeded(
+            d, seed, smol, "LlamaConfig", "LlamaForCausalLM", TINY))
     if "mla" in names:
-        out["mla"] = _atomic(root / "mla", lambda d: _write_mla(d, seed, smol))
+        out["mla"] = _atomic(root / "mla", lambda d: _write_seeded(
+            d, seed, smol, "DeepseekV2Config", "DeepseekV2ForCausalLM", MLA))
     return out

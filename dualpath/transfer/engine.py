@@ -219,11 +219,6 @@ class TransferEngine:
         """Whether region ``region`` takes only granted WRITEs of peers."""
         return region in self._scoped and self.provider.scopes
 
-    @property
-    def scopes(self) -> bool:
-        """Whether grants are enforced where peers' WRITEs land (the provider scopes)."""
-        return self.provider.scopes
-
     def region_infos(self) -> dict[str, RegionInfo]:
         return {n: RegionInfo(r.addr, r.length, r.rkey) for n, r in self._regions.items()}
 

@@ -32,11 +32,11 @@ never from where or when the files were written, so hosts holding the same weigh
 agree on it and share their hits: the model config vLLM runs (its hf_config, overrides
 included; keys that only record provenance, such as ``_name_or_path``, left out), the
 dtypes, the block size, the KV geometry, and per weight file its name, size and content:
-hashed whole up to 1 GiB; a larger file by its identity (a safetensors file's whole
-header, which names every tensor's dtype, shape and offset, and the first and last 4 KiB
-of every tensor, so an edit of any whole tensor changes the id; other formats 17 evenly
-spaced 64 KiB samples), since reading every byte of a 600 GB model at start-up would
-take minutes. An edit that leaves every tensor's first and last 4 KiB alone needs the
+hashed whole when the weights total at most 1 GiB; else each file by its identity (a
+safetensors file's whole header, which names every tensor's dtype, shape and offset,
+and the first and last 4 KiB of every tensor, so an edit of any whole tensor changes the
+id; other formats 17 evenly spaced 64 KiB samples), since reading every byte of a 600 GB
+model at start-up, in the scheduler and in every worker, would take minutes. An edit that leaves every tensor's first and last 4 KiB alone needs the
 operator's ``model_id``. A hub name instead of a directory: the name and the revision
 (pin one: without it the id does not follow the hub's ``main``).
 """
@@ -163,14 +163,17 @@ def model_identity(model: str, revision: str = "", config: dict | None = None) -
     c = config if config is not None else _config_of(d)
     c = {k: v for k, v in c.items() if k not in PROVENANCE}
     h.update(json.dumps(c, sort_keys=True, default=str).encode() + b"\0")
-    for f in sorted(d.iterdir()):
-        if f.suffix in WEIGHT_SUFFIXES and f.is_file():
-            h.update(f"{f.name}:{f.stat().st_size}:".encode() + _content_digest(f) + b"\0")
+    files = [f for f in sorted(d.iterdir()) if f.suffix in WEIGHT_SUFFIXES and f.is_file()]
+    # Whole only when all of them together are small: a model in many 1 GiB shards must
+    # not be read end to end at each start-up (by the scheduler and every worker).
+    whole = sum(f.stat().st_size for f in files) <= WHOLE_BYTES
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}:".encode() + _content_digest(f, whole) + b"\0")
     return h.digest()
 
 
-def _content_digest(path: Path) -> bytes:
-    """A file's content whole up to WHOLE_BYTES; a larger one by its identity: a
+def _content_digest(path: Path, whole: bool) -> bytes:
+    """A file's content (``whole``), else its identity: a
     safetensors file's whole header (every tensor's name, dtype, shape, offsets) and the
     first and last TENSOR_EDGE bytes of every tensor (an edit of any whole tensor, such
     as a merged adapter or a targeted weight edit, changes them), else SAMPLES chunks
@@ -178,7 +181,7 @@ def _content_digest(path: Path) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     size = path.stat().st_size
     with open(path, "rb") as fh:
-        if size <= WHOLE_BYTES:
+        if whole:
             while chunk := fh.read(8 << 20):
                 h.update(chunk)
             return h.digest()

@@ -363,8 +363,11 @@ def _allowed(pid: int) -> dict[int, set[int]]:
     """thread id -> the cores it may run on, for every thread of ``pid``."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/status") as fh:
-            line = next(x for x in fh if x.startswith("Cpus_allowed_list:"))
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as fh:
+                line = next(x for x in fh if x.startswith("Cpus_allowed_list:"))
+        except (FileNotFoundError, ProcessLookupError):
+            continue                    # the thread ended between the listing and here
         out[int(tid)] = set(cpus.parse_cpus(line.split(":", 1)[1]))
     return out
 

@@ -64,6 +64,10 @@ enum dp_item_flags {
 void dp_items_fill(struct dp_item *out, uint32_t n, const uint64_t *rows,
                    uint64_t local_base, uint32_t lkey, uint64_t remote_base,
                    uint32_t rkey, uint64_t first_wr_id);
+/* The same, item k's rkey rkeys[k] (a peer's scoped region: a window per granted run). */
+void dp_items_fill_keyed(struct dp_item *out, uint32_t n, const uint64_t *rows,
+                         uint64_t local_base, uint32_t lkey, uint64_t remote_base,
+                         const uint32_t *rkeys, uint64_t first_wr_id);
 
 /* One side of a layer move (runs.c): unit u's segment s of layer l sits at
  * bases[l * nseg + s] + (u / group) * group_stride + (u % group) * unit_stride, and

@@ -130,6 +130,9 @@ _OWNED_COUNTERS = (
       "attempted; their in-flight writes go back to the queue.")),
     ("dualpath_node_transfer_retried_slices_total", "transfer", "retried_slices",
      "Writes posted again after their connection broke."),
+    ("dualpath_node_transfer_rescopes_total", "transfer", "rescopes",
+     ("Fetches of a peer's windows before writing under its grant, where the peer's "
+      "regions are scoped by key (verbs under mutual TLS): about one per request.")),
     ("dualpath_node_data_writes_refused_total", "target", "refused",
      ("Peers' WRITEs into this node refused where they landed, before a byte was written "
       "(a bad key or range, memory deregistered, or out of the writer's scope). TCP "

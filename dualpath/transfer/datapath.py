@@ -42,17 +42,20 @@ class Transfer:
     """One write(): its planned slices as uint64 rows (local offset, remote offset,
     length), read by ``dp_items_fill`` at post time, never walked in Python."""
 
-    __slots__ = ("abandoned", "done", "end", "expired", "fut", "lkey", "local_base",
-                 "nbytes", "nslices", "peer", "ptr", "remaining", "remote", "rows",
-                 "stopped", "timer")
+    __slots__ = ("abandoned", "done", "end", "expired", "fut", "kptr", "lkey",
+                 "local_base", "nbytes", "nslices", "peer", "ptr", "remaining", "remote",
+                 "rkeys", "rows", "stopped", "timer")
 
     def __init__(self, fut: asyncio.Future, peer: Peer, rows: np.ndarray, region: Region,
-                 remote: str):
+                 remote: str, rkeys: np.ndarray | None = None):
         self.fut, self.peer, self.rows, self.remote = fut, peer, rows, remote
         self.local_base, self.lkey = region.addr, region.lkey
         self.nbytes = int(rows[:, 2].sum())
         self.end = int((rows[:, 1] + rows[:, 2]).max())     # the remote region must hold it
         self.ptr = ffi.cast("uint64_t *", ffi.from_buffer(rows))
+        # A row's own rkey (a window of a region the peer scopes by key), else None.
+        self.rkeys = rkeys
+        self.kptr = None if rkeys is None else ffi.cast("uint32_t *", ffi.from_buffer(rkeys))
         self.remaining = self.nslices = len(rows)
         self.done = False           # data-path thread: resolved (or cancelled)
         self.abandoned = False      # loop: nobody awaits the future any more
@@ -410,8 +413,13 @@ class DataPath:
                 continue
             k = part.stop - part.start
             part.first_wr = self._wr_seq + 1
-            lib.dp_items_fill(items + filled, k, t.ptr + 3 * part.start,
-                              t.local_base, t.lkey, info.addr, info.rkey, part.first_wr)
+            if t.kptr is None:
+                lib.dp_items_fill(items + filled, k, t.ptr + 3 * part.start,
+                                  t.local_base, t.lkey, info.addr, info.rkey, part.first_wr)
+            else:
+                lib.dp_items_fill_keyed(items + filled, k, t.ptr + 3 * part.start,
+                                        t.local_base, t.lkey, info.addr,
+                                        t.kptr + part.start, part.first_wr)
             self._wr_seq += k
             filled += k
             batch.append(part)

@@ -68,7 +68,7 @@ from dualpath.transfer.provider import (
     Region,
     RegionInfo,
 )
-from dualpath.transfer.slices import plan_rows
+from dualpath.transfer.slices import plan_rows, window_keys
 from dualpath.transfer.transport import open_provider, select_transport
 
 log = logging.getLogger("dualpath.transfer")
@@ -137,6 +137,9 @@ class TransferEngine:
         if self._state != "new":
             raise UsageError(f"transfer engine {self.name} was already started")
         self._loop = asyncio.get_running_loop()
+        # Our own connections (to ourselves, served in process: over TLS a peer's
+        # request carries its certificate identity instead) are not scoped.
+        self.provider.trust(self.name)
         self.oob.serve(self.name, self._handle_connect)
         self._dp.start(self._loop, self._deliver)
         self._state = "running"
@@ -255,7 +258,15 @@ class TransferEngine:
         rows = plan_rows(items, self.config.slice_bytes, region.length, info.length)
         if not len(rows):
             return
-        t = Transfer(self._loop.create_future(), p, rows, region, remote)
+        rkeys = None
+        if info.scoped:
+            rkeys, inside = window_keys(info.windows, rows, info.rkey)
+            if not inside:      # a grant newer than our copy of the windows? Once more.
+                await self.rescope(peer)
+                info = p.regions.get(remote, info)
+                rkeys, inside = window_keys(info.windows, rows, info.rkey)
+            # Rows still outside every window go with a key the peer's NIC refuses.
+        t = Transfer(self._loop.create_future(), p, rows, region, remote, rkeys)
         # The bound is one timer on the loop (wait_for and shield cost two futures and
         # four callbacks a write); delivery cancels it.
         t.timer = self._loop.call_later(bound, self._expire, t, peer, bound)
@@ -268,6 +279,25 @@ class TransferEngine:
                 t.abandoned = True
                 await self._stop(t)
             raise
+
+    async def rescope(self, peer: str) -> None:
+        """Fetch the windows ``peer`` grants us now, where its regions are scoped by key
+        (verbs: a window is an rkey of its own). Call before writing under a grant made
+        since our copy was fetched: a window of an ended grant may still be in it, and a
+        new grant of the same slots has new keys. A no-op for a peer not yet connected
+        (its connect fetches them) or whose regions are not scoped so. Loop thread."""
+        p = self._peers.get(peer)
+        if p is None or not any(i.scoped for i in p.regions.values()):
+            return
+        req = ConnectRequest(self.name, self.transport, (), ())
+        try:
+            reply = await self.oob.request(peer, req, p.identity)
+        except (DualPathError, OSError) as e:
+            raise TransferError(f"cannot fetch peer {peer!r}'s windows: {e}",
+                                errno=getattr(e, "errno", 0) or 0) from e
+        self._check_reply(peer, reply, 0)
+        p.regions = dict(reply.regions)
+        self.stats["rescopes"] += 1
 
     def _expire(self, t: Transfer, peer: str, bound: float) -> None:
         """Loop: ``t`` is past its bound: the data-path thread stops it and recovers the
@@ -418,7 +448,11 @@ class TransferEngine:
                                 errno=errno.EPROTONOSUPPORT)
         eps = tuple(self.provider.accept(req.source, i, ep)
                     for i, ep in zip(req.indices, req.endpoints))
-        return ConnectReply(self.transport, eps, self.region_infos())
+        # What this peer may WRITE: per peer where grants are keys (verbs' windows). A
+        # request with no connections asks for just that (TransferEngine.rescope).
+        return ConnectReply(self.transport, eps,
+                            {n: self.provider.view(req.source, r)
+                             for n, r in self._regions.items()})
 
     def _start_recovery(self, c: Conn) -> None:
         if self._state != "running":

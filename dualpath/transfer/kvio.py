@@ -60,7 +60,8 @@ async def write_layers(transfer: TransferEngine, peer: str, src: KvPlacement,
     ``on_layer(n)`` after the n-th layer landed (n counts from 1). Returns the bytes
     moved. At most two layers are in flight; on an error, the other layer in flight is
     waited for before raising, and on a cancel it is stopped (TransferEngine.write), so
-    nothing still reads ``src`` or writes ``dst`` once this returns."""
+    nothing still reads ``src`` or writes ``dst`` once this returns. The peer's grant for
+    ``dst`` is fetched first where its windows are keys (TransferEngine.rescope)."""
     order = list(range(src.fmt.layers) if layers is None else layers)
     if stop_token <= first_token:
         for n in range(1, len(order) + 1):
@@ -69,6 +70,7 @@ async def write_layers(transfer: TransferEngine, peer: str, src: KvPlacement,
         return 0
 
     move = LayerMove(src, src_units, dst, dst_units, [(first_token, stop_token)])
+    await transfer.rescope(peer)        # the windows of the grant we write under
 
     def start(layer: int) -> asyncio.Future:
         return asyncio.ensure_future(write_rows(transfer, peer, *move.rows(layer)))

@@ -49,7 +49,7 @@ def encode(msg: ConnectRequest | ConnectReply) -> bytes:
     elif isinstance(msg, ConnectReply):
         d = {"type": "connect_reply", "transport": msg.transport,
              "endpoints": [e.hex() for e in msg.endpoints],
-             "regions": {k: [r.addr, r.length, r.rkey] for k, r in msg.regions.items()}}
+             "regions": {k: _region(r) for k, r in msg.regions.items()}}
     else:
         raise UsageError(f"cannot encode {type(msg).__name__}")
     return json.dumps(d, separators=(",", ":")).encode()
@@ -63,11 +63,26 @@ def decode(data: bytes) -> ConnectRequest | ConnectReply:
             return ConnectRequest(str(d["source"]), str(d["transport"]),
                                   tuple(int(i) for i in d["indices"]), eps)
         if d["type"] == "connect_reply":
-            regions = {str(k): RegionInfo(*(int(x) for x in v)) for k, v in d["regions"].items()}
+            regions = {str(k): _region_info(v) for k, v in d["regions"].items()}
             return ConnectReply(str(d["transport"]), eps, regions)
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"malformed out-of-band message: {e}") from e
     raise UsageError(f"unknown out-of-band message type {d.get('type')!r}")
+
+
+def _region(r: RegionInfo) -> list:
+    """``[addr, length, rkey]``, and the windows where the region is scoped by key."""
+    if not r.scoped:
+        return [r.addr, r.length, r.rkey]
+    return [r.addr, r.length, r.rkey, [list(w) for w in r.windows]]
+
+
+def _region_info(v: list) -> RegionInfo:
+    if len(v) == 3:
+        return RegionInfo(*(int(x) for x in v))
+    addr, length, rkey, windows = v
+    return RegionInfo(int(addr), int(length), int(rkey),
+                      tuple((int(o), int(n), int(k)) for o, n, k in windows), True)
 
 
 class OutOfBand(ABC):

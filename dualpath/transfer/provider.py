@@ -89,6 +89,11 @@ class RegionInfo:
     addr: int
     length: int     # bytes
     rkey: int
+    # Where the provider scopes by key (verbs): this peer WRITEs into the region only
+    # through windows, ``(offset, length, rkey)`` rows sorted by offset, one per granted
+    # run; ``rkey`` above then opens nothing for it (the target's NIC refuses it).
+    windows: tuple[tuple[int, int, int], ...] = ()
+    scoped: bool = False
 
 
 class Region(Protocol):
@@ -173,6 +178,12 @@ class Provider(ABC):
         """Counters of peers' WRITEs into our regions, where the provider sees them
         (``refused``, ``out_of_scope``); empty where the NIC keeps them (verbs)."""
         return {}
+
+    def view(self, peer: str, region: Region) -> RegionInfo:
+        """What ``peer`` is told of ``region`` by the out-of-band exchange: its address,
+        length and key; where grants are keys of their own (verbs), the windows granted
+        to that peer now."""
+        return RegionInfo(region.addr, region.length, region.rkey)
 
     def trust(self, peer: str) -> None:
         """``peer`` is our own (the node's vLLM worker, with the node's certificate): its

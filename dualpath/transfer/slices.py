@@ -88,6 +88,22 @@ def _plan(items: np.ndarray, out: np.ndarray, slice_bytes: int, local_length: in
                             len(out), bad)
 
 
+def window_keys(windows, rows: np.ndarray, fallback: int) -> tuple[np.ndarray, bool]:
+    """The rkey of each row's window (``windows``: ``(offset, length, rkey)`` sorted by
+    offset, disjoint) as uint32, and whether every row lies inside one; a row outside
+    gets ``fallback`` (a key its target refuses)."""
+    keys = np.full(len(rows), fallback, np.uint32)
+    if not len(windows) or not len(rows):
+        return keys, not len(rows)
+    w = np.asarray(windows, dtype=np.uint64).reshape(-1, 3)
+    i = np.searchsorted(w[:, 0], rows[:, 1], side="right").astype(np.int64) - 1
+    inside = i >= 0
+    j = np.where(inside, i, 0)
+    inside &= rows[:, 1] + rows[:, 2] <= w[j, 0] + w[j, 1]
+    keys[inside] = w[j[inside], 2]
+    return keys, bool(inside.all())
+
+
 def spread(total: int, rooms: Sequence[int]) -> list[int]:
     """How many of ``total`` slices each connection takes: as even as the rooms (free
     credits) allow, earlier connections taking the remainder; sum = min(total, rooms).

@@ -10,18 +10,29 @@ and closes its connections on its data-path thread, the one that posts and polls
 passive QPs ``accept`` makes on the loop thread sit on a CQ of their own that nobody
 polls.
 
+Scope (docs/security.md, "The data plane's scope"): once a region is registered
+``scoped``, every peer that is not trusted gets a protection domain of its own, and its
+passive QPs live there. A WRITE on one of them is checked by the NIC against that PD's
+memory regions only: the region's own MR (our PD) is out of its reach, and each grant
+registers an MR per merged run of the granted ranges in the peer's PD, whose rkeys the
+peer learns from :meth:`VerbsProvider.view` (the out-of-band exchange) and uses row by
+row (``dp_items_fill_keyed``). Ungrant deregisters them: from its return the NIC refuses
+that peer's WRITEs into those runs (REM_ACCESS_ERR at the writer). An unscoped region is
+reached by such a peer through a whole-region MR of its PD, made when first shown to it.
+
 Endpoints are ``struct dp_qp_endpoint`` packed little-endian: qpn, psn, lid, mtu, gid.
 Tested only where a device exists (tests/rdma, the SoftRoCE guest).
 """
 
 from __future__ import annotations
 
+import errno
 import struct
 
 from dualpath import lane, verbs
 from dualpath.dp import WorkCompletion
-from dualpath.errors import UsageError
-from dualpath.transfer.provider import Admissions, Connection, Provider
+from dualpath.errors import TransferError, UsageError
+from dualpath.transfer.provider import Admissions, Connection, Provider, RegionInfo
 
 _ENDPOINT = struct.Struct("<IIII16s")
 
@@ -36,6 +47,65 @@ def decode_endpoint(data: bytes) -> verbs.Endpoint:
     return verbs.Endpoint(*_ENDPOINT.unpack(data))
 
 
+def merge_runs(ranges, length: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` rows inside ``[0, length)`` as sorted, merged runs."""
+    runs: list[list[int]] = []
+    for off, n in sorted((int(o), int(n)) for o, n in ranges):
+        if n <= 0 or off < 0 or off + n > length:
+            raise UsageError(f"grant window ({off}, {n}) is not inside a region of "
+                             f"{length} bytes")
+        if runs and off <= runs[-1][0] + runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], off + n - runs[-1][0])
+        else:
+            runs.append([off, n])
+    return [(o, n) for o, n in runs]
+
+
+class _Grant:
+    """One grant: an MR per run in the peer's PD; closed by ``ungrant`` or its region."""
+
+    __slots__ = ("mrs", "peer", "provider", "region", "runs")
+
+    def __init__(self, provider: VerbsProvider, peer: str, region: _VerbsRegion, runs,
+                 mrs):
+        self.provider, self.peer, self.region = provider, peer, region
+        self.runs, self.mrs = runs, mrs
+
+    def windows(self):
+        return [(o, n, mr.rkey) for (o, n), mr in zip(self.runs, self.mrs)]
+
+    def close(self) -> None:
+        mrs, self.mrs = self.mrs, []
+        if not mrs:
+            return
+        self.region.grants.discard(self)
+        self.provider._grants -= 1
+        for mr in mrs:
+            mr.close()
+
+
+class _VerbsRegion:
+    """A registered range (our PD's MR) and what other PDs hold of it: the grants' MRs
+    (scoped) or whole-region MRs of scoped peers (unscoped); closing it closes them."""
+
+    def __init__(self, mr: verbs.MemoryRegion, scoped: bool):
+        self.mr, self.scoped = mr, scoped
+        self.addr, self.length, self.lkey, self.rkey = mr.addr, mr.length, mr.lkey, mr.rkey
+        self.grants: set[_Grant] = set()
+        self.whole: dict[str, verbs.MemoryRegion] = {}      # peer -> MR in its PD
+
+    def close(self) -> None:
+        for g in list(self.grants):
+            g.close()
+        whole, self.whole = self.whole, {}
+        for mr in whole.values():
+            mr.close()
+        self.mr.close()
+
+    def __repr__(self) -> str:
+        return f"<{'scoped ' if self.scoped else ''}verbs region {self.mr!r}>"
+
+
 class VerbsProvider(Provider):
     """``device`` "" = the first with an ACTIVE port; ``gid_index`` -1 = pick the RoCE v2
     IPv4-mapped GID (none on InfiniBand).
@@ -48,6 +118,8 @@ class VerbsProvider(Provider):
 
     kind = "verbs"
     poll_slice_s = 0.0002   # dp_cq_wait busy-polls: keep slices short, wake() is a no-op
+    scopes = True
+    max_grants = 4096       # live grants (each an MR per run: NIC memory-key space)
 
     def __init__(self, device: str = "", port: int = 1, gid_index: int = -1, *,
                  cq_depth: int = 4096, service_level: int = lane.KV_SERVICE_LEVEL,
@@ -66,6 +138,10 @@ class VerbsProvider(Provider):
                          "service_level": service_level, "traffic_class": traffic_class,
                          "retry_cnt": retry_cnt, "timeout": ack_timeout}
         self._passive: dict[tuple[str, int], verbs.QueuePair] = {}
+        self._trusted: set[str] = set()
+        self._scoping = False                       # a scoped region was registered
+        self._pds: dict[str, verbs.ProtectionDomain] = {}   # untrusted peer -> its PD
+        self._grants = 0
         # QPs are made only for peers of the authenticated exchange, bounded per peer.
         self._admissions = Admissions()
         self.description = (f"verbs {self.device.name} port {port} "
@@ -73,8 +149,70 @@ class VerbsProvider(Provider):
                             f"sl {service_level} tc {traffic_class}")
 
     def register(self, buf=None, *, addr=None, length=None, scoped=False):
-        # Not scoped per request (Provider.scopes is False): see docs/security.md.
-        return self.pd.mr(buf, verbs.ACCESS_RW, addr=addr, length=length)
+        if scoped and not self._scoping:
+            early = sorted({p for p, _ in self._passive if p not in self._trusted})
+            if early:
+                raise UsageError("register scoped regions before peers connect: "
+                                 f"{', '.join(early)} already write through our PD")
+            self._scoping = True
+        return _VerbsRegion(self.pd.mr(buf, verbs.ACCESS_RW, addr=addr, length=length),
+                            scoped)
+
+    def _pd(self, peer: str) -> verbs.ProtectionDomain:
+        """The PD ``peer``'s passive QPs and windows live in: ours for a trusted peer
+        or while nothing is scoped, else one of its own."""
+        if peer in self._trusted or not self._scoping:
+            return self.pd
+        pd = self._pds.get(peer)
+        if pd is None:
+            self._admissions.tag(peer)              # bounded like the admissions
+            pd = self._pds[peer] = self.device.pd()
+        return pd
+
+    def grant(self, peer: str, region, ranges):
+        if not isinstance(region, _VerbsRegion) or not region.scoped:
+            return None
+        runs = merge_runs(ranges, region.length)
+        pd = self._pd(peer)
+        if pd is self.pd or not runs:
+            return None                             # trusted: it reaches every byte
+        if self._grants >= self.max_grants:
+            raise TransferError(f"{self._grants} grants live (at most {self.max_grants}); "
+                                f"refusing one for {peer!r}", errno=errno.ENOSPC)
+        mrs: list[verbs.MemoryRegion] = []
+        try:
+            for off, n in runs:
+                mrs.append(pd.mr(None, verbs.ACCESS_RW, addr=region.addr + off, length=n))
+        except BaseException:
+            for mr in mrs:
+                mr.close()
+            raise
+        g = _Grant(self, peer, region, runs, mrs)
+        region.grants.add(g)
+        self._grants += 1
+        return g
+
+    def ungrant(self, grant) -> None:
+        if grant is not None:
+            grant.close()
+
+    def view(self, peer: str, region) -> RegionInfo:
+        pd = self._pd(peer)
+        if pd is self.pd or not isinstance(region, _VerbsRegion):
+            # Trusted, nothing scoped, or device memory (reached from our PD only).
+            return RegionInfo(region.addr, region.length, region.rkey)
+        if region.scoped:
+            windows = sorted(w for g in region.grants if g.peer == peer
+                             for w in g.windows())
+            return RegionInfo(region.addr, region.length, region.rkey, tuple(windows), True)
+        mr = region.whole.get(peer)
+        if mr is None:
+            mr = region.whole[peer] = pd.mr(None, verbs.ACCESS_RW, addr=region.addr,
+                                            length=region.length)
+        return RegionInfo(region.addr, region.length, mr.rkey)
+
+    def trust(self, peer: str) -> None:
+        self._trusted.add(peer)
 
     def register_gpu(self, addr: int, length: int, device: int):
         from dualpath import gpu
@@ -89,8 +227,8 @@ class VerbsProvider(Provider):
         self._admissions.admit(peer, index)
         qp = self._passive.get((peer, index))
         if qp is None:
-            qp = self.pd.qp(self._passive_cq,
-                            config=verbs.QpConfig(max_send_wr=1, **self._qp_args))
+            qp = self._pd(peer).qp(self._passive_cq,
+                                   config=verbs.QpConfig(max_send_wr=1, **self._qp_args))
             self._passive[(peer, index)] = qp
         else:
             qp.reset()

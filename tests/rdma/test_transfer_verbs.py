@@ -276,3 +276,98 @@ def test_peer_that_never_answers_is_bounded(veth):
             await a.close()     # must not hang on the stuck QP
             hole.close()
     run(main())
+
+
+def test_a_scoped_region_takes_a_peers_writes_only_inside_its_grants(devices):
+    """Issue 38 item 3 on verbs: "b" registers its buffer scoped; "a" and "c" each hold
+    a grant of their own 64 KiB. The NIC (rxe's responder: the QP's PD against the
+    rkey's) takes a's WRITE inside a's window only: into c's window, outside every
+    window, and into its own window once the grant ended, it is refused (REM_ACCESS_ERR)
+    and no byte lands. On the code before per-peer PDs every one of them landed."""
+    W = 65536
+
+    async def main():
+        oob = InProcessChannel()
+        config = TransferConfig(slice_bytes=W, timeout_s=30.0, connections_per_peer=1)
+        engines = [TransferEngine(n, VerbsProvider(d, cq_depth=config.cq_depth), oob, config)
+                   for n, d in (("a", devices[0]), ("b", devices[1]), ("c", devices[0]))]
+        a, b, c = engines
+        for e in engines:
+            await e.start()
+        src = bytearray(os.urandom(SIZE))
+        dst = bytearray(SIZE)
+        a.register("default", src)
+        c.register("default", src)
+        b.register("default", dst, scoped=True)
+        try:
+            ga = b.grant("a", "default", [(0, W // 2), (W // 2, W // 2)])   # merged: 1 MR
+            gc = b.grant("c", "default", [(W, W)])
+            await a.write("b", [(0, 0, W)])                 # inside a's window
+            assert dst[:W] == src[:W]
+            await c.write("b", [(0, W, W)])                 # inside c's window
+            assert dst[W:2 * W] == src[:W]
+
+            for item in ((W, W, 4096),                      # c's window
+                         (0, 4 * W, 4096),                  # nobody's
+                         (0, W - 4096, 8192)):              # half a's, half c's
+                before = bytes(dst)
+                with pytest.raises(TransferError) as ei:
+                    await a.write("b", [item])
+                assert ei.value.status == WcStatus.REM_ACCESS_ERR, ei.value
+                assert dst == before
+            info = a._peers["b"].regions["default"]
+            assert info.scoped and [w[:2] for w in info.windows] == [(0, W)]
+            assert b.scoped("default")
+            # The window's own key into the region's whole key: the NIC refuses that too.
+            peer = a._peers["b"]
+            peer.regions = {"default": RegionInfo(info.addr, info.length, info.rkey)}
+            with pytest.raises(TransferError) as ei:
+                await a.write("b", [(0, 2 * W, 4096)])
+            assert ei.value.status == WcStatus.REM_ACCESS_ERR
+            assert dst[2 * W:3 * W] == bytes(W)
+            peer.regions = {"default": info}    # (its recovery refreshes them too)
+
+            # The grant ends: a's cached key for its window is dead on b's NIC.
+            await a.rescope("b")
+            ga.close()
+            ga.close()                                      # idempotent
+            with pytest.raises(TransferError) as ei:
+                await a.write("b", [(4096, 0, 4096)])
+            assert ei.value.status == WcStatus.REM_ACCESS_ERR
+            assert dst[:W] == src[:W]
+            # The same slots granted again: new keys, fetched by rescope, and it lands.
+            ga = b.grant("a", "default", [(0, W)])
+            await a.rescope("b")
+            await a.write("b", [(4096, 0, 4096)])
+            assert dst[:4096] == src[4096:8192]
+            gc.close()
+            ga.close()
+            assert b.provider._grants == 0
+        finally:
+            for e in reversed(engines):
+                await e.close()
+    run(main())
+
+
+def test_a_trusted_peer_writes_anywhere_in_a_scoped_region(veth):
+    """The node's own worker (trusted: the node's identity) writes where the node hands
+    it slots, with no grant: its QPs share our PD."""
+    async def main():
+        oob = InProcessChannel()
+        config = TransferConfig(slice_bytes=65536, timeout_s=30.0, connections_per_peer=1)
+        a = TransferEngine("a", VerbsProvider(veth[0], cq_depth=config.cq_depth), oob, config)
+        b = TransferEngine("b", VerbsProvider(veth[1], cq_depth=config.cq_depth), oob, config)
+        await a.start()
+        await b.start()
+        src, dst = bytearray(os.urandom(SIZE)), bytearray(SIZE)
+        a.register("default", src)
+        b.register("default", dst, scoped=True)
+        b.trust("a")
+        try:
+            await a.write("b", [(0, 0, SIZE)])
+            assert dst == src
+            assert not a._peers["b"].regions["default"].scoped
+        finally:
+            await a.close()
+            await b.close()
+    run(main())

@@ -54,6 +54,9 @@ class SlowTransfer:
         self.events = events
         self.n = 0
 
+    async def rescope(self, peer):
+        pass
+
     async def write(self, peer, items, *, local, remote):
         n, self.n = self.n, self.n + 1
         for _ in range(5):

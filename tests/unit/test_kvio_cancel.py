@@ -23,6 +23,9 @@ class StuckWire:
         self.started: list[int] = []
         self.given_up: list[int] = []
 
+    async def rescope(self, peer):
+        pass
+
     async def write(self, peer, rows, *, local, remote):
         layer = int(rows[0, 0])
         self.started.append(layer)

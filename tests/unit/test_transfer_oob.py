@@ -73,3 +73,15 @@ def test_status_names_follow_ibv_numbering():
     assert status_name(10) == "REM_ACCESS_ERR (10)"
     assert status_name(5) == "WR_FLUSH_ERR (5)"
     assert status_name(99) == "status 99"
+
+
+def test_a_reply_carries_the_windows_of_a_region_scoped_by_key():
+    """verbs' scope: the peer learns one rkey per granted run; an unscoped region keeps
+    the three-field form older engines read."""
+    scoped = RegionInfo(0x1000, 1 << 20, 7, ((0, 4096, 11), (65536, 8192, 12)), True)
+    plain = RegionInfo(0x2000, 4096, 9)
+    reply = decode(encode(ConnectReply("verbs", (b"e",), {"a": scoped, "b": plain})))
+    assert reply.regions == {"a": scoped, "b": plain}
+    assert b'"b":[8192,4096,9]' in encode(ConnectReply("verbs", (), {"b": plain}))
+    empty = RegionInfo(0, 4096, 7, (), True)        # scoped, nothing granted yet
+    assert decode(encode(ConnectReply("verbs", (), {"a": empty}))).regions["a"] == empty

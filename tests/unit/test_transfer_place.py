@@ -105,7 +105,7 @@ def test_a_transfer_failed_earlier_in_the_round_is_not_posted():
     writes may land after that."""
     rows = np.array([[0, 0, 4096], [4096, 4096, 4096]], dtype=np.uint64)
     live = SimpleNamespace(done=False, remote="r", end=8192, rows=rows, local_base=0,
-                           lkey=1, ptr=ffi.cast("uint64_t *", ffi.from_buffer(rows)))
+                           lkey=1, ptr=ffi.cast("uint64_t *", ffi.from_buffer(rows)), kptr=None)
     failed = SimpleNamespace(**{**vars(live), "done": True})
     posted = []
     peer = SimpleNamespace(name="b", pending=deque(),

@@ -82,3 +82,32 @@ def test_spread_never_exceeds_room_or_total_and_fills_what_it_can(total, rooms):
     # Even: two connections that both still had room differ by at most one slice.
     open_ = [c for c, r in zip(counts, rooms) if c < r]
     assert not open_ or max(open_) - min(open_) <= 1
+
+
+def test_window_keys_give_each_row_its_windows_key_or_the_fallback():
+    from dualpath.transfer.slices import window_keys
+
+    windows = [(0, 8192, 11), (16384, 4096, 12)]
+    rows = np.array([[0, 0, 4096], [0, 4096, 4096],          # inside the first
+                     [0, 16384, 4096],                       # the second, whole
+                     [0, 8192, 4096],                        # in the gap
+                     [0, 4096, 8192],                        # runs past the first
+                     [0, 20400, 100]], dtype=np.uint64)      # past the last
+    keys, inside = window_keys(windows, rows, 99)
+    assert keys.dtype == np.uint32 and list(keys) == [11, 11, 12, 99, 99, 99]
+    assert not inside
+    keys, inside = window_keys(windows, rows[:3], 99)
+    assert inside and list(keys) == [11, 11, 12]
+    keys, inside = window_keys([], rows[:1], 99)
+    assert not inside and list(keys) == [99]
+
+
+def test_grant_runs_merge_and_stay_inside_the_region():
+    from dualpath.transfer.verbs_provider import merge_runs
+
+    assert merge_runs([(8192, 4096), (0, 4096), (4096, 4096), (20000, 10)], 1 << 20) == \
+        [(0, 12288), (20000, 10)]
+    assert merge_runs([(0, 8192), (4096, 100)], 8192) == [(0, 8192)]   # overlapping
+    for bad in ((0, 0), (-1, 10), (8000, 200)):
+        with pytest.raises(UsageError, match="not inside"):
+            merge_runs([bad], 8192)

@@ -31,6 +31,7 @@ Threads: the node's event loop only.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -208,6 +209,7 @@ class _Job:
         self.de_buffer, self.de_units = de_buffer, de_units
         self.lacks, self.first = lacks, first
         self._moves: dict[tuple, LayerMove] = {}
+        self._scope: asyncio.Future | None = None
 
     def _route(self, kind: str, window: Sequence[int]) -> Route:
         """Where ``kind``'s WRITEs go: "load" PE buffer -> HBM ``window``, "push" the
@@ -246,6 +248,9 @@ class _Job:
         if first == self.first:                # the first chunk: the hit the DE lacks
             spans.insert(0, self.lacks)
         try:
+            if self._scope is None:     # the DE's grant to us, once (verbs: its keys)
+                self._scope = asyncio.ensure_future(n.transfer.rescope(self.de))
+            await asyncio.shield(self._scope)
             await write_rows(n.transfer, self.de, *self._rows("push", window, layer, spans))
         except TransferError as err:
             raise PeerUnavailable(f"push of layer {layer} to {self.de}: {err}") from err

@@ -176,6 +176,21 @@ class KvPlacement:
                    (0,) * len(fmt.row_bytes), _row_offsets(fmt), fmt.unit_bytes,
                    slots * fmt.units, group=fmt.units, group_stride=slot_stride)
 
+    def select(self, segments: Sequence[int]) -> KvPlacement:
+        """This placement's segments ``segments``, in that order, as a placement of their
+        own (its format holds just those rows): a tensor-parallel rank's part of each
+        canonical block, which moves to and from that rank's KV like any placement of
+        the rank's format."""
+        n = len(self.fmt.row_bytes)
+        if not segments or any(not 0 <= s < n for s in segments):
+            raise UsageError(f"segments {list(segments)} are not a selection of {n}")
+        fmt = KvFormat(self.fmt.layers, self.fmt.unit_tokens,
+                       tuple(self.fmt.row_bytes[s] for s in segments), self.fmt.units)
+        return KvPlacement(fmt, self.layer_regions, self.plane_bases,
+                           tuple(self.segment_planes[s] for s in segments),
+                           tuple(self.segment_offsets[s] for s in segments),
+                           self.unit_stride, self.num_units, self.group, self.group_stride)
+
     def units_of_slots(self, slots: Sequence[int]) -> list[int]:
         """The unit ids of Full Block slots ``slots`` (a :meth:`full_blocks` placement)."""
         k = self.group

@@ -230,12 +230,15 @@ class WorkerAgent:
     ``close()`` (idempotent)."""
 
     def __init__(self, settings: AgentSettings, ranges: Sequence[MemoryRange],
-                 placement: KvPlacement):
+                 placement: KvPlacement, canonical: Sequence[int] = (),
+                 canonical_rows: Sequence[int] = ()):
         if not ranges:
             raise UsageError("the worker agent needs at least one KV memory range")
         self.settings = settings
         self.ranges = list(ranges)
         self.placement = placement
+        # Where this rank's segments sit in the canonical block (kv_tensors.py; () whole).
+        self.canonical, self.canonical_rows = tuple(canonical), tuple(canonical_rows)
         self.name = ""
         self.attached: Attached | None = None
         self.shared = None            # the daemon's buffer, mapped (same host, host KV)
@@ -318,7 +321,9 @@ class WorkerAgent:
         reply = await self.stub.Attach(connector_pb2.AttachRequest(
             worker_name=self.name, model_id=s.model_id, tp_rank=s.tp_rank,
             tp_size=s.tp_size, placement=placement_wire.to_pb(self.placement),
-            host_memory=host, prefix_caching=s.prefix_caching), timeout=30)
+            host_memory=host, prefix_caching=s.prefix_caching,
+            canonical_segments=self.canonical, canonical_row_bytes=self.canonical_rows),
+            timeout=30)
         if reply.transport != self.transfer.transport:
             raise UsageError(f"node daemon {s.node_address} uses transport {reply.transport}, "
                              f"this worker {self.transfer.transport}: set [transport] kind "

@@ -146,9 +146,15 @@ class DualPathConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         pc = vllm_config.parallel_config
-        if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-            raise UsageError("DualPathConnector supports one worker per instance (tensor and "
-                             "pipeline parallel size 1) in this version")
+        if pc.pipeline_parallel_size != 1:
+            # A stage holds some of the layers; a block holds all of them, and a stage
+            # would need its own layer range of each (a load's layer order, a save that
+            # completes only when every stage's layers landed): not built.
+            raise UsageError("DualPathConnector does not support pipeline parallelism "
+                             f"(pipeline_parallel_size {pc.pipeline_parallel_size}): each "
+                             "stage holds a part of the layers, and a DualPath block holds "
+                             "every layer; use tensor parallelism")
+        self._tp = pc.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 Lookup(self.settings.node_address, self.model_id,
@@ -157,11 +163,14 @@ class DualPathConnector(KVConnectorBase_V1):
                 partial_tails=kvt.kv_role == "kv_consumer")
         else:
             self._worker = WorkerSide(
-                self.settings, self.model_id,
+                self.settings, self.model_id, tp_size=self._tp,
                 prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
         mc = vllm_config.model_config
         self._mla = bool(mc.use_mla)             # a latent per token: no heads, no K/V
-        self._geometry = (mc.get_head_size(), 1 if self._mla else mc.get_total_num_kv_heads())
+        # (head size, this rank's KV heads, every rank's)
+        self._geometry = (mc.get_head_size(),
+                          1 if self._mla else mc.get_num_kv_heads(pc),
+                          1 if self._mla else mc.get_total_num_kv_heads())
         log.info("DualPath connector (%s): node %s, model %s, vLLM %s (supported %s)",
                  role.name.lower(), self.settings.node_address, self.model_id,
                  vllm.__version__, SUPPORTED_VLLM)
@@ -176,10 +185,16 @@ class DualPathConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------ worker role
 
     def register_kv_caches(self, kv_caches):
-        head_size, kv_heads = self._geometry
+        head_size, kv_heads, total = self._geometry
+        rank = 0
+        if self._tp > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            rank = get_tensor_model_parallel_rank()
+        self._worker.tp_rank = rank
         self._worker.register(describe_kv_caches(kv_caches, self.block_size, head_size,
                                                  kv_heads, self.settings.block_units,
-                                                 mla=self._mla))
+                                                 mla=self._mla, tp_rank=rank,
+                                                 tp_size=self._tp, total_kv_heads=total))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -21,6 +21,14 @@ Layouts understood (anything else is refused, naming the shape):
   ``[num_blocks, 1, block_size, head_size]``: one latent row per token (kv_lora_rank +
   the rope part; no K/V planes, no heads), the block's rows end to end: one segment.
   The same latent on every tensor-parallel rank.
+
+Tensor parallelism: a rank's tensors hold its share of the KV heads (vLLM splits them in
+order: rank r of t holds heads ``[r*H/t, (r+1)*H/t)``, or, with fewer heads than ranks,
+one head that several ranks repeat). DualPath stores one canonical block whatever the TP
+(the TP=1 segments: every head, the layout's own order), so KV saved at one TP loads at
+any other: :func:`canonical_segments` says where each of a rank's segments sits in it
+(CPU_ATTN and HND segments are per head; an NHD row holds all of a rank's heads, so NHD
+is refused at TP > 1; MLA's latent is whole on every rank).
 """
 
 from __future__ import annotations
@@ -39,12 +47,52 @@ class KvTensors:
     layer_names: list[str]          # index = DualPath layer
     layout: str                     # "cpu" | "nhd" | "hnd" | "mla"
     dtype: str
+    # Tensor parallelism (canonical_segments): where each segment of ``placement`` sits
+    # in the canonical block, and that block's row bytes; () = the placement's own.
+    canonical: tuple[int, ...] = ()
+    canonical_rows: tuple[int, ...] = ()
+
+
+def rank_heads(rank: int, tp: int, total: int, local: int) -> list[int]:
+    """The KV heads (of ``total``) that tensor-parallel rank ``rank`` of ``tp`` holds,
+    ``local`` of them, in the order its tensors keep them."""
+    if not 0 <= rank < tp:
+        raise UsageError(f"tensor-parallel rank {rank} of {tp}")
+    if local * tp == total:
+        return [rank * local + h for h in range(local)]
+    if local == 1 and total < tp and tp % total == 0:
+        return [rank * total // tp]             # vLLM repeats each head over tp/total ranks
+    if tp == 1 and local == total:
+        return list(range(total))
+    raise UsageError(f"rank {rank} of {tp} holds {local} KV heads of {total}: not a split "
+                     "vLLM makes (heads divided evenly, or one head repeated on each rank)")
+
+
+def canonical_segments(layout: str, heads: list[int], total: int, row: int,
+                       nseg: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(index in the canonical block of each of a rank's ``nseg`` segments, the canonical
+    block's row bytes); ((), ()) when the rank's segments are the canonical block."""
+    if layout == "mla" or heads == list(range(total)):
+        return (), ()
+    if layout == "cpu":                 # (head, K), (head, V) per head
+        idx = tuple(2 * g + p for g in heads for p in range(2))
+    elif layout == "hnd":               # K of every head, then V of every head
+        idx = tuple(p * total + g for p in range(2) for g in heads)
+    else:
+        raise UsageError(f"{layout.upper()} KV tensors keep all of a rank's heads in one row "
+                         "per token: DualPath cannot place a rank's part of the canonical "
+                         "block (tensor parallelism needs CPU_ATTN, HND or MLA)")
+    if len(idx) != nseg:
+        raise UsageError(f"{nseg} segments for heads {heads} in the {layout} layout")
+    return idx, (row,) * (2 * total)
 
 
 def describe_kv_caches(kv_caches: dict, block_size: int, head_size: int, num_kv_heads: int,
-                       units_per_block: int = 1, *, mla: bool = False) -> KvTensors:
+                       units_per_block: int = 1, *, mla: bool = False, tp_rank: int = 0,
+                       tp_size: int = 1, total_kv_heads: int | None = None) -> KvTensors:
     """See the module docstring. ``kv_caches``: layer name -> tensor, in model order;
-    ``mla``: the model keeps a latent per token (vLLM's ``use_mla``)."""
+    ``num_kv_heads``: the heads this rank's tensors hold (of ``total_kv_heads``, default
+    the same: TP=1); ``mla``: the model keeps a latent per token (vLLM's ``use_mla``)."""
     if not kv_caches:
         raise UsageError("no KV cache tensors to register")
     names = list(kv_caches)
@@ -119,5 +167,9 @@ def describe_kv_caches(kv_caches: dict, block_size: int, head_size: int, num_kv_
     fmt = KvFormat(len(tensors), block_size, tuple(r for _, _, r in segs), units_per_block)
     placement = KvPlacement(fmt, tuple(regions), tuple(bases), tuple(p for p, _, _ in segs),
                             tuple(o for _, o, _ in segs), unit_stride, nblocks)
+    total = num_kv_heads if total_kv_heads is None else total_kv_heads
+    canon, rows = ((), ()) if mla else canonical_segments(
+        layout, rank_heads(tp_rank, tp_size, total, num_kv_heads), total, segs[0][2],
+        len(segs))
     return KvTensors(list(ranges.values()), placement, names, layout,
-                     str(t0.dtype).removeprefix("torch."))
+                     str(t0.dtype).removeprefix("torch."), canon, rows)

@@ -5,6 +5,8 @@
   dequantized by transformers into a float32 safetensors directory vLLM loads.
 - ``tiny``: a seeded, randomly initialised Llama (4 layers, 1 KV head of 32, 256 KV bytes
   per token per layer) with SmolLM2's tokenizer, for fast tests.
+- ``tiny2``: the tiny Llama with 2 KV heads of 32 (4 query heads), for tensor
+  parallelism: at TP=2 each rank holds one KV head.
 - ``mla``: a seeded, randomly initialised DeepSeek-V2 (MLA: a 576-wide latent per token
   and layer, kv_lora_rank 512 + rope 64, no head dimension; 2 dense layers) with
   SmolLM2's tokenizer (experts configured, every layer dense: ``first_k_dense_replace``).
@@ -27,11 +29,15 @@ from pathlib import Path
 from dualpath.errors import UsageError
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-NAMES = ("smollm2", "tiny", "mla")
+NAMES = ("smollm2", "tiny", "tiny2", "mla")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
         "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "initializer_range": 0.2, "tie_word_embeddings": True}
+#: ``tiny2``: the tiny Llama with 4 query heads over 2 KV heads of 32 (512 KV bytes per
+#: token per layer), so tensor parallelism at TP=2 gives each rank one KV head (head
+#: size 32: vLLM's CPU attention has no kernel for 16).
+TINY2 = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 2}
 MLA = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None,
        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
@@ -148,13 +154,16 @@ def prepare(root: Path | None = None, names=NAMES, seed: int = 0) -> dict[str, P
     root = root or default_dir()
     out: dict[str, Path] = {}
     smol = root / "smollm2"
-    if {"smollm2", "tiny", "mla"} & set(names):      # the tiny ones borrow its tokenizer
+    if {"smollm2", "tiny", "tiny2", "mla"} & set(names):      # the tiny ones borrow its tokenizer
         out_smol = _atomic(smol, _write_smollm2)
         if "smollm2" in names:
             out["smollm2"] = out_smol
     if "tiny" in names:
         out["tiny"] = _atomic(root / "tiny", lambda d: _write_seeded(
             d, seed, smol, "LlamaConfig", "LlamaForCausalLM", TINY))
+    if "tiny2" in names:
+        out["tiny2"] = _atomic(root / "tiny2", lambda d: _write_seeded(
+            d, seed, smol, "LlamaConfig", "LlamaForCausalLM", TINY2))
     if "mla" in names:
         out["mla"] = _atomic(root / "mla", lambda d: _write_seeded(
             d, seed, smol, "DeepseekV2Config", "DeepseekV2ForCausalLM", MLA))

@@ -31,7 +31,8 @@ worker compute it alike from the vLLM config. It is derived from what defines th
 never from where or when the files were written, so hosts holding the same weights
 agree on it and share their hits: the model config vLLM runs (its hf_config, overrides
 included; keys that only record provenance, such as ``_name_or_path``, left out), the
-dtypes, the block size, the KV geometry, and per weight file its name, size and content:
+dtypes, the block size, the KV geometry (every head's: not the tensor-parallel size, as
+the stored block is the same at any TP), and per weight file its name, size and content:
 hashed whole when the weights total at most 1 GiB; else each file by its identity (a
 safetensors file's whole header, which names every tensor's dtype, shape and offset,
 and the first and last 4 KiB of every tensor, so an edit of any whole tensor changes the
@@ -119,8 +120,7 @@ def model_id(vllm_config) -> str:
     for part in (str(mc.dtype), str(cc.cache_dtype), cc.block_size,
                  mc.get_num_layers(vllm_config.parallel_config),
                  mc.get_total_num_kv_heads(), mc.get_head_size(),
-                 bool(getattr(mc, "use_mla", False)),
-                 vllm_config.parallel_config.tensor_parallel_size):
+                 bool(getattr(mc, "use_mla", False))):
         h.update(str(part).encode() + b"\0")
     # The config vLLM runs (hf_overrides, rope scaling included: K is cached after RoPE).
     hf = getattr(mc, "hf_config", None)

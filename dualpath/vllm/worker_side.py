@@ -72,7 +72,7 @@ class WorkerSide:
             save_timeout_s=self.settings.save_timeout_s, tp_rank=self.tp_rank,
             tp_size=self.tp_size, shared_buffer=self.settings.shared_buffer,
             prefix_caching=self.prefix_caching),
-            kv.ranges, kv.placement)
+            kv.ranges, kv.placement, kv.canonical, kv.canonical_rows)
         a = self.agent.start()
         log.info("DualPath connector (worker): %d layers of %s KV (%s layout), format %s, "
                  "node %s", len(kv.layer_names), kv.dtype, kv.layout,

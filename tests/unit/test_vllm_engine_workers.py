@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpath.engines.vllm.engine import NotAttached
+from dualpath.engines.vllm.engine import NotAttached, Worker
 from tests.unit.vllm_engine_rig import small_vllm_engine
 
 KEYS = [bytes([i]) * 16 for i in range(1, 5)]
@@ -22,10 +22,8 @@ def test_a_worker_taking_a_dead_ones_place_gets_its_lent_saves_back(tmp_path):
             pool = eng.space.pool
 
             def worker(name: str, rank: int = 0):
-                return SimpleNamespace(name=name, tp_rank=rank, tp_size=1, model_id="m",
-                                       placement=SimpleNamespace(fmt=eng.space.fmt,
-                                                                 num_units=8),
-                                       prefix_caching=False)
+                return Worker(name, "m", rank, 1,
+                              SimpleNamespace(fmt=eng.space.fmt, num_units=8))
             eng.attach(worker("old"))
             sid, _ = await eng.begin_save("r1", "old", KEYS[:2])
             assert pool.free == pool.capacity - 2

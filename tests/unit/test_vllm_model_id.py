@@ -96,3 +96,11 @@ def test_an_operator_set_id_is_used_as_it_is_and_checked():
     for bad in ("a/b", "x" * 65, 7):
         with pytest.raises(UsageError, match="model_id must be 1-64 letters"):
             ConnectorSettings.from_extra_config({"node_address": "h:1", "model_id": bad})
+
+
+def test_the_tensor_parallel_size_is_not_part_of_the_id(tmp_path):
+    """Issue 39 item 1: the stored block is the canonical one at any TP, so KV saved at
+    TP=2 is a hit at TP=1."""
+    a = _write_model(tmp_path / "m")
+    assert model_id(_config(a, tp=1)) == model_id(_config(a, tp=2)) == \
+        model_id(_config(a, tp=4))

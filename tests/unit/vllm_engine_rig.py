@@ -15,11 +15,15 @@ from dualpath.kv.placement import KvFormat
 from dualpath.paths.metrics import NodeMetrics
 from dualpath.storage.config import StorageConfig
 
+SMALL = KvFormat(2, 4, (64,))
+
 
 @contextlib.asynccontextmanager
-async def small_vllm_engine(tmp_path, *, role: str = "prefill", limiter=None):
+async def small_vllm_engine(tmp_path, *, role: str = "prefill", limiter=None,
+                            fmt: KvFormat = SMALL):
     """A prefill (or ``role="decode"``) node's VllmEngine on an 8 MiB region under
-    ``tmp_path``, its write-back paced by ``limiter`` (None: unlimited); closed after."""
+    ``tmp_path``, its write-back paced by ``limiter`` (None: unlimited), model "m" in
+    ``fmt`` opened; closed after."""
     decode = role == "decode"
     region = PinnedRegion(8 << 20, huge_pages="off", lock=False)
     eng = VllmEngine(node_id="d0" if decode else "p0",
@@ -28,7 +32,7 @@ async def small_vllm_engine(tmp_path, *, role: str = "prefill", limiter=None):
                      region_name="de_buffer" if decode else "pe_buffer",
                      limiter=limiter, metrics=NodeMetrics(CollectorRegistry(), role))
     try:
-        eng._open_space("m", KvFormat(2, 4, (64,)))
+        eng._open_space("m", fmt)
         yield eng
     finally:
         await eng.close()

@@ -40,16 +40,17 @@ class Rig:
 
 
 def make_rig(tmp: Path, model: Path, max_model_len: int, node_settings: dict | None = None,
-             engine_extra: dict | None = None) -> Rig:
+             engine_extra: dict | None = None, env: dict | None = None) -> Rig:
     node = NodeProcess(tmp / "node", settings=node_settings).start()
     extra = engine_extra or {}
+    env = env or ENGINE_ENV
     try:
         dp = EngineProcess(engine_args(model, node=node, prefix_caching=False,
                                        max_model_len=max_model_len, **extra),
-                           tmp / "dp.log", env=ENGINE_ENV)
+                           tmp / "dp.log", env=env)
         oracle = EngineProcess(engine_args(model, prefix_caching=True,
                                            max_model_len=max_model_len, **extra),
-                               tmp / "oracle.log", env=ENGINE_ENV)
+                               tmp / "oracle.log", env=env)
     except BaseException:
         node.stop()
         raise

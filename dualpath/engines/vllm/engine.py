@@ -16,6 +16,14 @@ one-sided WRITE as a DE-buffer -> PE copy:
              newly full blocks into them; on commit the daemon persists them to the
              store through the storage-NIC limiter, off the request's critical path.
 
+Tensor parallelism: the t ranks of an instance attach as t workers. The node keeps the
+canonical block (every KV head, the TP=1 order: dualpath/vllm/kv_tensors.py), whatever
+the TP, so the store and the peers never see it; each rank is given its view of the
+buffer (:meth:`KvPlacement.select`: its heads' segments of each block), loads write a
+rank's segments into that rank, and a save completes once every rank's ended: the first
+rank's BeginSave lends the slots, the others' join it, and it is committed only when all
+committed (dropped when any dropped or never came).
+
 The KV byte format, and so the store namespace and the DRAM pool, is fixed by the first
 worker to attach (:class:`~dualpath.paths.kvspace.KvSpace`); a worker of another format
 is refused. The namespace's directory keeps a manifest of its model and format, so a
@@ -104,6 +112,24 @@ class Worker:
     placement: KvPlacement
     host_memory: bool = False   # its KV is host memory: it can copy from a shared buffer
     prefix_caching: bool = False    # vLLM's own prefix cache is on
+    # Where its segments sit in the canonical block, and that block's rows (() : whole).
+    canonical: tuple[int, ...] = ()
+    canonical_rows: tuple[int, ...] = ()
+
+    def canonical_format(self) -> KvFormat:
+        """The node's format: the canonical block this rank holds a part of."""
+        f = self.placement.fmt
+        if not self.canonical:
+            return f
+        rows = self.canonical_rows
+        if len(self.canonical) != len(f.row_bytes) or \
+                any(not 0 <= c < len(rows) or rows[c] != r
+                    for c, r in zip(self.canonical, f.row_bytes)) or \
+                len(set(self.canonical)) != len(self.canonical):
+            raise UsageError(f"worker {self.name}: canonical segments {list(self.canonical)} "
+                             f"of rows {list(rows)} do not place its format "
+                             f"{f.signature()}")
+        return KvFormat(f.layers, f.unit_tokens, tuple(rows), f.units)
 
 
 @dataclass(frozen=True)
@@ -133,6 +159,9 @@ class _Save:
     stage: Stage | None = None       # a P/D prefill's save: its blocks go to the DE
     held: bool = False               # adopted DE-buffer blocks: kept until released
     tail: bool = False               # its last key is a partial last block: never persisted
+    ranks: int = 1                   # tensor-parallel ranks that save into it
+    sids: dict[int, tuple[int, str]] = field(default_factory=dict)  # save id -> rank, worker
+    ended: dict[int, bool] = field(default_factory=dict)            # rank -> committed
 
     def is_tail(self, i: int) -> bool:
         """Whether key ``i`` is the prompt's partial last block (never persisted)."""
@@ -205,7 +234,10 @@ class VllmEngine:
         self.model_id = ""
         self.namespace = ""
         self.workers: dict[str, Worker] = {}
-        self._saves: dict[int, _Save] = {}
+        self._saves: dict[int, _Save] = {}      # every rank's save id -> its save
+        # Saves that ranks of a TP instance still join: (request, keys) -> the save.
+        self._joining: dict[tuple[str, tuple[bytes, ...]], _Save] = {}
+        self._views: dict[str, KvPlacement] = {}  # worker -> its view of the buffer
         # Committed blocks not on disk yet (write-back): lookups count them, loads copy
         # them from the save's slots instead of waiting for the store. The node's one
         # index of them (paths/pending.py; its KvSpace's once one is open): P/D requests
@@ -280,12 +312,17 @@ class VllmEngine:
             self._open_space(model_id, fmt)
             return
 
-    def attach(self, worker: Worker) -> KvSpace:
-        """Admit ``worker``; the KV space (store namespace, pool) it will use."""
-        if worker.tp_size != 1:
-            raise UsageError(f"worker {worker.name}: tensor parallelism {worker.tp_size} is "
-                             "not supported yet (one worker per instance)")
-        fmt = worker.placement.fmt
+    def attach(self, worker: Worker) -> KvPlacement:
+        """Admit ``worker``; its view of the node's buffer (the KV space's: store
+        namespace, pool, canonical format)."""
+        if not 0 <= worker.tp_rank < worker.tp_size:
+            raise UsageError(f"worker {worker.name}: rank {worker.tp_rank} of "
+                             f"{worker.tp_size}")
+        others = {x.tp_size for n, x in self.workers.items() if n != worker.name}
+        if others and others != {worker.tp_size}:
+            raise FormatConflict(f"worker {worker.name} is a rank of a TP={worker.tp_size} "
+                                 f"instance; this node's instance runs TP={others.pop()}")
+        fmt = worker.canonical_format()
         if self.space is None:
             self._open_space(worker.model_id, fmt)
         elif fmt != self.space.fmt or worker.model_id != self.model_id:
@@ -297,15 +334,19 @@ class VllmEngine:
                      if n != worker.name and x.tp_rank == worker.tp_rank]:
             self._forget_worker(name, worker.name)
         self.workers[worker.name] = worker
+        view = (self.space.buffer.select(worker.canonical) if worker.canonical
+                else self.space.buffer)
+        self._views[worker.name] = view
         # A worker that attaches is a new instance (or this daemon is new): what its
         # prefix cache holds is known from here on.
         self.instance_cache = (InstanceCache(worker.placement.num_units // fmt.units)
                                if worker.prefix_caching else None)
         self.attached.set()
-        log.info("%s: vLLM worker %s attached (rank %d of %d, %d KV blocks of %d tokens)",
+        log.info("%s: vLLM worker %s attached (rank %d of %d%s, %d KV blocks of %d tokens)",
                  self.node_id, worker.name, worker.tp_rank, worker.tp_size,
-                 worker.placement.num_units, fmt.unit_tokens)
-        return self.space
+                 f": {len(worker.canonical)} of the block's {len(fmt.row_bytes)} segments"
+                 if worker.canonical else "", worker.placement.num_units, fmt.unit_tokens)
+        return view
 
     def _forget_worker(self, name: str, successor: str) -> None:
         """``successor`` took the place of worker ``name`` (its instance was started
@@ -315,9 +356,11 @@ class VllmEngine:
         instance killed mid-request left 18 of 136 PE-buffer slots taken (the idle
         invariant)."""
         del self.workers[name]
-        saves = [sid for sid, s in self._saves.items() if s.worker == name]
-        for sid in saves:
-            self._saves.pop(sid).res.release()
+        self._views.pop(name, None)
+        saves = {s for s in self._saves.values()
+                 if any(w == name for _, w in s.sids.values())}
+        for s in saves:
+            self._drop_save(s)
         loads = [lid for lid, (_, _, w) in self._held.items() if w == name]
         for lid in loads:
             self.end_load(lid)
@@ -452,6 +495,9 @@ class VllmEngine:
             failed = tuple(range(ok, len(keys)))
             yield LoadStep(0, failed)
             if worker_copies:
+                # The bytes of a block this rank copies (its heads' share at TP > 1).
+                f = self._views.get(w.name, space.buffer).fmt
+                share = f.layers * f.units * f.unit_bytes
                 lid = next(self._load_ids)
                 self._held[lid] = (res, time.monotonic() + self.HOLD_S, w.name)
                 held, res = res, None            # the worker gives it back (end_load)
@@ -464,7 +510,7 @@ class VllmEngine:
                             ok = min(ok, await reader)
                             failed = tuple(range(ok, len(keys)))
                         yield LoadStep(n, failed, last,
-                                       ok * space.layout.full_bytes if last else 0,
+                                       ok * share if last else 0,
                                        slots, lid, int(self.HOLD_S * 1000))
                 except BaseException:
                     # The worker sees the stream break and recomputes every block of the
@@ -473,7 +519,7 @@ class VllmEngine:
                     await _stopped(reader)
                     self.end_load(lid)
                     raise
-                self.metrics.connector_loaded_bytes.inc(ok * space.layout.full_bytes)
+                self.metrics.connector_loaded_bytes.inc(ok * share)
             else:
                 queue: asyncio.Queue[int] = asyncio.Queue()
                 layers, skipped = list(range(L)), 0
@@ -481,7 +527,8 @@ class VllmEngine:
                     layers, skipped = layers[1:], 1
                     queue.put_nowait(1)
                 writer = asyncio.ensure_future(write_layers(
-                    self.transfer, w.name, space.buffer, space.buffer_units(res)[:ok * k],
+                    self.transfer, w.name, self._views.get(w.name, space.buffer),
+                    space.buffer_units(res)[:ok * k],
                     w.placement, units[:ok * k], 0, ok * T,
                     on_layer=lambda n: queue.put_nowait(n + skipped), layers=layers,
                     source=arrivals))
@@ -650,14 +697,26 @@ class VllmEngine:
     async def begin_save(self, request_id: str, worker_name: str, keys: list[bytes],
                          wait_s: float = 5.0, ticket: str = "") -> tuple[int, list[int]]:
         """Lend buffer slots for ``keys``; (save id, slot per key). A staged P/D
-        prefill's save (its ``ticket``) goes to its DE, not to the store."""
-        self._worker(worker_name)
+        prefill's save (its ``ticket``) goes to its DE, not to the store. A rank of a TP
+        instance joins the save another rank began for the same request and keys (the
+        same slots: each rank WRITEs its heads' segments)."""
+        w = self._worker(worker_name)
         self._check_keys(keys, "BeginSave")
         if not keys:
             raise UsageError("BeginSave: no blocks")
         self._expire_saves()
         space = self.space
         assert space is not None
+        join = (request_id, tuple(keys))
+        s = self._joining.get(join) if w.tp_size > 1 else None
+        if s is not None and w.tp_rank not in s.ended and \
+                all(r != w.tp_rank for r, _ in s.sids.values()):
+            sid = next(self._save_ids)
+            s.sids[sid] = (w.tp_rank, worker_name)
+            self._saves[sid] = s
+            if len(s.sids) + len(s.ended) == s.ranks:
+                del self._joining[join]         # every rank has it
+            return sid, list(s.res.slots)
         stage = self.stage_for(request_id, ticket)
         at = stage.save_slots(keys) if stage is not None else None
         if at is not None:                   # slots the request reserved with its hit
@@ -669,16 +728,27 @@ class VllmEngine:
                 raise BufferBusy(f"no room for {len(keys)} blocks in {self.region_name} "
                                  f"within {wait_s:g} s") from None
         sid = next(self._save_ids)
-        self._saves[sid] = _Save(sid, worker_name, request_id, list(keys), res,
-                                 time.monotonic() + self.save_timeout_s, stage=stage)
+        s = _Save(sid, worker_name, request_id, list(keys), res,
+                  time.monotonic() + self.save_timeout_s, stage=stage, ranks=w.tp_size)
+        s.sids[sid] = (w.tp_rank, worker_name)
+        self._saves[sid] = s
+        if w.tp_size > 1:
+            self._joining[join] = s
         return sid, list(res.slots)
 
     def end_save(self, save_id: int, commit: bool) -> int:
-        """Persist (commit) or drop a lent save; how many blocks were queued."""
+        """Persist (commit) or drop a lent save; how many blocks were queued (0 until
+        every rank of a TP instance ended it)."""
         s = self._saves.pop(save_id, None)
         if s is None:
             raise NotAttached(f"save {save_id} is unknown or expired")
-        if not commit:
+        rank, _ = s.sids.pop(save_id)
+        s.ended[rank] = commit
+        if len(s.ended) < s.ranks:
+            return 0                            # the other ranks' heads are not in yet
+        if self._joining.get((s.request_id, tuple(s.keys))) is s:
+            del self._joining[(s.request_id, tuple(s.keys))]
+        if not all(s.ended.values()):
             s.res.release()
             return 0
         if s.stage is not None:
@@ -769,20 +839,33 @@ class VllmEngine:
         """Take back slots of saves never ended (their worker died). The deadline is far
         past any write timeout of the worker, so no WRITE of it is still in flight."""
         now = time.monotonic()
-        for sid in [sid for sid, s in self._saves.items() if s.deadline < now]:
-            s = self._saves.pop(sid)
-            log.warning("%s: save %d of %s (worker %s) never ended; slots taken back",
-                        self.node_id, sid, s.request_id, s.worker)
-            s.res.release()
+        late = {s for s in [*self._saves.values(), *self._joining.values()]
+                if s.deadline < now}
+        for s in late:
+            log.warning("%s: save %d of %s (worker %s, %d of %d ranks ended) never ended; "
+                        "slots taken back", self.node_id, s.save_id, s.request_id, s.worker,
+                        len(s.ended), s.ranks)
+            self._drop_save(s)
+
+    def _drop_save(self, s: _Save) -> None:
+        """Forget save ``s`` for every rank and give its slots back (idempotent)."""
+        for sid in s.sids:
+            self._saves.pop(sid, None)
+        s.sids.clear()
+        key = (s.request_id, tuple(s.keys))
+        if self._joining.get(key) is s:
+            del self._joining[key]
+        s.res.release()
 
     async def close(self) -> None:
         for s in list(self._pending.servers()):
             self.release_adopted(s)
         for t in list(self._persists):
             await asyncio.gather(t, return_exceptions=True)
-        for s in self._saves.values():
+        for s in {*self._saves.values(), *self._joining.values()}:
             s.res.release()
         self._saves.clear()
+        self._joining.clear()
         for lid in list(self._held):
             self.end_load(lid)
         if self.offer is not None:

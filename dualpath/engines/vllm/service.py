@@ -49,15 +49,16 @@ class KvConnectorServicer(connector_pb2_grpc.KvConnectorServicer):
             placement = placement_wire.from_pb(request.placement, "Attach placement")
             worker = Worker(request.worker_name, request.model_id, request.tp_rank,
                             request.tp_size or 1, placement, request.host_memory,
-                            request.prefix_caching)
-            space = self.engine.attach(worker)
+                            request.prefix_caching, tuple(request.canonical_segments),
+                            tuple(request.canonical_row_bytes))
+            view = self.engine.attach(worker)
             shm_name, shm_token = self.engine.share_with(worker)
         except DualPathError as e:
             await self._abort(context, e)
         return connector_pb2.AttachResponse(
             node_id=self.engine.node_id, namespace=self.engine.namespace,
             transport=self.engine.transfer.transport,
-            buffer=placement_wire.to_pb(space.buffer), block_tokens=space.fmt.block_tokens,
+            buffer=placement_wire.to_pb(view), block_tokens=view.fmt.block_tokens,
             shm_name=shm_name, shm_token=shm_token)
 
     async def Lookup(self, request, context):

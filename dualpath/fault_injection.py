@@ -10,6 +10,9 @@ broken data path. Unknown names are refused, so a typo cannot make a control vac
   of its second float32: the value stays finite, as a NaN would poison the engine's
   later requests) after the checksum passed and before it WRITEs the block (a byte
   flipped in transit).
+- ``tp_swap_ranks``: a node gives each tensor-parallel rank of its vLLM instance the next
+  rank's heads of the canonical block (rank r's view is rank r+1's, mod t): every head
+  lands in the wrong rank.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 
 from dualpath.errors import UsageError
 
-KNOWN = frozenset({"load_skip_layer", "load_flip_byte"})
+KNOWN = frozenset({"load_skip_layer", "load_flip_byte", "tp_swap_ranks"})
 
 log = logging.getLogger("dualpath.fault_injection")
 

@@ -39,6 +39,11 @@ def register(sub) -> None:
                    help="--engine vllm: requests of full context each node holds KV for "
                    "at once; sizes the PE and DE buffers from the model's KV bytes per "
                    "token (more requests wait their turn; [buffers] in --config wins)")
+    p.add_argument("--prefill-tp", type=int, default=1, metavar="N",
+                   help="--engine vllm: tensor-parallel size of every prefill instance")
+    p.add_argument("--decode-tp", type=int, default=1, metavar="N",
+                   help="--engine vllm: tensor-parallel size of every decode instance "
+                   "(may differ from the prefill's: every node keeps the canonical KV)")
     p.add_argument("--cores", metavar="LIST",
                    help="--engine vllm: the CPU cores the cluster runs on, e.g. 0-15 "
                    "(default: all this process may use); each instance gets a slice of its "
@@ -260,7 +265,8 @@ def _up_vllm(args) -> int:
                        settings=settings, max_model_len=args.max_model_len, frontend=fe,
                        concurrency=args.concurrency, prefix_caching=args.prefix_caching,
                        cores=allowed_cpus(args.cores) if args.cores else None,
-                       progress=lambda m: print(f"dualpath up: {m}", flush=True))
+                       progress=lambda m: print(f"dualpath up: {m}", flush=True),
+                       prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
     print(f"dualpath up: {pd.describe()}", flush=True)
     rc = 1                       # a start that fails keeps the whole work directory
     try:

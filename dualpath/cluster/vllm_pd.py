@@ -30,7 +30,7 @@ from dualpath.cluster.vllm_node import CONNECTOR, ENGINE_ENV
 from dualpath.cpus import on_cpus
 from dualpath.errors import UsageError
 from dualpath.metrics import scrape
-from dualpath.vllm.sizing import plan_buffers, plan_cores
+from dualpath.vllm.sizing import plan_buffers, plan_cores, rank_binds
 
 log = logging.getLogger("dualpath.cluster")
 
@@ -57,10 +57,15 @@ class VllmPdCluster:
                  kv_cache_gib: int = 1, start_timeout_s: float = 600.0,
                  frontend: dict | None = None, prefix_caching: bool = False,
                  concurrency: int = 4, cores: list[int] | None = None,
-                 progress=None):
+                 progress=None, prefill_tp: int = 1, decode_tp: int = 1):
         if prefill_nodes < 1 or decode_nodes < 1:
             raise UsageError("a P/D cluster needs at least one prefill and one decode node")
+        for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+            if not 1 <= tp <= 64:
+                raise UsageError(f"--{role}-tp must be 1..64, not {tp}")
         self.model = Path(model)
+        #: Tensor-parallel size of the instances of each role ("p", "d").
+        self.tp = {"p": prefill_tp, "d": decode_tp}
         #: One line per start-up stage (the `up` command prints them; else the log).
         self.progress = progress or log.info
         self.max_model_len = max_model_len
@@ -128,7 +133,9 @@ class VllmPdCluster:
         b = self.buffer_mib
         return (f"buffers: PE {b['pe_buffer_mib']} MiB, DE {b['de_buffer_mib']} MiB "
                 f"(derived: {self.buffers.describe()}); vLLM cores: "
-                + ", ".join(f"{nid} [{c}]" for nid, c in self.cores.items())
+                + ", ".join(f"{nid} [{rank_binds(c, self.tp[nid[0]])}]"
+                            for nid, c in self.cores.items())
+                + f"; tensor parallelism: prefill {self.tp['p']}, decode {self.tp['d']}"
                 + f"; {self.core_plan.describe()}")
 
     def start(self) -> VllmPdCluster:
@@ -208,9 +215,11 @@ class VllmPdCluster:
                 "--enable-prefix-caching" if self.prefix_caching
                 else "--no-enable-prefix-caching",
                 "--max-model-len", str(self.max_model_len),
+                "--tensor-parallel-size", str(self.tp[node_id[0]]),
                 "--kv-transfer-config", json.dumps(kvt)]
         env = child_env({**os.environ, **ENGINE_ENV,
-                         "VLLM_CPU_OMP_THREADS_BIND": self.cores[node_id],
+                         "VLLM_CPU_OMP_THREADS_BIND": rank_binds(self.cores[node_id],
+                                                                 self.tp[node_id[0]]),
                          "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                          "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
                          "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})

@@ -123,6 +123,19 @@ def core_slices(instances: int, cores: list[int] | None = None) -> list[str]:
     return out
 
 
+def rank_binds(bind: str, tp: int) -> str:
+    """An instance's VLLM_CPU_OMP_THREADS_BIND (``"a-b"``, ``"a,b"`` or ``"a"``) cut for
+    its ``tp`` ranks (vLLM's ``"x|y"``: one list per rank): contiguous slices, or one
+    core each, shared round robin, when the instance has fewer cores than ranks."""
+    if tp <= 1:
+        return bind
+    cores: list[int] = []
+    for part in bind.split(","):
+        lo, _, hi = part.partition("-")
+        cores.extend(range(int(lo), int(hi or lo) + 1))
+    return "|".join(core_slices(tp, cores))
+
+
 @dataclass(frozen=True)
 class CorePlan:
     """Where a P/D cluster's processes run: ``instances`` the VLLM_CPU_OMP_THREADS_BIND

@@ -106,3 +106,13 @@ def test_the_cores_a_user_gives_are_checked_against_this_processs():
             cpus.allowed_cpus(bad)
     with pytest.raises(UsageError, match=f"cores {max(mine) + 1} are not among"):
         cpus.allowed_cpus(str(max(mine) + 1))
+
+
+def test_an_instances_cores_are_cut_for_its_tensor_parallel_ranks():
+    from dualpath.vllm.sizing import rank_binds
+
+    assert rank_binds("0-3", 2) == "0-1|2-3"
+    assert rank_binds("0-1", 2) == "0|1"
+    assert rank_binds("2,5", 2) == "2|5"
+    assert rank_binds("0", 2) == "0|0"          # fewer cores than ranks: shared
+    assert rank_binds("0-2", 1) == "0-2"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dualpath.engines.vllm.engine import FormatConflict, Worker
+from dualpath.engines.vllm.engine import Worker
 from dualpath.errors import UsageError
 from dualpath.kv.placement import KvFormat, KvPlacement, runs
 from dualpath.vllm.kv_tensors import canonical_segments, describe_kv_caches, rank_heads
@@ -175,13 +175,19 @@ def test_a_save_a_rank_never_joined_gives_its_slots_back_at_its_deadline(tmp_pat
     asyncio.run(main())
 
 
-def test_ranks_of_another_tp_size_are_refused(tmp_path):
+def test_an_instance_started_again_at_another_tp_replaces_every_old_rank(tmp_path):
+    """The operator restarts the instance at TP=1: its worker takes the place of both
+    TP=2 ranks, and their open saves give their slots back."""
     async def main():
         async with small_vllm_engine(tmp_path, fmt=CANON) as eng:
-            eng.attach(_rank(0))
-            with pytest.raises(FormatConflict, match="TP=4"):
-                eng.attach(Worker("x", "m", 1, 4, SimpleNamespace(
-                    fmt=KvFormat(2, 4, (32,)), num_units=8), canonical=(1,),
-                    canonical_rows=(32, 32)))
+            for r in range(2):
+                eng.attach(_rank(r))
+            await eng.begin_save("r1", "w1", KEYS)
+            pool = eng.space.pool
+            assert pool.free == pool.capacity - 3
+            view = eng.attach(Worker("one", "m", 0, 1, SimpleNamespace(fmt=CANON,
+                                                                       num_units=8)))
+            assert set(eng.workers) == {"one"} and view == eng.space.buffer
+            assert pool.free == pool.capacity
 
     asyncio.run(main())

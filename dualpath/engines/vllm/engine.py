@@ -318,10 +318,6 @@ class VllmEngine:
         if not 0 <= worker.tp_rank < worker.tp_size:
             raise UsageError(f"worker {worker.name}: rank {worker.tp_rank} of "
                              f"{worker.tp_size}")
-        others = {x.tp_size for n, x in self.workers.items() if n != worker.name}
-        if others and others != {worker.tp_size}:
-            raise FormatConflict(f"worker {worker.name} is a rank of a TP={worker.tp_size} "
-                                 f"instance; this node's instance runs TP={others.pop()}")
         fmt = worker.canonical_format()
         if self.space is None:
             self._open_space(worker.model_id, fmt)
@@ -330,12 +326,18 @@ class VllmEngine:
                 f"worker {worker.name} has model {worker.model_id} in KV format "
                 f"{fmt.signature()}; this node serves {self.model_id} in "
                 f"{self.space.fmt.signature()} (one model per node daemon)")
+        # A worker of the same rank, or of another TP size, is of an instance started
+        # again: the one it replaces is gone.
         for name in [n for n, x in self.workers.items()
-                     if n != worker.name and x.tp_rank == worker.tp_rank]:
+                     if n != worker.name and (x.tp_rank == worker.tp_rank
+                                              or x.tp_size != worker.tp_size)]:
             self._forget_worker(name, worker.name)
         self.workers[worker.name] = worker
-        view = (self.space.buffer.select(worker.canonical) if worker.canonical
-                else self.space.buffer)
+        canonical = worker.canonical
+        if canonical and fault_injection.active("tp_swap_ranks"):
+            n = len(canonical)                  # the next rank's heads (a negative control)
+            canonical = tuple((c + n) % len(fmt.row_bytes) for c in canonical)
+        view = (self.space.buffer.select(canonical) if canonical else self.space.buffer)
         self._views[worker.name] = view
         # A worker that attaches is a new instance (or this daemon is new): what its
         # prefix cache holds is known from here on.

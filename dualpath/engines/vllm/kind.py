@@ -81,8 +81,10 @@ class VllmNode:
             instance = self.instance = VllmInstance(ecfg.vllm_url,
                                                     ecfg.vllm_request_timeout_s)
             parts.stack.push_async_callback(instance.close)
-            # One instance = one group of one engine (its tensor-parallel ranks would be
-            # the group's engines; TP 1 today); its KV blocks are known at attach.
+            # One instance = one group of one engine at any TP: the scheduler assigns
+            # requests to instances, and an instance's tensor-parallel ranks compute each
+            # request together (they attach as workers of the node, not as engines);
+            # its KV blocks (every rank holds as many) are known at attach.
             e = EngineRank(f"{n.node_id}/e0", 0, "vllm", _KvBlocks(0))
             self.ranks.append(e)
             if parts.role == PREFILL:

@@ -58,7 +58,7 @@ def veth(dev_names):
     return dev_names[0], dev_names[1]
 
 
-async def started_pair(devs, **cfg):
+async def started_pair(devs, scoped: bool = False, **cfg):
     oob = InProcessChannel()
     config = TransferConfig(**{"slice_bytes": 65536, "timeout_s": 30.0, **cfg})
     a = TransferEngine("a", VerbsProvider(devs[0], cq_depth=config.cq_depth), oob, config)
@@ -67,7 +67,7 @@ async def started_pair(devs, **cfg):
     await b.start()
     src, dst = bytearray(os.urandom(SIZE)), bytearray(SIZE)
     a.register("default", src)
-    b.register("default", dst)
+    b.register("default", dst, scoped=scoped)
     return a, b, src, dst
 
 
@@ -353,15 +353,7 @@ def test_a_trusted_peer_writes_anywhere_in_a_scoped_region(veth):
     """The node's own worker (trusted: the node's identity) writes where the node hands
     it slots, with no grant: its QPs share our PD."""
     async def main():
-        oob = InProcessChannel()
-        config = TransferConfig(slice_bytes=65536, timeout_s=30.0, connections_per_peer=1)
-        a = TransferEngine("a", VerbsProvider(veth[0], cq_depth=config.cq_depth), oob, config)
-        b = TransferEngine("b", VerbsProvider(veth[1], cq_depth=config.cq_depth), oob, config)
-        await a.start()
-        await b.start()
-        src, dst = bytearray(os.urandom(SIZE)), bytearray(SIZE)
-        a.register("default", src)
-        b.register("default", dst, scoped=True)
+        a, b, src, dst = await started_pair(veth, scoped=True, connections_per_peer=1)
         b.trust("a")
         try:
             await a.write("b", [(0, 0, SIZE)])

@@ -235,25 +235,32 @@ def _node_of(engine_id: str) -> str:
     return engine_id.split("/")[0]
 
 
+def pe_read_under_fault(rig, fault: str, seed: int) -> tuple[dict, dict]:
+    """A turn computed, then the prefill node restarted with ``fault`` (a negative
+    control) and the next turn's hit read by it: (that turn's output, the oracle's).
+    The node is restarted without the fault after."""
+    conv = Conversation(seed=seed, first=300, append=200, gen=8)
+    prompt = list(conv.context)
+    a = rig.turn(prompt, conv.gen, 0)
+    stored = len(prompt) + conv.gen - 1
+    conv.advance(a["token_ids"])
+    rig.pd.restart_node("p0", env={"DUALPATH_FAULTS": fault})
+    try:
+        prompt = list(conv.context)
+        bad = rig.turn(prompt, conv.gen, stored, "prefill")
+        assert bad["g"].prefill_read_bytes > 0
+        return bad, rig.oracle.generate(prompt, conv.gen)
+    finally:
+        rig.pd.restart_node("p0")
+
+
 @pytest.mark.parametrize("rig", ["1p1d"], indirect=True)
 def test_negative_control_a_flipped_byte_on_the_pe_read_is_seen(rig):
     """The comparison above would catch a wrong byte: the prefill node restarted with a
     bit flipped in every hit block it reads (after its checksum passed) gives other
     logprobs than the oracle on a PE-read turn."""
-    conv = Conversation(seed=303, first=300, append=200, gen=8)
-    prompt = list(conv.context)
-    a = rig.turn(prompt, conv.gen, 0)
-    stored = len(prompt) + conv.gen - 1
-    conv.advance(a["token_ids"])
-    rig.pd.restart_node("p0", env={"DUALPATH_FAULTS": "load_flip_byte"})
-    try:
-        prompt = list(conv.context)
-        bad = rig.turn(prompt, conv.gen, stored, "prefill")
-        ref = rig.oracle.generate(prompt, conv.gen)
-        assert bad["g"].prefill_read_bytes > 0
-        assert not close(bad, ref)
-    finally:
-        rig.pd.restart_node("p0")
+    bad, ref = pe_read_under_fault(rig, "load_flip_byte", 303)
+    assert not close(bad, ref)
 
 
 def test_sigkill_of_a_decode_daemon_mid_decode_ends_in_a_recompute(rig):

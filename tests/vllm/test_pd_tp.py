@@ -18,7 +18,7 @@ from dualpath.cluster.vllm_pd import VllmPdCluster
 from dualpath.vllm.driver import EngineProcess
 from dualpath.vllm.models import TINY2
 from tests.vllm.conftest import Conversation, close, max_diff
-from tests.vllm.test_pd import Rig
+from tests.vllm.test_pd import Rig, pe_read_under_fault
 
 T = 128
 BLOCK_BYTES = TINY2["num_hidden_layers"] * T * 2 * TINY2["num_key_value_heads"] * \
@@ -74,17 +74,5 @@ def test_pd_at_different_tp_is_the_decodes_tp_on_every_read_path(rig):
 
 @pytest.mark.parametrize("rig", ["p2d1"], indirect=True)
 def test_negative_control_each_rank_given_the_other_ranks_heads_is_seen(rig):
-    conv = Conversation(seed=131, first=300, append=200, gen=8)
-    prompt = list(conv.context)
-    a = rig.turn(prompt, conv.gen, 0)
-    stored = len(prompt) + conv.gen - 1
-    conv.advance(a["token_ids"])
-    rig.pd.restart_node("p0", env={"DUALPATH_FAULTS": "tp_swap_ranks"})
-    try:
-        prompt = list(conv.context)
-        bad = rig.turn(prompt, conv.gen, stored, "prefill")
-        ref = rig.oracle.generate(prompt, conv.gen)
-        assert bad["g"].prefill_read_bytes > 0
-        assert not close(bad, ref), max_diff(bad, ref)
-    finally:
-        rig.pd.restart_node("p0")
+    bad, ref = pe_read_under_fault(rig, "tp_swap_ranks", 131)
+    assert not close(bad, ref), max_diff(bad, ref)

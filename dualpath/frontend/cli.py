@@ -9,6 +9,7 @@ import os
 import signal
 
 from dualpath.errors import DualPathError, UsageError
+from dualpath.sdnotify import Notifier
 
 log = logging.getLogger("dualpath.frontend")
 
@@ -31,6 +32,7 @@ async def serve(cfg, scheduler: str, ready_file: str = "") -> None:
 
     tls.log_mode(cfg.tls, "front end", log)
     fe = FrontEnd(cfg.frontend, scheduler, cfg.tls)
+    notifier, watchdog = Notifier(), None     # systemd's Type=notify (deploy/*.service)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -45,9 +47,15 @@ async def serve(cfg, scheduler: str, ready_file: str = "") -> None:
             with open(tmp, "w") as fh:  # noqa: ASYNC230 - once, at start-up, one line
                 fh.write(url + "\n")
             os.replace(tmp, ready_file)
+        notifier.ready(f"serving the OpenAI API at {url}; scheduler {scheduler}")
+        watchdog = asyncio.create_task(notifier.watchdog(), name="sd-watchdog")
         await stop.wait()
+        notifier.stopping("stopping")
         log.info("front end: stopping")
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        notifier.close()
         await fe.close()
 
 

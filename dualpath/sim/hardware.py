@@ -96,8 +96,9 @@ LOCAL = SimHardware(rpc_s=0.0025, client_s=0.025)
 
 #: The paper's cluster (§4.2, §7): 8 Hopper GPUs a node, a 400 Gbit/s compute NIC per
 #: GPU and one 400 Gbit/s storage NIC per node, ~500 GB/s of memory bandwidth, DS 660B;
-#: HBM for KV and DRAM buffers as deploy/cluster-multinode.toml sets them (16 GiB a PE
-#: engine, 40 GiB a DE engine, 64 GiB PE and DE buffers a node: the paper gives none).
+#: HBM for KV as the emulated engine's ([engine] prefill_hbm_mib/decode_hbm_mib) 16 GiB a
+#: PE engine, 40 GiB a DE engine, and deploy/cluster-multinode.toml's 64 GiB PE and DE
+#: buffers a node (the paper gives none).
 #: Leaders fetch every 20 ms (the scheduler's default).
 PAPER = SimHardware(model="ds660b", engines_per_node=8, snic_bytes_per_s=50e9,
                     cnic_bytes_per_s=50e9, pe_buffer_bytes=64 * GiB,

@@ -53,6 +53,8 @@ class Facts:
     tls_problems: list[str] = field(default_factory=list)
     tls_expires_days: float | None = None
     gpus: list[tuple[int, int | None]] = field(default_factory=list)   # (index, numa)
+    # GPU index -> (its RDMA device, how close: nvidia-smi's word or "set")
+    gpu_nics: dict[int, tuple[str, str]] = field(default_factory=dict)
 
 
 def pinned_bytes(cfg, role: str) -> int:
@@ -231,8 +233,14 @@ def tls(cfg, f: Facts) -> Result:
 def gpus(f: Facts) -> Result:
     if not f.gpus:
         return Result("gpus", OK, "none seen (host-memory engines)")
-    return Result("gpus", OK, ", ".join(
-        f"GPU {i} on NUMA node {n if n is not None else 'unknown'}" for i, n in f.gpus))
+    def nic(i: int) -> str:
+        pair = f.gpu_nics.get(i)
+        if pair is None:
+            return ", no RDMA device to pair"
+        return f", its KV through {pair[0]} ({pair[1]})"
+    return Result("gpus", OK, "; ".join(
+        f"GPU {i} on NUMA node {n if n is not None else 'unknown'}{nic(i)}"
+        for i, n in f.gpus))
 
 
 def run_all(cfg, role: str, f: Facts, wanted_ports: list[str]) -> list[Result]:

@@ -13,9 +13,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from dualpath import topology
 from dualpath._libc import LIBC
 from dualpath.buffers.region import free_huge_pages
 from dualpath.doctor.checks import Facts, Port
+from dualpath.errors import UsageError
 from dualpath.rpc import parse_listen
 
 
@@ -28,6 +30,11 @@ def gather(cfg, wanted_ports: list[str]) -> Facts:
     if not cfg.tls.plaintext:
         f.tls_problems, f.tls_expires_days = tls_files(cfg.tls)
     f.gpus = gpus()
+    try:
+        found, nics = topology.scan()
+        f.gpu_nics = topology.pair(found, nics, topology.parse_pairs(cfg.transport.gpu_nics))
+    except (OSError, UsageError) as e:
+        f.gpu_nics = {i: ("?", str(e)) for i, _ in f.gpus}
     return f
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import dataclasses
 import logging
 import os
 import threading
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from dualpath import rpc, tls
+from dualpath import rpc, tls, topology
 from dualpath.buffers.shm import take_buffer
 from dualpath.config_sections import KvLaneConfig, TransportConfig
 from dualpath.cpus import cpu_list
@@ -282,7 +283,7 @@ class WorkerAgent:
         host = s.listen.rpartition(":")[0]
         self.name = f"{s.advertise or host}:{port}"
         await self.server.start()
-        self.transfer = TransferEngine.open(self.name, self.oob, transport=s.transport,
+        self.transfer = TransferEngine.open(self.name, self.oob, transport=self._transport(),
                                             transfer=s.transfer, lane=s.lane)
         await self.transfer.start()
         for r in self.ranges:
@@ -292,6 +293,22 @@ class WorkerAgent:
         attached = await self._attach()
         self._heartbeat = asyncio.ensure_future(self._beat())
         return attached
+
+    def _transport(self) -> TransportConfig:
+        """The transport config with the RDMA device nearest this worker's GPU (issue 39
+        item 5; ``gpu_nics`` pairs, else the PCIe tree: dualpath/topology.py). Host-memory
+        KV, the TCP provider, or an operator's ``device`` without pairs: as configured."""
+        t = self.settings.transport
+        gpus = sorted({r.gpu_device for r in self.ranges if r.gpu_device is not None})
+        if not gpus or t.kind == "tcp" or (t.device and not t.gpu_nics):
+            return t
+        nic, why = topology.nic_for(gpus[0], t.gpu_nics)
+        if not nic:
+            return t
+        log.info("DualPath worker agent: GPU %d's KV goes through RDMA device %s (%s)",
+                 gpus[0], nic, "set in transport.gpu_nics" if why == "set"
+                 else f"nearest on the PCIe tree: {why}")
+        return dataclasses.replace(t, device=nic)
 
     #: Seconds between the worker's heartbeats to its daemon.
     HEARTBEAT_S = 1.0

@@ -1,6 +1,7 @@
 """GPU memory as RDMA memory regions, so a host->GPU copy is an RDMA WRITE through a
 local NIC into the GPU's MR (the paper's CNIC-centric copy path; issue 3 item 6). The
-paper gives each GPU a NIC of its own; nothing here pairs them: ``device`` names the NIC.
+paper gives each GPU a NIC of its own; dualpath/topology.py picks it (the nearest on the
+PCIe tree, or ``transport.gpu_nics``); here ``device`` names the NIC.
 
 Only where cupy and a CUDA GPU exist; :func:`probe` says why not elsewhere. Registration
 tries, in order:

@@ -508,11 +508,14 @@ class WorkerAgent:
                 h.ok, h.error = False, f"BeginSave: {e.code().name}: {e.details()}"
                 return None
 
-    def save_layer(self, h: SaveHandle, layer: int) -> None:
+    def save_layer(self, h: SaveHandle, layer: int, computed=None) -> None:
         """Layer ``layer`` of the save's blocks into the borrowed slots: a copy into the
-        shared buffer (here, now), or a WRITE (async)."""
+        shared buffer (here, now), or a WRITE (async). ``computed``: for KV in GPU
+        memory, a call that returns once the layer's compute is complete on the GPU (an
+        event recorded on the model's stream, WorkerSide.save_layer): the WRITE, which
+        reads that memory through the NIC, waits for it off the model's thread."""
         if self.shared is None:
-            h.layers.append(self._submit(self._save_layer(h, layer)))
+            h.layers.append(self._submit(self._save_layer(h, layer, computed)))
             return
         try:
             got = h.begun.result(self.settings.save_timeout_s)
@@ -527,10 +530,12 @@ class WorkerAgent:
                            self._range_addr[r.src_region] + r.src_offset, r.length)
         h.copied += 1
 
-    async def _save_layer(self, h: SaveHandle, layer: int) -> None:
+    async def _save_layer(self, h: SaveHandle, layer: int, computed=None) -> None:
         got = await asyncio.wrap_future(h.begun)
         if got is None or not h.ok:
             return
+        if computed is not None:
+            await asyncio.to_thread(computed)
         _, slots = got
         buf = self.attached.buffer
         stop = len(h.keys) * self.placement.fmt.block_tokens

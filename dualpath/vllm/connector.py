@@ -176,6 +176,13 @@ class DualPathConnector(KVConnectorBase_V1):
                  vllm.__version__, SUPPORTED_VLLM)
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Yes: DualPath loads and saves layer by layer (wait_for_layer_load and
+        save_kv_layer wait on and start transfers), which a full CUDA graph's replay
+        would skip; PIECEWISE graphs run them between the pieces."""
+        return True
+
+    @classmethod
     def kv_cache_access(cls, kv_transfer_config):
         """vLLM 0.34+: the workers register vLLM's KV memory with the NIC
         (dualpath/vllm/agent.py), so each segment must be one physical allocation."""

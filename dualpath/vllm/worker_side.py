@@ -126,8 +126,22 @@ class WorkerSide:
         if not self._saves:
             return
         layer = self.layer_index[layer_name]
+        computed = self._layer_computed()
         for h in self._saves:
-            self.agent.save_layer(h, layer)
+            self.agent.save_layer(h, layer, computed)
+
+    def _layer_computed(self):
+        """For KV in GPU memory: an event recorded now on the model's current stream, as
+        the call the save's WRITE waits on (the layer's kernels are queued, not done,
+        when vLLM calls save_kv_layer; a device-wide sync would stall the model). None
+        for host memory (the layer is computed when the hook runs)."""
+        if self.kv is None or all(r.gpu_device is None for r in self.kv.ranges):
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())
+        return ev.synchronize
 
     def end_step(self) -> None:
         failed_reqs = set()

@@ -20,8 +20,9 @@ class TransportConfig:
     port: int = key(1, "RDMA port number.", min=1, max=255)
     gid_index: int = key(-1, "GID index; -1 = pick the RoCE v2 IPv4-mapped GID "
                          "automatically (or the first GID on InfiniBand).", min=-1, max=255)
-    gpu_nics: str = key("", "Which RDMA device a vLLM worker whose KV is on GPU i uses: "
-                        "'0=mlx5_0,1=mlx5_1'; empty = the nearest to the GPU on the PCIe "
+    gpu_nics: str = key("", "Which RDMA device a vLLM worker whose KV is on GPU i (PCI bus "
+                        "order, as nvidia-smi numbers them) uses: '0=mlx5_0,1=mlx5_1'; "
+                        "empty = the nearest to the GPU on the PCIe "
                         "tree (dualpath/topology.py; `dualpath doctor` shows the pairs). "
                         "Wins over device for GPU workers.")
 

@@ -135,6 +135,17 @@ class CudaDriver:
                                             CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, device)
         return rc == 0 and v.value == 1
 
+    def pci_bus_id(self, ordinal: int) -> str:
+        """The PCI address (``0000:17:00.0``) of the GPU this process calls ``ordinal``
+        (after CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER)."""
+        dev, buf = ctypes.c_int(0), ctypes.create_string_buffer(32)
+        for rc in (self._lib.cuInit(0), self._lib.cuDeviceGet(ctypes.byref(dev), ordinal),
+                   self._lib.cuDeviceGetPCIBusId(buf, len(buf), dev)):
+            if rc != 0:
+                raise RdmaError(errno.ENODEV, f"GPU {ordinal}'s PCI address: {self._error(rc)}")
+        domain, bus, rest = buf.value.decode().lower().split(":")
+        return f"{int(domain, 16):04x}:{bus}:{rest}"
+
     def export_dmabuf(self, ptr: int, nbytes: int) -> int:
         if self._get_handle is None:
             raise RdmaError(errno.EOPNOTSUPP, "this CUDA driver has no "

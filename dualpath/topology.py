@@ -12,6 +12,8 @@ the socket link (SYS).
 :func:`pair` is the pure core: each GPU (in PCI bus order, the order CUDA uses with
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID``) takes the closest NIC, ties going to the NIC fewer
 GPUs took already, then by name; an operator's pairs (``[transport] gpu_nics``) win.
+A process finds its GPU by PCI address (the CUDA driver's, dualpath/gpu.py), so
+CUDA_VISIBLE_DEVICES and CUDA's own device order do not matter.
 :func:`scan` is its sysfs shell (``root`` for tests).
 """
 
@@ -62,7 +64,7 @@ def parse_pairs(text: str) -> dict[int, str]:
 
 def pair(gpus: list[PciDevice], nics: list[PciDevice],
          override: dict[int, str] | None = None) -> dict[int, tuple[str, str]]:
-    """GPU index -> (NIC name, how close: nvidia-smi's word or "set")."""
+    """GPU index (PCI bus order) -> (NIC name, how close: nvidia-smi's word or "set")."""
     override = override or {}
     names = {n.name for n in nics}
     out: dict[int, tuple[str, str]] = {}
@@ -115,8 +117,11 @@ def scan(root: str = "/") -> tuple[list[PciDevice], list[PciDevice]]:
     return gpus, nics
 
 
-def nic_for(gpu: int, override: str = "", root: str = "/") -> tuple[str, str]:
-    """The NIC GPU ``gpu``'s KV goes through and why ("" when there is none to pick)."""
+def nic_for(bdf: str, override: str = "", root: str = "/") -> tuple[str, str]:
+    """The NIC the KV of the GPU at PCI address ``bdf`` goes through and why ("" when
+    there is none to pick). ``override``'s GPU indices count in PCI bus order (as
+    nvidia-smi numbers them), whatever CUDA_VISIBLE_DEVICES does to a process's."""
     gpus, nics = scan(root)
     pairs = pair(gpus, nics, parse_pairs(override))
-    return pairs.get(gpu, ("", ""))
+    index = next((i for i, g in enumerate(gpus) if g.bdf == bdf.lower()), None)
+    return pairs.get(index, ("", "")) if index is not None else ("", "")

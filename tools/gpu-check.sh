@@ -5,11 +5,11 @@
 #   2. bench/gpu_copy.py: cudaMemcpyAsync per block against one copy, 4 KiB - 4 MiB,
 #      and the CNIC-assisted copy (RDMA WRITEs into the GPU's MR) where an RDMA device
 #      has an ACTIVE port;
-#   3. the vLLM connector with a CUDA vLLM, where one is importable with a GPU.
+#   3. whether a CUDA vLLM is importable here (the connector's run on it is not built).
 # Prints one table and writes OUT/gpu-check.json (OUT: $1, default .cache/gpu-check)
 # with a "summary". Exit 0 when every part that can run here passed (a part that cannot
 # run says why, in the table and the JSON); 1 when one failed; 2 on usage.
-# Bounded: each part has a timeout, the whole well under ten minutes.
+# Bounded: the parts' timeouts add up to 8.5 minutes.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -22,21 +22,23 @@ mkdir -p "$OUT"
 gpus=$( { nvidia-smi -L 2>/dev/null || true; } | grep -c '^GPU' || true)
 rdma=$( { ibv_devinfo 2>/dev/null || true; } | grep -c PORT_ACTIVE || true)
 
-# 1. The GPU tests: with a GPU, a skip that says "needs a CUDA GPU" or "cupy" is a failure.
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/unit/test_gpu.py \
+# 1. The GPU tests: with a GPU every one must run; a skip there says what this GPU host
+#    lacks (cupy, dma-buf support, ...) and counts as a failure.
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs tests/unit/test_gpu.py \
   tests/unit/test_vllm_connector_parts.py tests/unit/test_vllm_gpu_order.py \
   >"$OUT/tests.log" 2>&1
 tests_rc=$?
-gpu_skips=$(grep -cE 'SKIPPED.*(needs a CUDA GPU|cupy|torch sees none)' "$OUT/tests.log" || true)
+gpu_skips=$(grep -c 'SKIPPED' "$OUT/tests.log" || true)
 
 # 2. Copies: the bench says itself what it lacks (exit 1 without cupy or a GPU).
 bench_args=(--sizes 4K,16K,64K,256K,1M,4M --json "$OUT/gpu_copy.json")
 [ "$rdma" -gt 0 ] && bench_args+=(--rdma)
-timeout 300 "$PY" bench/gpu_copy.py "${bench_args[@]}" >"$OUT/gpu_copy.log" 2>&1
+timeout 240 "$PY" bench/gpu_copy.py "${bench_args[@]}" >"$OUT/gpu_copy.log" 2>&1
 bench_rc=$?
 
-# 3. A CUDA vLLM beside the connector: only where one is importable and sees a GPU.
-timeout 60 "$PY" - >"$OUT/vllm.log" 2>&1 <<'EOF'
+# 3. A CUDA vLLM: whether one is importable here and sees a GPU ("found"; running the
+#    connector's tests on it is not built: the vLLM tier pins the CPU build).
+timeout 30 "$PY" - >"$OUT/vllm.log" 2>&1 <<'EOF'
 import sys
 try:
     import torch
@@ -60,7 +62,8 @@ parts = {}
 if gpus == 0:
     parts["tests"] = ("not run here", "no GPU (nvidia-smi lists none)")
 elif tests_rc or gpu_skips:
-    parts["tests"] = ("FAILED", f"pytest exit {tests_rc}, {gpu_skips} GPU tests skipped")
+    parts["tests"] = ("FAILED", f"pytest exit {tests_rc}, {gpu_skips} skipped on a GPU "
+                                f"host (see {out / 'tests.log'})")
 else:
     parts["tests"] = ("passed", tail("tests.log")[0])
 bench = {}
@@ -69,7 +72,7 @@ if bench_rc == 0 and (out / "gpu_copy.json").exists():
     parts["copies"] = ("measured", f"RDMA too: {rdma > 0}")
 else:
     parts["copies"] = ("not run here" if gpus == 0 else "FAILED", tail("gpu_copy.log")[0])
-parts["vllm"] = (("passed" if vllm_rc == 0 else "not run here" if vllm_rc == 3 else "FAILED"),
+parts["vllm"] = (("found" if vllm_rc == 0 else "not run here" if vllm_rc == 3 else "FAILED"),
                  tail("vllm.log")[0])
 print(f"{'part':<8} {'result':<13} detail")
 for k, (res, why) in parts.items():

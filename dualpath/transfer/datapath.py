@@ -181,9 +181,23 @@ class Peer:
         self.name = name
         self.identity = identity            # who the exchange checked answers ("" none)
         self.regions = regions              # replaced whole by the loop on recovery
+        # Loop: exchanges asked and the newest one applied (replies may cross: an older
+        # answer never replaces a newer one; Peer.refresh).
+        self.asked = self.applied = 0
         self.conns: list[Conn] = []
         self.pending: deque[Seg] = deque()     # data-path thread
         self.rr = 0                             # data-path thread: spreading rotation
+
+
+    def ask(self) -> int:
+        """Loop: the number of an exchange about to be sent."""
+        self.asked += 1
+        return self.asked
+
+    def refresh(self, seq: int, regions: dict[str, RegionInfo]) -> None:
+        """Loop: exchange ``seq``'s answer, unless a later exchange's is applied."""
+        if seq > self.applied:
+            self.regions, self.applied = dict(regions), seq
 
 
 class DataPath:

@@ -265,7 +265,10 @@ class TransferEngine:
                 await self.rescope(peer)
                 info = p.regions.get(remote, info)
                 rkeys, inside = window_keys(info.windows, rows, info.rkey)
-            # Rows still outside every window go with a key the peer's NIC refuses.
+            if not inside:      # refused here: posted, it would break every connection
+                raise TransferError(f"write to {peer!r}: bytes outside the windows its "
+                                    f"region {remote!r} grants us (no grant covers them)",
+                                    errno=errno.EPERM)
         t = Transfer(self._loop.create_future(), p, rows, region, remote, rkeys)
         # The bound is one timer on the loop (wait_for and shield cost two futures and
         # four callbacks a write); delivery cancels it.
@@ -290,13 +293,14 @@ class TransferEngine:
         if p is None or not any(i.scoped for i in p.regions.values()):
             return
         req = ConnectRequest(self.name, self.transport, (), ())
+        seq = p.ask()
         try:
             reply = await self.oob.request(peer, req, p.identity)
         except (DualPathError, OSError) as e:
             raise TransferError(f"cannot fetch peer {peer!r}'s windows: {e}",
                                 errno=getattr(e, "errno", 0) or 0) from e
         self._check_reply(peer, reply, 0)
-        p.regions = dict(reply.regions)
+        p.refresh(seq, reply.regions)
         self.stats["rescopes"] += 1
 
     def _expire(self, t: Transfer, peer: str, bound: float) -> None:
@@ -474,9 +478,10 @@ class TransferEngine:
                 else:
                     req = ConnectRequest(self.name, self.transport, (c.index,),
                                          (c.conn.endpoint(),))
+                    seq = p.ask()
                     reply = await self.oob.request(p.name, req, p.identity)
                     self._check_reply(p.name, reply, 1)
-                    p.regions = dict(reply.regions)
+                    p.refresh(seq, reply.regions)
                     await self._run_blocking(c.conn.connect, reply.endpoints[0],
                                              self.config.connect_timeout_s)
             except (DualPathError, OSError) as e:

@@ -30,11 +30,14 @@ import errno
 import struct
 
 from dualpath import lane, verbs
-from dualpath.dp import WorkCompletion
+from dualpath.dp import Access, WorkCompletion
 from dualpath.errors import TransferError, UsageError
 from dualpath.transfer.provider import Admissions, Connection, Provider, RegionInfo
 
 _ENDPOINT = struct.Struct("<IIII16s")
+# What a peer's MR lets it do: WRITE only (a READ would show a granted slot's earlier
+# contents, another request's KV).
+WINDOW = Access.LOCAL_WRITE | Access.REMOTE_WRITE
 
 
 def encode_endpoint(e: verbs.Endpoint) -> bytes:
@@ -182,7 +185,7 @@ class VerbsProvider(Provider):
         mrs: list[verbs.MemoryRegion] = []
         try:
             for off, n in runs:
-                mrs.append(pd.mr(None, verbs.ACCESS_RW, addr=region.addr + off, length=n))
+                mrs.append(pd.mr(None, WINDOW, addr=region.addr + off, length=n))
         except BaseException:
             for mr in mrs:
                 mr.close()
@@ -207,7 +210,7 @@ class VerbsProvider(Provider):
             return RegionInfo(region.addr, region.length, region.rkey, tuple(windows), True)
         mr = region.whole.get(peer)
         if mr is None:
-            mr = region.whole[peer] = pd.mr(None, verbs.ACCESS_RW, addr=region.addr,
+            mr = region.whole[peer] = pd.mr(None, WINDOW, addr=region.addr,
                                             length=region.length)
         return RegionInfo(region.addr, region.length, mr.rkey)
 

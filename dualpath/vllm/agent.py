@@ -302,13 +302,23 @@ class WorkerAgent:
         gpus = sorted({r.gpu_device for r in self.ranges if r.gpu_device is not None})
         if not gpus or t.kind == "tcp" or (t.device and not t.gpu_nics):
             return t
-        nic, why = topology.nic_for(gpus[0], t.gpu_nics)
+        from dualpath.gpu import CudaDriver
+
+        try:
+            bdf = CudaDriver().pci_bus_id(gpus[0])
+        except DualPathError as e:
+            log.warning("DualPath worker agent: GPU %d's NIC not paired (%s); using the "
+                        "transport's device", gpus[0], e)
+            return t
+        nic, why = topology.nic_for(bdf, t.gpu_nics)
         if not nic:
             return t
-        log.info("DualPath worker agent: GPU %d's KV goes through RDMA device %s (%s)",
-                 gpus[0], nic, "set in transport.gpu_nics" if why == "set"
+        log.info("DualPath worker agent: GPU %d (%s)'s KV goes through RDMA device %s (%s)",
+                 gpus[0], bdf, nic, "set in transport.gpu_nics" if why == "set"
                  else f"nearest on the PCIe tree: {why}")
-        return dataclasses.replace(t, device=nic)
+        # A GID index names an entry of the configured device's table, not this one's.
+        return dataclasses.replace(t, device=nic,
+                                   gid_index=t.gid_index if nic == t.device else -1)
 
     #: Seconds between the worker's heartbeats to its daemon.
     HEARTBEAT_S = 1.0

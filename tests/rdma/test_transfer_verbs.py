@@ -280,10 +280,12 @@ def test_peer_that_never_answers_is_bounded(veth):
 
 def test_a_scoped_region_takes_a_peers_writes_only_inside_its_grants(devices):
     """Issue 38 item 3 on verbs: "b" registers its buffer scoped; "a" and "c" each hold
-    a grant of their own 64 KiB. The NIC (rxe's responder: the QP's PD against the
-    rkey's) takes a's WRITE inside a's window only: into c's window, outside every
-    window, and into its own window once the grant ended, it is refused (REM_ACCESS_ERR)
-    and no byte lands. On the code before per-peer PDs every one of them landed."""
+    a grant of their own 64 KiB. a's engine refuses, before posting, a WRITE outside
+    the windows b granted it (EPERM: posted, it would break a's connections); and the
+    NIC (rxe's responder: the QP's PD against the rkey's) takes a's WRITE inside a's
+    window only: with c's key into c's window, with the region's whole key, into its own
+    window once the grant ended, it is refused (REM_ACCESS_ERR) and no byte lands. On
+    the code before per-peer PDs every one of them landed."""
     W = 65536
 
     async def main():
@@ -307,24 +309,33 @@ def test_a_scoped_region_takes_a_peers_writes_only_inside_its_grants(devices):
             await c.write("b", [(0, W, W)])                 # inside c's window
             assert dst[W:2 * W] == src[:W]
 
+            errors = a.stats["error_completions"]
             for item in ((W, W, 4096),                      # c's window
                          (0, 4 * W, 4096),                  # nobody's
                          (0, W - 4096, 8192)):              # half a's, half c's
+                before = bytes(dst)
+                with pytest.raises(TransferError) as ei:    # refused before posting
+                    await a.write("b", [item])
+                assert ei.value.errno == errno.EPERM and "outside the windows" in str(ei.value)
+                assert dst == before
+            assert a.stats["error_completions"] == errors   # no connection broken
+            info = a._peers["b"].regions["default"]
+            assert info.scoped and [w[:2] for w in info.windows] == [(0, W)]
+            assert b.scoped("default")
+            # A writer that lies about its windows, even with c's own key for c's window
+            # or the region's whole key elsewhere: b's NIC refuses both (a's QPs live in
+            # a PD of their own, where neither key is).
+            c_key = b.provider.view("c", b._regions["default"]).windows[0][2]
+            peer = a._peers["b"]
+            peer.regions = {"default": RegionInfo(
+                info.addr, info.length, info.rkey,
+                (info.windows[0], (W, W, c_key), (2 * W, W, info.rkey)), True)}
+            for item in ((W, W, 4096), (0, 2 * W, 4096)):
                 before = bytes(dst)
                 with pytest.raises(TransferError) as ei:
                     await a.write("b", [item])
                 assert ei.value.status == WcStatus.REM_ACCESS_ERR, ei.value
                 assert dst == before
-            info = a._peers["b"].regions["default"]
-            assert info.scoped and [w[:2] for w in info.windows] == [(0, W)]
-            assert b.scoped("default")
-            # The window's own key into the region's whole key: the NIC refuses that too.
-            peer = a._peers["b"]
-            peer.regions = {"default": RegionInfo(info.addr, info.length, info.rkey)}
-            with pytest.raises(TransferError) as ei:
-                await a.write("b", [(0, 2 * W, 4096)])
-            assert ei.value.status == WcStatus.REM_ACCESS_ERR
-            assert dst[2 * W:3 * W] == bytes(W)
             peer.regions = {"default": info}    # (its recovery refreshes them too)
 
             # The grant ends: a's cached key for its window is dead on b's NIC.

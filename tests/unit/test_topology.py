@@ -76,8 +76,11 @@ def test_the_operators_pairs_win_and_are_checked(tmp_path):
     assert pairs == {0: ("mlx5_0", "PIX"), 1: ("mlx5_1", "set")}
     with pytest.raises(UsageError, match="mlx5_9, which is not an RDMA device"):
         topology.pair(gpus, nics, {0: "mlx5_9"})
-    assert topology.nic_for(1, "1=mlx5_1", str(tmp_path)) == ("mlx5_1", "set")
-    assert topology.nic_for(5, "", str(tmp_path)) == ("", "")
+    # A process finds its GPU by PCI address (its CUDA index may be anything).
+    assert topology.nic_for(gpus[1].bdf.upper(), "1=mlx5_1", str(tmp_path)) == \
+        ("mlx5_1", "set")
+    assert topology.nic_for(gpus[0].bdf, "", str(tmp_path)) == ("mlx5_0", "PIX")
+    assert topology.nic_for("0000:99:00.0", "", str(tmp_path)) == ("", "")
 
 
 @pytest.mark.parametrize("bad", ["0", "x=mlx5_0", "0=", "0:mlx5_0"])

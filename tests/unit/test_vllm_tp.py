@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dualpath.engines.vllm.engine import Worker
+from dualpath.engines.vllm.engine import NotAttached, Worker
 from dualpath.errors import UsageError
 from dualpath.kv.placement import KvFormat, KvPlacement, runs
 from dualpath.vllm.kv_tensors import canonical_segments, describe_kv_caches, rank_heads
@@ -153,6 +153,60 @@ def test_a_save_commits_once_every_rank_committed(tmp_path):
             assert sa != sb
             for sid in (a, b):
                 eng.end_save(sid, False)
+
+    asyncio.run(main())
+
+
+def test_ranks_that_begin_a_save_together_share_it_even_while_it_waits_for_room(tmp_path):
+    """The ranks' BeginSaves arrive together: the second must join the first while the
+    first still waits for slots (a second set of slots would never commit)."""
+    async def main():
+        async with small_vllm_engine(tmp_path, fmt=CANON) as eng:
+            for r in range(2):
+                eng.attach(_rank(r))
+            pool = eng.space.pool
+            (a, sa), (b, sb) = await asyncio.gather(eng.begin_save("r1", "w0", KEYS),
+                                                    eng.begin_save("r1", "w1", KEYS))
+            assert sa == sb and pool.free == pool.capacity - 3
+            eng.end_save(a, True)
+            assert eng.end_save(b, True) == 3
+            # A full pool: rank 0 waits for room, rank 1 joins the wait, both get the
+            # slots once another save's go back.
+            await asyncio.gather(*eng._persists)        # r1's slots are back
+            hog = await pool.reserve(pool.free)
+            first = asyncio.ensure_future(eng.begin_save("r2", "w0", KEYS[:1], wait_s=5))
+            second = asyncio.ensure_future(eng.begin_save("r2", "w1", KEYS[:1], wait_s=5))
+            await asyncio.sleep(0.05)
+            assert not first.done() and not second.done()
+            hog.release()
+            (c, sc), (d, sd) = await asyncio.gather(first, second)
+            assert sc == sd
+            for sid in (c, d):
+                eng.end_save(sid, False)
+            await asyncio.gather(*eng._persists)
+            assert pool.free == pool.capacity
+
+    asyncio.run(main())
+
+
+def test_a_rank_whose_instance_restarted_drops_the_saves_it_began(tmp_path):
+    """Rank 1 ended its part, then its instance restarted (a new rank 1 attached): the
+    save it began will never get a consistent set of ranks and gives its slots back."""
+    async def main():
+        async with small_vllm_engine(tmp_path, fmt=CANON) as eng:
+            for r in range(2):
+                eng.attach(_rank(r))
+            pool = eng.space.pool
+            s0, _ = await eng.begin_save("r1", "w0", KEYS)
+            s1, _ = await eng.begin_save("r1", "w1", KEYS)
+            eng.end_save(s1, True)
+            assert pool.free == pool.capacity - 3
+            w = _rank(1)
+            eng.attach(Worker("w1-new", "m", 1, 2, w.placement, canonical=w.canonical,
+                              canonical_rows=w.canonical_rows))
+            assert pool.free == pool.capacity and not eng._joining
+            with pytest.raises(NotAttached):
+                eng.end_save(s0, True)
 
     asyncio.run(main())
 

@@ -152,7 +152,7 @@ class _Save:
     worker: str
     request_id: str
     keys: list[bytes]
-    res: Reservation
+    res: Reservation | None          # None only while its first rank waits for room
     deadline: float
     readers: int = 0                 # loads copying from its slots (they stay until 0)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -162,6 +162,10 @@ class _Save:
     ranks: int = 1                   # tensor-parallel ranks that save into it
     sids: dict[int, tuple[int, str]] = field(default_factory=dict)  # save id -> rank, worker
     ended: dict[int, bool] = field(default_factory=dict)            # rank -> committed
+    workers: set[str] = field(default_factory=set)   # every worker that began it
+    # Set once its slots are lent (res), or failed: ranks that join while the first
+    # one's reservation waits for room wait for it.
+    lent: asyncio.Future | None = None
 
     def is_tail(self, i: int) -> bool:
         """Whether key ``i`` is the prompt's partial last block (never persisted)."""
@@ -237,6 +241,7 @@ class VllmEngine:
         self._saves: dict[int, _Save] = {}      # every rank's save id -> its save
         # Saves that ranks of a TP instance still join: (request, keys) -> the save.
         self._joining: dict[tuple[str, tuple[bytes, ...]], _Save] = {}
+        self._live: set[_Save] = set()          # lent and not ended: what expiry sweeps
         self._views: dict[str, KvPlacement] = {}  # worker -> its view of the buffer
         # Committed blocks not on disk yet (write-back): lookups count them, loads copy
         # them from the save's slots instead of waiting for the store. The node's one
@@ -359,8 +364,7 @@ class VllmEngine:
         invariant)."""
         del self.workers[name]
         self._views.pop(name, None)
-        saves = {s for s in self._saves.values()
-                 if any(w == name for _, w in s.sids.values())}
+        saves = {s for s in self._live if name in s.workers}
         for s in saves:
             self._drop_save(s)
         loads = [lid for lid, (_, _, w) in self._held.items() if w == name]
@@ -713,30 +717,60 @@ class VllmEngine:
         s = self._joining.get(join) if w.tp_size > 1 else None
         if s is not None and w.tp_rank not in s.ended and \
                 all(r != w.tp_rank for r, _ in s.sids.values()):
-            sid = next(self._save_ids)
-            s.sids[sid] = (w.tp_rank, worker_name)
-            self._saves[sid] = s
-            if len(s.sids) + len(s.ended) == s.ranks:
-                del self._joining[join]         # every rank has it
-            return sid, list(s.res.slots)
+            return await self._join_save(s, join, w)
         stage = self.stage_for(request_id, ticket)
-        at = stage.save_slots(keys) if stage is not None else None
-        if at is not None:                   # slots the request reserved with its hit
-            res = stage.view(at, len(keys))
-        else:
-            try:
-                res = await asyncio.wait_for(space.pool.reserve(len(keys)), wait_s)
-            except TimeoutError:
-                raise BufferBusy(f"no room for {len(keys)} blocks in {self.region_name} "
-                                 f"within {wait_s:g} s") from None
-        sid = next(self._save_ids)
-        s = _Save(sid, worker_name, request_id, list(keys), res,
-                  time.monotonic() + self.save_timeout_s, stage=stage, ranks=w.tp_size)
-        s.sids[sid] = (w.tp_rank, worker_name)
-        self._saves[sid] = s
+        # Registered before any wait, so the other ranks' BeginSaves (they come together)
+        # join it rather than lend slots of their own.
+        s = _Save(0, worker_name, request_id, list(keys), None,
+                  time.monotonic() + self.save_timeout_s, stage=stage, ranks=w.tp_size,
+                  lent=asyncio.get_running_loop().create_future())
         if w.tp_size > 1:
             self._joining[join] = s
-        return sid, list(res.slots)
+        try:
+            at = stage.save_slots(keys) if stage is not None else None
+            if at is not None:               # slots the request reserved with its hit
+                s.res = stage.view(at, len(keys))
+            else:
+                try:
+                    s.res = await asyncio.wait_for(space.pool.reserve(len(keys)), wait_s)
+                except TimeoutError:
+                    raise BufferBusy(f"no room for {len(keys)} blocks in "
+                                     f"{self.region_name} within {wait_s:g} s") from None
+        except BaseException as e:
+            if self._joining.get(join) is s:
+                del self._joining[join]
+            s.lent.set_exception(e if isinstance(e, DualPathError)
+                                 else BufferBusy(f"the save's first rank failed: {e!r}"))
+            s.lent.exception()               # retrieved: joiners re-raise their own
+            raise
+        s.lent.set_result(None)
+        self._live.add(s)
+        return self._lend(s, w)
+
+    async def _join_save(self, s: _Save, join, w: Worker) -> tuple[int, list[int]]:
+        """Rank ``w`` joins save ``s`` another rank began (its slots, once lent)."""
+        s.workers.add(w.name)                   # before the wait: a forget finds it
+        s.sids[-next(self._save_ids)] = (w.tp_rank, w.name)     # its place while it waits
+        await asyncio.shield(s.lent)
+        placeholder = next(k for k, v in s.sids.items() if k < 0 and v[1] == w.name)
+        del s.sids[placeholder]
+        if s.res is None or s.res.released:
+            raise NotAttached(f"save of {s.request_id} ended while rank {w.tp_rank} joined")
+        # A late rank's WRITEs get their own bound: the save outlives them.
+        s.deadline = max(s.deadline, time.monotonic() + self.save_timeout_s)
+        sid, slots = self._lend(s, w)
+        if len(s.sids) + len(s.ended) >= s.ranks and self._joining.get(join) is s:
+            del self._joining[join]             # every rank has it
+        return sid, slots
+
+    def _lend(self, s: _Save, w: Worker) -> tuple[int, list[int]]:
+        sid = next(self._save_ids)
+        if not s.save_id:
+            s.save_id = sid
+        s.sids[sid] = (w.tp_rank, w.name)
+        s.workers.add(w.name)
+        self._saves[sid] = s
+        return sid, list(s.res.slots)
 
     def end_save(self, save_id: int, commit: bool) -> int:
         """Persist (commit) or drop a lent save; how many blocks were queued (0 until
@@ -748,6 +782,7 @@ class VllmEngine:
         s.ended[rank] = commit
         if len(s.ended) < s.ranks:
             return 0                            # the other ranks' heads are not in yet
+        self._live.discard(s)
         if self._joining.get((s.request_id, tuple(s.keys))) is s:
             del self._joining[(s.request_id, tuple(s.keys))]
         if not all(s.ended.values()):
@@ -841,8 +876,7 @@ class VllmEngine:
         """Take back slots of saves never ended (their worker died). The deadline is far
         past any write timeout of the worker, so no WRITE of it is still in flight."""
         now = time.monotonic()
-        late = {s for s in [*self._saves.values(), *self._joining.values()]
-                if s.deadline < now}
+        late = {s for s in self._live if s.deadline < now}
         for s in late:
             log.warning("%s: save %d of %s (worker %s, %d of %d ranks ended) never ended; "
                         "slots taken back", self.node_id, s.save_id, s.request_id, s.worker,
@@ -854,18 +888,21 @@ class VllmEngine:
         for sid in s.sids:
             self._saves.pop(sid, None)
         s.sids.clear()
+        self._live.discard(s)
         key = (s.request_id, tuple(s.keys))
         if self._joining.get(key) is s:
             del self._joining[key]
-        s.res.release()
+        if s.res is not None:
+            s.res.release()
 
     async def close(self) -> None:
         for s in list(self._pending.servers()):
             self.release_adopted(s)
         for t in list(self._persists):
             await asyncio.gather(t, return_exceptions=True)
-        for s in {*self._saves.values(), *self._joining.values()}:
+        for s in self._live:
             s.res.release()
+        self._live.clear()
         self._saves.clear()
         self._joining.clear()
         for lid in list(self._held):

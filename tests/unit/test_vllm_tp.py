@@ -5,6 +5,7 @@ stored at TP=1; and a save that completes only once every rank's heads landed.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -124,6 +125,15 @@ def _rank(r: int, tp: int = 2) -> Worker:
 KEYS = [bytes([i]) * 16 for i in range(1, 4)]
 
 
+@contextlib.asynccontextmanager
+async def _tp2(tmp_path):
+    """A node's engine in the canonical format with both ranks of a TP=2 instance."""
+    async with small_vllm_engine(tmp_path, fmt=CANON) as eng:
+        for r in range(2):
+            eng.attach(_rank(r))
+        yield eng
+
+
 def test_a_save_commits_once_every_rank_committed(tmp_path):
     async def main():
         async with small_vllm_engine(tmp_path, fmt=CANON) as eng:
@@ -161,9 +171,7 @@ def test_ranks_that_begin_a_save_together_share_it_even_while_it_waits_for_room(
     """The ranks' BeginSaves arrive together: the second must join the first while the
     first still waits for slots (a second set of slots would never commit)."""
     async def main():
-        async with small_vllm_engine(tmp_path, fmt=CANON) as eng:
-            for r in range(2):
-                eng.attach(_rank(r))
+        async with _tp2(tmp_path) as eng:
             pool = eng.space.pool
             (a, sa), (b, sb) = await asyncio.gather(eng.begin_save("r1", "w0", KEYS),
                                                     eng.begin_save("r1", "w1", KEYS))
@@ -193,9 +201,7 @@ def test_a_rank_whose_instance_restarted_drops_the_saves_it_began(tmp_path):
     """Rank 1 ended its part, then its instance restarted (a new rank 1 attached): the
     save it began will never get a consistent set of ranks and gives its slots back."""
     async def main():
-        async with small_vllm_engine(tmp_path, fmt=CANON) as eng:
-            for r in range(2):
-                eng.attach(_rank(r))
+        async with _tp2(tmp_path) as eng:
             pool = eng.space.pool
             s0, _ = await eng.begin_save("r1", "w0", KEYS)
             s1, _ = await eng.begin_save("r1", "w1", KEYS)
@@ -213,9 +219,7 @@ def test_a_rank_whose_instance_restarted_drops_the_saves_it_began(tmp_path):
 
 def test_a_save_a_rank_never_joined_gives_its_slots_back_at_its_deadline(tmp_path):
     async def main():
-        async with small_vllm_engine(tmp_path, fmt=CANON) as eng:
-            for r in range(2):
-                eng.attach(_rank(r))
+        async with _tp2(tmp_path) as eng:
             pool = eng.space.pool
             sid, _ = await eng.begin_save("r1", "w0", KEYS)
             assert eng.end_save(sid, True) == 0              # waits for rank 1
@@ -233,9 +237,7 @@ def test_an_instance_started_again_at_another_tp_replaces_every_old_rank(tmp_pat
     """The operator restarts the instance at TP=1: its worker takes the place of both
     TP=2 ranks, and their open saves give their slots back."""
     async def main():
-        async with small_vllm_engine(tmp_path, fmt=CANON) as eng:
-            for r in range(2):
-                eng.attach(_rank(r))
+        async with _tp2(tmp_path) as eng:
             await eng.begin_save("r1", "w1", KEYS)
             pool = eng.space.pool
             assert pool.free == pool.capacity - 3

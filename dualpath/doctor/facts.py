@@ -29,11 +29,13 @@ def gather(cfg, wanted_ports: list[str]) -> Facts:
     f.ports_busy = {a: why for a in wanted_ports if (why := busy(a))}
     if not cfg.tls.plaintext:
         f.tls_problems, f.tls_expires_days = tls_files(cfg.tls)
-    f.gpus = gpus()
+    # NVIDIA GPUs (PCI class 0x03, vendor 0x10de) with their NUMA node, and the RDMA
+    # device each one's KV goes through (dualpath/topology.py: one sysfs scan for both).
+    found, nics = topology.scan()
+    f.gpus = [(i, g.numa) for i, g in enumerate(found)]
     try:
-        found, nics = topology.scan()
         f.gpu_nics = topology.pair(found, nics, topology.parse_pairs(cfg.transport.gpu_nics))
-    except (OSError, UsageError) as e:
+    except UsageError as e:
         f.gpu_nics = {i: ("?", str(e)) for i, _ in f.gpus}
     return f
 
@@ -231,17 +233,3 @@ def _handshake(server: ssl.SSLContext, ca_file: str) -> str:
         if done == 2:
             return ""
     return "the handshake did not finish"
-
-
-def gpus() -> list[tuple[int, int | None]]:
-    """NVIDIA GPUs from sysfs (PCI class 0x03, vendor 0x10de), with their NUMA node."""
-    out = []
-    for dev in sorted(Path("/sys/bus/pci/devices").glob("*")):
-        try:
-            if (dev / "vendor").read_text().strip() != "0x10de" or \
-                    not (dev / "class").read_text().startswith("0x03"):
-                continue
-        except OSError:
-            continue
-        out.append((len(out), _numa(dev)))
-    return out

@@ -162,6 +162,7 @@ class _Save:
     ranks: int = 1                   # tensor-parallel ranks that save into it
     sids: dict[int, tuple[int, str]] = field(default_factory=dict)  # save id -> rank, worker
     ended: dict[int, bool] = field(default_factory=dict)            # rank -> committed
+    begun: set[int] = field(default_factory=set)     # ranks that began it (or wait to)
     workers: set[str] = field(default_factory=set)   # every worker that began it
     # Set once its slots are lent (res), or failed: ranks that join while the first
     # one's reservation waits for room wait for it.
@@ -374,6 +375,10 @@ class VllmEngine:
                  "open give their slots back", self.node_id, successor, name, len(saves),
                  len(loads))
 
+    def _view(self, w: Worker) -> KvPlacement:
+        """The buffer as worker ``w`` sees it: its rank's segments of every slot."""
+        return self._views.get(w.name, self.space.buffer)
+
     def _worker(self, name: str) -> Worker:
         w = self.workers.get(name)
         if w is None:
@@ -502,7 +507,7 @@ class VllmEngine:
             yield LoadStep(0, failed)
             if worker_copies:
                 # The bytes of a block this rank copies (its heads' share at TP > 1).
-                f = self._views.get(w.name, space.buffer).fmt
+                f = self._view(w).fmt
                 share = f.layers * f.units * f.unit_bytes
                 lid = next(self._load_ids)
                 self._held[lid] = (res, time.monotonic() + self.HOLD_S, w.name)
@@ -533,7 +538,7 @@ class VllmEngine:
                     layers, skipped = layers[1:], 1
                     queue.put_nowait(1)
                 writer = asyncio.ensure_future(write_layers(
-                    self.transfer, w.name, self._views.get(w.name, space.buffer),
+                    self.transfer, w.name, self._view(w),
                     space.buffer_units(res)[:ok * k],
                     w.placement, units[:ok * k], 0, ok * T,
                     on_layer=lambda n: queue.put_nowait(n + skipped), layers=layers,
@@ -715,15 +720,14 @@ class VllmEngine:
         assert space is not None
         join = (request_id, tuple(keys))
         s = self._joining.get(join) if w.tp_size > 1 else None
-        if s is not None and w.tp_rank not in s.ended and \
-                all(r != w.tp_rank for r, _ in s.sids.values()):
+        if s is not None and w.tp_rank not in s.begun:
             return await self._join_save(s, join, w)
         stage = self.stage_for(request_id, ticket)
         # Registered before any wait, so the other ranks' BeginSaves (they come together)
         # join it rather than lend slots of their own.
         s = _Save(0, worker_name, request_id, list(keys), None,
                   time.monotonic() + self.save_timeout_s, stage=stage, ranks=w.tp_size,
-                  lent=asyncio.get_running_loop().create_future())
+                  lent=asyncio.get_running_loop().create_future(), begun={w.tp_rank})
         if w.tp_size > 1:
             self._joining[join] = s
         try:
@@ -749,19 +753,16 @@ class VllmEngine:
 
     async def _join_save(self, s: _Save, join, w: Worker) -> tuple[int, list[int]]:
         """Rank ``w`` joins save ``s`` another rank began (its slots, once lent)."""
+        s.begun.add(w.tp_rank)
         s.workers.add(w.name)                   # before the wait: a forget finds it
-        s.sids[-next(self._save_ids)] = (w.tp_rank, w.name)     # its place while it waits
+        if len(s.begun) >= s.ranks and self._joining.get(join) is s:
+            del self._joining[join]             # every rank has it
         await asyncio.shield(s.lent)
-        placeholder = next(k for k, v in s.sids.items() if k < 0 and v[1] == w.name)
-        del s.sids[placeholder]
         if s.res is None or s.res.released:
             raise NotAttached(f"save of {s.request_id} ended while rank {w.tp_rank} joined")
         # A late rank's WRITEs get their own bound: the save outlives them.
         s.deadline = max(s.deadline, time.monotonic() + self.save_timeout_s)
-        sid, slots = self._lend(s, w)
-        if len(s.sids) + len(s.ended) >= s.ranks and self._joining.get(join) is s:
-            del self._joining[join]             # every rank has it
-        return sid, slots
+        return self._lend(s, w)
 
     def _lend(self, s: _Save, w: Worker) -> tuple[int, list[int]]:
         sid = next(self._save_ids)

@@ -4,12 +4,16 @@ at TP=1, and the reverse. Every node keeps the canonical block (both heads, the 
 order), so what crosses nodes does not depend on either side's TP; each side's ranks get
 their heads from it. Each read path is forced once (the PE's, the DE's, the split) and
 every turn is a single instance at the decode's TP (vLLM's own prefix cache): greedy
-tokens equal, logprobs within conftest.TOL. The negative control gives each rank of the
+tokens equal, logprobs within conftest.TOL; so are three requests at once near the full
+context, after which every pool is whole and no fence held. The negative control gives each rank of the
 TP=2 instance the other rank's heads (fault ``tp_swap_ranks``): the outputs leave the
 oracle's.
 """
 
 from __future__ import annotations
+
+import asyncio
+import random
 
 import pytest
 
@@ -17,6 +21,7 @@ from dualpath.cluster.vllm_node import ENGINE_ENV, engine_args
 from dualpath.cluster.vllm_pd import VllmPdCluster
 from dualpath.vllm.driver import EngineProcess
 from dualpath.vllm.models import TINY2
+from tests.faults.conftest import wait_idle_invariant
 from tests.vllm.conftest import Conversation, close, max_diff
 from tests.vllm.test_pd import Rig, pe_read_under_fault
 
@@ -70,6 +75,30 @@ def test_pd_at_different_tp_is_the_decodes_tp_on_every_read_path(rig):
     tp2 = "p0" if rig.topology == "p2d1" else "d0"
     log = (rig.pd.dir / "logs" / f"{tp2}.log").read_text()
     assert "rank 1 of 2: 2 of the block's 4 segments" in log
+
+
+def test_concurrent_requests_near_the_full_context_at_different_tp(rig):
+    """Three requests at once, each a stored 3,800-token prefix plus its own suffix (near
+    the instances' 4,096-token context), on the buffers `up` derives: each served at its
+    first attempt with the oracle's tokens (the ranks' saves and loads of several requests
+    interleave), and once idle every pool is whole again and no fence is held."""
+    rng = random.Random(41)
+    prefix = [rng.randrange(49152) for _ in range(3800)]
+    rig.turn(prefix, 2, 0)                              # computes and stores it
+    rig.pd.wait_written()
+    prompts = [prefix + [rng.randrange(49152) for _ in range(100)] for _ in range(3)]
+
+    async def together():
+        return await asyncio.gather(*(rig.gen.generate(
+            f"{rig.topology}-k{i}", p, 8, hit_tokens=len(prefix), block_tokens=T,
+            timeout_s=300) for i, p in enumerate(prompts)))
+    got = rig.loop.run_until_complete(together())
+    for p, g in zip(prompts, got):
+        assert g.attempt == 1, g
+        a = {"token_ids": g.token_ids, "logprobs": g.logprobs}
+        b = rig.oracle.generate(p, 8)
+        assert a["token_ids"] == b["token_ids"] and close(a, b), (max_diff(a, b), g)
+    wait_idle_invariant(rig.pd.cluster)
 
 
 @pytest.mark.parametrize("rig", ["p2d1"], indirect=True)

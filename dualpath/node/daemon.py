@@ -45,7 +45,13 @@ from dualpath.node.servicers import add_services, engine_services, new_server
 from dualpath.paths.auth import Callers
 from dualpath.paths.errors import PeerUnavailable
 from dualpath.paths.fence import Fences
-from dualpath.paths.metrics import CountingLimiter, NodeMetrics, OwnedCounters, PoolGauges
+from dualpath.paths.metrics import (
+    CountingLimiter,
+    NodeMetrics,
+    OwnedCounters,
+    PoolGauges,
+    StoreGauges,
+)
 from dualpath.paths.peers import PeerClient
 from dualpath.paths.ranks import EngineRank
 from dualpath.paths.resources import NodeResources
@@ -149,6 +155,7 @@ class NodeDaemon:
         self.registry.register(OwnedCounters(self.transfer.stats, self._store_stats,
                                              self.transfer.provider.target_stats))
         self.registry.register(PoolGauges(self._pool))
+        self.registry.register(StoreGauges(self._store_upkeep))
         self.metrics_srv = _metrics.start_metrics_server(ecfg.metrics_listen, self.registry,
                                                         "engine.metrics_listen",
                                                         tls.metrics_context(cfg.tls))
@@ -224,6 +231,11 @@ class NodeDaemon:
         attaches: none before)."""
         space = self.engine.space if self.engine is not None else None
         return space.store.stats_dict() if space is not None else {}
+
+    def _store_upkeep(self):
+        """The store's upkeep (evictor), None without a capacity or a store yet."""
+        space = self.engine.space if self.engine is not None else None
+        return space.store.upkeep if space is not None else None
 
     # ------------------------------------------------------------ running
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 from dualpath import clock
 from dualpath import metrics as m
+from dualpath.storage.evictor import HIT_AGE_BUCKETS
 from dualpath.storage.ratelimit import RateLimiter
 
 
@@ -147,6 +152,17 @@ _OWNED_COUNTERS = (
      "Block reads that failed with an I/O error: the block is recomputed."),
     ("dualpath_node_store_missing_blocks_total", "store", "misses",
      "Block reads that found no such block."),
+    ("dualpath_node_store_evictions_total", "store", "evictions",
+     ("Blocks this process evicted as the store's evictor (storage.capacity_gib; "
+      "docs/storage.md).")),
+    ("dualpath_node_store_evicted_bytes_total", "store", "evicted_bytes",
+     "Bytes on disk of the blocks this process evicted."),
+    ("dualpath_node_store_writes_refused_capacity_total", "store", "writes_refused_capacity",
+     ("Block writes refused because the store was at its bound (the block is not "
+      "cached); many mean the evictor cannot keep up or leases hold the space.")),
+    ("dualpath_node_store_index_stat_calls_total", "store", "index_stat_calls",
+     ("Filesystem lookups of keys the store's index did not know (about one per "
+      "lookup once the index is warm).")),
 )
 
 
@@ -199,6 +215,43 @@ class PoolGauges:
             if pool is not None:
                 g.add_metric((pool.name,), getattr(pool, attr))
             yield g
+
+
+class StoreGauges:
+    """The store's bound as its evictor sees it, and the age of hits (``upkeep()``: the
+    store's Upkeep, or None without a capacity or before the store opened). Usage and
+    hit ages come from the evictor only: 0 and empty on the other nodes."""
+
+    def __init__(self, upkeep: Callable[[], object | None]):
+        self._upkeep = upkeep
+
+    def describe(self) -> Iterator:
+        return self.collect()
+
+    def collect(self) -> Iterator:
+        u = self._upkeep()
+        g = u.gauges() if u is not None else {}
+        for name, k, doc in (
+                ("dualpath_node_store_evictor", "evictor",
+                 "1 when this process is the store's evictor (holds its lock)."),
+                ("dualpath_node_store_usage_bytes", "usage_bytes",
+                 "Bytes of blocks in the store's namespace (evictor only)."),
+                ("dualpath_node_store_capacity_bytes", "capacity_bytes",
+                 "The namespace's bound, storage.capacity_gib."),
+                ("dualpath_node_store_blocks", "blocks",
+                 "Blocks in the store's namespace (evictor only).")):
+            yield GaugeMetricFamily(name, doc, value=g.get(k, 0.0))
+        h = HistogramMetricFamily(
+            "dualpath_node_store_hit_age_seconds",
+            "Time since a block's previous hit (or its write) at each hit (evictor only): "
+            "how far back in the store the working set reaches.")
+        counts = u.stats.hit_age_counts if u is not None else [0] * len(HIT_AGE_BUCKETS)
+        buckets, acc = [], 0
+        for bound, n in zip(HIT_AGE_BUCKETS, counts):
+            acc += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), acc))
+        h.add_metric((), buckets, u.stats.hit_age_sum if u is not None else 0.0)
+        yield h
 
 
 class CountingLimiter(RateLimiter):

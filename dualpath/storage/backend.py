@@ -43,6 +43,9 @@ class BlockBackend(Protocol):
     def leading(self, keys: Sequence[bytes], held: Container[bytes] = ()) -> int:
         """How many leading ``keys`` exist or are in ``held`` (on their way in)."""
 
+    def lease(self, keys: Sequence[bytes]) -> None:
+        """``keys`` are named by a request in flight: hits, kept from eviction a while."""
+
     # read whole
     def read_batch(self, keys: Sequence[bytes], outs: Sequence) -> list[bool]:
         """Each block into its out buffer; False for a miss (absent or corrupt)."""

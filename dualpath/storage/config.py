@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dualpath.config import key
 from dualpath.errors import ConfigError
+from dualpath.storage.evictor import StoreCapacity
 from dualpath.storage.format import MIN_KEY_BYTES
 from dualpath.storage.store import DIRECT_IO_MODES, BlockStore
 
@@ -58,6 +59,42 @@ class StorageConfig:
                                   "read (a writer of the shared mount without the key cannot "
                                   "plant blocks). Empty = no tags.")
 
+    capacity_gib: float = key(0.0, "Bound of each model namespace of the store in GiB (the "
+                              "files' bytes on disk); 0 = unbounded. Over high_watermark "
+                              "of it the store's one evictor (whichever node holds its "
+                              "lock; docs/storage.md) removes the least recently hit "
+                              "blocks down to low_watermark, and a write that would pass "
+                              "the bound is refused (the block is not cached).", min=0.0)
+    high_watermark: float = key(0.9, "Fraction of capacity_gib at which eviction starts.",
+                                min=0.01, max=1.0)
+    low_watermark: float = key(0.8, "Fraction of capacity_gib eviction brings usage down to "
+                               "(at most high_watermark).", min=0.01, max=1.0)
+    hit_lease_s: float = key(60.0, "A block a lookup counted as a hit (a request's plan "
+                             "names it) or a read returned is not evicted for this long.",
+                             min=0.0)
+    upkeep_interval_s: float = key(1.0, "How often each process flushes its store ledger and "
+                                   "the evictor evicts and publishes usage (with a capacity).",
+                                   min=0.05, max=60.0)
+    temp_max_age_s: float = key(600.0, "Temp files of writes older than this are removed by "
+                                "the stores' upkeep (writers that died); keep it well "
+                                "above the longest block write.", min=10.0)
+    index_max_keys: int = key(1_000_000, "Block keys each process keeps in memory to answer "
+                              "lookups without a filesystem call per block (~100 bytes "
+                              "each; past it the index starts over); 0 = no index: a "
+                              "stat per block per lookup.", min=0, max=1 << 30)
+
+    def __post_init__(self) -> None:
+        if self.low_watermark > self.high_watermark:
+            raise ConfigError(f"storage.low_watermark = {self.low_watermark} is above "
+                              f"storage.high_watermark = {self.high_watermark}")
+
+    def capacity(self) -> StoreCapacity | None:
+        if self.capacity_gib <= 0:
+            return None
+        return StoreCapacity(int(self.capacity_gib * 2**30), self.high_watermark,
+                             self.low_watermark, self.hit_lease_s, self.upkeep_interval_s,
+                             self.temp_max_age_s)
+
     def integrity_key(self) -> bytes | None:
         """The key of integrity_key_file (None when unset); ConfigError naming the file
         when it is unreadable, too short or readable by every user."""
@@ -85,7 +122,8 @@ class StorageConfig:
                           read_rings=self.read_rings,
                           write_workers=self.write_workers, direct_io=self.direct_io,
                           verify_checksum=self.verify_checksum, fsync=self.fsync,
-                          integrity_key=self.integrity_key())
+                          integrity_key=self.integrity_key(), capacity=self.capacity(),
+                          index_max_keys=self.index_max_keys)
 
     def resolved_dir(self) -> Path:
         if self.dir:

@@ -21,10 +21,10 @@ _HINTS = {
 class StorageError(DualPathError, OSError):
     """A block store operation failed. ``.errno`` is the OS errno, ``.path`` the file."""
 
-    def __init__(self, err: int, what: str, path: str | os.PathLike):
+    def __init__(self, err: int, what: str, path: str | os.PathLike, hint: str | None = None):
         err = abs(int(err))
         name = _errno.errorcode.get(err, str(err))
-        hint = _HINTS.get(err)
+        hint = hint or _HINTS.get(err)
         msg = f"{what} {os.fspath(path)}: {name} ({os.strerror(err)})"
         super().__init__(err, msg + (f"; {hint}" if hint else ""))
         self.path = os.fspath(path)

@@ -145,6 +145,7 @@ class ReadQueue:
         if len(keys) != len(outs):
             raise UsageError(f"{len(keys)} keys but {len(outs)} buffers")
         self.forget(request_id)
+        self.store.lease(keys)          # named by a plan in flight: not evicted under it
         self._start()
         loop = asyncio.get_running_loop()
         req = _Request()

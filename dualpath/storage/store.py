@@ -73,6 +73,7 @@ from dualpath.kv.layout import BlockLayout
 from dualpath.kv.profiles import ModelProfile
 from dualpath.storage.backend import StoredBlock
 from dualpath.storage.errors import StorageError
+from dualpath.storage.evictor import CapacityGuard, StoreCapacity, Upkeep
 from dualpath.storage.format import (
     HEADER_BYTES,
     MIN_KEY_BYTES,
@@ -81,6 +82,8 @@ from dualpath.storage.format import (
     pack_header,
     payload_hash,
 )
+from dualpath.storage.index import KeyIndex
+from dualpath.storage.ledger import LedgerTail, LedgerWriter
 from dualpath.storage.ring import ALIGN, RingReader, aligned_bytes, direct_cut
 
 log = logging.getLogger("dualpath.storage")
@@ -115,6 +118,7 @@ class StoreStats:
     bytes_read: int = 0          # payload bytes handed out
     writes: int = 0
     writes_skipped: int = 0      # the block already existed
+    writes_refused_capacity: int = 0   # storage.capacity_gib reached (evictor.py)
     bytes_written: int = 0
 
 
@@ -147,7 +151,8 @@ class BlockStore:
                  read_workers: int = 8, write_workers: int = 2, direct_io: str = "auto",
                  read_batch_depth: int = 4, read_rings: int = 4,
                  verify_checksum: bool = True, fsync: bool = True,
-                 integrity_key: bytes | None = None):
+                 integrity_key: bytes | None = None,
+                 capacity: StoreCapacity | None = None, index_max_keys: int = 1_000_000):
         if direct_io not in DIRECT_IO_MODES:
             raise UsageError(f"direct_io={direct_io!r}; allowed: {', '.join(DIRECT_IO_MODES)}")
         if integrity_key is not None and len(integrity_key) < MIN_KEY_BYTES:
@@ -183,20 +188,38 @@ class BlockStore:
         self._next_ring = 0
         self._ring_refused = False
         self._root_fd = -1
+        self.ledger: LedgerWriter | None = None
+        self.index: KeyIndex | None = None
+        self.upkeep: Upkeep | None = None
+        self._guard: CapacityGuard | None = None
+        self.capacity = capacity
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._root_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self.ledger = LedgerWriter(self.dir, sync=fsync)
         except OSError as e:
             self.close()
             raise StorageError(e.errno or _errno.EIO, "creating the block store directory",
                                self.dir) from None
+        if index_max_keys > 0:
+            self.index = KeyIndex(LedgerTail.of(self.dir, "log"), self._file_exists,
+                                  max_keys=index_max_keys)
+        if capacity is not None and capacity.bytes > 0:
+            self._guard = CapacityGuard(self.dir, self.ledger)
+            self.upkeep = capacity.start(self, self.ledger)
         log.info("block store %s: profile %s, %d-byte full blocks, direct_io=%s, %d read "
-                 "workers, integrity tags %s", self.dir, profile.name, self.layout.full_bytes,
-                 direct_io, read_workers, "on (cluster key)" if integrity_key else "off")
+                 "workers, integrity tags %s, index %s, capacity %s", self.dir, profile.name,
+                 self.layout.full_bytes, direct_io, read_workers,
+                 "on (cluster key)" if integrity_key else "off",
+                 f"up to {index_max_keys} keys" if self.index is not None else "off",
+                 f"{self.upkeep.core.capacity / 2**30:.2f} GiB (watermarks "
+                 f"{capacity.high}/{capacity.low}, leases {capacity.lease_s:g} s)"
+                 if self.upkeep is not None else "unbounded")
 
     # --- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for queued work, stop the ring reader and the worker pools (idempotent)."""
+        """Wait for queued work, stop the ring reader, the worker pools and the upkeep
+        thread, flush the ledger (idempotent)."""
         with self._lock:
             if self._closed:
                 return
@@ -206,6 +229,10 @@ class BlockStore:
             ring.close()
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
+        if self.upkeep is not None:
+            self.upkeep.close()
+        if self.ledger is not None:
+            self.ledger.close()
         if self._root_fd >= 0:
             os.close(self._root_fd)
             self._root_fd = -1
@@ -255,7 +282,13 @@ class BlockStore:
             return False
 
     def contains(self, key: bytes) -> bool:
-        """Whether a block file exists (advisory: only a read checks its bytes)."""
+        """Whether block ``key`` is stored, as the index knows it or a ``stat`` finds it
+        (advisory: only a read checks its bytes)."""
+        if self.index is not None:
+            return self.index.contains(key)
+        return self._file_exists(key)
+
+    def _file_exists(self, key: bytes) -> bool:
         try:
             dfd, name = self._block_dir(key)
         except OSError:
@@ -267,15 +300,44 @@ class BlockStore:
 
     def leading(self, keys: Sequence[bytes], held: Container[bytes] = ()) -> int:
         """How many of the leading ``keys`` have a block file (:meth:`contains`), or are
-        in ``held`` (blocks on their way to the store): a hit's stored prefix."""
-        n = 0
-        for key in keys:
-            if key not in held and not self.contains(key):
-                break
-            n += 1
+        in ``held`` (blocks on their way to the store): a hit's stored prefix. With an
+        index (index.py) no filesystem call per block; with a capacity the blocks
+        counted are hits to the evictor, leased for the request that planned them."""
+        if self.index is not None:
+            n = self.index.leading(keys, held)
+        else:
+            n = 0
+            for key in keys:
+                if key not in held and not self._file_exists(key):
+                    break
+                n += 1
+        if n and self.upkeep is not None:
+            self.ledger.hit(keys[:n])
         return n
 
+    def lease(self, keys: Sequence[bytes]) -> None:
+        """Record ``keys`` as hit (an in-flight request's plan names them): the evictor
+        leaves them for ``storage.hit_lease_s``. Nothing without a capacity."""
+        if self.upkeep is not None and keys:
+            self.ledger.hit(keys)
+
     def delete(self, key: bytes) -> bool:
+        """Remove block ``key`` for every node: the file, this process's index entry,
+        and an E record in the ledger (other processes' indexes drop it). False when
+        it was not there."""
+        gone = self.remove_file(key)
+        if self.index is not None:
+            self.index.discard(key)
+        if self.upkeep is not None:
+            self.upkeep.forget(key)
+        if self.ledger is not None:
+            self.ledger.evicted([key], now=True)
+        return gone
+
+    def remove_file(self, key: bytes) -> bool:
+        """Unlink block ``key``'s file only (the evictor records its E itself)."""
+        if self.index is not None:
+            self.index.discard(key)
         try:
             dfd, name = self._block_dir(key)
         except OSError:
@@ -309,10 +371,18 @@ class BlockStore:
                                final) from None
         fd = -1
         tmp = f".{name}.{os.urandom(6).hex()}.tmp"
+        on_disk = HEADER_BYTES + src.size
         try:
             if not overwrite and self._is_block_file(dfd, name):
                 self._count(writes_skipped=1)
+                self._stored(key, on_disk)     # known again: an index or ledger that lost it
                 return False
+            if self._guard is not None and not self._guard.allows(on_disk):
+                self._count(writes_refused_capacity=1)
+                raise StorageError(_errno.ENOSPC, f"not writing block {key.hex()}",
+                                   final, hint="the store is at its bound "
+                                   "(storage.capacity_gib) until its evictor frees space; "
+                                   "the block is not cached")
             header = pack_header(self.profile.name, self.layout, key, payload_hash(src),
                                  self.integrity_key, src)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
@@ -333,6 +403,8 @@ class BlockStore:
             os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             if self.fsync:
                 os.fsync(dfd)
+        except StorageError:
+            raise
         except OSError as e:
             if fd >= 0:
                 os.close(fd)
@@ -343,7 +415,14 @@ class BlockStore:
         finally:
             os.close(dfd)
         self._count(writes=1, bytes_written=src.size)
+        self._stored(key, on_disk)
         return True
+
+    def _stored(self, key: bytes, on_disk: int) -> None:
+        if self.index is not None:
+            self.index.add(key)
+        if self.upkeep is not None:
+            self.ledger.wrote(key, on_disk)
 
     async def awrite(self, key: bytes, data, *, overwrite: bool = False) -> bool:
         """:meth:`write` on the write pool (the caller keeps ``data`` alive until done)."""
@@ -364,7 +443,7 @@ class BlockStore:
         except StorageError:
             raise
         except (_Unsafe, OSError) as e:
-            self._missed(self.path_of(key), e)
+            self._missed(key, e)
             return False
         return self._outcome(key, dst, problem)
 
@@ -376,11 +455,19 @@ class BlockStore:
                         self.path_of(key), problem)
             self._quarantine(key)
             return False
-        self._count(hits=1, bytes_read=dst.size)
+        self._hit(key, dst.size)
         return True
 
-    def _missed(self, path, e: BaseException) -> None:
+    def _hit(self, key: bytes, nbytes: int) -> None:
+        self._count(hits=1, bytes_read=nbytes)
+        if self.upkeep is not None:
+            self.ledger.hit((key,))
+
+    def _missed(self, key: bytes, e: BaseException) -> None:
         """Count (and, but for a plain miss, log) a read that found no usable block file."""
+        path = self.path_of(key)
+        if self.index is not None:
+            self.index.discard(key)
         if isinstance(e, FileNotFoundError):
             self._count(misses=1)
         elif isinstance(e, _Unsafe):
@@ -536,7 +623,7 @@ class BlockStore:
             self._direct_unsupported(OSError(it.err, os.strerror(it.err)))
             return None
         self._count(reads=1)
-        self._missed(self.path_of(key), _sio_error(it))
+        self._missed(key, _sio_error(it))
         return False
 
     def sio_items(self, keys: Sequence[bytes], bodies: Sequence[np.ndarray],
@@ -583,7 +670,7 @@ class BlockStore:
         try:
             fd = self._open_for_read(key, direct)
         except (_Unsafe, OSError) as e:
-            self._missed(path, e)
+            self._missed(key, e)
             return None
         try:
             size = os.fstat(fd).st_size
@@ -652,7 +739,7 @@ class BlockStore:
                         self.path_of(block.key), problem)
             self._quarantine(block.key)
             return False
-        self._count(hits=1, bytes_read=full.size)
+        self._hit(block.key, full.size)
         return True
 
     async def arun(self, fn, *args):
@@ -748,6 +835,13 @@ class BlockStore:
         return fd
 
     def _quarantine(self, key: bytes) -> None:
+        """Rename a corrupt block aside; for every index and the evictor it is gone."""
+        if self.index is not None:
+            self.index.discard(key)
+        if self.upkeep is not None:
+            self.upkeep.forget(key)
+        if self.ledger is not None:
+            self.ledger.evicted([key])
         try:
             dfd, name = self._block_dir(key)
         except OSError:
@@ -847,7 +941,14 @@ class BlockStore:
 
     def stats_dict(self) -> dict[str, int]:
         with self._lock:
-            return asdict(self.stats)
+            out = asdict(self.stats)
+        if self.index is not None:
+            out.update(self.index.stats)
+        if self.upkeep is not None:
+            st = self.upkeep.stats
+            out.update(evictions=st.evictions, evicted_bytes=st.evicted_bytes,
+                       evictor_takeovers=st.takeovers, temp_swept=st.temp_swept)
+        return out
 
 
 def _read_all_at(fd: int, dst: np.ndarray, offset: int, direct: bool) -> int:

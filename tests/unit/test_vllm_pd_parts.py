@@ -38,9 +38,12 @@ class _Store:
     def __init__(self, keys, n):
         self.stored = set(keys[:n])
 
-    def contains(self, key):
+    index = upkeep = None               # no index, no capacity: a lookup per block
+
+    def _file_exists(self, key):
         return key in self.stored
 
+    contains = _file_exists
     leading = BlockStore.leading        # the store's own prefix walk over these blocks
 
     async def arun(self, fn, *args):

@@ -1,0 +1,97 @@
+"""The keys a process knows to be in the store: lookups without a filesystem call per block.
+
+A lookup (``leading``) counts a prompt's leading keys in memory. Only a key not known
+here costs a ``stat`` of its file (found: remembered), so a lookup of an indexed prefix
+costs one call at most (at its first unknown key), where the store alone costs one per
+block, each a round trip to the metadata service of a networked filesystem.
+
+What keeps it true, in the process that answers the lookups (each node and vLLM
+engine process: no service on the path of a lookup):
+- its own writes, deletes and quarantines, at once;
+- every other process's evictions and deletes, read from the store's ledger (ledger.py;
+  its ``.log`` files) at most every ``refresh_s``, the first lookup after that polling
+  it (one ``stat`` per writer's file);
+- a read that finds a key's file gone drops it (the read is a miss: recomputed).
+A restart starts empty and learns keys as lookups stat them; it never reports a key
+the store did not hold when it was stat'ed. The index is advisory like the lookups
+before it: a key evicted and not yet read from the ledger is a hit here and a miss at
+its read (recomputed, never wrong bytes: reads check the bytes).
+
+Memory is bounded by ``max_keys`` (~100 bytes each): past it the index starts over.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Container, Sequence
+
+from dualpath.storage.ledger import EVICTED, WROTE, LedgerTail
+
+
+class KeyIndex:
+    def __init__(self, tail: LedgerTail, exists: Callable[[bytes], bool], *,
+                 max_keys: int = 1_000_000, refresh_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self._tail = tail
+        self._tail.skip_to_end()
+        self._exists = exists
+        self.max_keys = max_keys
+        self.refresh_s = refresh_s
+        self._clock = clock
+        self._next = clock() + refresh_s
+        self._keys: set[bytes] = set()
+        self._poll = threading.Lock()
+        self.stats = {"index_stat_calls": 0, "index_resets": 0, "index_ledger_polls": 0}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: bytes) -> None:
+        if len(self._keys) >= self.max_keys:
+            self._keys = set()
+            self.stats["index_resets"] += 1
+        self._keys.add(key)
+
+    def discard(self, key: bytes) -> None:
+        self._keys.discard(key)
+
+    def contains(self, key: bytes) -> bool:
+        if key in self._keys:
+            return True
+        self.stats["index_stat_calls"] += 1
+        if self._exists(key):
+            self.add(key)
+            return True
+        return False
+
+    def leading(self, keys: Sequence[bytes], held: Container[bytes] = ()) -> int:
+        """How many leading ``keys`` are known here, found by a stat, or in ``held``."""
+        self.refresh()
+        n = 0
+        known = self._keys
+        for key in keys:
+            if key in known or key in held or self.contains(key):
+                n += 1
+                continue
+            break
+        return n
+
+    def refresh(self, force: bool = False) -> None:
+        """Apply the ledger's new W and E records, when ``refresh_s`` has passed."""
+        now = self._clock()
+        if not force and now < self._next:
+            return
+        if not self._poll.acquire(blocking=False):
+            return                      # another thread is polling: use what we know
+        try:
+            self._next = now + self.refresh_s
+            self.stats["index_ledger_polls"] += 1
+            for _, records in self._tail.poll():
+                for op, _, key in records:
+                    if op == EVICTED:
+                        self._keys.discard(key)
+                    elif op == WROTE and len(self._keys) < self.max_keys:
+                        self._keys.add(key)
+        finally:
+            self._poll.release()

@@ -1,0 +1,267 @@
+"""The store's ledger: what each process did to the shared store, for the others to read.
+
+Every process that opens a block store with a capacity (and any that deletes a block)
+appends to files of its own under
+``<namespace>/.ledger/`` (one writer per file, so no append ever races another host's on
+a networked filesystem, where O_APPEND is not atomic across clients):
+
+    <writer>.<segment>.log     W (a block written, or found already there) and E (a block
+                               evicted or deleted): what an index of the store's keys needs
+    <writer>.<segment>.hits    H (a block hit: a lookup counted it, or a read returned it):
+                               what the evictor's recency needs, and nothing else reads
+
+Records are 24 bytes (op, size, key; :data:`RECORD`); a reader consumes whole records only,
+so a writer killed mid-append leaves a tail nobody misreads (it never appends to that
+file again: a new process writes new files). A short write starts a new segment, as does
+a segment reaching :data:`SEGMENT_BYTES`. The evictor removes segments nobody has written
+for an hour (:meth:`LedgerTail.prune`); a reader that finds one gone forgets it.
+
+The ledger is advisory, like a lookup: a record can be lost (a writer killed between its
+rename and its append) or read out of order with another writer's (files are read one
+after the other), so an index built from it may say a block is there that is not (its
+read misses: recomputed, and the reader drops the key) or miss one that is (recomputed;
+the write then finds the block and records it again). Never wrong bytes: reads check them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+log = logging.getLogger("dualpath.storage")
+
+LEDGER_DIR = ".ledger"
+RECORD = struct.Struct("<cxxxI16s")    # op, size (W: bytes on disk), block key
+WROTE, HIT, EVICTED = b"W", b"H", b"E"
+SEGMENT_BYTES = 64 << 20
+_OPS = (WROTE, HIT, EVICTED)
+
+
+def pack(records: Iterable[tuple[bytes, int, bytes]]) -> bytes:
+    return b"".join(RECORD.pack(op, size, key) for op, size, key in records)
+
+
+def unpack(data: bytes | memoryview) -> Iterator[tuple[bytes, int, bytes]]:
+    """Whole records of ``data``; a record whose op is not one of ours ends the file's
+    useful part (a torn or foreign file)."""
+    for off in range(0, len(data) - len(data) % RECORD.size, RECORD.size):
+        op, size, key = RECORD.unpack_from(data, off)
+        if op not in _OPS:
+            return
+        yield op, size, key
+
+
+def writer_id() -> str:
+    """This process's name in the ledger: host, pid and 32 random bits (a pid recycled
+    on another boot or another host never reuses a file)."""
+    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())
+    return f"{host[:40]}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+class LedgerWriter:
+    """This process's ledger files (one ``.log`` and one ``.hits`` segment at a time).
+
+    Records are buffered and appended by :meth:`flush` (the store's upkeep thread calls it
+    every tick; :meth:`evicted` with ``now=True`` at once), each file's batch one
+    ``write`` and, with ``sync``, one ``fdatasync`` (on NFS another client sees appended
+    bytes only once they are flushed to the server). Every method may be called from any
+    thread. A failure to append is logged and counted, never raised: the ledger is
+    advisory (module docstring), the block's own write is what matters.
+    """
+
+    def __init__(self, ns_dir: str | os.PathLike, *, sync: bool = True,
+                 segment_bytes: int = SEGMENT_BYTES):
+        self.dir = os.path.join(os.fspath(ns_dir), LEDGER_DIR)
+        self.id = writer_id()
+        self.sync = sync
+        self.segment_bytes = segment_bytes
+        self.failures = 0
+        self._lock = threading.Lock()
+        self._buf = {"log": bytearray(), "hits": bytearray()}
+        self._marks: list[tuple[int, int]] = []   # (end in the log buffer, block bytes)
+        self._written: deque[tuple[str, int, int]] = deque()   # (file, end, block bytes)
+        self._fds: dict[str, int] = {}
+        self._offsets: dict[str, int] = {}
+        self._segment = 0
+        self._closed = False
+        os.makedirs(self.dir, mode=0o755, exist_ok=True)
+
+    def name(self, kind: str) -> str:
+        return f"{self.id}.{self._segment}.{kind}"
+
+    def wrote(self, key: bytes, nbytes: int) -> None:
+        """A block written (or found already there), ``nbytes`` on disk."""
+        with self._lock:
+            buf = self._buf["log"]
+            buf += RECORD.pack(WROTE, nbytes, key)
+            self._marks.append((len(buf), nbytes))
+
+    def evicted(self, keys: Iterable[bytes], now: bool = False) -> None:
+        data = pack((EVICTED, 0, k) for k in keys)
+        if data:
+            with self._lock:
+                self._buf["log"] += data
+            if now:
+                self.flush()
+
+    def hit(self, keys: Iterable[bytes]) -> None:
+        data = pack((HIT, 0, k) for k in keys)
+        if data:
+            with self._lock:
+                self._buf["hits"] += data
+
+    def unaccounted(self, consumed: Mapping[str, int]) -> int:
+        """Bytes of blocks this process wrote whose W record the evictor has not read
+        yet (``consumed``: the offset it read each ``.log`` file to)."""
+        mine = self.id + "."
+        segs = [int(n[len(mine):].split(".", 1)[0]) for n in consumed
+                if n.startswith(mine) and n.endswith(".log")]
+        newest = max(segs, default=-1)        # a segment before it was read to its end
+        with self._lock:
+            w = self._written
+            while w and (consumed.get(w[0][0], -1) >= w[0][1] or
+                         int(w[0][0][len(mine):].split(".", 1)[0]) < newest):
+                w.popleft()
+            return sum(n for _, _, n in w) + sum(n for _, n in self._marks)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            for kind, buf in self._buf.items():
+                if buf:
+                    self._append(kind, bytes(buf))
+                    buf.clear()
+
+    def _append(self, kind: str, data: bytes) -> None:
+        name = self.name(kind)
+        base = self._offsets.get(name, 0)
+        try:
+            fd = self._fds.get(name)
+            if fd is None:
+                fd = os.open(os.path.join(self.dir, name), os.O_WRONLY | os.O_CREAT |
+                             os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                self._fds[name] = fd
+            n = os.write(fd, data)
+            if self.sync:
+                os.fdatasync(fd)
+        except OSError as e:
+            n = 0
+            self._failed(e)
+        self._offsets[name] = base + n
+        if kind == "log":
+            self._written.extend((name, base + end, nbytes) for end, nbytes in self._marks)
+            self._marks.clear()
+        if n != len(data) or base + n >= self.segment_bytes:
+            self._next_segment()       # a torn record ends a file: never append after it
+
+    def _failed(self, e: OSError) -> None:
+        self.failures += 1
+        if self.failures == 1 or self.failures % 1000 == 0:
+            log.warning("store ledger %s: %s (%d failures; lookups and eviction may be "
+                        "less exact until it recovers)", self.dir, e, self.failures)
+
+    def _next_segment(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._segment += 1
+
+    def own(self) -> set[str]:
+        """The names of the files this writer appends to now."""
+        with self._lock:
+            return {self.name("log"), self.name("hits")}
+
+    def close(self) -> None:
+        """Flush what is buffered and close (idempotent)."""
+        self.flush()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+@dataclass
+class LedgerTail:
+    """Reads what every writer appended since the last :meth:`poll` (the files whose
+    names end in one of ``kinds``). Start it at the files' current ends
+    (:meth:`skip_to_end`) to read only what comes after; not thread-safe (one owner)."""
+
+    dir: str
+    kinds: tuple[str, ...] = ("log",)
+    offsets: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, ns_dir: str | os.PathLike, *kinds: str) -> LedgerTail:
+        return cls(os.path.join(os.fspath(ns_dir), LEDGER_DIR), kinds or ("log",))
+
+    def _files(self) -> list[os.DirEntry]:
+        try:
+            with os.scandir(self.dir) as it:
+                return [e for e in it if e.name.rsplit(".", 1)[-1] in self.kinds and
+                        e.is_file(follow_symlinks=False)]
+        except FileNotFoundError:
+            return []
+
+    def skip_to_end(self) -> None:
+        for e in self._files():
+            with contextlib.suppress(FileNotFoundError):
+                size = e.stat(follow_symlinks=False).st_size
+                self.offsets[e.name] = size - size % RECORD.size
+
+    def poll(self) -> list[tuple[str, list[tuple[bytes, int, bytes]]]]:
+        """[(file name, its new records)] for each file that grew (one ``stat`` per
+        file, one read per grown file); files gone are forgotten."""
+        out = []
+        seen = set()
+        for e in self._files():
+            seen.add(e.name)
+            try:
+                size = e.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+            start = self.offsets.get(e.name, 0)
+            if size - start < RECORD.size:
+                continue
+            try:
+                fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                want = (size - start) - (size - start) % RECORD.size
+                data = os.pread(fd, want, start)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            whole = len(data) - len(data) % RECORD.size
+            self.offsets[e.name] = start + whole
+            out.append((e.name, list(unpack(data[:whole]))))
+        for gone in self.offsets.keys() - seen:
+            del self.offsets[gone]
+        return out
+
+    def prune(self, max_age_s: float, now: float, keep: Iterable[str] = ()) -> int:
+        """Remove segments nobody wrote for ``max_age_s`` (not those in ``keep``: the
+        caller's own); returns how many."""
+        removed = 0
+        keep = set(keep)
+        for e in self._files():
+            if e.name in keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if now - e.stat(follow_symlinks=False).st_mtime > max_age_s:
+                    os.unlink(e.path)
+                    self.offsets.pop(e.name, None)
+                    removed += 1
+        return removed

@@ -1,0 +1,265 @@
+"""The store bounded and indexed: LRU core, ledger, index, evictor, capacity guard, and a
+killed evictor's successor (storage/lru.py, ledger.py, index.py, evictor.py)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from dualpath.errors import ConfigError
+from dualpath.kv.prefix import block_keys
+from dualpath.kv.profiles import get_profile
+from dualpath.kv.synth import SyntheticKV
+from dualpath.storage import BlockStore, StorageError
+from dualpath.storage.config import StorageConfig
+from dualpath.storage.evictor import StoreCapacity
+from dualpath.storage.format import HEADER_BYTES
+from dualpath.storage.ledger import (
+    EVICTED,
+    HIT,
+    RECORD,
+    WROTE,
+    LedgerTail,
+    LedgerWriter,
+)
+from dualpath.storage.lru import LruCore
+from dualpath.storage.store import aligned_bytes
+
+PROFILE = get_profile("demo", 4)            # 64 KiB blocks
+KEYS = block_keys(list(range(4 * 40)), 4)   # 40 chained keys
+ON_DISK = HEADER_BYTES + 65536
+
+
+# --- the pure core -----------------------------------------------------------------
+def test_lru_evicts_least_recent_down_to_the_low_watermark():
+    core = LruCore(1000, high=0.9, low=0.5, lease_s=10)
+    for i, k in enumerate([b"a", b"b", b"c", b"d"]):
+        core.wrote(k, 200, now=i)
+    assert core.victims(now=5) == []                 # 800 <= 900
+    core.hit(b"a", now=6)                            # a: most recent, leased until 16
+    core.wrote(b"e", 200, now=7)                     # 1000 > 900
+    assert core.victims(now=20) == [(b"b", 200), (b"c", 200), (b"d", 200)]
+    assert core.usage == 400 and b"a" in core and b"e" in core
+
+
+def test_a_leased_block_is_skipped_until_its_lease_ends():
+    core = LruCore(1000, high=0.5, low=0.1, lease_s=10)
+    core.wrote(b"a", 300, now=0)
+    core.wrote(b"b", 300, now=1)
+    core.hit(b"a", now=2)
+    core.hit(b"b", now=3)                           # both leased: a until 12, b until 13
+    assert core.victims(now=5) == []
+    assert core.victims(now=12.5) == [(b"a", 300)]   # a's lease over, b's not
+    assert core.usage == 300
+
+
+def test_lru_hit_age_and_unknown_keys():
+    core = LruCore(100)
+    core.wrote(b"a", 10, now=100)
+    assert core.hit(b"a", now=130) == 30
+    assert core.hit(b"zz", now=130) is None
+    assert core.removed(b"zz") == 0 and core.removed(b"a") == 10 and core.usage == 0
+    with pytest.raises(ValueError):
+        LruCore(100, high=0.5, low=0.8)
+
+
+# --- the ledger --------------------------------------------------------------------
+def test_ledger_round_trip_and_a_torn_tail_is_not_read(tmp_path):
+    w = LedgerWriter(tmp_path, sync=False)
+    tail = LedgerTail.of(tmp_path, "log", "hits")
+    w.wrote(KEYS[0], 123)
+    w.hit([KEYS[1], KEYS[2]])
+    w.evicted([KEYS[3]])
+    assert tail.poll() == []                          # buffered until a flush
+    w.flush()
+    got = {name.rsplit(".", 1)[-1]: recs for name, recs in tail.poll()}
+    assert got == {"log": [(WROTE, 123, KEYS[0]), (EVICTED, 0, KEYS[3])],
+                   "hits": [(HIT, 0, KEYS[1]), (HIT, 0, KEYS[2])]}
+    # A writer killed mid-record: the partial record is never handed out.
+    with open(os.path.join(w.dir, w.name("log")), "ab") as f:
+        f.write(RECORD.pack(WROTE, 9, KEYS[4])[:10])
+    assert tail.poll() == []
+    w.close()
+    w.close()                                          # idempotent
+
+
+def test_ledger_segments_roll_over_and_old_ones_are_pruned(tmp_path):
+    w = LedgerWriter(tmp_path, sync=False, segment_bytes=3 * RECORD.size)
+    for k in KEYS[:7]:
+        w.wrote(k, 1)
+        w.flush()
+    names = sorted(os.listdir(w.dir))
+    assert len(names) == 3                            # 3 + 3 + 1 records
+    tail = LedgerTail.of(tmp_path, "log")
+    assert sum(len(r) for _, r in tail.poll()) == 7
+    for n in names:
+        os.utime(os.path.join(w.dir, n), (0, 0))
+    assert tail.prune(3600, time.time(), keep=w.own()) == 2
+    assert os.listdir(w.dir) == [w.name("log")]
+    assert w.unaccounted({w.name("log"): 1 << 40}) == 0   # all read by an evictor
+    w.close()
+
+
+# --- the index ---------------------------------------------------------------------
+def _fill(store, key):
+    buf = aligned_bytes(store.layout.full_bytes)
+    SyntheticKV(store.layout).fill_full(buf, key)
+    return buf
+
+
+def test_a_lookup_of_an_indexed_prefix_costs_no_stat_per_block(tmp_path):
+    with BlockStore(tmp_path, PROFILE, read_workers=1) as a, \
+            BlockStore(tmp_path, PROFILE, read_workers=1) as b:
+        for k in KEYS[:20]:
+            a.write(k, _fill(a, k))
+        assert a.leading(KEYS) == 20
+        assert a.index.stats["index_stat_calls"] == 1        # the first unknown key only
+        assert a.leading(KEYS) == 20
+        assert a.index.stats["index_stat_calls"] == 2
+        # b learns the keys by stat once, then from memory.
+        assert b.leading(KEYS[:20]) == 20
+        calls = b.index.stats["index_stat_calls"]
+        assert calls == 20
+        assert b.leading(KEYS[:20]) == 20 and b.index.stats["index_stat_calls"] == calls
+        # a deletes block 5: b's index hears it from the ledger (E) at its next refresh.
+        assert a.delete(KEYS[5])
+        assert a.leading(KEYS) == 5
+        b.index.refresh(force=True)
+        assert b.leading(KEYS) == 5
+
+
+def test_a_stale_index_entry_is_a_miss_at_the_read_and_then_forgotten(tmp_path):
+    with BlockStore(tmp_path, PROFILE, read_workers=1, index_max_keys=100) as s:
+        s.write(KEYS[0], _fill(s, KEYS[0]))
+        assert s.leading(KEYS[:1]) == 1
+        s.path_of(KEYS[0]).unlink()                   # gone behind the index's back
+        assert s.leading(KEYS[:1]) == 1               # advisory: still a hit here
+        assert not s.read_into(KEYS[0], aligned_bytes(s.layout.full_bytes))
+        assert s.leading(KEYS[:1]) == 0               # the miss dropped it
+
+
+def test_the_index_starts_over_past_its_bound(tmp_path):
+    with BlockStore(tmp_path, PROFILE, read_workers=1, index_max_keys=5) as s:
+        for k in KEYS[:8]:
+            s.write(k, _fill(s, k))
+        assert len(s.index) <= 5 and s.index.stats["index_resets"] == 1
+        assert s.leading(KEYS[:8]) == 8               # still right: stat what it lost
+
+
+# --- the evictor -------------------------------------------------------------------
+def _capped(tmp_path, blocks: float, **kw) -> BlockStore:
+    cap = StoreCapacity(int(blocks * ON_DISK), high=kw.pop("high", 0.9),
+                        low=kw.pop("low", 0.6), lease_s=kw.pop("lease_s", 0.0),
+                        interval_s=3600.0)          # ticks by hand: no timing in tests
+    return BlockStore(tmp_path, PROFILE, read_workers=1, fsync=False, capacity=cap, **kw)
+
+
+def _usage(store) -> int:
+    return sum(b.nbytes for b in store.walk())
+
+
+def _put(store, key, *ticking):
+    """Write ``key``, then a round of each store's upkeep (one write per round: what a
+    writer adds per round is what the evictor keeps free for it)."""
+    store.write(key, _fill(store, key))
+    for s in ticking:
+        s.upkeep.tick()
+
+
+def test_one_evictor_keeps_a_shared_store_under_its_bound_least_recent_first(tmp_path):
+    with _capped(tmp_path, 40) as a, _capped(tmp_path, 40) as b:
+        a.upkeep.tick()
+        b.upkeep.tick()
+        assert a.upkeep.holds != b.upkeep.holds       # one evictor for the namespace
+        ev, other = (a, b) if a.upkeep.holds else (b, a)
+        for k in KEYS[:20]:
+            _put(ev, k, other, ev)
+        for k in KEYS[20:30]:
+            _put(other, k, other, ev)
+        other.read_into(KEYS[0], aligned_bytes(other.layout.full_bytes))   # a hit
+        other.upkeep.tick()                           # flushes other's ledger
+        ev.upkeep.tick()
+        # 30 blocks; 3 writers (2 active and 1 that may start) x 1 block x 2 reserved:
+        # 30 + 6 = 36 = 0.9 x 40, not over.
+        assert ev.upkeep.stats.evictions == 0 and ev.upkeep.reserve(time.time()) == 6 * ON_DISK
+        _put(other, KEYS[30], other, ev)              # over: down to 0.6 x 40 - 6 = 18
+        assert ev.upkeep.stats.evictions == 13
+        kept = {b.key for b in ev.walk()}
+        assert KEYS[0] in kept                        # hit since: the most recent
+        assert not kept & set(KEYS[1:14])             # the least recent went
+        assert _usage(ev) == 18 * ON_DISK == ev.upkeep.core.usage
+        assert a.stats.writes_refused_capacity == b.stats.writes_refused_capacity == 0
+        # Both processes' lookups stop at the first evicted block.
+        other.index.refresh(force=True)
+        assert other.leading(KEYS) == 1 and ev.leading(KEYS) == 1
+
+
+def test_a_write_past_the_bound_is_refused_not_written(tmp_path):
+    with _capped(tmp_path, 4, high=1.0, low=1.0, lease_s=3600) as s:
+        s.upkeep.tick()
+        _put(s, KEYS[0])
+        _put(s, KEYS[1])
+        assert s.leading(KEYS[:2]) == 2               # leased: the evictor may not help
+        s.upkeep.tick()                               # publishes 2 blocks, 2 writers
+        s.write(KEYS[2], _fill(s, KEYS[2]))           # 2 + 2 x 1 <= 4
+        with pytest.raises(StorageError) as e:        # 2 + 2 x (1 unaccounted + 1) > 4
+            s.write(KEYS[3], _fill(s, KEYS[3]))
+        assert e.value.errno == 28 and "storage.capacity_gib" in str(e.value)
+        assert "filesystem" not in str(e.value)       # not the disk-full hint
+        assert s.stats.writes_refused_capacity == 1
+        assert not s.path_of(KEYS[3]).exists() and _usage(s) <= 4 * ON_DISK
+
+
+def test_a_lookups_lease_keeps_its_blocks_from_the_evictor(tmp_path):
+    with _capped(tmp_path, 4, high=0.5, low=0.25, lease_s=3600) as s:
+        s.upkeep.tick()
+        for k in KEYS[:3]:
+            s.write(k, _fill(s, k))
+        assert s.leading(KEYS[:2]) == 2               # a request's plan names 0 and 1
+        s.upkeep.tick()
+        assert {b.key for b in s.walk()} == set(KEYS[:2])   # 2 only: not leased
+
+
+def test_a_killed_evictor_is_replaced_by_the_next_tick(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys, time
+        from dualpath.kv.profiles import get_profile
+        from dualpath.storage import BlockStore
+        from dualpath.storage.evictor import StoreCapacity
+        s = BlockStore({str(tmp_path)!r}, get_profile("demo", 4), read_workers=1,
+                       capacity=StoreCapacity(1 << 30, interval_s=3600.0))
+        s.upkeep.tick()
+        print("holds" if s.upkeep.holds else "not", flush=True)
+        time.sleep(600)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "holds"
+        with _capped(tmp_path, 10) as s:
+            s.write(KEYS[0], _fill(s, KEYS[0]))
+            s.upkeep.tick()
+            assert not s.upkeep.holds                 # the child holds the lock
+            child.send_signal(signal.SIGKILL)
+            child.wait(30)
+            s.upkeep.tick()
+            assert s.upkeep.holds and s.upkeep.stats.takeovers == 1
+            assert s.upkeep.core.usage == ON_DISK     # its scan found the block
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_config_watermarks_are_checked_and_reach_the_store(tmp_path):
+    with pytest.raises(ConfigError, match="low_watermark"):
+        StorageConfig(high_watermark=0.5, low_watermark=0.7)
+    cfg = StorageConfig(dir=str(tmp_path), capacity_gib=0.5, high_watermark=0.7,
+                        low_watermark=0.3, fsync=False)
+    with cfg.open_store(PROFILE) as s:
+        core = s.upkeep.core
+        assert (core.capacity, core.high, core.low) == (1 << 29, 0.7, 0.3)
+    with StorageConfig(dir=str(tmp_path), index_max_keys=0).open_store(PROFILE) as s:
+        assert s.index is None and s.upkeep is None

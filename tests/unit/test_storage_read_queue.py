@@ -30,6 +30,10 @@ class GatedStore:
         self.started = []
         self.gates = {}
         self.hits = hits or {}
+        self.leased = []
+
+    def lease(self, keys):
+        self.leased.append(list(keys))
 
     async def aread(self, key, out):
         self.started.append(key)
@@ -112,6 +116,8 @@ def test_blocks_queued_behind_a_read_go_as_one_batch_unless_the_nic_is_limited(l
         return store
 
     store = asyncio.run(main())
+    # Each request's blocks are leased (kept from eviction) when it queues them.
+    assert store.leased == [KEYS[:1], KEYS[1:8]]
     if limited:      # a batch would wait for all its bytes before its first block
         assert store.batches == [] and store.started == KEYS[:8]
     else:            # the first alone (nothing behind it yet), then up to 3 at a time,

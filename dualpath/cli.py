@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "dualpath.cli_config",
     "dualpath.cli_demo",
     "dualpath.doctor.cli",
+    "dualpath.storage.cli",
     "dualpath.node.cli",
     "dualpath.cluster.cli",
     "dualpath.scheduler.cli",

@@ -51,11 +51,19 @@ def pack(records: Iterable[tuple[bytes, int, bytes]]) -> bytes:
 def unpack(data: bytes | memoryview) -> Iterator[tuple[bytes, int, bytes]]:
     """Whole records of ``data``; a record whose op is not one of ours ends the file's
     useful part (a torn or foreign file)."""
-    for off in range(0, len(data) - len(data) % RECORD.size, RECORD.size):
-        op, size, key = RECORD.unpack_from(data, off)
-        if op not in _OPS:
+    for rec in RECORD.iter_unpack(memoryview(data)[:len(data) - len(data) % RECORD.size]):
+        if rec[0] not in _OPS:
             return
-        yield op, size, key
+        yield rec
+
+
+_HIT_HEAD = RECORD.pack(HIT, 0, bytes(16))[:8]
+_EVICTED_HEAD = RECORD.pack(EVICTED, 0, bytes(16))[:8]
+
+
+def _keyed(head: bytes, keys: Iterable[bytes]) -> bytes:
+    """Records of ``keys`` that share their op and a size of 0 (H, E)."""
+    return head + head.join(keys) if keys else b""
 
 
 def writer_id() -> str:
@@ -104,7 +112,7 @@ class LedgerWriter:
             self._marks.append((len(buf), nbytes))
 
     def evicted(self, keys: Iterable[bytes], now: bool = False) -> None:
-        data = pack((EVICTED, 0, k) for k in keys)
+        data = _keyed(_EVICTED_HEAD, list(keys))
         if data:
             with self._lock:
                 self._buf["log"] += data
@@ -112,7 +120,7 @@ class LedgerWriter:
                 self.flush()
 
     def hit(self, keys: Iterable[bytes]) -> None:
-        data = pack((HIT, 0, k) for k in keys)
+        data = _keyed(_HIT_HEAD, list(keys))
         if data:
             with self._lock:
                 self._buf["hits"] += data

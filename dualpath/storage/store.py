@@ -459,9 +459,9 @@ class BlockStore:
         return True
 
     def _hit(self, key: bytes, nbytes: int) -> None:
+        # Not a hit record for the evictor: the lookup that planned this read recorded
+        # one (leading), or the read queue's lease did, once per request and block.
         self._count(hits=1, bytes_read=nbytes)
-        if self.upkeep is not None:
-            self.ledger.hit((key,))
 
     def _missed(self, key: bytes, e: BaseException) -> None:
         """Count (and, but for a plain miss, log) a read that found no usable block file."""

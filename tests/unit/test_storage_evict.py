@@ -180,7 +180,7 @@ def test_one_evictor_keeps_a_shared_store_under_its_bound_least_recent_first(tmp
             _put(ev, k, other, ev)
         for k in KEYS[20:30]:
             _put(other, k, other, ev)
-        other.read_into(KEYS[0], aligned_bytes(other.layout.full_bytes))   # a hit
+        assert other.leading(KEYS[:1]) == 1          # a lookup's hit
         other.upkeep.tick()                           # flushes other's ledger
         ev.upkeep.tick()
         # 30 blocks; 3 writers (2 active and 1 that may start) x 1 block x 2 reserved:

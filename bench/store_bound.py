@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         ("capacity", f"{cap_bytes / 2**20:.1f} ({cap_bytes // on_disk} blocks)", "MiB"),
         ("hit rate: unbounded / capped / offline LRU",
          f"{unbounded[0]['hit_rate']:.3f} / {c['hit_rate']:.3f} / {off_rate:.3f}", "fraction"),
-        ("max usage over capacity (scan after each round)",
+        ("max usage over capacity (tracked each round; scans)",
          f"{summary['max_usage_over_capacity']:.3f}", "ratio"),
         ("evictions / writes refused", f"{c['evictions']} / {c['writes_refused']}", "blocks"),
         ("JCT capped / unbounded (median)", f"{c_jct:.2f} / {u_jct:.2f}", "s"),

@@ -254,8 +254,11 @@ class Upkeep:
 
     def reserve(self, now: float) -> int:
         """What the writers may add before the next round, with a margin: the space
-        eviction keeps free so that :class:`CapacityGuard` seldom refuses a write."""
-        return int(2 * self.writers(now) * max(self._rate, self._block))
+        eviction keeps free so that :class:`CapacityGuard` seldom refuses a write; at
+        most (1 - low watermark) of the capacity (a small store with fast writers would
+        otherwise be emptied each round: its writers are refused a little instead)."""
+        want = 2 * self.writers(now) * max(self._rate, self._block)
+        return int(min(want, (1.0 - self.core.low) * self.core.capacity))
 
     def forget(self, key: bytes) -> None:
         """A block this process deleted (its E record is skipped: applied here now)."""

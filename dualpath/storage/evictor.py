@@ -48,7 +48,7 @@ LOCK_FILE = "evictor.lock"
 HIT_AGE_BUCKETS = (1.0, 10.0, 60.0, 600.0, 3600.0, 86400.0, float("inf"))
 PRUNE_EVERY_S = 60.0
 SWEEP_EVERY_S = 300.0
-ACTIVE_WRITER_S = 600.0
+ACTIVE_WRITER_S = 30.0
 
 _held: set[str] = set()             # lock files this process holds (POSIX locks are per
 _held_lock = threading.Lock()       # process: a second store here must not think it holds)
@@ -146,7 +146,8 @@ class Upkeep:
         self._lock_path = os.path.realpath(os.path.join(self._ledger_dir, LOCK_FILE))
         self._lock_fd = -1
         self._tail = LedgerTail(self._ledger_dir, ("log", "hits"))
-        self._active: dict[str, float] = {}      # writer id -> when its log last grew
+        # A process not marked alive for this long is gone (it marks every round).
+        self._alive_s = max(ACTIVE_WRITER_S, 10 * interval_s)
         self._rate = 0.0          # most bytes one writer wrote in a round (decaying)
         self._block = 0           # largest block seen
         self._next_prune = 0.0
@@ -174,7 +175,7 @@ class Upkeep:
     def tick(self) -> None:
         """One round: flush the ledger; as the evictor, account, evict and publish."""
         with self._mu:
-            self.ledger.flush()
+            self.ledger.flush(alive=True)
             if not self.holds and not self._take():
                 self._sweep()
                 return
@@ -233,8 +234,6 @@ class Upkeep:
         for name, records in sorted(self._tail.poll(), key=lambda nr: nr[0].endswith(".hits")):
             mine = name.startswith(me)    # our own E records were applied when made
             writer = name.split(".", 1)[0]
-            if name.endswith(".log") and records:
-                self._active[writer] = now
             for op, size, key in records:
                 if op == WROTE:
                     core.wrote(key, size, now)
@@ -249,8 +248,11 @@ class Upkeep:
         self._rate = max(0.9 * self._rate, max(wrote.values(), default=0))
 
     def writers(self, now: float) -> int:
-        """Writers active lately, plus one for a writer that starts now."""
-        return 1 + sum(1 for t in self._active.values() if now - t < ACTIVE_WRITER_S)
+        """The processes that have the store open (each marks its ``.log`` alive every
+        round: ledger.py), plus one for a process that opens it now."""
+        alive = {name.split(".", 1)[0] for name, t in self._tail.mtimes.items()
+                 if name.endswith(".log") and now - t < self._alive_s}
+        return 1 + len(alive)
 
     def reserve(self, now: float) -> int:
         """What the writers may add before the next round, with a margin: the space

@@ -139,7 +139,10 @@ class LedgerWriter:
                 w.popleft()
             return sum(n for _, _, n in w) + sum(n for _, n in self._marks)
 
-    def flush(self) -> None:
+    def flush(self, alive: bool = False) -> None:
+        """Append what is buffered; with ``alive``, also mark this writer alive (its
+        ``.log`` file's mtime now, made if need be): the evictor counts the writers it
+        shares the store's headroom among by those marks (evictor.py)."""
         with self._lock:
             if self._closed:
                 return
@@ -147,6 +150,10 @@ class LedgerWriter:
                 if buf:
                     self._append(kind, bytes(buf))
                     buf.clear()
+            if alive:
+                self._append("log", b"")
+                with contextlib.suppress(OSError):
+                    os.utime(self._fds[self.name("log")])
 
     def _append(self, kind: str, data: bytes) -> None:
         name = self.name(kind)
@@ -157,8 +164,8 @@ class LedgerWriter:
                 fd = os.open(os.path.join(self.dir, name), os.O_WRONLY | os.O_CREAT |
                              os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
                 self._fds[name] = fd
-            n = os.write(fd, data)
-            if self.sync:
+            n = os.write(fd, data) if data else 0
+            if self.sync and data:
                 os.fdatasync(fd)
         except OSError as e:
             n = 0
@@ -167,7 +174,7 @@ class LedgerWriter:
         if kind == "log":
             self._written.extend((name, base + end, nbytes) for end, nbytes in self._marks)
             self._marks.clear()
-        if n != len(data) or base + n >= self.segment_bytes:
+        if n != len(data) or (data and base + n >= self.segment_bytes):
             self._next_segment()       # a torn record ends a file: never append after it
 
     def _failed(self, e: OSError) -> None:
@@ -208,6 +215,7 @@ class LedgerTail:
     dir: str
     kinds: tuple[str, ...] = ("log",)
     offsets: dict[str, int] = field(default_factory=dict)
+    mtimes: dict[str, float] = field(default_factory=dict)    # as the last poll saw them
 
     @classmethod
     def of(cls, ns_dir: str | os.PathLike, *kinds: str) -> LedgerTail:
@@ -235,9 +243,11 @@ class LedgerTail:
         for e in self._files():
             seen.add(e.name)
             try:
-                size = e.stat(follow_symlinks=False).st_size
+                st = e.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
+            size = st.st_size
+            self.mtimes[e.name] = st.st_mtime
             start = self.offsets.get(e.name, 0)
             if size - start < RECORD.size:
                 continue
@@ -257,6 +267,8 @@ class LedgerTail:
             out.append((e.name, list(unpack(data[:whole]))))
         for gone in self.offsets.keys() - seen:
             del self.offsets[gone]
+        for gone in self.mtimes.keys() - seen:
+            del self.mtimes[gone]
         return out
 
     def prune(self, max_age_s: float, now: float, keep: Iterable[str] = ()) -> int:

@@ -204,7 +204,7 @@ def test_a_write_past_the_bound_is_refused_not_written(tmp_path):
         _put(s, KEYS[0])
         _put(s, KEYS[1])
         assert s.leading(KEYS[:2]) == 2               # leased: the evictor may not help
-        s.upkeep.tick()                               # publishes 2 blocks, 2 writers
+        s.upkeep.tick()      # publishes 2 blocks, 2 writers (this one, and one may start)
         s.write(KEYS[2], _fill(s, KEYS[2]))           # 2 + 2 x 1 <= 4
         with pytest.raises(StorageError) as e:        # 2 + 2 x (1 unaccounted + 1) > 4
             s.write(KEYS[3], _fill(s, KEYS[3]))
@@ -215,7 +215,7 @@ def test_a_write_past_the_bound_is_refused_not_written(tmp_path):
 
 
 def test_a_lookups_lease_keeps_its_blocks_from_the_evictor(tmp_path):
-    with _capped(tmp_path, 4, high=0.5, low=0.25, lease_s=3600) as s:
+    with _capped(tmp_path, 6, high=0.5, low=0.25, lease_s=3600) as s:
         s.upkeep.tick()
         for k in KEYS[:3]:
             s.write(k, _fill(s, k))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from dualpath.kv.prefix import block_keys
+from dualpath.kv.prefix import ROOT_KEY, block_keys
 
 
 class HitIndex:
@@ -26,23 +26,25 @@ class HitIndex:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def hit_tokens(self, ids: Sequence[int]) -> int:
-        """Leading tokens of ``ids`` in remembered blocks (never the last token)."""
+    def hit_tokens(self, ids: Sequence[int], root: bytes = ROOT_KEY) -> int:
+        """Leading tokens of ``ids`` in remembered blocks (never the last token); keys
+        chained from ``root``, the request's tenant's."""
         n = 0
-        for k in block_keys(list(ids[:max(len(ids) - 1, 0)]), self.block_tokens):
+        for k in block_keys(list(ids[:max(len(ids) - 1, 0)]), self.block_tokens, root):
             if k not in self._keys:
                 break
             self._keys.move_to_end(k)
             n += 1
         return n * self.block_tokens
 
-    def remember(self, prompt: Sequence[int], generated: Sequence[int]) -> None:
+    def remember(self, prompt: Sequence[int], generated: Sequence[int],
+                 root: bytes = ROOT_KEY) -> None:
         """A request finished: the full blocks of its prompt and output, less the last
         generated token, are stored now."""
         if not self.capacity:
             return
         ids = list(prompt) + list(generated)[:-1]
-        for k in block_keys(ids, self.block_tokens):
+        for k in block_keys(ids, self.block_tokens, root):
             self._keys[k] = None
             self._keys.move_to_end(k)
         while len(self._keys) > self.capacity:

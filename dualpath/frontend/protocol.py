@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from dualpath.errors import UsageError
+from dualpath.kv.prefix import MAX_TENANT_CHARS
 from dualpath.paths.payload import MAX_LOGPROBS, SAMPLING_KEYS, check_sampling
 
 #: vLLM sampling fields taken from a body as they are (``logprobs`` is read per endpoint:
@@ -23,11 +24,11 @@ _PASSED = tuple(k for k in SAMPLING_KEYS if k != "logprobs")
 COMPLETION_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p",
                                "seed", "stream", "logprobs", "ignore_eos", "user", "n",
                                "stream_options", "return_token_ids", "echo",
-                               "response_format", *_PASSED})
+                               "response_format", "cache_salt", *_PASSED})
 CHAT_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens",
                          "temperature", "top_p", "seed", "stream", "logprobs", "user", "n",
                          "ignore_eos", "stream_options", "top_logprobs", "tools",
-                         "tool_choice", "response_format", *_PASSED})
+                         "tool_choice", "response_format", "cache_salt", *_PASSED})
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_TOOLS = 128                 # function definitions in one chat request
 MAX_BATCH = 64                  # prompts in one completions request
@@ -85,6 +86,9 @@ class Call:
     prompt_text: str | None = None
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None   # chat: function definitions, for the template
+    # vLLM's prefix-cache salt, here also the request's tenant: the root of its block
+    # keys, so one tenant's stored KV is never another's hit ("" the default tenant).
+    cache_salt: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -161,6 +165,13 @@ def _common(body, fields: frozenset, limits: Limits, chat: bool) -> Call:
         raise bad("'user' must be a string", "user")
     call.sampling = _sampling(body)
     call.return_token_ids = _flag(body, "return_token_ids")
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt or len(salt) > MAX_TENANT_CHARS:
+            raise bad(f"'cache_salt' must be a non-empty string of at most "
+                      f"{MAX_TENANT_CHARS} characters (it names the request's tenant: "
+                      "no other tenant's cached KV is used for it)", "cache_salt")
+        call.cache_salt = salt
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise bad("'response_format' may be {\"type\": \"text\"} here (JSON output needs "

@@ -38,6 +38,7 @@ from dualpath.frontend.config import FrontendConfig
 from dualpath.frontend.index import HitIndex
 from dualpath.frontend.served import FrontendMetrics, Served, served
 from dualpath.frontend.tokens import Tokens
+from dualpath.kv.prefix import tenant_root
 from dualpath.scheduler.client import rpc_error
 from dualpath.scheduler.generate import FINAL, Generated, GenerationFailed, Generator
 
@@ -321,13 +322,15 @@ class FrontEnd:
     async def _generate(self, call: api.Call, ids: list[int], rid: str, seed: int,
                         on_partial) -> tuple[Generated, Served]:
         """The request's tokens, and what happened to it (also counted in /metrics)."""
-        hit = self.index.hit_tokens(ids)
+        root = tenant_root(call.cache_salt)
+        hit = self.index.hit_tokens(ids, root)
         try:
             g = await self.gen.generate(
                 rid, ids, call.max_tokens, hit_tokens=hit,
                 block_tokens=self.cfg.block_tokens, timeout_s=self.cfg.request_timeout_s,
                 temperature=call.temperature, top_p=call.top_p, seed=seed,
-                ignore_eos=call.ignore_eos, sampling=call.sampling, on_partial=on_partial)
+                ignore_eos=call.ignore_eos, sampling=call.sampling, on_partial=on_partial,
+                cache_salt=call.cache_salt, tenant=call.cache_salt)
         except GenerationFailed as e:
             status = _REJECT_STATUS.get(e.reason, 503)
             raise api.ApiError(status, str(e), type_="invalid_request_error"
@@ -344,7 +347,7 @@ class FrontEnd:
         except (RemoteUnavailable, DualPathError, OSError) as e:
             raise api.ApiError(503, f"the cluster could not serve the request: {e}",
                                type_="server_error", code="unavailable") from None
-        self.index.remember(ids, g.token_ids)
+        self.index.remember(ids, g.token_ids, root)
         s = served(g, len(ids), hit)
         self.metrics.observe(s)
         return g, s

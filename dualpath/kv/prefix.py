@@ -23,6 +23,20 @@ from dualpath.errors import UsageError
 KEY_BYTES = 16
 _PERSON = b"dualpath-kv-v1"   # domain separation: these keys are ours and versioned
 ROOT_KEY = hashlib.blake2b(b"root", digest_size=KEY_BYTES, person=_PERSON).digest()
+MAX_TENANT_CHARS = 256
+
+
+def tenant_root(tenant: str) -> bytes:
+    """The root key of ``tenant``'s chains: a tenant's blocks are never another's hit,
+    however equal their tokens (the prefix-cache side channel between tenants stays
+    closed in storage too). The default tenant (``""``) has :data:`ROOT_KEY`, the root
+    of every chain before tenants, so blocks stored then stay its hits."""
+    if not tenant:
+        return ROOT_KEY
+    if not isinstance(tenant, str) or len(tenant) > MAX_TENANT_CHARS:
+        raise UsageError(f"a tenant is a string of at most {MAX_TENANT_CHARS} characters")
+    return hashlib.blake2b(b"tenant\0" + tenant.encode(), digest_size=KEY_BYTES,
+                           person=_PERSON).digest()
 
 
 def _token_bytes(tokens) -> bytes:

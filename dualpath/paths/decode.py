@@ -346,7 +346,7 @@ class DecodePath:
             nb = blocks_for(req.prompt_tokens, T)
             self.space.pool.check_size(nb if req.decode_read_tokens
                                        else max(1, nb - self.decoder.most_held()))
-        spans = block_spans(p.token_ids(req.prompt_tokens, n.tokens), T)
+        spans = block_spans(p.token_ids(req.prompt_tokens, n.tokens), T, p.key_root)
         plan = decode_plan(rid, req.attempt, req.prompt_tokens, T, spans, moves_kv,
                            self.decoder.held(p, spans) if moves_kv else 0,
                            req.decode_read_tokens)

@@ -36,10 +36,12 @@ class BlockSpan:
     tokens: int       # == block_tokens except for a trailing partial block
 
 
-def block_spans(tokens: np.ndarray, block_tokens: int) -> list[BlockSpan]:
-    """Every block of ``tokens``, the trailing partial one included (see module doc)."""
+def block_spans(tokens: np.ndarray, block_tokens: int,
+                root: bytes = ROOT_KEY) -> list[BlockSpan]:
+    """Every block of ``tokens``, the trailing partial one included (see module doc),
+    chained from ``root`` (the request's tenant's: dualpath/kv/prefix.py tenant_root)."""
     spans = []
-    parent = ROOT_KEY
+    parent = root
     n = len(tokens)
     for i, start in enumerate(range(0, n, block_tokens)):
         part = tokens[start:start + block_tokens]

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from dualpath.errors import UsageError
+from dualpath.kv.prefix import MAX_TENANT_CHARS, tenant_root
 
 #: ``(trajectory, stop) -> token ids of stream positions [0, stop)``.
 TokenSource = Callable[[str, int], np.ndarray]
@@ -112,6 +113,9 @@ class Payload:
     # their own prefix cache hit only requests of the same salt (bench/vllm_pd.py: the
     # oracle salts by trajectory, the other modes by request: no local hit).
     cache_salt: str = ""
+    # Whose KV this is: the root of its block keys (dualpath/kv/prefix.py tenant_root), so
+    # one tenant's stored blocks are never another's hit. "" = the default tenant.
+    tenant: str = ""
     # More of vLLM's sampling parameters (SAMPLING_KEYS), passed to both instances.
     sampling: dict = field(default_factory=dict)
 
@@ -123,6 +127,9 @@ class Payload:
                              f"{', '.join(READ_POLICIES)}")
         if len(self.cache_salt) > 256:
             raise UsageError("payload: cache_salt longer than 256 characters")
+        if not isinstance(self.tenant, str) or len(self.tenant) > MAX_TENANT_CHARS:
+            raise UsageError(f"payload: tenant must be a string of at most "
+                             f"{MAX_TENANT_CHARS} characters")
         check_sampling(self.sampling)
         if not (0.0 <= self.temperature <= 2.0 and 0.0 < self.top_p <= 1.0
                 and -1 <= self.seed < 2 ** 63):
@@ -145,6 +152,11 @@ class Payload:
     @property
     def oracle(self) -> bool:
         return self.mode == "oracle"
+
+    @property
+    def key_root(self) -> bytes:
+        """The root of this request's block keys: its tenant's."""
+        return tenant_root(self.tenant)
 
     def token_ids(self, stop: int, source: TokenSource) -> np.ndarray:
         """Ids of stream positions ``[0, stop)`` (prompt, or prompt + generation): the

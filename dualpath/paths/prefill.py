@@ -143,7 +143,8 @@ class PrefillPath:
         T = self.space.fmt.block_tokens
         local, remote = self._parts(a)
         ids = a.payload.token_ids(a.prompt_tokens, self.node.tokens)
-        return PrefillPlan(a.request_id, a.prompt_tokens, T, tuple(block_spans(ids, T)),
+        spans = tuple(block_spans(ids, T, a.payload.key_root))
+        return PrefillPlan(a.request_id, a.prompt_tokens, T, spans,
                            local, remote, ids)
 
     async def _prefill(self, e: EngineRank, a: Assignment,

@@ -147,7 +147,8 @@ class Generator:
                        read_policy: str = "scheduler", timeout_s: float = 600.0,
                        temperature: float = 0.0, top_p: float = 1.0, seed: int = -1,
                        ignore_eos: bool = True, layerwise: bool = True,
-                       cache_salt: str = "", sampling: dict | None = None,
+                       cache_salt: str = "", tenant: str = "",
+                       sampling: dict | None = None,
                        on_partial: Callable[[int, int, list[int], list[float], list[Top]],
                                             None] | None = None) -> Generated:
         """Generate ``gen`` tokens after ``prompt`` (exactly, with ``ignore_eos``; else
@@ -165,7 +166,7 @@ class Generator:
                     read_policy=read_policy, token_ids_b64=encode_token_ids(prompt),
                     temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos,
                     stream=on_partial is not None, layerwise=layerwise,
-                    cache_salt=cache_salt, sampling=dict(sampling or {}))
+                    cache_salt=cache_salt, tenant=tenant, sampling=dict(sampling or {}))
         spec = scheduler_pb2.RequestSpec(request_id=request_id, prompt_tokens=n,
                                          hit_tokens=max(0, hit), max_new_tokens=gen,
                                          payload=p.encode())

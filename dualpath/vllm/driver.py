@@ -80,9 +80,13 @@ class EngineProcess:
             raise EngineDied(f"vLLM engine: {reply['error']}")
         return reply
 
-    def generate(self, prompt: list[int], max_tokens: int, logprobs: int = 1) -> dict:
+    def generate(self, prompt: list[int], max_tokens: int, logprobs: int = 1,
+                 cache_salt: str = "") -> dict:
+        """Greedy tokens after ``prompt``; ``cache_salt``: vLLM's prefix-cache salt (with
+        DualPath's connector also the request's tenant)."""
         return self.call({"op": "generate", "prompt": list(map(int, prompt)),
-                          "max_tokens": max_tokens, "logprobs": logprobs})
+                          "max_tokens": max_tokens, "logprobs": logprobs,
+                          "cache_salt": cache_salt})
 
     def reset_prefix_cache(self) -> None:
         self.call({"op": "reset_prefix_cache"})
@@ -131,8 +135,10 @@ def _serve(args: dict, out) -> None:
                 sp = SamplingParams(max_tokens=msg["max_tokens"], temperature=0.0,
                                     logprobs=msg.get("logprobs", 1), ignore_eos=True)
                 t0 = time.perf_counter()
-                o = llm.generate([{"prompt_token_ids": msg["prompt"]}], sp,
-                                 use_tqdm=False)[0].outputs[0]
+                prompt = {"prompt_token_ids": msg["prompt"]}
+                if msg.get("cache_salt"):
+                    prompt["cache_salt"] = msg["cache_salt"]
+                o = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
                 wall = time.perf_counter() - t0
                 lps = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs or [])]
                 reply = {"token_ids": list(o.token_ids), "logprobs": lps, "wall_s": wall}

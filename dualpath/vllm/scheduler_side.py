@@ -21,6 +21,7 @@ Threads: vLLM's scheduler thread.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from dualpath import tls
-from dualpath.kv.prefix import ROOT_KEY, chain_key
+from dualpath.errors import UsageError
+from dualpath.kv.prefix import chain_key, tenant_root
 from dualpath.rpc import CHANNEL_OPTIONS
 from dualpath.tls import TlsConfig
 from dualpath.v1 import connector_pb2, connector_pb2_grpc
@@ -54,6 +56,23 @@ class SaveSpec:
     keys: list[bytes]
     units: list[int]
     ticket: str = ""
+
+
+def key_root(request) -> bytes:
+    """The root of ``request``'s block keys: its tenant's (dualpath/kv/prefix.py). The
+    tenant a node daemon names in ``kv_transfer_params`` (P/D, from the request's
+    payload; "" the default tenant) wins; else vLLM's own ``cache_salt``, which is how a
+    user of vLLM separates tenants (its prefix cache shares no blocks across salts, and
+    neither does the store); else the default tenant."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    dp = params.get("dualpath") if isinstance(params, dict) else None
+    tenant = dp.get("tenant") if isinstance(dp, dict) else None
+    if not isinstance(tenant, str):
+        tenant = getattr(request, "cache_salt", None) or ""
+    try:
+        return tenant_root(tenant)
+    except UsageError:               # longer than any tenant: its own root all the same
+        return tenant_root(hashlib.sha256(tenant.encode()).hexdigest())
 
 
 def dualpath_params(request) -> tuple[str, str, bool]:
@@ -133,6 +152,7 @@ class _Req:
     staged: int = 0                  # P/D prefill (ticket): leading blocks its node staged
     unsent: int = 0                  # P/D prefill: leading blocks its DE is not sent
     tail: bytes = b""                # the partial last prompt block's key, when it loads
+    root: bytes = b""                # the root of its keys: its tenant's (key_root)
     tail_saved: bool = False         # P/D prefill: its partial last block was saved
 
     def __post_init__(self):
@@ -165,8 +185,14 @@ class SchedulerSide:
         if not tail:
             return b"", 0
         keys = self._keys(st, full * T)
-        parent = keys[-1] if keys else ROOT_KEY
+        parent = keys[-1] if keys else self._root(st)
         return chain_key(parent, st.request.all_token_ids[full * T:stop]), tail
+
+    @staticmethod
+    def _root(st: _Req) -> bytes:
+        if not st.root:
+            st.root = key_root(st.request)
+        return st.root
 
     def _keys(self, st: _Req, tokens: int) -> list[bytes]:
         """Keys of the request's first ``tokens // T`` blocks (extending the chain)."""
@@ -175,7 +201,7 @@ class SchedulerSide:
         ids = st.request.all_token_ids
         while len(st.keys) < want:
             i = len(st.keys)
-            parent = st.keys[-1] if st.keys else ROOT_KEY
+            parent = st.keys[-1] if st.keys else self._root(st)
             st.keys.append(chain_key(parent, ids[i * T:(i + 1) * T]))
         return st.keys[:want]
 

@@ -19,6 +19,7 @@ import pytest
 from dualpath.engines.emulated.decode import EmulatedDecoder
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.placement import KvFormat, KvPlacement
+from dualpath.kv.prefix import ROOT_KEY
 from dualpath.paths.decode import DecodePath, DecodeState
 from dualpath.paths.errors import StaleAttempt
 from dualpath.paths.kvplan import BlockSpan, DecodePlan
@@ -228,7 +229,7 @@ def _preparing_path():
     d.space.grant = lambda transfer, peer, res: SimpleNamespace(close=lambda: None)
     d.node.tokens = None
     d.node.metrics = SimpleNamespace(held_by_instance=SimpleNamespace(inc=lambda n: None))
-    payload = SimpleNamespace(prompt_tokens=8, oracle=False,
+    payload = SimpleNamespace(prompt_tokens=8, oracle=False, key_root=ROOT_KEY,
                               token_ids=lambda n, source: list(range(n)))
 
     def call(attempt, owner=None):

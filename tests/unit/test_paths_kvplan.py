@@ -48,7 +48,7 @@ def test_payload_round_trips_every_field():
     p = _payload(mode="basic", sink="127.0.0.1:9", layerwise=False,
                  read_policy="round_robin", token_ids_b64=ids, temperature=0.5,
                  top_p=0.9, seed=7, ignore_eos=False, stream=True, cache_salt="s1",
-                 sampling={"stop": ["\n\n"], "top_k": 5, "min_tokens": 2})
+                 tenant="acme", sampling={"stop": ["\n\n"], "top_k": 5, "min_tokens": 2})
     assert Payload.decode(p.encode()) == p
     # The wire form is compact JSON of exactly the dataclass fields (the scheduler's
     # opaque payload bytes; replay clients and nodes of other versions read it).
@@ -57,7 +57,7 @@ def test_payload_round_trips_every_field():
         "gen_tokens": 5, "mode": "basic", "sink": "127.0.0.1:9", "layerwise": False,
         "read_policy": "round_robin", "token_ids_b64": ids, "temperature": 0.5,
         "top_p": 0.9, "seed": 7, "ignore_eos": False, "stream": True, "cache_salt": "s1",
-        "sampling": {"stop": ["\n\n"], "top_k": 5, "min_tokens": 2}}
+        "tenant": "acme", "sampling": {"stop": ["\n\n"], "top_k": 5, "min_tokens": 2}}
     assert b" " not in p.encode()
 
 

@@ -162,7 +162,7 @@ def _decode(held: int, base: int = 0, kv_blocks: int = 5):
     payload = SimpleNamespace(prompt_tokens=len(IDS), token_ids=lambda n, tok: IDS,
                               stream=False, sink="", gen_tokens=3, cache_salt="s",
                               temperature=0.0, top_p=1.0, seed=-1, ignore_eos=True,
-                              sampling={}, oracle=False)
+                              sampling={}, oracle=False, tenant="")
     st = SimpleNamespace(payload=payload, request_id="r", attempt=1, buffer=res,
                          spans=[SimpleNamespace(key=k) for k in KEYS + [TAIL]], held=held,
                          base=base)

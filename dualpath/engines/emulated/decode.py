@@ -92,7 +92,7 @@ class EmulatedDecoder:
             # Every full block from the first token the PE computed (past the hit, or
             # from its first missing or corrupt block: cached again).
             keys = [] if p.oracle or wb is None else \
-                block_keys(p.token_ids(prompt + gen, n.tokens), T)
+                block_keys(p.token_ids(prompt + gen, n.tokens), T, p.key_root)
             nxt = min(done.computed_from_tokens, p.hit_tokens) // T
             rank = max(len(keys) - nxt, 0)      # the blocks this request writes
             if st.buffer is not None:

@@ -110,7 +110,7 @@ class VllmDecoder:
             if rest > 0 and not stops:
                 out = await self.instance.complete(
                     ids + head, rest, request_id=st.request_id, ticket="",
-                    cache_salt=p.cache_salt,
+                    cache_salt=p.cache_salt, tenant=p.tenant,
                     temperature=p.temperature, top_p=p.top_p, seed=p.seed,
                     ignore_eos=p.ignore_eos, sampling=rest_sampling(p.sampling, len(head)),
                     on_tokens=on_tokens)

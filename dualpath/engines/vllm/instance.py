@@ -110,7 +110,7 @@ class VllmInstance:
 
     async def complete(self, prompt: list[int], max_tokens: int, *, request_id: str,
                        ticket: str, save_all: bool = False, logprobs: bool = True,
-                       cache_salt: str = "", temperature: float = 0.0,
+                       cache_salt: str = "", tenant: str = "", temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = -1, ignore_eos: bool = True,
                        sampling: dict | None = None,
                        on_tokens: Callable[[list[int], list[float], list[Top]], None]
@@ -127,7 +127,8 @@ class VllmInstance:
                 "return_token_ids": True, "stream": True,
                 "kv_transfer_params": {"dualpath": {"request_id": request_id,
                                                     "ticket": ticket,
-                                                    "save_all": save_all}}}
+                                                    "save_all": save_all,
+                                                    "tenant": tenant}}}
         if sampling:                     # checked (paths/payload.py check_sampling)
             body.update(sampling)
         if seed >= 0:

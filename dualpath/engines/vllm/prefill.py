@@ -153,7 +153,7 @@ class VllmPrefillPath(PrefillPath):
                 # block still goes to the DE (save_all), as if its HBM had it too.
                 first = await self.instance.complete(
                     [int(t) for t in ids], 1, request_id=rid, ticket=ticket,
-                    save_all=p.oracle, cache_salt=p.cache_salt,
+                    save_all=p.oracle, cache_salt=p.cache_salt, tenant=p.tenant,
                     temperature=p.temperature, top_p=p.top_p, seed=p.seed,
                     ignore_eos=p.ignore_eos, sampling=first_token_sampling(p.sampling))
             except InstanceError as err:

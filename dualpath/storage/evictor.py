@@ -36,6 +36,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from dualpath.storage.ledger import EVICTED, HIT, LEDGER_DIR, WROTE, LedgerTail, LedgerWriter
@@ -153,6 +154,7 @@ class Upkeep:
         self._next_prune = 0.0
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
         self._mu = threading.Lock()               # one tick at a time
+        self._forgotten: deque[bytes] = deque()   # deleted here: off the core next round
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if start:
@@ -166,28 +168,40 @@ class Upkeep:
         return self._lock_fd >= 0
 
     def _run(self) -> None:
+        failing = 0
         while not self._stop.wait(self.interval_s):
             try:
                 self.tick()
+                failing = 0
             except Exception:                      # the next tick tries again
-                log.exception("store upkeep of %s", self.store.dir)
+                failing += 1
+                if failing == 1 or failing % 100 == 0:
+                    log.exception("store upkeep of %s (%d rounds failing)", self.store.dir,
+                                  failing)
 
     def tick(self) -> None:
         """One round: flush the ledger; as the evictor, account, evict and publish."""
         with self._mu:
             self.ledger.flush(alive=True)
+            if self.holds and not self._still_ours():
+                self._let_go()      # its lock file was removed: another may lock a new one
             if not self.holds and not self._take():
                 self._sweep()
                 return
             now = time.time()
+            while self._forgotten:
+                self.core.removed(self._forgotten.popleft())
             self._apply(now)
             victims = self.core.victims(now, self.reserve(now))
             if victims:
-                self._evict(victims)
+                self._evict(victims, now)
             self._publish(now)
             if time.monotonic() >= self._next_prune:
                 self._next_prune = time.monotonic() + PRUNE_EVERY_S
-                self._tail.prune(self.ledger_keep_s, now, self.ledger.own())
+                # Never a live writer's files, however long since it last wrote.
+                alive = self._alive(now)
+                keep = {n for n in self._tail.mtimes if n.split(".", 1)[0] in alive}
+                self._tail.prune(self.ledger_keep_s, now, keep | self.ledger.own())
             self._sweep()
 
     def _take(self) -> bool:
@@ -195,6 +209,7 @@ class Upkeep:
             if self._lock_path in _held:
                 return False
             try:
+                os.makedirs(self._ledger_dir, mode=0o755, exist_ok=True)
                 fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
                              os.O_CLOEXEC, 0o644)
             except OSError:
@@ -207,19 +222,39 @@ class Upkeep:
                     log.warning("store %s: cannot lock %s (%s); this node will not evict",
                                 self.store.dir, self._lock_path, e)
                 return False
+            try:
+                self._bootstrap()
+            except BaseException:       # not the evictor with half a picture: let go
+                os.close(fd)
+                raise
             _held.add(self._lock_path)
             self._lock_fd = fd
         self.stats.takeovers += 1
-        self._bootstrap()
         log.info("store %s: this process is the evictor now (capacity %.2f GiB, %d blocks, "
                  "%.2f GiB used)", self.store.dir, self.core.capacity / 2**30,
                  len(self.core), self.core.usage / 2**30)
         return True
 
+    def _still_ours(self) -> bool:
+        """Whether the lock file held is still the one at the lock's path."""
+        try:
+            return os.stat(self._lock_path).st_ino == os.fstat(self._lock_fd).st_ino
+        except OSError:
+            return False
+
+    def _let_go(self) -> None:
+        with _held_lock:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+                _held.discard(self._lock_path)
+
     def _bootstrap(self) -> None:
         """The store as it is: the ledger's end first, then a scan (what is written
         meanwhile is read from the ledger after it, twice at worst: harmless)."""
+        self._tail = LedgerTail(self._ledger_dir, ("log", "hits"))
         self._tail.skip_to_end()
+        self.core.clear()
         blocks = sorted(self.store.walk(), key=lambda b: b.mtime)
         for b in blocks:
             self.core.wrote(b.key, b.nbytes, b.mtime)
@@ -247,12 +282,16 @@ class Upkeep:
                     core.removed(key)
         self._rate = max(0.9 * self._rate, max(wrote.values(), default=0))
 
+    def _alive(self, now: float) -> set[str]:
+        """The writer ids of the processes that have the store open (each marks its
+        files alive every round: ledger.py)."""
+        return {name.split(".", 1)[0] for name, t in self._tail.mtimes.items()
+                if name.endswith(".log") and now - t < self._alive_s}
+
     def writers(self, now: float) -> int:
-        """The processes that have the store open (each marks its ``.log`` alive every
-        round: ledger.py), plus one for a process that opens it now."""
-        alive = {name.split(".", 1)[0] for name, t in self._tail.mtimes.items()
-                 if name.endswith(".log") and now - t < self._alive_s}
-        return 1 + len(alive)
+        """The processes that have the store open, plus one for a process that opens it
+        now."""
+        return 1 + len(self._alive(now))
 
     def reserve(self, now: float) -> int:
         """What the writers may add before the next round, with a margin: the space
@@ -260,12 +299,13 @@ class Upkeep:
         most (1 - low watermark) of the capacity (a small store with fast writers would
         otherwise be emptied each round: its writers are refused a little instead)."""
         want = 2 * self.writers(now) * max(self._rate, self._block)
-        return int(min(want, (1.0 - self.core.low) * self.core.capacity))
+        core = self.core          # never so much that eviction would empty the store
+        return int(min(want, (1.0 - core.low) * core.capacity, core.high * core.capacity / 2))
 
     def forget(self, key: bytes) -> None:
-        """A block this process deleted (its E record is skipped: applied here now)."""
-        with self._mu:
-            self.core.removed(key)
+        """A block this process deleted (its E record is skipped: applied at the next
+        round; never waits for a round under way)."""
+        self._forgotten.append(key)
 
     def _count_age(self, age: float) -> None:
         s = self.stats
@@ -275,12 +315,19 @@ class Upkeep:
                 s.hit_age_counts[i] += 1
                 break
 
-    def _evict(self, victims: list[tuple[bytes, int]]) -> None:
+    def _evict(self, victims: list[tuple[bytes, int]], now: float) -> None:
+        gone = []
         for key, nbytes in victims:
-            self.store.remove_file(key)
+            try:
+                self.store.remove_file(key)
+            except OSError as e:        # still there: counted again, tried next round
+                log.warning("store %s: evicting %s: %s", self.store.dir, key.hex(), e)
+                self.core.wrote(key, nbytes, now)
+                continue
+            gone.append(key)
             self.stats.evictions += 1
             self.stats.evicted_bytes += nbytes
-        self.ledger.evicted((k for k, _ in victims), now=True)
+        self.ledger.evicted(gone, now=True)
 
     def _publish(self, now: float) -> None:
         consumed = {n: o for n, o in self._tail.offsets.items() if n.endswith(".log")}
@@ -290,6 +337,7 @@ class Upkeep:
                            "evictor": self.ledger.id, "time": now}).encode()
         tmp = os.path.join(self._ledger_dir, f".usage.{os.urandom(4).hex()}.tmp")
         try:
+            os.makedirs(self._ledger_dir, mode=0o755, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(body)
             os.replace(tmp, os.path.join(self._ledger_dir, USAGE_FILE))
@@ -305,11 +353,11 @@ class Upkeep:
         self.stats.temp_swept += self.store.sweep_temp(self.temp_max_age_s)
 
     def gauges(self) -> dict[str, float]:
-        with self._mu:
-            return {"evictor": float(self.holds),
-                    "usage_bytes": float(self.core.usage) if self.holds else 0.0,
-                    "capacity_bytes": float(self.core.capacity),
-                    "blocks": float(len(self.core)) if self.holds else 0.0}
+        """For a scrape (read without waiting for a round: a round may walk the store)."""
+        return {"evictor": float(self.holds),
+                "usage_bytes": float(self.core.usage) if self.holds else 0.0,
+                "capacity_bytes": float(self.core.capacity),
+                "blocks": float(len(self.core)) if self.holds else 0.0}
 
     def close(self) -> None:
         """Stop the thread, flush the ledger, let go of the evictor's lock (idempotent)."""
@@ -319,8 +367,4 @@ class Upkeep:
             t.join()
         with self._mu:
             self.ledger.flush()
-            with _held_lock:
-                if self._lock_fd >= 0:
-                    os.close(self._lock_fd)
-                    self._lock_fd = -1
-                    _held.discard(self._lock_path)
+            self._let_go()

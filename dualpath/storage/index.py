@@ -8,7 +8,8 @@ block, each a round trip to the metadata service of a networked filesystem.
 What keeps it true, in the process that answers the lookups (each node and vLLM
 engine process: no service on the path of a lookup):
 - its own writes, deletes and quarantines, at once;
-- every other process's evictions and deletes, read from the store's ledger (ledger.py;
+- every other process's evictions, deletes and read misses, read from the store's
+  ledger (ledger.py;
   its ``.log`` files) at most every ``refresh_s``, the first lookup after that polling
   it (one ``stat`` per writer's file);
 - a read that finds a key's file gone drops it (the read is a miss: recomputed).
@@ -26,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Container, Sequence
 
-from dualpath.storage.ledger import EVICTED, WROTE, LedgerTail
+from dualpath.storage.ledger import EVICTED, MISSED, WROTE, LedgerTail
 
 
 class KeyIndex:
@@ -87,11 +88,20 @@ class KeyIndex:
         try:
             self._next = now + self.refresh_s
             self.stats["index_ledger_polls"] += 1
+            # Files are read one after another, so their records' order across files
+            # is lost: within a poll a removal wins over a write (a wrong "absent" costs
+            # a stat; a wrong "present" a failed read).
+            added, removed = set(), set()
             for _, records in self._tail.poll():
                 for op, _, key in records:
-                    if op == EVICTED:
-                        self._keys.discard(key)
-                    elif op == WROTE and len(self._keys) < self.max_keys:
-                        self._keys.add(key)
+                    if op == EVICTED or op == MISSED:
+                        removed.add(key)
+                    elif op == WROTE:
+                        added.add(key)
+            for key in added - removed:
+                if len(self._keys) >= self.max_keys:
+                    break
+                self._keys.add(key)
+            self._keys.difference_update(removed)
         finally:
             self._poll.release()

@@ -5,8 +5,9 @@ appends to files of its own under
 ``<namespace>/.ledger/`` (one writer per file, so no append ever races another host's on
 a networked filesystem, where O_APPEND is not atomic across clients):
 
-    <writer>.<segment>.log     W (a block written, or found already there) and E (a block
-                               evicted or deleted): what an index of the store's keys needs
+    <writer>.<segment>.log     W (a block written, or found already there), E (a block
+                               evicted, deleted or quarantined) and M (a read found it
+                               missing): what an index of the store's keys needs
     <writer>.<segment>.hits    H (a block hit: a lookup counted it, or a read returned it):
                                what the evictor's recency needs, and nothing else reads
 
@@ -39,9 +40,9 @@ log = logging.getLogger("dualpath.storage")
 
 LEDGER_DIR = ".ledger"
 RECORD = struct.Struct("<cxxxI16s")    # op, size (W: bytes on disk), block key
-WROTE, HIT, EVICTED = b"W", b"H", b"E"
+WROTE, HIT, EVICTED, MISSED = b"W", b"H", b"E", b"M"
 SEGMENT_BYTES = 64 << 20
-_OPS = (WROTE, HIT, EVICTED)
+_OPS = (WROTE, HIT, EVICTED, MISSED)
 
 
 def pack(records: Iterable[tuple[bytes, int, bytes]]) -> bytes:
@@ -59,6 +60,7 @@ def unpack(data: bytes | memoryview) -> Iterator[tuple[bytes, int, bytes]]:
 
 _HIT_HEAD = RECORD.pack(HIT, 0, bytes(16))[:8]
 _EVICTED_HEAD = RECORD.pack(EVICTED, 0, bytes(16))[:8]
+_MISSED_HEAD = RECORD.pack(MISSED, 0, bytes(16))[:8]
 
 
 def _keyed(head: bytes, keys: Iterable[bytes]) -> bytes:
@@ -73,15 +75,25 @@ def writer_id() -> str:
     return f"{host[:40]}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
+def _unlinked(fd: int) -> bool:
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return True
+
+
 class LedgerWriter:
     """This process's ledger files (one ``.log`` and one ``.hits`` segment at a time).
 
     Records are buffered and appended by :meth:`flush` (the store's upkeep thread calls it
     every tick; :meth:`evicted` with ``now=True`` at once), each file's batch one
     ``write`` and, with ``sync``, one ``fdatasync`` (on NFS another client sees appended
-    bytes only once they are flushed to the server). Every method may be called from any
-    thread. A failure to append is logged and counted, never raised: the ledger is
-    advisory (module docstring), the block's own write is what matters.
+    bytes only once they are flushed to the server). Buffering takes a short lock only:
+    the I/O runs under another, so a caller on an event loop never waits for a flush.
+    Every method may be called from any thread. A failure to append is logged and
+    counted, never raised: the ledger is advisory (module docstring), the block's own
+    write is what matters. The directory is made at the first append (opening a store
+    on a read-only mount writes nothing).
     """
 
     def __init__(self, ns_dir: str | os.PathLike, *, sync: bool = True,
@@ -91,15 +103,16 @@ class LedgerWriter:
         self.sync = sync
         self.segment_bytes = segment_bytes
         self.failures = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()           # the buffers
+        self._io = threading.Lock()             # the files: one flush at a time
         self._buf = {"log": bytearray(), "hits": bytearray()}
         self._marks: list[tuple[int, int]] = []   # (end in the log buffer, block bytes)
+        self._flushing: list[int] = []            # block bytes of W records being written
         self._written: deque[tuple[str, int, int]] = deque()   # (file, end, block bytes)
         self._fds: dict[str, int] = {}
         self._offsets: dict[str, int] = {}
         self._segment = 0
         self._closed = False
-        os.makedirs(self.dir, mode=0o755, exist_ok=True)
 
     def name(self, kind: str) -> str:
         return f"{self.id}.{self._segment}.{kind}"
@@ -112,18 +125,24 @@ class LedgerWriter:
             self._marks.append((len(buf), nbytes))
 
     def evicted(self, keys: Iterable[bytes], now: bool = False) -> None:
-        data = _keyed(_EVICTED_HEAD, list(keys))
-        if data:
-            with self._lock:
-                self._buf["log"] += data
-            if now:
-                self.flush()
+        """Blocks removed (evicted, deleted, quarantined): every index drops them, the
+        evictor stops counting them."""
+        self._add("log", _keyed(_EVICTED_HEAD, list(keys)), now)
+
+    def missed(self, keys: Iterable[bytes], now: bool = False) -> None:
+        """Blocks a read found missing: every index drops them (they may only be out of
+        this client's sight: the evictor keeps counting them)."""
+        self._add("log", _keyed(_MISSED_HEAD, list(keys)), now)
 
     def hit(self, keys: Iterable[bytes]) -> None:
-        data = _keyed(_HIT_HEAD, list(keys))
+        self._add("hits", _keyed(_HIT_HEAD, list(keys)), False)
+
+    def _add(self, kind: str, data: bytes, now: bool) -> None:
         if data:
             with self._lock:
-                self._buf["hits"] += data
+                self._buf[kind] += data
+            if now:
+                self.flush()
 
     def unaccounted(self, consumed: Mapping[str, int]) -> int:
         """Bytes of blocks this process wrote whose W record the evictor has not read
@@ -137,30 +156,52 @@ class LedgerWriter:
             while w and (consumed.get(w[0][0], -1) >= w[0][1] or
                          int(w[0][0][len(mine):].split(".", 1)[0]) < newest):
                 w.popleft()
-            return sum(n for _, _, n in w) + sum(n for _, n in self._marks)
+            return sum(n for _, _, n in w) + sum(self._flushing) + \
+                sum(n for _, n in self._marks)
 
     def flush(self, alive: bool = False) -> None:
         """Append what is buffered; with ``alive``, also mark this writer alive (its
-        ``.log`` file's mtime now, made if need be): the evictor counts the writers it
-        shares the store's headroom among by those marks (evictor.py)."""
-        with self._lock:
-            if self._closed:
-                return
-            for kind, buf in self._buf.items():
-                if buf:
-                    self._append(kind, bytes(buf))
-                    buf.clear()
-            if alive:
-                self._append("log", b"")
-                with contextlib.suppress(OSError):
-                    os.utime(self._fds[self.name("log")])
+        files' mtimes now, made if need be): the evictor counts the writers it shares
+        the store's headroom among by those marks, and never prunes a live writer's
+        files (evictor.py)."""
+        with self._io:
+            if alive and any(_unlinked(fd) for fd in self._fds.values()):
+                self._next_segment()        # its files were removed: start new ones
+            with self._lock:
+                if self._closed:
+                    return
+                batches = {k: bytes(b) for k, b in self._buf.items() if b}
+                for b in self._buf.values():
+                    b.clear()
+                marks, self._marks = self._marks, []
+                self._flushing = [n for _, n in marks]
+            for kind in ("log", "hits"):
+                data = batches.get(kind, b"")
+                if data or alive:
+                    written = self._append(kind, data, marks if kind == "log" else [])
+                    with self._lock:
+                        self._written.extend(written)
+                    if alive and not data:
+                        self._touch(kind)
+            with self._lock:
+                self._flushing = []
 
-    def _append(self, kind: str, data: bytes) -> None:
+    def _touch(self, kind: str) -> None:
+        fd = self._fds.get(self.name(kind))
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.utime(fd)
+
+    def _append(self, kind: str, data: bytes,
+                marks: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
+        """Write ``data`` to this writer's current ``kind`` file (under ``_io``); the
+        W records' (file, end offset, block bytes)."""
         name = self.name(kind)
         base = self._offsets.get(name, 0)
         try:
             fd = self._fds.get(name)
             if fd is None:
+                os.makedirs(self.dir, mode=0o755, exist_ok=True)
                 fd = os.open(os.path.join(self.dir, name), os.O_WRONLY | os.O_CREAT |
                              os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
                 self._fds[name] = fd
@@ -171,11 +212,10 @@ class LedgerWriter:
             n = 0
             self._failed(e)
         self._offsets[name] = base + n
-        if kind == "log":
-            self._written.extend((name, base + end, nbytes) for end, nbytes in self._marks)
-            self._marks.clear()
+        done = [(name, base + end, nbytes) for end, nbytes in marks if end <= n]
         if n != len(data) or (data and base + n >= self.segment_bytes):
             self._next_segment()       # a torn record ends a file: never append after it
+        return done
 
     def _failed(self, e: OSError) -> None:
         self.failures += 1
@@ -191,13 +231,13 @@ class LedgerWriter:
 
     def own(self) -> set[str]:
         """The names of the files this writer appends to now."""
-        with self._lock:
+        with self._io:
             return {self.name("log"), self.name("hits")}
 
     def close(self) -> None:
         """Flush what is buffered and close (idempotent)."""
         self.flush()
-        with self._lock:
+        with self._io, self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -226,12 +266,12 @@ class LedgerTail:
             with os.scandir(self.dir) as it:
                 return [e for e in it if e.name.rsplit(".", 1)[-1] in self.kinds and
                         e.is_file(follow_symlinks=False)]
-        except FileNotFoundError:
+        except OSError:            # none yet, or unreadable: nothing to read this time
             return []
 
     def skip_to_end(self) -> None:
         for e in self._files():
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 size = e.stat(follow_symlinks=False).st_size
                 self.offsets[e.name] = size - size % RECORD.size
 
@@ -244,7 +284,7 @@ class LedgerTail:
             seen.add(e.name)
             try:
                 st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
+            except OSError:
                 continue
             size = st.st_size
             self.mtimes[e.name] = st.st_mtime
@@ -279,7 +319,7 @@ class LedgerTail:
         for e in self._files():
             if e.name in keep:
                 continue
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 if now - e.stat(follow_symlinks=False).st_mtime > max_age_s:
                     os.unlink(e.path)
                     self.offsets.pop(e.name, None)

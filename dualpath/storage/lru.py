@@ -5,7 +5,8 @@ the store's scan, and unlinks what it picks). Time is passed in, never read.
 
 - Usage is the sum of every known block's bytes on disk.
 - Recency: a block's last hit, or its write when never hit. A lookup that counts a block
-  as a hit, and a read that returns it, are hits (the ledger's H records).
+  as a hit, and a read queue taking a request's blocks, are hits (the ledger's H
+  records; once per request and block, not again at each read).
 - A hit leases the block for ``lease_s``: a block a request's plan names (the lookup
   that planned it recorded the hit) is not picked until the lease ends, however old the
   rest of its recency is. A request whose read comes later than that may find it gone:
@@ -38,6 +39,12 @@ class LruCore:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def clear(self) -> None:
+        self.usage = 0
+        self._blocks.clear()
+        self._touched.clear()
+        self._leases.clear()
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks

@@ -288,6 +288,11 @@ class BlockStore:
             return self.index.contains(key)
         return self._file_exists(key)
 
+    def on_disk(self, key: bytes) -> bool:
+        """Whether block ``key``'s file exists now (a ``stat``, not the index: for a
+        writer deciding whether to write it again)."""
+        return self._file_exists(key)
+
     def _file_exists(self, key: bytes) -> bool:
         try:
             dfd, name = self._block_dir(key)
@@ -470,6 +475,9 @@ class BlockStore:
             self.index.discard(key)
         if isinstance(e, FileNotFoundError):
             self._count(misses=1)
+            if self.ledger is not None and self.index is not None:
+                # Every other index drops it too (it may still list it as stored).
+                self.ledger.missed([key], now=self.upkeep is None)
         elif isinstance(e, _Unsafe):
             self._count(unsafe_paths=1)
             log.warning("block %s: %s; treated as a miss", path, e)

@@ -36,20 +36,28 @@ def bounded(tmp_path_factory):
     c.stop()
 
 
-def _usage(cluster) -> int:
-    return sum(p.stat().st_size for p in (cluster.dir / "kv").glob(f"*/*/*/*{SUFFIX}"))
+def usage(kv) -> int:
+    """Bytes of the block files under store directory ``kv`` (a scan, as `du` would)."""
+    return sum(p.stat().st_size for p in kv.glob(f"*/*/*/*{SUFFIX}"))
 
 
-def test_replays_through_a_bounded_store_evict_and_verify_every_byte(bounded):
+def replays_verified(cluster, kv, n: int = 3, **opts) -> tuple[list, int]:
+    """``n`` replays of TRACE on ``cluster``, each verified whole; (runs, the most bytes
+    the store held after any of them)."""
     runs, peak = [], 0
-    for _ in range(3):
-        run = replay_local(bounded, TRACE, PROFILE, timeout_s=120)
+    for _ in range(n):
+        run = replay_local(cluster, TRACE, PROFILE, **{"timeout_s": 120, **opts})
         assert len(run.records) == ROUNDS
         assert run.bytes_mismatched == 0
         prompt = sum(r.prompt_tokens for r in run.records)
         assert run.bytes_verified == prompt * PROFILE.kv_bytes_per_token
         runs.append(run)
-        peak = max(peak, _usage(bounded))
+        peak = max(peak, usage(kv))
+    return runs, peak
+
+
+def test_replays_through_a_bounded_store_evict_and_verify_every_byte(bounded):
+    runs, peak = replays_verified(bounded, bounded.dir / "kv")
     assert peak <= CAP_BYTES, (peak, CAP_BYTES)
     assert sum(r.hit_bytes for r in runs) > 0            # hits still served
     m = {n: bounded.node_metrics(n) for n in bounded.node_ids()}
@@ -61,4 +69,4 @@ def test_replays_through_a_bounded_store_evict_and_verify_every_byte(bounded):
     assert ev["dualpath_node_store_capacity_bytes"] == CAP_BYTES
     # Every node's writes reached the evictor's accounting: its usage is the disk's
     # (give or take the writes of its last round).
-    assert abs(ev["dualpath_node_store_usage_bytes"] - _usage(bounded)) <= 4 * BLOCK_ON_DISK
+    assert abs(ev["dualpath_node_store_usage_bytes"] - usage(bounded.dir / "kv")) <= 4 * BLOCK_ON_DISK

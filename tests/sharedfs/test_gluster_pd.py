@@ -20,19 +20,9 @@ import pytest
 
 from dualpath.cluster.local import LocalCluster
 from dualpath.cluster.netns import Namespaces, available
-from dualpath.cluster.replay import replay_local
-from dualpath.cluster.run import make_trace
-from dualpath.kv.profiles import get_profile
-from dualpath.storage.format import HEADER_BYTES
-from dualpath.storage.store import SUFFIX
+from tests.integration.test_e2e_bounded import CAP_BYTES, replays_verified, usage
 
 NODES = ["p0", "d0", "d1"]
-PROFILE = get_profile("demo")
-TRACE = make_trace(4, context_scale=0.05, max_rounds=3, seed=1)    # 16 blocks a replay
-ROUNDS = sum(len(t.rounds) for t in TRACE.trajectories)
-BLOCK_ON_DISK = HEADER_BYTES + PROFILE.layers * PROFILE.kv_bytes_per_token_layer * \
-    PROFILE.block_tokens
-CAP_BYTES = 24 * BLOCK_ON_DISK
 # Mount the volume in the node's own mount namespace, then become the node.
 MOUNT_THEN_RUN = 'm=$0; v=$1; shift; mount -t glusterfs "$v" "$m" && exec "$@"'
 
@@ -85,10 +75,6 @@ def gluster_cluster(tmp_path_factory):
         shutil.rmtree(host_mount / sub, ignore_errors=True)
 
 
-def _usage(kv: Path) -> int:
-    return sum(p.stat().st_size for p in kv.glob(f"*/*/*/*{SUFFIX}"))
-
-
 def test_pd_replays_on_glusterfs_across_namespaces_evict_and_verify(gluster_cluster):
     cluster, nets, kv, mounts = gluster_cluster
     # Each node has a GlusterFS client of its own (its mount is not the host's).
@@ -96,16 +82,8 @@ def test_pd_replays_on_glusterfs_across_namespaces_evict_and_verify(gluster_clus
         out = subprocess.run(["pgrep", "-af", f"glusterfs.*{mounts[n]}"], check=False,
                              capture_output=True, text=True).stdout
         assert str(mounts[n]) in out, f"{n}: no GlusterFS client of its own"
-    runs, peak = [], 0
-    for _ in range(3):
-        run = replay_local(cluster, TRACE, PROFILE, timeout_s=180,
-                           sink_listen=f"{nets.bridge_ip}:0")
-        assert len(run.records) == ROUNDS
-        assert run.bytes_mismatched == 0
-        prompt = sum(r.prompt_tokens for r in run.records)
-        assert run.bytes_verified == prompt * PROFILE.kv_bytes_per_token
-        runs.append(run)
-        peak = max(peak, _usage(kv))
+    runs, peak = replays_verified(cluster, kv, timeout_s=180,
+                                  sink_listen=f"{nets.bridge_ip}:0")
     m = {n: cluster.node_metrics(n) for n in NODES}
     assert peak <= CAP_BYTES, (peak, CAP_BYTES)
     assert sum(r.hit_bytes for r in runs) > 0
@@ -114,4 +92,4 @@ def test_pd_replays_on_glusterfs_across_namespaces_evict_and_verify(gluster_clus
     assert m[evictors[0]]["dualpath_node_store_evictions_total"] > 0
     # The blocks were written by the nodes' clients and are the volume's: the host's
     # own mount sees them.
-    assert _usage(kv) > 0
+    assert usage(kv) > 0

@@ -60,6 +60,7 @@ def test_usage_counts_match_the_files(tmp_path, capsys):
     fan = paths[0].parent
     (fan / f".{paths[0].name}.0123456789ab.tmp").write_bytes(b"x" * 10)
     (fan / f"{'ab' * 16}.kvb.corrupt").write_bytes(b"y" * 7)
+    (ns_dir / LEDGER_DIR).mkdir(exist_ok=True)      # made by a writer's first append
     (ns_dir / LEDGER_DIR / "usage.json").write_text(json.dumps(
         {"usage_bytes": 123, "capacity_bytes": 456, "writers": 1, "consumed": {},
          "evictor": "host-1-abcd", "time": time.time() - 5}))

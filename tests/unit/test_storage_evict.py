@@ -263,3 +263,48 @@ def test_config_watermarks_are_checked_and_reach_the_store(tmp_path):
         assert (core.capacity, core.high, core.low) == (1 << 29, 0.7, 0.3)
     with StorageConfig(dir=str(tmp_path), index_max_keys=0).open_store(PROFILE) as s:
         assert s.index is None and s.upkeep is None
+
+
+def test_the_upkeep_survives_its_ledger_directory_vanishing(tmp_path):
+    import shutil
+    with _capped(tmp_path, 10) as s:
+        s.upkeep.tick()
+        shutil.rmtree(s.dir / ".ledger")              # an operator's rm, a scrub gone wrong
+        _put(s, KEYS[0], s)                           # the next round makes it again
+        s.upkeep.tick()
+        assert s.upkeep.holds and s.upkeep.core.usage >= 0
+        assert (s.dir / ".ledger" / "usage.json").exists()
+
+
+def test_a_read_miss_drops_the_key_from_other_indexes_but_not_from_the_usage(tmp_path):
+    with _capped(tmp_path, 40) as ev, BlockStore(tmp_path, PROFILE, read_workers=1) as b:
+        ev.upkeep.tick()
+        _put(ev, KEYS[0], ev)
+        assert b.leading(KEYS[:1]) == 1 and ev.leading(KEYS[:1]) == 1
+        os.rename(ev.path_of(KEYS[0]), str(ev.path_of(KEYS[0])) + ".away")   # out of sight
+        assert not b.read_into(KEYS[0], aligned_bytes(b.layout.full_bytes))  # M, flushed
+        ev.index.refresh(force=True)
+        assert KEYS[0] not in ev.index._keys          # the other index dropped it too
+        ev.upkeep.tick()
+        assert ev.upkeep.core.usage == ON_DISK        # maybe only out of one client's sight
+
+
+def test_equal_watermarks_never_empty_the_store(tmp_path):
+    with _capped(tmp_path, 10, high=0.5, low=0.5) as s:
+        s.upkeep.tick()
+        for k in KEYS[:3]:
+            _put(s, k, s)
+        assert len(list(s.walk())) >= 2
+
+
+def test_a_live_writers_idle_hit_file_is_never_pruned(tmp_path):
+    with _capped(tmp_path, 40) as ev, _capped(tmp_path, 40) as other:
+        ev.upkeep.tick()
+        assert ev.upkeep.holds
+        other.lease(KEYS[:1])
+        other.upkeep.tick()                           # its .log and .hits exist, alive
+        hits = ev.dir / ".ledger" / other.ledger.name("hits")
+        os.utime(hits, (0, 0))                        # no hit for a very long time
+        ev.upkeep._next_prune = 0.0
+        ev.upkeep.tick()
+        assert hits.exists()

@@ -820,7 +820,9 @@ class VllmEngine:
         try:
             for i, key in enumerate(s.keys):
                 try:
-                    if s.is_tail(i) or space.store.contains(key):
+                    # The file, not the index: a block the index wrongly lists as
+                    # stored must be written again, or no later request hits it.
+                    if s.is_tail(i) or space.store.on_disk(key):
                         continue
                     if self.limiter is not None:
                         # The NIC's write direction (ratelimit.RateLimiter: full

@@ -13,7 +13,8 @@ the store's scan, and unlinks what it picks). Time is passed in, never read.
   its read misses and the tokens are recomputed (never wrong bytes).
 - Over ``high`` x capacity (less a ``reserve``: what the writers may add before the
   evictor's next round), the least recent unleased blocks are picked until usage is at
-  ``low`` x capacity less the reserve, or only leased blocks are left.
+  ``low`` x capacity (or the capacity less the reserve, when that is lower), or only
+  leased blocks are left.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class LruCore:
         next round) is under the high watermark."""
         if not self.over(reserve):
             return []
-        goal = max(0.0, self.low * self.capacity - reserve)
+        goal = max(0.0, min(self.low * self.capacity, self.capacity - reserve))
         picked, freed = [], 0
         for key, nbytes in self._blocks.items():      # no copy: stops at the goal
             if self.usage - freed <= goal:

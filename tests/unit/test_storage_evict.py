@@ -186,12 +186,13 @@ def test_one_evictor_keeps_a_shared_store_under_its_bound_least_recent_first(tmp
         # 30 blocks; 3 writers (2 active and 1 that may start) x 1 block x 2 reserved:
         # 30 + 6 = 36 = 0.9 x 40, not over.
         assert ev.upkeep.stats.evictions == 0 and ev.upkeep.reserve(time.time()) == 6 * ON_DISK
-        _put(other, KEYS[30], other, ev)              # over: down to 0.6 x 40 - 6 = 18
-        assert ev.upkeep.stats.evictions == 13
+        _put(other, KEYS[30], other, ev)              # over: down to 0.6 x 40 = 24
+        assert ev.upkeep.stats.evictions == 7
         kept = {b.key for b in ev.walk()}
         assert KEYS[0] in kept                        # hit since: the most recent
-        assert not kept & set(KEYS[1:14])             # the least recent went
-        assert _usage(ev) == 18 * ON_DISK == ev.upkeep.core.usage
+        assert not kept & set(KEYS[1:8])              # the least recent went
+        assert KEYS[8] in kept
+        assert _usage(ev) == 24 * ON_DISK == ev.upkeep.core.usage
         assert a.stats.writes_refused_capacity == b.stats.writes_refused_capacity == 0
         # Both processes' lookups stop at the first evicted block.
         other.index.refresh(force=True)

@@ -40,7 +40,7 @@ from dualpath.storage.evictor import USAGE_FILE
 from dualpath.storage.format import HEADER_BYTES, check_header
 from dualpath.storage.ledger import HIT, LEDGER_DIR, LedgerTail
 from dualpath.storage.lru import LruCore
-from dualpath.storage.store import SUFFIX, BlockStore, aligned_bytes
+from dualpath.storage.store import SUFFIX, BlockStore, aligned_bytes, leaf_entries
 
 _NAMESPACE = re.compile(r"^(?P<name>.+)-t(?P<tokens>[1-9][0-9]*)$")
 _HEX = frozenset("0123456789abcdef")
@@ -157,32 +157,10 @@ def namespaces(root: Path, only: str | None = None) -> list[Namespace]:
     return found
 
 
-def _fan(path: str):
-    """The two-hex-digit subdirectories of ``path`` (no symlinks), sorted."""
-    try:
-        with os.scandir(path) as it:
-            dirs = [e for e in it if len(e.name) == 2 and set(e.name) <= _HEX and
-                    e.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(dirs, key=lambda e: e.name)
-
-
-def _leaf_entries(ns_dir: Path):
-    """Every entry of the namespace's fan-out leaves (``ab/cd/*``), as DirEntries."""
-    for top in _fan(str(ns_dir)):
-        for sub in _fan(top.path):
-            try:
-                with os.scandir(sub.path) as it:
-                    yield from list(it)
-            except FileNotFoundError:
-                continue
-
-
 def _extras(ns_dir: Path) -> dict[str, int]:
     """Temp files (writes in progress, or of writers that died) and quarantined blocks."""
     out = {"temp_files": 0, "temp_bytes": 0, "corrupt_files": 0, "corrupt_bytes": 0}
-    for e in _leaf_entries(ns_dir):
+    for _, e in leaf_entries(ns_dir):
         n = e.name
         kind = "temp" if n.startswith(".") and n.endswith(".tmp") else \
             "corrupt" if n.endswith(SUFFIX + ".corrupt") else None
@@ -231,7 +209,7 @@ def resolve_profile(ns: Namespace) -> ModelProfile | None:
     if ns.profile in PROFILES:
         return get_profile(ns.profile, ns.tokens)
     tries = 0
-    for e in _leaf_entries(ns.dir):
+    for _, e in leaf_entries(ns.dir):
         n = e.name
         if len(n) != _BLOCK_NAME_LEN or not n.endswith(SUFFIX) or not set(n[:32]) <= _HEX:
             continue

@@ -330,9 +330,7 @@ class BlockStore:
         """Remove block ``key`` for every node: the file, this process's index entry,
         and an E record in the ledger (other processes' indexes drop it). False when
         it was not there."""
-        gone = self.remove_file(key)
-        if self.index is not None:
-            self.index.discard(key)
+        gone = self.remove_file(key)      # this process's index entry too
         if self.upkeep is not None:
             self.upkeep.forget(key)
         if self.ledger is not None:
@@ -877,37 +875,18 @@ class BlockStore:
         eviction and scrubs). Only the fan-out layout's own names are listed; symlinks
         are never followed, temp and quarantined files are skipped, and a file that
         goes away meanwhile is simply not listed."""
-        hexdigits = set("0123456789abcdef")
-
-        def fan(path: str) -> Iterator[os.DirEntry]:
-            try:
-                with os.scandir(path) as it:
-                    for e in it:
-                        if len(e.name) == 2 and set(e.name) <= hexdigits and \
-                                e.is_dir(follow_symlinks=False):
-                            yield e
-            except (FileNotFoundError, NotADirectoryError):
-                return
         name_len = 32 + len(SUFFIX)
-        for top in fan(str(self.dir)):
-            for sub in fan(top.path):
-                try:
-                    with os.scandir(sub.path) as it:
-                        for e in it:
-                            n = e.name
-                            if len(n) != name_len or not n.endswith(SUFFIX) or \
-                                    not set(n[:32]) <= hexdigits or \
-                                    n[:4] != top.name + sub.name:
-                                continue
-                            try:
-                                st = e.stat(follow_symlinks=False)
-                            except FileNotFoundError:
-                                continue
-                            if stat.S_ISREG(st.st_mode):
-                                yield StoredBlock(bytes.fromhex(n[:32]), st.st_size,
-                                                  st.st_mtime)
-                except FileNotFoundError:
-                    continue
+        for fan, e in leaf_entries(self.dir):
+            n = e.name
+            if len(n) != name_len or not n.endswith(SUFFIX) or \
+                    not set(n[:32]) <= _HEX or n[:4] != fan:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                yield StoredBlock(bytes.fromhex(n[:32]), st.st_size, st.st_mtime)
 
     def sweep_temp(self, max_age_s: float = 600.0) -> int:
         """Remove ``.tmp`` files older than ``max_age_s`` (writers that died); returns count.
@@ -1035,6 +1014,35 @@ def _sio_error(it) -> BaseException:
     if it.err == _errno.ENOENT:
         return FileNotFoundError(it.err, os.strerror(it.err))
     return OSError(it.err, os.strerror(it.err))
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _fan(path: str) -> list[os.DirEntry]:
+    """The two-hex-digit subdirectories of ``path`` (symlinks are not followed)."""
+    try:
+        with os.scandir(path) as it:
+            return [e for e in it if len(e.name) == 2 and set(e.name) <= _HEX and
+                    e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def leaf_entries(ns_dir: str | os.PathLike) -> Iterator[tuple[str, os.DirEntry]]:
+    """Every entry of a namespace's fan-out leaves (``ab/cd/*``), with its leaf's four
+    hex digits ("abcd"), in no order; a leaf that goes away meanwhile is skipped. What
+    :meth:`BlockStore.walk` and ``dualpath store`` list files from."""
+    for top in _fan(os.fspath(ns_dir)):
+        for sub in _fan(top.path):
+            try:
+                with os.scandir(sub.path) as it:
+                    entries = list(it)
+            except FileNotFoundError:
+                continue
+            fan = top.name + sub.name
+            for e in entries:
+                yield fan, e
 
 
 def _parts(key: bytes) -> tuple[str, str, str]:

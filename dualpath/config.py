@@ -103,6 +103,16 @@ def _coerce(path: str, f: dataclasses.Field, typ: Any, value: Any) -> Any:
         ok = isinstance(value, list)
         if ok:
             value = tuple(value) if origin is tuple else list(value)
+    elif origin is dict:               # a table of str -> scalar, each value checked
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {path} = {value!r}: expected a table")
+        kt, vt = typing.get_args(typ)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, kt):
+                raise ConfigError(f"config key {path}: key {k!r} is not a {kt.__name__}")
+            out[k] = _coerce(f"{path}.{k}" if k else f'{path}.""', f, vt, v)
+        return out
     if not ok:
         raise ConfigError(f"config key {path} = {value!r}: expected {_allowed(f, typ)}")
     m = f.metadata

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from dualpath.config import key
 from dualpath.errors import ConfigError
+from dualpath.frontend.tenants import check_name
 from dualpath.rpc import check_listen, is_loopback, parse_listen
 
 
@@ -16,6 +17,16 @@ class FrontendConfig:
     listen: str = key("127.0.0.1:8000", "HTTP host:port of the API (port 0 = a free one).")
     api_key_file: str = key("", "File holding the API key clients send as 'Authorization: "
                             "Bearer <key>'; empty = no key (loopback use).")
+    api_keys_file: str = key("", "File of API keys, each naming its tenant: one "
+                             "'<tenant> <key>' per line ('#' comments). A request is its "
+                             "key's tenant's: no tenant's stored KV is another's hit, and "
+                             "its blocks count against that tenant's quota "
+                             "(storage.tenant_quotas). Beside api_key_file, whose requests "
+                             "are default_tenant's.")
+    default_tenant: str = key("", "Tenant of the requests no tenant's key names "
+                              "(api_key_file's, or any without keys); '' = the unnamed "
+                              "default tenant, whose requests' cache_salt alone names "
+                              "their tenant, as in vLLM.")
     cert_file: str = key("", "PEM certificate the API serves HTTPS with (with key_file); "
                          "empty = plain HTTP (loopback, or behind a TLS proxy).")
     key_file: str = key("", "PEM private key of cert_file.")
@@ -54,6 +65,12 @@ class FrontendConfig:
 
     def validate(self) -> None:
         check_listen("frontend", listen=self.listen)
+        if self.default_tenant:
+            check_name(self.default_tenant, "frontend.default_tenant")
+        if self.api_keys_file and self.api_key_file and not self.default_tenant:
+            raise ConfigError("frontend.api_key_file beside frontend.api_keys_file needs "
+                              "frontend.default_tenant: the shared key's requests would "
+                              "otherwise name their tenant by cache_salt, any tenant's")
         if self.model and len(self.model) > 256:
             raise ConfigError("frontend.model: at most 256 characters")
         if bool(self.cert_file) != bool(self.key_file):
@@ -69,7 +86,7 @@ class FrontendConfig:
         if is_loopback(host):
             return []
         out = []
-        if not self.api_key_file:
+        if not self.api_key_file and not self.api_keys_file:
             out.append(f"frontend.listen = {self.listen} serves beyond loopback without "
                        "frontend.api_key_file: anyone who reaches it may submit requests")
         if not self.cert_file:

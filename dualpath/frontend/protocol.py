@@ -86,9 +86,11 @@ class Call:
     prompt_text: str | None = None
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None   # chat: function definitions, for the template
-    # vLLM's prefix-cache salt, here also the request's tenant: the root of its block
-    # keys, so one tenant's stored KV is never another's hit ("" the default tenant).
+    # vLLM's prefix-cache salt; with the API key's tenant it names the request's tenant
+    # (dualpath/frontend/tenants.py): the root of its block keys, so one tenant's
+    # stored KV is never another's hit ("" the default tenant).
     cache_salt: str = ""
+    tenant: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import secrets
@@ -37,6 +36,7 @@ from dualpath.frontend import protocol as api
 from dualpath.frontend.config import FrontendConfig
 from dualpath.frontend.index import HitIndex
 from dualpath.frontend.served import FrontendMetrics, Served, served
+from dualpath.frontend.tenants import ApiKeys, request_tenant
 from dualpath.frontend.tokens import Tokens
 from dualpath.kv.prefix import tenant_root
 from dualpath.scheduler.client import rpc_error
@@ -52,6 +52,10 @@ _REJECT_STATUS = {"REJECT_REASON_QUEUE_FULL": 429, "REJECT_REASON_DUPLICATE": 40
                   "REJECT_REASON_INVALID": 400, "REJECT_REASON_TOO_LARGE": 400, FINAL: 400}
 
 
+# The tenant its API key names, kept on the request (aiohttp >= 3.12 types the key).
+_TENANT = web.RequestKey("tenant", str) if hasattr(web, "RequestKey") else "dp_tenant"
+
+
 class FrontEnd:
     """See the module docstring. ``await start()`` (the URL), ``await close()``."""
 
@@ -59,15 +63,7 @@ class FrontEnd:
         self.cfg = cfg
         self.tokens = Tokens(cfg.tokenizer)
         self.model = cfg.model or (Path(cfg.tokenizer).name if cfg.tokenizer else "dualpath")
-        self.key = b""
-        if cfg.api_key_file:
-            try:
-                self.key = Path(cfg.api_key_file).read_text().strip().encode()
-            except OSError as e:
-                raise ConfigError(f"frontend.api_key_file: {e}") from None
-            if len(self.key) < 16:
-                raise ConfigError("frontend.api_key_file: the key must be 16 characters "
-                                  "or more")
+        self.keys = ApiKeys(cfg.api_key_file, cfg.api_keys_file, cfg.default_tenant)
         self.limits = api.Limits(cfg.max_prompt_tokens, cfg.max_tokens, self.model,
                                  cfg.max_model_len)
         self.index = HitIndex(cfg.block_tokens, cfg.index_blocks)
@@ -105,7 +101,8 @@ class FrontEnd:
         log.info("front end on %s: model %s, %s, API key %s, scheduler %s", self.url,
                  self.model, f"tokenizer {self.cfg.tokenizer}" if self.tokens.available
                  else "token-id prompts only (no tokenizer)",
-                 "required" if self.key else "off", self.gen.scheduler)
+                 f"required ({len(self.keys)})" if self.keys.required else "off",
+                 self.gen.scheduler)
         return self.url
 
     def _https(self) -> ssl.SSLContext | None:
@@ -133,13 +130,13 @@ class FrontEnd:
     async def _errors(self, request: web.Request, handler):
         rearm = edge.head_came(request, self.cfg.header_timeout_s)
         try:
-            if request.path not in ("/health", "/metrics") and self.key:
-                got = request.headers.get("Authorization", "")
-                if not (got.startswith("Bearer ") and
-                        hmac.compare_digest(got[7:].strip().encode(), self.key)):
+            if request.path not in ("/health", "/metrics"):
+                tenant = self.keys.tenant_of(request.headers.get("Authorization", ""))
+                if tenant is None:
                     raise api.ApiError(401, "missing or incorrect API key (send "
                                        "'Authorization: Bearer <key>')",
                                        code="invalid_api_key")
+                request[_TENANT] = tenant
             resp = await handler(request)
             self._count(request, resp.status)
             return resp
@@ -203,7 +200,8 @@ class FrontEnd:
             raise api.bad(f"the request body is not JSON: {e}") from None
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        call = api.parse_completion(await self._body(request), self.limits)
+        call = self._of_tenant(request, api.parse_completion(await self._body(request),
+                                                             self.limits))
         if call.batch is not None:
             return await self._serve_batch(call)
         if call.prompt_ids is not None:
@@ -213,12 +211,23 @@ class FrontEnd:
         return await self._serve(request, call, ids, "cmpl")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        call = api.parse_chat(await self._body(request), self.limits)
+        call = self._of_tenant(request, api.parse_chat(await self._body(request),
+                                                       self.limits))
         if not self.tokens.available:
             raise api.bad("chat needs the model's tokenizer (frontend.tokenizer is not set)",
                           "messages")
         ids = self.tokens.chat(call.messages, call.tools)
         return await self._serve(request, call, ids, "chatcmpl")
+
+    def _of_tenant(self, request: web.Request, call: api.Call) -> api.Call:
+        """``call`` with its tenant: its API key's, with its cache_salt below it
+        (dualpath/frontend/tenants.py)."""
+        try:
+            call.tenant = request_tenant(request.get(_TENANT, self.keys.default),
+                                         call.cache_salt)
+        except ValueError as e:
+            raise api.bad(str(e), "cache_salt") from None
+        return call
 
     def _text_ids(self, text: str) -> list[int]:
         if not self.tokens.available:
@@ -322,7 +331,7 @@ class FrontEnd:
     async def _generate(self, call: api.Call, ids: list[int], rid: str, seed: int,
                         on_partial) -> tuple[Generated, Served]:
         """The request's tokens, and what happened to it (also counted in /metrics)."""
-        root = tenant_root(call.cache_salt)
+        root = tenant_root(call.tenant)
         hit = self.index.hit_tokens(ids, root)
         try:
             g = await self.gen.generate(
@@ -330,7 +339,7 @@ class FrontEnd:
                 block_tokens=self.cfg.block_tokens, timeout_s=self.cfg.request_timeout_s,
                 temperature=call.temperature, top_p=call.top_p, seed=seed,
                 ignore_eos=call.ignore_eos, sampling=call.sampling, on_partial=on_partial,
-                cache_salt=call.cache_salt, tenant=call.cache_salt)
+                cache_salt=call.cache_salt, tenant=call.tenant)
         except GenerationFailed as e:
             status = _REJECT_STATUS.get(e.reason, 503)
             raise api.ApiError(status, str(e), type_="invalid_request_error"

@@ -6,7 +6,8 @@ and without a capacity: this command is never the store's evictor, it acts once 
 leaves. What it removes goes through the store's own calls, so the nodes hear of it:
 
 - ``usage``: blocks, their bytes and mtimes, temp and quarantined files, the configured
-  bound (``storage.capacity_gib``) and the evictor's last publication.
+  bound (``storage.capacity_gib``) and the evictor's last publication; blocks and bytes
+  of each tenant account (by the tag its keys carry), against its quota.
 - ``evict --to SIZE``: least recently used blocks removed (``BlockStore.delete``: an E
   record in the ledger, so every node's index drops the key) until the namespace holds
   at most SIZE bytes of blocks. Recency as the evictor sees it (lru.py): each block's
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
+from dualpath.kv.prefix import MAX_TENANT_CHARS, key_tag, tenant_tag
 from dualpath.kv.profiles import PROFILES, ModelProfile, geometry_profile, get_profile
 from dualpath.storage.evictor import USAGE_FILE
 from dualpath.storage.format import HEADER_BYTES, check_header
@@ -73,6 +75,9 @@ def register(sub) -> None:
     u = ssub.add_parser("usage", parents=[common], help="blocks, bytes, temp and "
                         "quarantined files of each namespace, against storage.capacity_gib")
     u.add_argument("--namespace", metavar="NS", help="only this namespace")
+    u.add_argument("--tenant", metavar="NAME", action="append", help="name this tenant "
+                   "account's tag in the report (repeatable; those of "
+                   "storage.tenant_quotas are named anyway)")
     u.set_defaults(func=_usage)
 
     e = ssub.add_parser("evict", parents=[common], help="remove least recently used blocks "
@@ -274,13 +279,29 @@ def _publication(ns_dir: Path, now: float) -> dict | None:
         return {"error": f"{path}: unreadable ({e})"}
 
 
-def namespace_usage(ns: Namespace, storage, now: float) -> dict:
+def tenant_usage(blocks, storage, names=()) -> list[dict]:
+    """Blocks and bytes of each tenant account (the tag its keys carry:
+    dualpath/kv/prefix.py), most bytes first; named where ``names``, the config's
+    ``storage.tenant_quotas`` or the default tenant ("") name its tag; with its quota."""
+    known = {tenant_tag(n): n for n in [*storage.tenant_quotas, *names, ""]}
+    quotas = storage.quotas()
+    per: dict[int, list[int]] = {}
+    for b in blocks:
+        row = per.setdefault(key_tag(b.key), [0, 0])
+        row[0] += 1
+        row[1] += b.nbytes
+    return [{"tag": f"{t:06x}", "tenant": known.get(t), "blocks": n, "bytes": size,
+             "quota_bytes": quotas.of(t) or 0}
+            for t, (n, size) in sorted(per.items(), key=lambda kv: -kv[1][1])]
+
+
+def namespace_usage(ns: Namespace, storage, now: float, names=()) -> dict:
     with _open(ns, storage) as store:
         blocks = list(store.walk())
     capacity = int(storage.capacity_gib * 2**30)
     nbytes = sum(b.nbytes for b in blocks)
     return {"namespace": ns.name, "dir": str(ns.dir), "blocks": len(blocks),
-            "bytes": nbytes,
+            "bytes": nbytes, "tenants": tenant_usage(blocks, storage, names),
             "oldest_mtime": min((b.mtime for b in blocks), default=None),
             "newest_mtime": max((b.mtime for b in blocks), default=None),
             **_extras(ns.dir),
@@ -292,7 +313,12 @@ def namespace_usage(ns: Namespace, storage, now: float) -> dict:
 def _usage(args) -> int:
     storage, root = _storage(args)
     now = time.time()
-    rows = [namespace_usage(ns, storage, now) for ns in namespaces(root, args.namespace)]
+    names = args.tenant or ()
+    for n in names:
+        if len(n) > MAX_TENANT_CHARS:
+            raise UsageError(f"--tenant: at most {MAX_TENANT_CHARS} characters")
+    rows = [namespace_usage(ns, storage, now, names)
+            for ns in namespaces(root, args.namespace)]
     if args.json:
         _print_json({"dir": str(root), "capacity_gib": storage.capacity_gib,
                      "namespaces": rows})
@@ -310,6 +336,12 @@ def _usage(args) -> int:
               f"{used:>6}  {_fmt_time(r['oldest_mtime']):<19}  "
               f"{_fmt_time(r['newest_mtime']):<19} {r['temp_files']:>5} "
               f"{r['corrupt_files']:>7}")
+    for r in rows:
+        for t in r["tenants"]:
+            name = "(default)" if t["tenant"] == "" else t["tenant"] or "?"
+            quota = f", quota {fmt_bytes(t['quota_bytes'])}" if t["quota_bytes"] else ""
+            print(f"  {r['namespace']}: tenant {name} (tag {t['tag']}): {t['blocks']} "
+                  f"blocks, {fmt_bytes(t['bytes'])}{quota}")
     for r in rows:
         pub = r["evictor"]
         if pub is None:

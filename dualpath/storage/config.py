@@ -9,8 +9,10 @@ from pathlib import Path
 
 from dualpath.config import key
 from dualpath.errors import ConfigError
+from dualpath.kv.prefix import MAX_TENANT_CHARS, tenant_tag
 from dualpath.storage.evictor import StoreCapacity
 from dualpath.storage.format import MIN_KEY_BYTES
+from dualpath.storage.lru import Quotas
 from dualpath.storage.store import DIRECT_IO_MODES, BlockStore
 
 
@@ -78,6 +80,18 @@ class StorageConfig:
     temp_max_age_s: float = key(600.0, "Temp files of writes older than this are removed by "
                                 "the stores' upkeep (writers that died); keep it well "
                                 "above the longest block write.", min=10.0)
+    tenant_quota_gib: float = key(0.0, "Bound of each tenant account's blocks in a model "
+                                  "namespace, in GiB (an account: a tenant's name up to "
+                                  "its first '/'; docs/storage.md); 0 = none. Past "
+                                  "high_watermark of it the evictor removes the account's "
+                                  "own least recently hit blocks first, and its writes "
+                                  "past the quota are refused. Needs capacity_gib.",
+                                  min=0.0)
+    # key() gives a dict default a default_factory (a fresh table each time).
+    tenant_quotas: dict[str, float] = key({}, "Quota of named tenant accounts in GiB, over "  # noqa: RUF009
+                                          "tenant_quota_gib (0 = no quota for it), e.g. "
+                                          "{ acme = 50, \"\" = 10 } (\"\" is the default "
+                                          "tenant's, whose requests name none).", min=0.0)
     index_max_keys: int = key(1_000_000, "Block keys each process keeps in memory to answer "
                               "lookups without a filesystem call per block (~100 bytes "
                               "each; past it the index starts over); 0 = no index: a "
@@ -87,13 +101,26 @@ class StorageConfig:
         if self.low_watermark > self.high_watermark:
             raise ConfigError(f"storage.low_watermark = {self.low_watermark} is above "
                               f"storage.high_watermark = {self.high_watermark}")
+        for name in self.tenant_quotas:
+            if len(name) > MAX_TENANT_CHARS or "/" in name:
+                raise ConfigError(f"storage.tenant_quotas: {name[:40]!r} is not an account "
+                                  f"name (at most {MAX_TENANT_CHARS} characters, no '/')")
+        if self.quotas() and self.capacity_gib <= 0:
+            raise ConfigError("storage.tenant_quota_gib / tenant_quotas need "
+                              "storage.capacity_gib: the evictor that keeps quotas runs "
+                              "only in a bounded store")
+
+    def quotas(self) -> Quotas:
+        """Each tenant account's bound in bytes (tags: dualpath/kv/prefix.py)."""
+        return Quotas(int(self.tenant_quota_gib * 2**30),
+                      {tenant_tag(n): int(g * 2**30) for n, g in self.tenant_quotas.items()})
 
     def capacity(self) -> StoreCapacity | None:
         if self.capacity_gib <= 0:
             return None
         return StoreCapacity(int(self.capacity_gib * 2**30), self.high_watermark,
                              self.low_watermark, self.hit_lease_s, self.upkeep_interval_s,
-                             self.temp_max_age_s)
+                             self.temp_max_age_s, self.quotas())
 
     def integrity_key(self) -> bytes | None:
         """The key of integrity_key_file (None when unset); ConfigError naming the file

@@ -19,7 +19,10 @@ The evictor, on taking over, reads the ledger from its current end, scans the st
 ``.ledger/usage.json``. Writers read that publication (:class:`CapacityGuard`): a write
 that would take usage over the capacity, counting what each active writer may add
 before the next tick, is refused (StorageError ENOSPC, a block not cached), so usage
-stays under the bound between ticks.
+stays under the bound between ticks. Tenant quotas (``storage.tenant_quota_gib``,
+``storage.tenant_quotas``) work the same way per account: the evictor evicts an account
+over its quota from its own blocks first (lru.py) and publishes each account's usage and
+quota; a write that would take its account past its quota is refused.
 
 A block being read is safe from an unlink on a local disk (an open file lives on); on a
 networked filesystem a read that loses its file misses and is recomputed. What protects
@@ -39,8 +42,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from dualpath.kv.prefix import DEFAULT_TAG
 from dualpath.storage.ledger import EVICTED, HIT, LEDGER_DIR, WROTE, LedgerTail, LedgerWriter
-from dualpath.storage.lru import LruCore
+from dualpath.storage.lru import LruCore, Quotas
 
 log = logging.getLogger("dualpath.storage")
 
@@ -71,6 +75,20 @@ class Published:
     capacity: int
     writers: int
     consumed: dict[str, int]
+    tenants: dict[int, int] = field(default_factory=dict)   # tag -> bytes (with quotas)
+    quotas: Quotas | None = None
+
+    def refusal(self, mine: int, tag: int, mine_tag: int) -> str | None:
+        """Why a write is refused when this writer has ``mine`` bytes the evictor has
+        not counted yet (``mine_tag`` of them tenant ``tag``'s, the write included);
+        None when it may go ahead."""
+        if self.usage + self.writers * mine > self.capacity:
+            return "the store is at its bound (storage.capacity_gib)"
+        q = self.quotas.of(tag) if self.quotas is not None else None
+        if q is not None and self.tenants.get(tag, 0) + self.writers * mine_tag > q:
+            who = "the default tenant" if tag == DEFAULT_TAG else f"tenant tag {tag:06x}"
+            return f"{who} is at its quota (storage.tenant_quota_gib / tenant_quotas)"
+        return None
 
 
 @dataclass(frozen=True)
@@ -83,9 +101,11 @@ class StoreCapacity:
     lease_s: float = 60.0
     interval_s: float = 1.0
     temp_max_age_s: float = 600.0
+    quotas: Quotas = field(default_factory=Quotas)
 
     def start(self, store, ledger: LedgerWriter) -> Upkeep:
-        core = LruCore(self.bytes, high=self.high, low=self.low, lease_s=self.lease_s)
+        core = LruCore(self.bytes, high=self.high, low=self.low, lease_s=self.lease_s,
+                       quotas=self.quotas)
         return Upkeep(store, ledger, core, interval_s=self.interval_s,
                       temp_max_age_s=self.temp_max_age_s)
 
@@ -113,20 +133,31 @@ class CapacityGuard:
             try:
                 with open(self.path, "rb") as f:
                     d = json.loads(f.read(1 << 20))
+                q = d.get("quotas")
                 self._pub = Published(int(d["usage_bytes"]), int(d["capacity_bytes"]),
                                       max(1, int(d["writers"])),
-                                      {str(k): int(v) for k, v in d["consumed"].items()})
+                                      {str(k): int(v) for k, v in d["consumed"].items()},
+                                      {int(k): int(v) for k, v in
+                                       d.get("tenants", {}).items()},
+                                      Quotas.from_json(q) if q else None)
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 return None
             self._seen = (st.st_ino, st.st_mtime_ns)
         return self._pub
 
-    def allows(self, nbytes: int) -> bool:
+    def refusal(self, nbytes: int, tag: int = DEFAULT_TAG) -> str | None:
+        """Why a write of ``nbytes`` of tenant ``tag``'s is refused now (None: it may
+        go ahead)."""
         pub = self.published()
         if pub is None:
-            return True
+            return None
         mine = self.ledger.unaccounted(pub.consumed) + nbytes
-        return pub.usage + pub.writers * mine <= pub.capacity
+        mine_tag = self.ledger.unaccounted(pub.consumed, tag) + nbytes \
+            if pub.quotas is not None else 0
+        return pub.refusal(mine, tag, mine_tag)
+
+    def allows(self, nbytes: int, tag: int = DEFAULT_TAG) -> bool:
+        return self.refusal(nbytes, tag) is None
 
 
 class Upkeep:
@@ -331,10 +362,14 @@ class Upkeep:
 
     def _publish(self, now: float) -> None:
         consumed = {n: o for n, o in self._tail.offsets.items() if n.endswith(".log")}
-        body = json.dumps({"usage_bytes": self.core.usage,
-                           "capacity_bytes": self.core.capacity,
-                           "writers": self.writers(now), "consumed": consumed,
-                           "evictor": self.ledger.id, "time": now}).encode()
+        core = self.core
+        body = {"usage_bytes": core.usage, "capacity_bytes": core.capacity,
+                "writers": self.writers(now), "consumed": consumed,
+                "evictor": self.ledger.id, "time": now,
+                "tenants": {str(t): n for t, n in core.tenant_usage.items()}}
+        if core.quotas is not None:
+            body["quotas"] = core.quotas.to_json()
+        body = json.dumps(body).encode()
         tmp = os.path.join(self._ledger_dir, f".usage.{os.urandom(4).hex()}.tmp")
         try:
             os.makedirs(self._ledger_dir, mode=0o755, exist_ok=True)

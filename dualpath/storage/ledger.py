@@ -36,6 +36,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from dualpath.kv.prefix import key_tag
+
 log = logging.getLogger("dualpath.storage")
 
 LEDGER_DIR = ".ledger"
@@ -106,9 +108,10 @@ class LedgerWriter:
         self._lock = threading.Lock()           # the buffers
         self._io = threading.Lock()             # the files: one flush at a time
         self._buf = {"log": bytearray(), "hits": bytearray()}
-        self._marks: list[tuple[int, int]] = []   # (end in the log buffer, block bytes)
-        self._flushing: list[int] = []            # block bytes of W records being written
-        self._written: deque[tuple[str, int, int]] = deque()   # (file, end, block bytes)
+        # W records not yet read by the evictor, with their blocks' bytes and tenant tags:
+        self._marks: list[tuple[int, int, int]] = []      # (end in the log buffer, ...)
+        self._flushing: list[tuple[int, int]] = []        # being written
+        self._written: deque[tuple[str, int, int, int]] = deque()   # (file, end, ...)
         self._fds: dict[str, int] = {}
         self._offsets: dict[str, int] = {}
         self._segment = 0
@@ -122,7 +125,7 @@ class LedgerWriter:
         with self._lock:
             buf = self._buf["log"]
             buf += RECORD.pack(WROTE, nbytes, key)
-            self._marks.append((len(buf), nbytes))
+            self._marks.append((len(buf), nbytes, key_tag(key)))
 
     def evicted(self, keys: Iterable[bytes], now: bool = False) -> None:
         """Blocks removed (evicted, deleted, quarantined): every index drops them, the
@@ -144,9 +147,10 @@ class LedgerWriter:
             if now:
                 self.flush()
 
-    def unaccounted(self, consumed: Mapping[str, int]) -> int:
+    def unaccounted(self, consumed: Mapping[str, int], tag: int | None = None) -> int:
         """Bytes of blocks this process wrote whose W record the evictor has not read
-        yet (``consumed``: the offset it read each ``.log`` file to)."""
+        yet (``consumed``: the offset it read each ``.log`` file to); with ``tag``, of
+        that tenant account's blocks only."""
         mine = self.id + "."
         segs = [int(n[len(mine):].split(".", 1)[0]) for n in consumed
                 if n.startswith(mine) and n.endswith(".log")]
@@ -156,8 +160,9 @@ class LedgerWriter:
             while w and (consumed.get(w[0][0], -1) >= w[0][1] or
                          int(w[0][0][len(mine):].split(".", 1)[0]) < newest):
                 w.popleft()
-            return sum(n for _, _, n in w) + sum(self._flushing) + \
-                sum(n for _, n in self._marks)
+            rest = [(n, t) for *_, n, t in w] + self._flushing + \
+                [(n, t) for _, n, t in self._marks]
+            return sum(n for n, t in rest if tag is None or t == tag)
 
     def flush(self, alive: bool = False) -> None:
         """Append what is buffered; with ``alive``, also mark this writer alive (its
@@ -174,7 +179,7 @@ class LedgerWriter:
                 for b in self._buf.values():
                     b.clear()
                 marks, self._marks = self._marks, []
-                self._flushing = [n for _, n in marks]
+                self._flushing = [(n, t) for _, n, t in marks]
             for kind in ("log", "hits"):
                 data = batches.get(kind, b"")
                 if data or alive:
@@ -193,9 +198,9 @@ class LedgerWriter:
                 os.utime(fd)
 
     def _append(self, kind: str, data: bytes,
-                marks: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
+                marks: list[tuple[int, int, int]]) -> list[tuple[str, int, int, int]]:
         """Write ``data`` to this writer's current ``kind`` file (under ``_io``); the
-        W records' (file, end offset, block bytes)."""
+        W records' (file, end offset, block bytes, tenant tag)."""
         name = self.name(kind)
         base = self._offsets.get(name, 0)
         try:
@@ -212,7 +217,7 @@ class LedgerWriter:
             n = 0
             self._failed(e)
         self._offsets[name] = base + n
-        done = [(name, base + end, nbytes) for end, nbytes in marks if end <= n]
+        done = [(name, base + end, nbytes, tag) for end, nbytes, tag in marks if end <= n]
         if n != len(data) or (data and base + n >= self.segment_bytes):
             self._next_segment()       # a torn record ends a file: never append after it
         return done

@@ -15,16 +15,48 @@ the store's scan, and unlinks what it picks). Time is passed in, never read.
   evictor's next round), the least recent unleased blocks are picked until usage is at
   ``low`` x capacity (or the capacity less the reserve, when that is lower), or only
   leased blocks are left.
+- Tenants: a block is its tenant account's (the tag its key carries:
+  dualpath/kv/prefix.py key_tag). With :class:`Quotas`, an account over ``high`` x its
+  quota loses its own least recent unleased blocks down to ``low`` x its quota first,
+  whatever the rest of the store holds (one tenant's working set never pushes another's
+  out past its quota).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from dualpath.kv.prefix import key_tag
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """Bytes each tenant account may hold: ``named`` (tag -> bytes; 0 = no quota for
+    it) over ``default`` (every other account; 0 = none)."""
+
+    default: int = 0
+    named: Mapping[int, int] = field(default_factory=dict)
+
+    def of(self, tag: int) -> int | None:
+        q = self.named.get(tag, self.default)
+        return q or None
+
+    def __bool__(self) -> bool:
+        return bool(self.default) or any(self.named.values())
+
+    def to_json(self) -> dict:
+        return {"default": self.default, "named": {str(t): q for t, q in self.named.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Quotas:
+        return cls(int(d["default"]), {int(t): int(q) for t, q in d["named"].items()})
 
 
 class LruCore:
     def __init__(self, capacity: int, *, high: float = 0.9, low: float = 0.8,
-                 lease_s: float = 60.0):
+                 lease_s: float = 60.0, quotas: Quotas | None = None):
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0 bytes, got {capacity}")
         if not 0.0 < low <= high <= 1.0:
@@ -33,19 +65,25 @@ class LruCore:
         self.high = high
         self.low = low
         self.lease_s = lease_s
+        self.quotas = quotas if quotas else None
         self.usage = 0
+        self.tenant_usage: dict[int, int] = {}                  # tag -> bytes
         self._blocks: OrderedDict[bytes, int] = OrderedDict()   # least recent first
         self._touched: dict[bytes, float] = {}
         self._leases: dict[bytes, float] = {}
+        # With quotas: each account's blocks, least recent first (its own order).
+        self._by_tag: dict[int, OrderedDict[bytes, None]] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def clear(self) -> None:
         self.usage = 0
+        self.tenant_usage.clear()
         self._blocks.clear()
         self._touched.clear()
         self._leases.clear()
+        self._by_tag.clear()
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
@@ -54,9 +92,13 @@ class LruCore:
         """Block ``key`` is on disk with ``nbytes`` (again: its size is updated)."""
         old = self._blocks.get(key)
         self.usage += nbytes - (old or 0)
+        tag = key_tag(key)
+        self.tenant_usage[tag] = self.tenant_usage.get(tag, 0) + nbytes - (old or 0)
         self._blocks[key] = nbytes
         if old is None:
             self._touched[key] = now
+            if self.quotas is not None:
+                self._by_tag.setdefault(tag, OrderedDict())[key] = None
         else:
             self._touch(key, now)
 
@@ -73,6 +115,8 @@ class LruCore:
     def _touch(self, key: bytes, now: float) -> None:
         self._blocks.move_to_end(key)
         self._touched[key] = now
+        if self.quotas is not None:
+            self._by_tag[key_tag(key)].move_to_end(key)
 
     def removed(self, key: bytes) -> int:
         """Forget ``key`` (deleted, evicted, or found missing); its bytes."""
@@ -80,23 +124,55 @@ class LruCore:
         if n is None:
             return 0
         self.usage -= n
+        tag = key_tag(key)
+        left = self.tenant_usage[tag] - n
+        if left:
+            self.tenant_usage[tag] = left
+        else:
+            del self.tenant_usage[tag]
         del self._touched[key]
         self._leases.pop(key, None)
+        if self.quotas is not None:
+            mine = self._by_tag[tag]
+            del mine[key]
+            if not mine:
+                del self._by_tag[tag]
         return n
 
     def over(self, reserve: int = 0) -> bool:
         return self.usage + reserve > self.high * self.capacity
 
+    def over_quota(self) -> list[tuple[int, int]]:
+        """[(tag, quota)] of the accounts over ``high`` x their quota."""
+        if self.quotas is None:
+            return []
+        out = []
+        for tag, used in self.tenant_usage.items():
+            q = self.quotas.of(tag)
+            if q is not None and used > self.high * q:
+                out.append((tag, q))
+        return out
+
     def victims(self, now: float, reserve: int = 0) -> list[tuple[bytes, int]]:
         """The blocks to evict now, least recent first, each forgotten here (the caller
         removes them); [] while usage plus ``reserve`` (what writers may add before the
-        next round) is under the high watermark."""
-        if not self.over(reserve):
-            return []
-        goal = max(0.0, min(self.low * self.capacity, self.capacity - reserve))
+        next round) is under the high watermark and every account under its quota's."""
+        out = []
+        for tag, quota in self.over_quota():
+            mine = self._by_tag[tag]
+            out += self._pick(((k, self._blocks[k]) for k in mine),
+                              self.tenant_usage[tag], self.low * quota, now)
+        if self.over(reserve):
+            goal = max(0.0, min(self.low * self.capacity, self.capacity - reserve))
+            out += self._pick(iter(self._blocks.items()), self.usage, goal, now)
+        return out
+
+    def _pick(self, blocks, usage: int, goal: float, now: float) -> list[tuple[bytes, int]]:
+        """The least recent unleased of ``blocks`` (least recent first) that take
+        ``usage`` down to ``goal``, forgotten here."""
         picked, freed = [], 0
-        for key, nbytes in self._blocks.items():      # no copy: stops at the goal
-            if self.usage - freed <= goal:
+        for key, nbytes in blocks:                   # no copy: stops at the goal
+            if usage - freed <= goal:
                 break
             until = self._leases.get(key)
             if until is not None:

@@ -70,6 +70,7 @@ from dualpath._native import ffi, lib
 from dualpath.aio import to_the_end
 from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
+from dualpath.kv.prefix import key_tag
 from dualpath.kv.profiles import ModelProfile
 from dualpath.storage.backend import StoredBlock
 from dualpath.storage.errors import StorageError
@@ -380,11 +381,12 @@ class BlockStore:
                 self._count(writes_skipped=1)
                 self._stored(key, on_disk)     # known again: an index or ledger that lost it
                 return False
-            if self._guard is not None and not self._guard.allows(on_disk):
+            why = self._guard.refusal(on_disk, key_tag(key)) \
+                if self._guard is not None else None
+            if why is not None:
                 self._count(writes_refused_capacity=1)
                 raise StorageError(_errno.ENOSPC, f"not writing block {key.hex()}",
-                                   final, hint="the store is at its bound "
-                                   "(storage.capacity_gib) until its evictor frees space; "
+                                   final, hint=f"{why} until its evictor frees space; "
                                    "the block is not cached")
             header = pack_header(self.profile.name, self.layout, key, payload_hash(src),
                                  self.integrity_key, src)

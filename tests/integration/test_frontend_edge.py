@@ -218,3 +218,65 @@ def test_a_client_that_hangs_up_withdraws_its_request_from_the_cluster():
     assert in_flight == 0
     assert ended is not None and ended.outcome.name == "CANCELLED", (rid, ended)
     assert ended.error == "withdrawn by its submitter"
+
+
+def test_each_api_key_names_its_tenant_and_a_salt_stays_below_it(tmp_path):
+    # Issue 40: the front end had one key and took cache_salt as the tenant, so a key's
+    # holder could name any tenant (and hit its stored KV) by its salt.
+    from dualpath.frontend.tenants import ApiKeys
+    from dualpath.kv.prefix import tenant_root
+    from dualpath.scheduler.generate import Generated
+
+    keys = tmp_path / "keys"
+    keys.write_text("# tenant key\nacme  acme-key-0123456789\nglobex globex-key-0123456789\n")
+    shared = tmp_path / "shared"
+    shared.write_text("shared-key-0123456789\n")
+    cfg = _front(api_keys_file=str(keys), api_key_file=str(shared), default_tenant="public")
+    seen: list[tuple[str, str, int]] = []
+    ids = list(range(1, 257))
+
+    async def main():
+        fe = FrontEnd(cfg, "127.0.0.1:1", tls.PLAINTEXT)
+
+        async def generate(rid, prompt, max_tokens, *, hit_tokens, tenant, cache_salt, **_):
+            seen.append((tenant, cache_salt, hit_tokens))
+            return Generated(rid, [7] * max_tokens, [0.0] * max_tokens, 1, "p", "d",
+                             0, 0, 0.0, 0.0, 0.0, 0.0, "length")
+        fe.gen.generate = generate
+        url = await fe.start()
+        host, port = url.split("://", 1)[1].rsplit(":", 1)
+
+        def client(key, salt=None):
+            body = {"model": fe.model, "prompt": ids, "max_tokens": 2}
+            if salt is not None:
+                body["cache_salt"] = salt
+            return _request(host, int(port), json.dumps(body).encode(),
+                            f"Authorization: Bearer {key}\r\n" if key else "")
+        try:
+            return [await asyncio.to_thread(client, *a) for a in (
+                ("acme-key-0123456789",), ("acme-key-0123456789",),
+                ("globex-key-0123456789",), ("globex-key-0123456789", "acme"),
+                ("shared-key-0123456789", "acme"), ("shared-key-0123456789",),
+                ("wrong-key-0123456789",), (None,),
+                ("acme-key-0123456789", "x" * 256))]
+        finally:
+            await fe.close()
+
+    codes = [c for c, _ in asyncio.run(main())]
+    assert codes == [200] * 6 + [401, 401, 400]
+    assert [(t, s) for t, s, _ in seen] == [
+        ("acme", ""), ("acme", ""), ("globex", ""), ("globex/acme", "acme"),
+        ("public/acme", "acme"), ("public", "")]
+    # The same prompt: acme's second request hits what its first stored, nobody else's.
+    assert [h for *_, h in seen] == [0, 256 - 128, 0, 0, 0, 0]
+    assert len({tenant_root(t) for t, _, _ in seen}) == 5
+    # A shared key beside tenants' keys needs the default tenant named.
+    with pytest.raises(Exception, match="default_tenant"):
+        _front(api_keys_file=str(keys), api_key_file=str(shared))
+    bad = tmp_path / "bad"
+    for text, why in (("acme short\n", "16 characters"), ("a/b key-0123456789abc\n", "name"),
+                      ("acme k-0123456789abcdef\nbeta k-0123456789abcdef\n", "twice"),
+                      ("acme\n", "<tenant> <key>")):
+        bad.write_text(text)
+        with pytest.raises(Exception, match=why):
+            ApiKeys("", str(bad), "")

@@ -4,7 +4,7 @@ import hashlib
 
 import numpy as np
 
-from dualpath.kv.prefix import ROOT_KEY, block_keys, chain_key
+from dualpath.kv.prefix import ROOT_KEY, block_keys, chain_key, key_tag, tenant_root, tenant_tag
 
 BT = 4
 
@@ -14,8 +14,21 @@ def test_key_is_blake2b_of_parent_and_le_uint32_tokens():
     tokens = [1, 2, 3, 70000]
     h = hashlib.blake2b(ROOT_KEY, digest_size=16, person=b"dualpath-kv-v1")
     h.update(np.array(tokens, dtype="<u4").tobytes())
-    assert chain_key(ROOT_KEY, tokens) == h.digest()
-    assert block_keys(tokens, 4) == [h.digest()]
+    want = h.digest()[:13] + bytes(3)          # the default tenant's tag: 0
+    assert chain_key(ROOT_KEY, tokens) == want
+    assert block_keys(tokens, 4) == [want]
+
+
+def test_every_key_of_a_chain_carries_its_tenants_account_tag():
+    ids = list(range(40))
+    for tenant in ("", "acme", "acme/session-1", "beta"):
+        keys = block_keys(ids, BT, tenant_root(tenant))
+        assert {key_tag(k) for k in keys} == {tenant_tag(tenant)}
+    # An account's salted sub-tenants share its tag (one quota), never its keys (hits).
+    assert tenant_tag("acme/session-1") == tenant_tag("acme") != tenant_tag("beta")
+    assert tenant_tag("") == 0 and tenant_tag("acme") != 0
+    assert not set(block_keys(ids, BT, tenant_root("acme"))) & \
+        set(block_keys(ids, BT, tenant_root("acme/session-1")))
 
 
 def test_a_block_key_depends_on_every_earlier_token():

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from dualpath import cli
-from dualpath.kv.prefix import block_keys
+from dualpath.kv.prefix import block_keys, tenant_root, tenant_tag
 from dualpath.kv.profiles import geometry_profile, get_profile
 from dualpath.kv.synth import SyntheticKV
 from dualpath.storage import BlockStore
@@ -81,6 +81,29 @@ def test_usage_counts_match_the_files(tmp_path, capsys):
 
     rc, out, _ = run(capsys, "store", "usage", "-c", cfg)
     assert rc == 0 and NS in out and "evictor host-1-abcd" in out
+
+
+def test_usage_by_tenant_account_names_those_it_knows_with_their_quotas(tmp_path, capsys):
+    root = tmp_path / "kv"
+    ids = list(range(4 * 6))
+    acme = block_keys(ids, 4, tenant_root("acme")) + block_keys(ids, 4, tenant_root("acme/s1"))
+    _write(root, KEYS[:2] + acme + block_keys(ids, 4, tenant_root("beta"))[:3])
+    path = tmp_path / "dp.toml"
+    path.write_text(f'[storage]\ndir = "{root}"\ncapacity_gib = 1\n'
+                    'tenant_quotas = { acme = 0.5 }\n')
+    rc, got = run_json(capsys, "store", "usage", "-c", str(path), "--tenant", "beta")
+    assert rc == 0
+    [ns] = got["namespaces"]
+    rows = {t["tenant"]: t for t in ns["tenants"]}
+    assert rows["acme"]["blocks"] == 12 and rows["acme"]["bytes"] == 12 * ON_DISK
+    assert rows["acme"]["quota_bytes"] == 2**29
+    assert rows["acme"]["tag"] == f"{tenant_tag('acme'):06x}"
+    assert (rows["beta"]["blocks"], rows["beta"]["quota_bytes"]) == (3, 0)
+    assert rows[""]["blocks"] == 2 and [t["tenant"] for t in ns["tenants"]] == \
+        ["acme", "beta", ""]                       # most bytes first
+    rc, out, _ = run(capsys, "store", "usage", "-c", str(path))
+    assert rc == 0 and "tenant acme" in out and "quota 512.00 MiB" in out
+    assert "tenant (default)" in out and "tenant ?" in out     # beta unnamed here
 
 
 def test_usage_dir_overrides_the_config_and_a_missing_store_exits_2(tmp_path, capsys):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from dualpath.errors import ConfigError
-from dualpath.kv.prefix import block_keys
+from dualpath.kv.prefix import block_keys, key_tag, tenant_root, tenant_tag
 from dualpath.kv.profiles import get_profile
 from dualpath.kv.synth import SyntheticKV
 from dualpath.storage import BlockStore, StorageError
@@ -26,7 +26,7 @@ from dualpath.storage.ledger import (
     LedgerTail,
     LedgerWriter,
 )
-from dualpath.storage.lru import LruCore
+from dualpath.storage.lru import LruCore, Quotas
 from dualpath.storage.store import aligned_bytes
 
 PROFILE = get_profile("demo", 4)            # 64 KiB blocks
@@ -154,7 +154,8 @@ def test_the_index_starts_over_past_its_bound(tmp_path):
 def _capped(tmp_path, blocks: float, **kw) -> BlockStore:
     cap = StoreCapacity(int(blocks * ON_DISK), high=kw.pop("high", 0.9),
                         low=kw.pop("low", 0.6), lease_s=kw.pop("lease_s", 0.0),
-                        interval_s=3600.0)          # ticks by hand: no timing in tests
+                        interval_s=3600.0,          # ticks by hand: no timing in tests
+                        quotas=kw.pop("quotas", Quotas()))
     return BlockStore(tmp_path, PROFILE, read_workers=1, fsync=False, capacity=cap, **kw)
 
 
@@ -309,3 +310,66 @@ def test_a_live_writers_idle_hit_file_is_never_pruned(tmp_path):
         ev.upkeep._next_prune = 0.0
         ev.upkeep.tick()
         assert hits.exists()
+
+
+# --- tenant quotas -----------------------------------------------------------------
+ACME = block_keys(list(range(4 * 20)), 4, tenant_root("acme"))
+ACME_S = block_keys(list(range(4 * 20)), 4, tenant_root("acme/session-7"))
+BETA = block_keys(list(range(4 * 20)), 4, tenant_root("beta"))
+
+
+def test_lru_evicts_an_account_over_its_quota_from_its_own_blocks_first():
+    a, b = tenant_tag("acme"), tenant_tag("beta")
+    core = LruCore(10_000, high=0.9, low=0.5, quotas=Quotas(0, {a: 1000}))
+    for i, k in enumerate(BETA[:5]):              # beta's blocks are the least recent
+        core.wrote(k, 200, now=i)
+    for i, k in enumerate(ACME[:4] + ACME_S[:2]):  # acme: 1200 > 0.9 x 1000
+        core.wrote(k, 200, now=10 + i)
+    assert core.tenant_usage == {b: 1000, a: 1200}
+    core.hit(ACME[0], now=20)                      # acme's most recent now (leased 60 s)
+    got = core.victims(now=21)
+    # Down to 0.5 x 1000: its own least recent, the salted session's blocks included;
+    # beta (no quota, older blocks) untouched: the store is far under its bound.
+    assert got == [(ACME[1], 200), (ACME[2], 200), (ACME[3], 200), (ACME_S[0], 200)]
+    assert core.tenant_usage == {b: 1000, a: 400} and core.usage == 1400
+    assert core.victims(now=22) == []
+
+
+def test_the_evictor_keeps_a_tenant_under_its_quota_and_refuses_writes_past_it(tmp_path):
+    acme, beta = tenant_tag("acme"), tenant_tag("beta")
+    quotas = Quotas(0, {acme: 5 * ON_DISK})
+    with _capped(tmp_path, 100, high=1.0, low=0.5, quotas=quotas) as s:
+        # Written before any evictor ran: acme (and its salted session) 7 blocks.
+        for k in ACME[:4] + ACME_S[:3] + BETA[:8]:
+            s.write(k, _fill(s, k))
+        s.upkeep.tick()          # takes over, scans: acme 7 > 5, down to 2.5: its own
+        assert s.upkeep.core.tenant_usage == {acme: 2 * ON_DISK, beta: 8 * ON_DISK}
+        assert sum(b.nbytes for b in s.walk() if key_tag(b.key) == acme) == 2 * ON_DISK
+        assert all(s.path_of(k).exists() for k in BETA[:8])
+        # Published: acme 2 blocks, 2 writers (this one, and one that may start).
+        s.write(ACME[10], _fill(s, ACME[10]))       # 2 + 2 x 1 <= 5
+        with pytest.raises(StorageError) as e:       # 2 + 2 x (1 unaccounted + 1) > 5
+            s.write(ACME[11], _fill(s, ACME[11]))
+        assert e.value.errno == 28 and "quota" in str(e.value)
+        assert f"{acme:06x}" in str(e.value)
+        assert not s.path_of(ACME[11]).exists()
+        s.write(BETA[8], _fill(s, BETA[8]))          # beta has no quota: written
+        with _capped(tmp_path, 100, quotas=quotas) as other:   # another process
+            other.write(ACME_S[10], _fill(other, ACME_S[10]))   # 2 + 2 x 1: its share
+            other.upkeep.tick()
+            s.upkeep.tick()                          # acme 4 blocks now: not over 5
+            assert s.upkeep.core.tenant_usage[acme] == 4 * ON_DISK
+            with pytest.raises(StorageError, match="quota"):
+                other.write(ACME_S[11], _fill(other, ACME_S[11]))   # 4 + 2 x 1 > 5
+
+
+def test_tenant_quotas_need_a_capacity_and_name_accounts():
+    with pytest.raises(ConfigError, match="capacity_gib"):
+        StorageConfig(tenant_quota_gib=1.0)
+    with pytest.raises(ConfigError, match="account name"):
+        StorageConfig(capacity_gib=1.0, tenant_quotas={"acme/x": 1.0})
+    cfg = StorageConfig(capacity_gib=1.0, tenant_quota_gib=0.25,
+                        tenant_quotas={"acme": 0.5, "": 0.0})
+    q = cfg.capacity().quotas
+    assert q.of(tenant_tag("acme")) == 2**29 and q.of(tenant_tag("beta")) == 2**28
+    assert q.of(0) is None                          # the default tenant: no quota

@@ -53,8 +53,9 @@ def tenant_tag(tenant: str) -> int:
 
 
 def key_tag(key: bytes) -> int:
-    """The tenant tag a block key carries (its last :data:`TAG_BYTES`)."""
-    return int.from_bytes(key[_HASHED:], "little")
+    """The tenant tag a block key carries (its last :data:`TAG_BYTES`, also of a key
+    with a prefix before it)."""
+    return int.from_bytes(key[-TAG_BYTES:], "little")
 
 
 def tenant_root(tenant: str) -> bytes:

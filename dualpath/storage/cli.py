@@ -9,8 +9,9 @@ leaves. What it removes goes through the store's own calls, so the nodes hear of
   bound (``storage.capacity_gib``) and the evictor's last publication; blocks and bytes
   of each tenant account (by the tag its keys carry), against its quota.
 - ``evict --to SIZE``: least recently used blocks removed (``BlockStore.delete``: an E
-  record in the ledger, so every node's index drops the key) until the namespace holds
-  at most SIZE bytes of blocks. Recency as the evictor sees it (lru.py): each block's
+  record in the ledger, so every node's index drops the key) until the store (every
+  namespace together, least recent first across them; with ``--namespace``, that one)
+  holds at most SIZE bytes of blocks. Recency as the evictor sees it (lru.py): each block's
   mtime, then the hits of the ledger's ``.hits`` files (a file's hits at its mtime).
   Leases are not honoured: the operator asked for a size.
 - ``scrub``: every block read and checked (``BlockStore.read_into``); a corrupt one is
@@ -22,6 +23,7 @@ Every subcommand prints one JSON object with ``--json``, a short table otherwise
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -38,15 +40,13 @@ from dualpath.errors import UsageError
 from dualpath.kv.layout import BlockLayout
 from dualpath.kv.prefix import MAX_TENANT_CHARS, key_tag, tenant_tag
 from dualpath.kv.profiles import PROFILES, ModelProfile, geometry_profile, get_profile
-from dualpath.storage.evictor import USAGE_FILE
 from dualpath.storage.format import HEADER_BYTES, check_header
-from dualpath.storage.ledger import HIT, LEDGER_DIR, LedgerTail
+from dualpath.storage.ledger import HIT, LedgerTail
 from dualpath.storage.lru import LruCore
-from dualpath.storage.store import SUFFIX, BlockStore, aligned_bytes, leaf_entries
+from dualpath.storage.publication import read_publication, usage_path
+from dualpath.storage.store import BlockStore, aligned_bytes
+from dualpath.storage.tree import BLOCK_NAME_LEN, HEX, NAMESPACE, SUFFIX, leaf_entries
 
-_NAMESPACE = re.compile(r"^(?P<name>.+)-t(?P<tokens>[1-9][0-9]*)$")
-_HEX = frozenset("0123456789abcdef")
-_BLOCK_NAME_LEN = 32 + len(SUFFIX)
 # The block header's profile name and layout (format.py: offsets 16..60); what it says
 # is trusted only once format.check_header accepts the header with it.
 _HEAD_GEOMETRY = struct.Struct("<16x32sIII")
@@ -81,11 +81,13 @@ def register(sub) -> None:
     u.set_defaults(func=_usage)
 
     e = ssub.add_parser("evict", parents=[common], help="remove least recently used blocks "
-                        "until a namespace holds at most SIZE bytes")
+                        "until the store (or a namespace) holds at most SIZE bytes")
     e.add_argument("--to", required=True, metavar="SIZE",
-                   help="bytes to keep per namespace: 10G, 512M, 1.5GiB (K/M/G/T and "
-                   "KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000), or bytes")
-    e.add_argument("--namespace", metavar="NS", help="only this namespace (default: each)")
+                   help="bytes to keep in the store (every namespace together), or in "
+                   "--namespace: 10G, 512M, 1.5GiB (K/M/G/T and KiB/MiB/GiB/TiB are powers "
+                   "of 1024, KB/MB/GB/TB of 1000), or bytes")
+    e.add_argument("--namespace", metavar="NS", help="only this namespace (default: the "
+                   "whole store, least recent first across its namespaces)")
     e.add_argument("--dry-run", action="store_true", help="list what would go; remove "
                    "nothing")
     e.set_defaults(func=_evict)
@@ -149,7 +151,7 @@ def namespaces(root: Path, only: str | None = None) -> list[Namespace]:
     found = []
     with os.scandir(root) as it:
         for e in it:
-            m = _NAMESPACE.match(e.name)
+            m = NAMESPACE.match(e.name)
             if m and e.is_dir(follow_symlinks=False):
                 found.append(Namespace(e.name, m["name"], int(m["tokens"]), Path(e.path)))
     found.sort(key=lambda ns: ns.name)
@@ -216,7 +218,7 @@ def resolve_profile(ns: Namespace) -> ModelProfile | None:
     tries = 0
     for _, e in leaf_entries(ns.dir):
         n = e.name
-        if len(n) != _BLOCK_NAME_LEN or not n.endswith(SUFFIX) or not set(n[:32]) <= _HEX:
+        if len(n) != BLOCK_NAME_LEN or not n.endswith(SUFFIX) or not set(n[:32]) <= HEX:
             continue
         profile = _header_profile(ns, e.path, bytes.fromhex(n[:32]))
         if profile is not None:
@@ -263,16 +265,16 @@ def _print_json(obj: dict) -> None:
 
 
 # --- usage ----------------------------------------------------------------------------
-def _publication(ns_dir: Path, now: float) -> dict | None:
-    path = ns_dir / LEDGER_DIR / USAGE_FILE
+def _publication(root: Path, now: float) -> dict | None:
+    path = usage_path(root)
     try:
-        with open(path, "rb") as f:
-            d = json.loads(f.read(1 << 20))
+        d = read_publication(path)
         published = float(d.get("time") or os.stat(path).st_mtime)
         return {"evictor": str(d.get("evictor", "?")), "usage_bytes": int(d["usage_bytes"]),
                 "capacity_bytes": int(d["capacity_bytes"]),
                 "writers": int(d.get("writers", 0)), "time": published,
-                "age_s": round(max(0.0, now - published), 3)}
+                "age_s": round(max(0.0, now - published), 3),
+                "namespaces": {str(k): int(v) for k, v in d.get("namespaces", {}).items()}}
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -295,19 +297,19 @@ def tenant_usage(blocks, storage, names=()) -> list[dict]:
             for t, (n, size) in sorted(per.items(), key=lambda kv: -kv[1][1])]
 
 
-def namespace_usage(ns: Namespace, storage, now: float, names=()) -> dict:
+def namespace_usage(ns: Namespace, storage, names=()) -> tuple[dict, list]:
+    """A namespace's row of ``usage``, and its blocks."""
     with _open(ns, storage) as store:
         blocks = list(store.walk())
-    capacity = int(storage.capacity_gib * 2**30)
+    quota = int(storage.namespace_quota_gib * 2**30)
     nbytes = sum(b.nbytes for b in blocks)
     return {"namespace": ns.name, "dir": str(ns.dir), "blocks": len(blocks),
             "bytes": nbytes, "tenants": tenant_usage(blocks, storage, names),
             "oldest_mtime": min((b.mtime for b in blocks), default=None),
             "newest_mtime": max((b.mtime for b in blocks), default=None),
             **_extras(ns.dir),
-            "capacity_bytes": capacity,
-            "used_fraction": round(nbytes / capacity, 6) if capacity else None,
-            "evictor": _publication(ns.dir, now)}
+            "quota_bytes": quota,
+            "used_fraction": round(nbytes / quota, 6) if quota else None}, blocks
 
 
 def _usage(args) -> int:
@@ -317,57 +319,60 @@ def _usage(args) -> int:
     for n in names:
         if len(n) > MAX_TENANT_CHARS:
             raise UsageError(f"--tenant: at most {MAX_TENANT_CHARS} characters")
-    rows = [namespace_usage(ns, storage, now, names)
-            for ns in namespaces(root, args.namespace)]
+    rows, every = [], []
+    for ns in namespaces(root, args.namespace):
+        row, blocks = namespace_usage(ns, storage, names)
+        rows.append(row)
+        every += blocks
+    capacity = int(storage.capacity_gib * 2**30)
+    nbytes = sum(r["bytes"] for r in rows)
+    out = {"dir": str(root), "capacity_gib": storage.capacity_gib,
+           "capacity_bytes": capacity, "bytes": nbytes,
+           "used_fraction": round(nbytes / capacity, 6) if capacity else None,
+           "tenants": tenant_usage(every, storage, names),
+           "evictor": _publication(root, now), "namespaces": rows}
     if args.json:
-        _print_json({"dir": str(root), "capacity_gib": storage.capacity_gib,
-                     "namespaces": rows})
+        _print_json(out)
         return 0
-    print(f"store {root}: {len(rows)} namespace{'s' * (len(rows) != 1)}, capacity "
-          f"{fmt_bytes(storage.capacity_gib * 2**30) if storage.capacity_gib else 'unbounded'}"
-          f" each")
-    if not rows:
-        return 0
-    print(f"{'namespace':<24} {'blocks':>8} {'bytes':>11} {'used':>6}  {'oldest':<19}  "
-          f"{'newest':<19} {'tmp':>5} {'corrupt':>7}")
+    used = f" ({100 * out['used_fraction']:.1f}% used)" if capacity else ""
+    print(f"store {root}: {len(rows)} namespace{'s' * (len(rows) != 1)}, "
+          f"{fmt_bytes(nbytes)} of "
+          f"{fmt_bytes(capacity) if capacity else 'unbounded'}{used}")
+    if rows:
+        print(f"{'namespace':<24} {'blocks':>8} {'bytes':>11} {'quota':>6}  "
+              f"{'oldest':<19}  {'newest':<19} {'tmp':>5} {'corrupt':>7}")
     for r in rows:
         used = f"{100 * r['used_fraction']:.1f}%" if r["used_fraction"] is not None else "-"
         print(f"{r['namespace']:<24} {r['blocks']:>8} {fmt_bytes(r['bytes']):>11} "
               f"{used:>6}  {_fmt_time(r['oldest_mtime']):<19}  "
               f"{_fmt_time(r['newest_mtime']):<19} {r['temp_files']:>5} "
               f"{r['corrupt_files']:>7}")
-    for r in rows:
-        for t in r["tenants"]:
-            name = "(default)" if t["tenant"] == "" else t["tenant"] or "?"
-            quota = f", quota {fmt_bytes(t['quota_bytes'])}" if t["quota_bytes"] else ""
-            print(f"  {r['namespace']}: tenant {name} (tag {t['tag']}): {t['blocks']} "
-                  f"blocks, {fmt_bytes(t['bytes'])}{quota}")
-    for r in rows:
-        pub = r["evictor"]
-        if pub is None:
-            continue
-        if "error" in pub:
-            print(f"  {r['namespace']}: evictor's publication {pub['error']}")
-        else:
-            print(f"  {r['namespace']}: evictor {pub['evictor']} published "
-                  f"{fmt_bytes(pub['usage_bytes'])} of {fmt_bytes(pub['capacity_bytes'])}, "
-                  f"{pub['age_s']:.0f} s ago")
+    for t in out["tenants"]:
+        name = "(default)" if t["tenant"] == "" else t["tenant"] or "?"
+        quota = f", quota {fmt_bytes(t['quota_bytes'])}" if t["quota_bytes"] else ""
+        print(f"  tenant {name} (tag {t['tag']}): {t['blocks']} blocks, "
+              f"{fmt_bytes(t['bytes'])}{quota}")
+    pub = out["evictor"]
+    if pub is not None and "error" in pub:
+        print(f"  evictor's publication {pub['error']}")
+    elif pub is not None:
+        print(f"  evictor {pub['evictor']} published {fmt_bytes(pub['usage_bytes'])} of "
+              f"{fmt_bytes(pub['capacity_bytes'])}, {pub['age_s']:.0f} s ago")
     return 0
 
 
 # --- evict ----------------------------------------------------------------------------
-def lru_victims(store: BlockStore, target: int) -> tuple[list[tuple[bytes, int]], int, int]:
-    """(victims least recent first, blocks, bytes) for ``store`` to hold at most
-    ``target`` bytes of blocks. Recency: each block's mtime, then the ledger's hits (a
-    ``.hits`` file's records at its mtime, in file order), through the evictor's core."""
-    events: list[tuple[float, int, int, bytes, int]] = []   # (time, W=0/H=1, seq, key, n)
+def _recency(store: BlockStore, prefix: bytes, events: list) -> tuple[int, int]:
+    """Add ``store``'s blocks (W at their mtime) and the ledger's hits (H, a ``.hits``
+    file's records at its mtime, in file order) to ``events``, keys prefixed by
+    ``prefix``; (blocks, bytes)."""
     blocks = nbytes = 0
     for b in store.walk():
-        events.append((b.mtime, 0, 0, b.key, b.nbytes))
+        events.append((b.mtime, 0, 0, prefix + b.key, b.nbytes))
         blocks += 1
         nbytes += b.nbytes
     tail = LedgerTail.of(store.dir, "hits")
-    seq = 0
+    seq = len(events)
     for name, records in tail.poll():
         try:
             t = os.stat(os.path.join(tail.dir, name), follow_symlinks=False).st_mtime
@@ -376,7 +381,13 @@ def lru_victims(store: BlockStore, target: int) -> tuple[list[tuple[bytes, int]]
         for op, _, key in records:
             if op == HIT:
                 seq += 1
-                events.append((t, 1, seq, key, 0))
+                events.append((t, 1, seq, prefix + key, 0))
+    return blocks, nbytes
+
+
+def lru_victims(events: list, target: int) -> list[tuple[bytes, int]]:
+    """The least recently used of ``events``' blocks (least recent first) that leave
+    at most ``target`` bytes, through the evictor's core."""
     events.sort(key=lambda ev: ev[:3])
     core = LruCore(max(1, target), high=1.0, low=1.0, lease_s=0.0)
     for t, kind, _, key, n in events:
@@ -384,37 +395,53 @@ def lru_victims(store: BlockStore, target: int) -> tuple[list[tuple[bytes, int]]
             core.wrote(key, n, t)
         else:
             core.hit(key, t)        # a hit on a block not (or no longer) here: ignored
-    return core.victims(math.inf), blocks, nbytes
+    return core.victims(math.inf)
 
 
 def _evict(args) -> int:
     target = parse_size(args.to, "--to")
     storage, root = _storage(args)
+    picked = namespaces(root, args.namespace)
     rows = []
-    for ns in namespaces(root, args.namespace):
-        with _open(ns, storage) as store:
-            victims, blocks, nbytes = lru_victims(store, target)
+    with contextlib.ExitStack() as stack:
+        stores = [stack.enter_context(_open(ns, storage)) for ns in picked]
+        events: list = []
+        sizes = [_recency(store, i.to_bytes(2, "big"), events)
+                 for i, store in enumerate(stores)]
+        victims = lru_victims(events, target)       # least recent of every namespace
+        for i, (ns, store) in enumerate(zip(picked, stores)):
+            mine = i.to_bytes(2, "big")
             removed, freed, gone = [], 0, 0
-            for key, n in victims:
+            for pkey, n in victims:
+                if pkey[:2] != mine:
+                    continue
+                key = pkey[2:]
                 if args.dry_run or store.delete(key):
                     removed.append((key, n))
                     freed += n
                 else:
                     gone += 1            # went away meanwhile (another evictor, a scrub)
+            blocks, nbytes = sizes[i]
             after = list(store.walk()) if not args.dry_run else None
-        rows.append({"namespace": ns.name, "blocks_before": blocks, "bytes_before": nbytes,
-                     "evicted": len(removed), "evicted_bytes": freed, "already_gone": gone,
-                     "blocks_after": len(after) if after is not None else blocks - len(removed),
-                     "bytes_after": sum(b.nbytes for b in after) if after is not None
-                     else nbytes - freed,
-                     "keys": [k.hex() for k, _ in removed]})
+            rows.append({"namespace": ns.name, "blocks_before": blocks,
+                         "bytes_before": nbytes, "evicted": len(removed),
+                         "evicted_bytes": freed, "already_gone": gone,
+                         "blocks_after": len(after) if after is not None
+                         else blocks - len(removed),
+                         "bytes_after": sum(b.nbytes for b in after) if after is not None
+                         else nbytes - freed,
+                         "keys": [k.hex() for k, _ in removed]})
+    total_after = sum(r["bytes_after"] for r in rows)
     if args.json:
         _print_json({"dir": str(root), "target_bytes": target, "dry_run": args.dry_run,
-                     "namespaces": rows})
+                     "bytes_after": total_after, "namespaces": rows})
         return 0
     verb = "would evict" if args.dry_run else "evicted"
-    print(f"store {root}: target {fmt_bytes(target)} per namespace"
-          f"{' (dry run: nothing removed)' if args.dry_run else ''}")
+    scope = f"namespace {args.namespace}" if args.namespace else \
+        f"{len(rows)} namespace{'s' * (len(rows) != 1)} together"
+    print(f"store {root}: target {fmt_bytes(target)} for {scope}"
+          f"{' (dry run: nothing removed)' if args.dry_run else ''}; "
+          f"{'would leave' if args.dry_run else 'now'} {fmt_bytes(total_after)}")
     for r in rows:
         print(f"{r['namespace']}: {verb} {r['evicted']} blocks, {fmt_bytes(r['evicted_bytes'])}"
               f"; {'would leave' if args.dry_run else 'now'} {r['blocks_after']} blocks, "

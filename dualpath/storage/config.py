@@ -61,12 +61,18 @@ class StorageConfig:
                                   "read (a writer of the shared mount without the key cannot "
                                   "plant blocks). Empty = no tags.")
 
-    capacity_gib: float = key(0.0, "Bound of each model namespace of the store in GiB (the "
-                              "files' bytes on disk); 0 = unbounded. Over high_watermark "
-                              "of it the store's one evictor (whichever node holds its "
-                              "lock; docs/storage.md) removes the least recently hit "
-                              "blocks down to low_watermark, and a write that would pass "
-                              "the bound is refused (the block is not cached).", min=0.0)
+    capacity_gib: float = key(0.0, "Bound of the whole store in GiB (the block files' "
+                              "bytes on disk, every model namespace together); 0 = "
+                              "unbounded. Over high_watermark of it the store's one "
+                              "evictor (whichever node holds its lock; docs/storage.md) "
+                              "removes the least recently hit blocks down to "
+                              "low_watermark, and a write that would pass the bound is "
+                              "refused (the block is not cached). Give every process "
+                              "of the store the same value.", min=0.0)
+    namespace_quota_gib: float = key(0.0, "Bound of each model namespace (a KV format: "
+                                     "one model's blocks) within capacity_gib, in GiB; 0 "
+                                     "= none. A namespace past it loses its own least "
+                                     "recently hit blocks first.", min=0.0)
     high_watermark: float = key(0.9, "Fraction of capacity_gib at which eviction starts.",
                                 min=0.01, max=1.0)
     low_watermark: float = key(0.8, "Fraction of capacity_gib eviction brings usage down to "
@@ -80,8 +86,8 @@ class StorageConfig:
     temp_max_age_s: float = key(600.0, "Temp files of writes older than this are removed by "
                                 "the stores' upkeep (writers that died); keep it well "
                                 "above the longest block write.", min=10.0)
-    tenant_quota_gib: float = key(0.0, "Bound of each tenant account's blocks in a model "
-                                  "namespace, in GiB (an account: a tenant's name up to "
+    tenant_quota_gib: float = key(0.0, "Bound of each tenant account's blocks in the "
+                                  "store, in GiB (an account: a tenant's name up to "
                                   "its first '/'; docs/storage.md); 0 = none. Past "
                                   "high_watermark of it the evictor removes the account's "
                                   "own least recently hit blocks first, and its writes "
@@ -105,10 +111,10 @@ class StorageConfig:
             if len(name) > MAX_TENANT_CHARS or "/" in name:
                 raise ConfigError(f"storage.tenant_quotas: {name[:40]!r} is not an account "
                                   f"name (at most {MAX_TENANT_CHARS} characters, no '/')")
-        if self.quotas() and self.capacity_gib <= 0:
-            raise ConfigError("storage.tenant_quota_gib / tenant_quotas need "
-                              "storage.capacity_gib: the evictor that keeps quotas runs "
-                              "only in a bounded store")
+        if (self.quotas() or self.namespace_quota_gib) and self.capacity_gib <= 0:
+            raise ConfigError("storage.tenant_quota_gib / tenant_quotas / "
+                              "namespace_quota_gib need storage.capacity_gib: the evictor "
+                              "that keeps quotas runs only in a bounded store")
 
     def quotas(self) -> Quotas:
         """Each tenant account's bound in bytes (tags: dualpath/kv/prefix.py)."""
@@ -120,7 +126,8 @@ class StorageConfig:
             return None
         return StoreCapacity(int(self.capacity_gib * 2**30), self.high_watermark,
                              self.low_watermark, self.hit_lease_s, self.upkeep_interval_s,
-                             self.temp_max_age_s, self.quotas())
+                             self.temp_max_age_s, self.quotas(),
+                             int(self.namespace_quota_gib * 2**30))
 
     def integrity_key(self) -> bytes | None:
         """The key of integrity_key_file (None when unset); ConfigError naming the file

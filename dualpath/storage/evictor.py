@@ -3,26 +3,28 @@
 Every process that opens a store with a capacity (``storage.capacity_gib``) runs an
 :class:`Upkeep` thread. Each tick it flushes the process's ledger (ledger.py), sweeps
 stale temp files now and then, and tries to become the store's **evictor**: a
-non-blocking POSIX lock on ``.ledger/evictor.lock`` (fcntl record locks work on NFS and
-GlusterFS, and the kernel drops them with the process, so a dead evictor's successor
-takes over within a tick). Exactly one process of the whole cluster holds it; it alone
-decides what to evict, for every node's writes and hits.
+non-blocking POSIX lock on ``<storage.dir>/.evictor/lock`` (fcntl record locks work on
+NFS and GlusterFS, and the kernel drops them with the process, so a dead evictor's
+successor takes over within a tick). Exactly one process of the whole cluster holds it;
+it alone decides what to evict, for every node's writes and hits, in **every namespace
+of the store** (each model's KV format is one: tree.py), so the bound is the store's,
+whatever models share it.
 
 Why a node and not the scheduler: the scheduler sees requests' hit *lengths*, never block
 keys, and need not mount the store; what every node writes and hits reaches the store's
-ledger anyway, and any node can take the evictor over from there.
+ledgers anyway, and any node can take the evictor over from there.
 
-The evictor, on taking over, reads the ledger from its current end, scans the store
-(sizes; recency from mtimes), then each tick applies what every process recorded since
-(W, H, E) to its :class:`~dualpath.storage.lru.LruCore`, unlinks what the core picks
-(recording E so the nodes' indexes drop them) and publishes the usage to
-``.ledger/usage.json``. Writers read that publication (:class:`CapacityGuard`): a write
-that would take usage over the capacity, counting what each active writer may add
-before the next tick, is refused (StorageError ENOSPC, a block not cached), so usage
-stays under the bound between ticks. Tenant quotas (``storage.tenant_quota_gib``,
-``storage.tenant_quotas``) work the same way per account: the evictor evicts an account
-over its quota from its own blocks first (lru.py) and publishes each account's usage and
-quota; a write that would take its account past its quota is refused.
+The evictor, on taking over, reads each namespace's ledger from its current end, scans
+the namespaces (sizes; recency from mtimes), then each tick applies what every process
+recorded since (W, H, E) to its :class:`~dualpath.storage.lru.LruCore` (keys prefixed by
+their namespace's id), unlinks what the core picks (recording E in that namespace's
+ledger, so the nodes' indexes drop them) and publishes the usage (publication.py).
+Writers read that publication (:class:`CapacityGuard`): a write that would take the
+store past its capacity, its namespace past ``storage.namespace_quota_gib`` or its tenant
+account past its quota (``storage.tenant_quota_gib``, ``tenant_quotas``), counting what
+each active writer may add before the next tick, is refused (StorageError ENOSPC, a
+block not cached), so usage stays under the bounds between ticks. A namespace or account
+over its quota loses its own least recent blocks first (lru.py).
 
 A block being read is safe from an unlink on a local disk (an open file lives on); on a
 networked filesystem a read that loses its file misses and is recomputed. What protects
@@ -31,10 +33,8 @@ an in-flight request's blocks is the lease its lookup recorded (lru.py).
 
 from __future__ import annotations
 
-import contextlib
 import errno as _errno
 import fcntl
-import json
 import logging
 import os
 import threading
@@ -42,18 +42,24 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from dualpath.kv.prefix import DEFAULT_TAG
 from dualpath.storage.ledger import EVICTED, HIT, LEDGER_DIR, WROTE, LedgerTail, LedgerWriter
 from dualpath.storage.lru import LruCore, Quotas
+from dualpath.storage.publication import (  # noqa: F401 (CapacityGuard: the writers' side)
+    EVICTOR_DIR,
+    LOCK_FILE,
+    USAGE_FILE,
+    CapacityGuard,
+    write_publication,
+)
+from dualpath.storage.tree import namespace_dirs, unlink_block, walk_blocks
 
 log = logging.getLogger("dualpath.storage")
 
-USAGE_FILE = "usage.json"
-LOCK_FILE = "evictor.lock"
 HIT_AGE_BUCKETS = (1.0, 10.0, 60.0, 600.0, 3600.0, 86400.0, float("inf"))
 PRUNE_EVERY_S = 60.0
 SWEEP_EVERY_S = 300.0
 ACTIVE_WRITER_S = 30.0
+MAX_NAMESPACES = 1 << 16
 
 _held: set[str] = set()             # lock files this process holds (POSIX locks are per
 _held_lock = threading.Lock()       # process: a second store here must not think it holds)
@@ -70,30 +76,8 @@ class EvictorStats:
 
 
 @dataclass(frozen=True)
-class Published:
-    usage: int
-    capacity: int
-    writers: int
-    consumed: dict[str, int]
-    tenants: dict[int, int] = field(default_factory=dict)   # tag -> bytes (with quotas)
-    quotas: Quotas | None = None
-
-    def refusal(self, mine: int, tag: int, mine_tag: int) -> str | None:
-        """Why a write is refused when this writer has ``mine`` bytes the evictor has
-        not counted yet (``mine_tag`` of them tenant ``tag``'s, the write included);
-        None when it may go ahead."""
-        if self.usage + self.writers * mine > self.capacity:
-            return "the store is at its bound (storage.capacity_gib)"
-        q = self.quotas.of(tag) if self.quotas is not None else None
-        if q is not None and self.tenants.get(tag, 0) + self.writers * mine_tag > q:
-            who = "the default tenant" if tag == DEFAULT_TAG else f"tenant tag {tag:06x}"
-            return f"{who} is at its quota (storage.tenant_quota_gib / tenant_quotas)"
-        return None
-
-
-@dataclass(frozen=True)
 class StoreCapacity:
-    """The bound of one store namespace and how its upkeep keeps it (StorageConfig)."""
+    """The bound of a store and how its upkeep keeps it (StorageConfig)."""
 
     bytes: int
     high: float = 0.9
@@ -101,68 +85,32 @@ class StoreCapacity:
     lease_s: float = 60.0
     interval_s: float = 1.0
     temp_max_age_s: float = 600.0
-    quotas: Quotas = field(default_factory=Quotas)
+    quotas: Quotas = field(default_factory=Quotas)    # of tenant accounts, by tag
+    namespace_quota: int = 0                          # of each namespace; 0 = none
 
     def start(self, store, ledger: LedgerWriter) -> Upkeep:
         core = LruCore(self.bytes, high=self.high, low=self.low, lease_s=self.lease_s,
-                       quotas=self.quotas)
+                       quotas=self.quotas, space_quotas=Quotas(self.namespace_quota))
         return Upkeep(store, ledger, core, interval_s=self.interval_s,
                       temp_max_age_s=self.temp_max_age_s)
 
 
-class CapacityGuard:
-    """A writer's check against the evictor's last publication (module docstring)."""
+class _Space:
+    """One namespace as the evictor sees it: its ledger, and the prefix of its blocks'
+    keys in the core."""
 
-    def __init__(self, ns_dir: str | os.PathLike, ledger: LedgerWriter, stale_s: float = 30.0):
-        self.path = os.path.join(os.fspath(ns_dir), LEDGER_DIR, USAGE_FILE)
-        self.ledger = ledger
-        self.stale_s = stale_s
-        self._seen: tuple[int, int] | None = None
-        self._pub: Published | None = None
-
-    def published(self) -> Published | None:
-        """The evictor's last publication; None when there is none or it is older than
-        ``stale_s`` (no evictor now: writes are not held back)."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        if time.time() - st.st_mtime > self.stale_s:
-            return None
-        if self._seen != (st.st_ino, st.st_mtime_ns):
-            try:
-                with open(self.path, "rb") as f:
-                    d = json.loads(f.read(1 << 20))
-                q = d.get("quotas")
-                self._pub = Published(int(d["usage_bytes"]), int(d["capacity_bytes"]),
-                                      max(1, int(d["writers"])),
-                                      {str(k): int(v) for k, v in d["consumed"].items()},
-                                      {int(k): int(v) for k, v in
-                                       d.get("tenants", {}).items()},
-                                      Quotas.from_json(q) if q else None)
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                return None
-            self._seen = (st.st_ino, st.st_mtime_ns)
-        return self._pub
-
-    def refusal(self, nbytes: int, tag: int = DEFAULT_TAG) -> str | None:
-        """Why a write of ``nbytes`` of tenant ``tag``'s is refused now (None: it may
-        go ahead)."""
-        pub = self.published()
-        if pub is None:
-            return None
-        mine = self.ledger.unaccounted(pub.consumed) + nbytes
-        mine_tag = self.ledger.unaccounted(pub.consumed, tag) + nbytes \
-            if pub.quotas is not None else 0
-        return pub.refusal(mine, tag, mine_tag)
-
-    def allows(self, nbytes: int, tag: int = DEFAULT_TAG) -> bool:
-        return self.refusal(nbytes, tag) is None
+    def __init__(self, name: str, path: str, sid: int, writer: LedgerWriter | None):
+        self.name = name
+        self.dir = path
+        self.prefix = sid.to_bytes(2, "big")
+        self.tail = LedgerTail(os.path.join(path, LEDGER_DIR), ("log", "hits"))
+        self.writer = writer        # the E records of its evictions (made when needed)
+        self.borrowed = writer is not None      # the store's own ledger: not closed here
 
 
 class Upkeep:
-    """See the module docstring. ``store`` is the BlockStore it keeps (its ``dir``,
-    ``walk``, ``remove_file``, ``sweep_temp``, ``index``); one owner, idempotent close."""
+    """See the module docstring. ``store`` is the BlockStore it keeps (its ``root``,
+    ``dir``, ``remove_file``, ``sweep_temp``, ``fsync``); one owner, idempotent close."""
 
     def __init__(self, store, ledger: LedgerWriter, core: LruCore, *,
                  interval_s: float = 1.0, temp_max_age_s: float = 600.0,
@@ -174,10 +122,13 @@ class Upkeep:
         self.temp_max_age_s = temp_max_age_s
         self.ledger_keep_s = ledger_keep_s
         self.stats = EvictorStats()
-        self._ledger_dir = os.path.join(os.fspath(store.dir), LEDGER_DIR)
-        self._lock_path = os.path.realpath(os.path.join(self._ledger_dir, LOCK_FILE))
+        self.root = os.fspath(store.root)
+        self.namespace = os.path.basename(os.fspath(store.dir))
+        self._evictor_dir = os.path.join(self.root, EVICTOR_DIR)
+        self._lock_path = os.path.realpath(os.path.join(self._evictor_dir, LOCK_FILE))
         self._lock_fd = -1
-        self._tail = LedgerTail(self._ledger_dir, ("log", "hits"))
+        self._spaces: dict[str, _Space] = {}
+        self._by_prefix: dict[bytes, _Space] = {}
         # A process not marked alive for this long is gone (it marks every round).
         self._alive_s = max(ACTIVE_WRITER_S, 10 * interval_s)
         self._rate = 0.0          # most bytes one writer wrote in a round (decaying)
@@ -220,8 +171,12 @@ class Upkeep:
                 self._sweep()
                 return
             now = time.time()
+            self._discover()
+            own = self._spaces.get(self.namespace)
             while self._forgotten:
-                self.core.removed(self._forgotten.popleft())
+                key = self._forgotten.popleft()
+                if own is not None:
+                    self.core.removed(own.prefix + key)
             self._apply(now)
             victims = self.core.victims(now, self.reserve(now))
             if victims:
@@ -229,18 +184,16 @@ class Upkeep:
             self._publish(now)
             if time.monotonic() >= self._next_prune:
                 self._next_prune = time.monotonic() + PRUNE_EVERY_S
-                # Never a live writer's files, however long since it last wrote.
-                alive = self._alive(now)
-                keep = {n for n in self._tail.mtimes if n.split(".", 1)[0] in alive}
-                self._tail.prune(self.ledger_keep_s, now, keep | self.ledger.own())
+                self._prune(now)
             self._sweep()
 
+    # --- the lock ------------------------------------------------------------------------
     def _take(self) -> bool:
         with _held_lock:
             if self._lock_path in _held:
                 return False
             try:
-                os.makedirs(self._ledger_dir, mode=0o755, exist_ok=True)
+                os.makedirs(self._evictor_dir, mode=0o755, exist_ok=True)
                 fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
                              os.O_CLOEXEC, 0o644)
             except OSError:
@@ -251,19 +204,21 @@ class Upkeep:
                 os.close(fd)
                 if e.errno not in (_errno.EAGAIN, _errno.EACCES):
                     log.warning("store %s: cannot lock %s (%s); this node will not evict",
-                                self.store.dir, self._lock_path, e)
+                                self.root, self._lock_path, e)
                 return False
             try:
                 self._bootstrap()
             except BaseException:       # not the evictor with half a picture: let go
                 os.close(fd)
+                self._close_spaces()
                 raise
             _held.add(self._lock_path)
             self._lock_fd = fd
         self.stats.takeovers += 1
-        log.info("store %s: this process is the evictor now (capacity %.2f GiB, %d blocks, "
-                 "%.2f GiB used)", self.store.dir, self.core.capacity / 2**30,
-                 len(self.core), self.core.usage / 2**30)
+        log.info("store %s: this process is the evictor now (capacity %.2f GiB, %d "
+                 "namespaces, %d blocks, %.2f GiB used)", self.root,
+                 self.core.capacity / 2**30, len(self._spaces), len(self.core),
+                 self.core.usage / 2**30)
         return True
 
     def _still_ours(self) -> bool:
@@ -279,45 +234,98 @@ class Upkeep:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
                 _held.discard(self._lock_path)
+        self._close_spaces()
 
+    # --- the store's namespaces ------------------------------------------------------------
     def _bootstrap(self) -> None:
-        """The store as it is: the ledger's end first, then a scan (what is written
-        meanwhile is read from the ledger after it, twice at worst: harmless)."""
-        self._tail = LedgerTail(self._ledger_dir, ("log", "hits"))
-        self._tail.skip_to_end()
+        """The store as it is: every namespace's ledger end first, then a scan of it
+        (what is written meanwhile is read from the ledger after it, twice at worst:
+        harmless)."""
+        self._close_spaces()
         self.core.clear()
-        blocks = sorted(self.store.walk(), key=lambda b: b.mtime)
-        for b in blocks:
-            self.core.wrote(b.key, b.nbytes, b.mtime)
-            self._block = max(self._block, b.nbytes)
+        self._discover()
+
+    def _discover(self) -> None:
+        """Namespaces new since the last round are scanned into the core; one that was
+        removed is forgotten."""
+        found = namespace_dirs(self.root)
+        names = {e.name for e in found}
+        for name in [n for n in self._spaces if n not in names]:
+            space = self._spaces.pop(name)
+            del self._by_prefix[space.prefix]
+            self.core.forget_prefix(space.prefix)
+            if space.writer is not None and not space.borrowed:
+                space.writer.close()
+        for e in found:
+            if e.name in self._spaces:
+                continue
+            if len(self._by_prefix) >= MAX_NAMESPACES:
+                log.warning("store %s: more than %d namespaces; %s is not evicted from",
+                            self.root, MAX_NAMESPACES, e.name)
+                continue
+            sid = next(i for i in range(len(self._by_prefix) + 1)
+                       if i.to_bytes(2, "big") not in self._by_prefix)
+            own = e.name == self.namespace
+            space = _Space(e.name, e.path, sid, self.ledger if own else None)
+            space.tail.skip_to_end()
+            for b in sorted(walk_blocks(e.path), key=lambda b: b.mtime):
+                self.core.wrote(space.prefix + b.key, b.nbytes, b.mtime)
+                self._block = max(self._block, b.nbytes)
+            self._spaces[e.name] = space
+            self._by_prefix[space.prefix] = space
+
+    def _close_spaces(self) -> None:
+        for space in self._spaces.values():
+            if space.writer is not None and not space.borrowed:
+                space.writer.close()
+        self._spaces.clear()
+        self._by_prefix.clear()
+
+    def _own_ids(self) -> set[str]:
+        """The ledger writer ids of this process's own records (applied when made)."""
+        return {s.writer.id for s in self._spaces.values() if s.writer is not None} | \
+            {self.ledger.id}
 
     def _apply(self, now: float) -> None:
-        me = self.ledger.id + "."
         core = self.core
+        mine = self._own_ids()
         wrote: dict[str, int] = {}
-        # Each writer's W records before its H records (two files): a hit on a block
-        # needs the block known first.
-        for name, records in sorted(self._tail.poll(), key=lambda nr: nr[0].endswith(".hits")):
-            mine = name.startswith(me)    # our own E records were applied when made
-            writer = name.split(".", 1)[0]
-            for op, size, key in records:
-                if op == WROTE:
-                    core.wrote(key, size, now)
-                    wrote[writer] = wrote.get(writer, 0) + size
-                    self._block = max(self._block, size)
-                elif op == HIT:
-                    age = core.hit(key, now)
-                    if age is not None:
-                        self._count_age(age)
-                elif op == EVICTED and not mine:
-                    core.removed(key)
+        for space in self._spaces.values():
+            p = space.prefix
+            # Each writer's W records before its H records (two files): a hit on a block
+            # needs the block known first.
+            polled = sorted(space.tail.poll(), key=lambda nr: nr[0].endswith(".hits"))
+            for name, records in polled:
+                writer = name.split(".", 1)[0]
+                ours = writer in mine       # our own E records were applied when made
+                for op, size, key in records:
+                    if op == WROTE:
+                        core.wrote(p + key, size, now)
+                        wrote[writer] = wrote.get(writer, 0) + size
+                        self._block = max(self._block, size)
+                    elif op == HIT:
+                        age = core.hit(p + key, now)
+                        if age is not None:
+                            self._count_age(age)
+                    elif op == EVICTED and not ours:
+                        core.removed(p + key)
         self._rate = max(0.9 * self._rate, max(wrote.values(), default=0))
 
     def _alive(self, now: float) -> set[str]:
-        """The writer ids of the processes that have the store open (each marks its
-        files alive every round: ledger.py)."""
-        return {name.split(".", 1)[0] for name, t in self._tail.mtimes.items()
+        """The writer ids of the processes that have a namespace of the store open (each
+        marks its files alive every round: ledger.py)."""
+        return {name.split(".", 1)[0] for s in self._spaces.values()
+                for name, t in s.tail.mtimes.items()
                 if name.endswith(".log") and now - t < self._alive_s}
+
+    def _prune(self, now: float) -> None:
+        # Never a live writer's files, however long since it last wrote; never ours.
+        alive = self._alive(now)
+        for space in self._spaces.values():
+            keep = {n for n in space.tail.mtimes if n.split(".", 1)[0] in alive}
+            if space.writer is not None:
+                keep |= space.writer.own()
+            space.tail.prune(self.ledger_keep_s, now, keep)
 
     def writers(self, now: float) -> int:
         """The processes that have the store open, plus one for a process that opens it
@@ -347,39 +355,48 @@ class Upkeep:
                 break
 
     def _evict(self, victims: list[tuple[bytes, int]], now: float) -> None:
-        gone = []
-        for key, nbytes in victims:
+        gone: dict[bytes, list[bytes]] = {}
+        for pkey, nbytes in victims:
+            space = self._by_prefix[pkey[:2]]
+            key = pkey[2:]
             try:
-                self.store.remove_file(key)
+                if space.name == self.namespace:
+                    self.store.remove_file(key)      # this process's index entry too
+                else:
+                    unlink_block(space.dir, key)
             except OSError as e:        # still there: counted again, tried next round
-                log.warning("store %s: evicting %s: %s", self.store.dir, key.hex(), e)
-                self.core.wrote(key, nbytes, now)
+                log.warning("store %s: evicting %s of %s: %s", self.root, key.hex(),
+                            space.name, e)
+                self.core.wrote(pkey, nbytes, now)
                 continue
-            gone.append(key)
+            gone.setdefault(space.prefix, []).append(key)
             self.stats.evictions += 1
             self.stats.evicted_bytes += nbytes
-        self.ledger.evicted(gone, now=True)
+        for prefix, keys in gone.items():
+            space = self._by_prefix[prefix]
+            if space.writer is None:
+                space.writer = LedgerWriter(space.dir, sync=self.ledger.sync)
+            space.writer.evicted(keys, now=True)
 
     def _publish(self, now: float) -> None:
-        consumed = {n: o for n, o in self._tail.offsets.items() if n.endswith(".log")}
         core = self.core
+        names = {s.prefix: s.name for s in self._spaces.values()}
         body = {"usage_bytes": core.usage, "capacity_bytes": core.capacity,
-                "writers": self.writers(now), "consumed": consumed,
+                "writers": self.writers(now),
+                "consumed": {f"{s.name}/{n}": o for s in self._spaces.values()
+                             for n, o in s.tail.offsets.items() if n.endswith(".log")},
                 "evictor": self.ledger.id, "time": now,
-                "tenants": {str(t): n for t, n in core.tenant_usage.items()}}
+                "tenants": {str(t): n for t, n in core.tenant_usage.items()},
+                "namespaces": {names[p]: n for p, n in core.space_usage.items()
+                               if p in names}}
         if core.quotas is not None:
             body["quotas"] = core.quotas.to_json()
-        body = json.dumps(body).encode()
-        tmp = os.path.join(self._ledger_dir, f".usage.{os.urandom(4).hex()}.tmp")
+        if core.spaces.quotas is not None:
+            body["namespace_quota_bytes"] = core.spaces.quotas.default
         try:
-            os.makedirs(self._ledger_dir, mode=0o755, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(body)
-            os.replace(tmp, os.path.join(self._ledger_dir, USAGE_FILE))
+            write_publication(self.root, body)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            log.warning("store %s: publishing usage: %s", self.store.dir, e)
+            log.warning("store %s: publishing usage: %s", self.root, e)
 
     def _sweep(self) -> None:
         if time.monotonic() < self._next_sweep:

@@ -15,32 +15,38 @@ the store's scan, and unlinks what it picks). Time is passed in, never read.
   evictor's next round), the least recent unleased blocks are picked until usage is at
   ``low`` x capacity (or the capacity less the reserve, when that is lower), or only
   leased blocks are left.
-- Tenants: a block is its tenant account's (the tag its key carries:
-  dualpath/kv/prefix.py key_tag). With :class:`Quotas`, an account over ``high`` x its
-  quota loses its own least recent unleased blocks down to ``low`` x its quota first,
-  whatever the rest of the store holds (one tenant's working set never pushes another's
-  out past its quota).
+- Groups with quotas: a block is its tenant account's (the tag its key carries:
+  dualpath/kv/prefix.py key_tag) and its namespace's (the evictor prefixes each key with
+  its namespace's id: :func:`space_of`). A group over ``high`` x its quota loses its own
+  least recent unleased blocks down to ``low`` x its quota first, whatever the rest of
+  the store holds (one tenant's or one model's working set never pushes another's out
+  past its quota).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
-from dualpath.kv.prefix import key_tag
+from dualpath.kv.prefix import KEY_BYTES, key_tag
+
+
+def space_of(key: bytes) -> bytes:
+    """The namespace prefix of an evictor's key (b"" for a bare block key)."""
+    return key[:-KEY_BYTES]
 
 
 @dataclass(frozen=True)
 class Quotas:
-    """Bytes each tenant account may hold: ``named`` (tag -> bytes; 0 = no quota for
-    it) over ``default`` (every other account; 0 = none)."""
+    """Bytes each group may hold: ``named`` (group -> bytes; 0 = no quota for it) over
+    ``default`` (every other group; 0 = none)."""
 
     default: int = 0
-    named: Mapping[int, int] = field(default_factory=dict)
+    named: Mapping[Hashable, int] = field(default_factory=dict)
 
-    def of(self, tag: int) -> int | None:
-        q = self.named.get(tag, self.default)
+    def of(self, group: Hashable) -> int | None:
+        q = self.named.get(group, self.default)
         return q or None
 
     def __bool__(self) -> bool:
@@ -50,13 +56,64 @@ class Quotas:
         return {"default": self.default, "named": {str(t): q for t, q in self.named.items()}}
 
     @classmethod
-    def from_json(cls, d: dict) -> Quotas:
-        return cls(int(d["default"]), {int(t): int(q) for t, q in d["named"].items()})
+    def from_json(cls, d: dict, kind: Callable = int) -> Quotas:
+        return cls(int(d["default"]), {kind(t): int(q) for t, q in d["named"].items()})
+
+
+class _Group:
+    """Blocks by a function of their key: bytes per group, and with quotas each group's
+    blocks least recent first."""
+
+    def __init__(self, of: Callable[[bytes], Hashable], quotas: Quotas | None):
+        self.of = of
+        self.quotas = quotas if quotas else None
+        self.usage: dict[Hashable, int] = {}
+        self.order: dict[Hashable, OrderedDict[bytes, None]] = {}
+
+    def add(self, key: bytes, delta: int, new: bool) -> None:
+        g = self.of(key)
+        self.usage[g] = self.usage.get(g, 0) + delta
+        if new and self.quotas is not None:
+            self.order.setdefault(g, OrderedDict())[key] = None
+
+    def touch(self, key: bytes) -> None:
+        if self.quotas is not None:
+            self.order[self.of(key)].move_to_end(key)
+
+    def remove(self, key: bytes, n: int) -> None:
+        g = self.of(key)
+        left = self.usage[g] - n
+        if left:
+            self.usage[g] = left
+        else:
+            del self.usage[g]
+        if self.quotas is not None:
+            mine = self.order[g]
+            del mine[key]
+            if not mine:
+                del self.order[g]
+
+    def over(self, high: float) -> list[tuple[Hashable, int]]:
+        if self.quotas is None:
+            return []
+        out = []
+        for g, used in self.usage.items():
+            q = self.quotas.of(g)
+            if q is not None and used > high * q:
+                out.append((g, q))
+        return out
+
+    def clear(self) -> None:
+        self.usage.clear()
+        self.order.clear()
 
 
 class LruCore:
     def __init__(self, capacity: int, *, high: float = 0.9, low: float = 0.8,
-                 lease_s: float = 60.0, quotas: Quotas | None = None):
+                 lease_s: float = 60.0, quotas: Quotas | None = None,
+                 space_quotas: Quotas | None = None):
+        """``quotas``: of tenant accounts (by tag); ``space_quotas``: of namespaces (by
+        the prefix of the evictor's keys)."""
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0 bytes, got {capacity}")
         if not 0.0 < low <= high <= 1.0:
@@ -65,25 +122,38 @@ class LruCore:
         self.high = high
         self.low = low
         self.lease_s = lease_s
-        self.quotas = quotas if quotas else None
         self.usage = 0
-        self.tenant_usage: dict[int, int] = {}                  # tag -> bytes
         self._blocks: OrderedDict[bytes, int] = OrderedDict()   # least recent first
         self._touched: dict[bytes, float] = {}
         self._leases: dict[bytes, float] = {}
-        # With quotas: each account's blocks, least recent first (its own order).
-        self._by_tag: dict[int, OrderedDict[bytes, None]] = {}
+        self.tenants = _Group(key_tag, quotas)
+        self.spaces = _Group(space_of, space_quotas)
+        self._groups = (self.tenants, self.spaces)
+
+    @property
+    def quotas(self) -> Quotas | None:
+        return self.tenants.quotas
+
+    @property
+    def tenant_usage(self) -> dict[int, int]:
+        """Bytes of each tenant account (tag)."""
+        return self.tenants.usage
+
+    @property
+    def space_usage(self) -> dict[bytes, int]:
+        """Bytes of each namespace (prefix)."""
+        return self.spaces.usage
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def clear(self) -> None:
         self.usage = 0
-        self.tenant_usage.clear()
         self._blocks.clear()
         self._touched.clear()
         self._leases.clear()
-        self._by_tag.clear()
+        for g in self._groups:
+            g.clear()
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
@@ -92,13 +162,11 @@ class LruCore:
         """Block ``key`` is on disk with ``nbytes`` (again: its size is updated)."""
         old = self._blocks.get(key)
         self.usage += nbytes - (old or 0)
-        tag = key_tag(key)
-        self.tenant_usage[tag] = self.tenant_usage.get(tag, 0) + nbytes - (old or 0)
+        for g in self._groups:
+            g.add(key, nbytes - (old or 0), old is None)
         self._blocks[key] = nbytes
         if old is None:
             self._touched[key] = now
-            if self.quotas is not None:
-                self._by_tag.setdefault(tag, OrderedDict())[key] = None
         else:
             self._touch(key, now)
 
@@ -115,8 +183,8 @@ class LruCore:
     def _touch(self, key: bytes, now: float) -> None:
         self._blocks.move_to_end(key)
         self._touched[key] = now
-        if self.quotas is not None:
-            self._by_tag[key_tag(key)].move_to_end(key)
+        for g in self._groups:
+            g.touch(key)
 
     def removed(self, key: bytes) -> int:
         """Forget ``key`` (deleted, evicted, or found missing); its bytes."""
@@ -124,44 +192,36 @@ class LruCore:
         if n is None:
             return 0
         self.usage -= n
-        tag = key_tag(key)
-        left = self.tenant_usage[tag] - n
-        if left:
-            self.tenant_usage[tag] = left
-        else:
-            del self.tenant_usage[tag]
+        for g in self._groups:
+            g.remove(key, n)
         del self._touched[key]
         self._leases.pop(key, None)
-        if self.quotas is not None:
-            mine = self._by_tag[tag]
-            del mine[key]
-            if not mine:
-                del self._by_tag[tag]
         return n
+
+    def forget_prefix(self, prefix: bytes) -> int:
+        """Forget every block of the namespace ``prefix`` (its directory is gone); the
+        bytes forgotten."""
+        return sum(self.removed(k) for k in [k for k in self._blocks
+                                             if space_of(k) == prefix])
 
     def over(self, reserve: int = 0) -> bool:
         return self.usage + reserve > self.high * self.capacity
 
-    def over_quota(self) -> list[tuple[int, int]]:
-        """[(tag, quota)] of the accounts over ``high`` x their quota."""
-        if self.quotas is None:
-            return []
-        out = []
-        for tag, used in self.tenant_usage.items():
-            q = self.quotas.of(tag)
-            if q is not None and used > self.high * q:
-                out.append((tag, q))
-        return out
+    def over_quota(self) -> list[tuple[_Group, Hashable, int]]:
+        """[(group kind, group, quota)] of the groups over ``high`` x their quota."""
+        return [(g, name, q) for g in self._groups for name, q in g.over(self.high)]
 
     def victims(self, now: float, reserve: int = 0) -> list[tuple[bytes, int]]:
         """The blocks to evict now, least recent first, each forgotten here (the caller
         removes them); [] while usage plus ``reserve`` (what writers may add before the
-        next round) is under the high watermark and every account under its quota's."""
+        next round) is under the high watermark and every group under its quota's."""
         out = []
-        for tag, quota in self.over_quota():
-            mine = self._by_tag[tag]
+        for group, name, quota in self.over_quota():
+            mine = group.order.get(name)
+            if mine is None:            # emptied by an earlier group's picks this round
+                continue
             out += self._pick(((k, self._blocks[k]) for k in mine),
-                              self.tenant_usage[tag], self.low * quota, now)
+                              group.usage.get(name, 0), self.low * quota, now)
         if self.over(reserve):
             goal = max(0.0, min(self.low * self.capacity, self.capacity - reserve))
             out += self._pick(iter(self._blocks.items()), self.usage, goal, now)

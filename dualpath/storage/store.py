@@ -86,10 +86,15 @@ from dualpath.storage.format import (
 from dualpath.storage.index import KeyIndex
 from dualpath.storage.ledger import LedgerTail, LedgerWriter
 from dualpath.storage.ring import ALIGN, RingReader, aligned_bytes, direct_cut
+from dualpath.storage.tree import (  # noqa: F401 (SUFFIX, leaf_entries: the store's names)
+    SUFFIX,
+    block_parts,
+    leaf_entries,
+    walk_blocks,
+)
 
 log = logging.getLogger("dualpath.storage")
 
-SUFFIX = ".kvb"
 DIRECT_IO_MODES = ("auto", "on", "off")
 
 
@@ -206,7 +211,7 @@ class BlockStore:
             self.index = KeyIndex(LedgerTail.of(self.dir, "log"), self._file_exists,
                                   max_keys=index_max_keys)
         if capacity is not None and capacity.bytes > 0:
-            self._guard = CapacityGuard(self.dir, self.ledger)
+            self._guard = CapacityGuard(self.root, self.dir.name, self.ledger)
             self.upkeep = capacity.start(self, self.ledger)
         log.info("block store %s: profile %s, %d-byte full blocks, direct_io=%s, %d read "
                  "workers, integrity tags %s, index %s, capacity %s", self.dir, profile.name,
@@ -248,13 +253,13 @@ class BlockStore:
     def path_of(self, key: bytes) -> Path:
         """Where block ``key`` lives (for people and tests; I/O goes through
         :meth:`_block_dir`, which refuses symlinks)."""
-        return self.dir.joinpath(*_parts(key))
+        return self.dir.joinpath(*block_parts(key))
 
     def _block_dir(self, key: bytes, create: bool = False) -> tuple[int, str]:
         """(descriptor of the block's directory, file name): each level opened with
         O_NOFOLLOW below the root, made when ``create``. OSError: ENOENT when missing,
         ELOOP or ENOTDIR when a symlink or a file is in the way. Caller closes the fd."""
-        *dirs, name = _parts(key)
+        *dirs, name = block_parts(key)
         fd = os.dup(self._root_fd)
         try:
             for d in dirs:
@@ -643,7 +648,7 @@ class BlockStore:
         paths = []
         for j, (key, body) in enumerate(zip(keys, bodies)):
             it = items[j]
-            paths.append(ffi.new("char[]", "/".join(_parts(key)).encode()))
+            paths.append(ffi.new("char[]", "/".join(block_parts(key)).encode()))
             it.path = paths[-1]
             bufs = [pages[2 * j], body, pages[2 * j + 1]] if body.size else \
                 [pages[2 * j], pages[2 * j + 1]]
@@ -874,21 +879,8 @@ class BlockStore:
     # --- maintenance --------------------------------------------------------------------
     def walk(self) -> Iterator[StoredBlock]:
         """Every block file of the store, in no order: its key, size and mtime (for
-        eviction and scrubs). Only the fan-out layout's own names are listed; symlinks
-        are never followed, temp and quarantined files are skipped, and a file that
-        goes away meanwhile is simply not listed."""
-        name_len = 32 + len(SUFFIX)
-        for fan, e in leaf_entries(self.dir):
-            n = e.name
-            if len(n) != name_len or not n.endswith(SUFFIX) or \
-                    not set(n[:32]) <= _HEX or n[:4] != fan:
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                yield StoredBlock(bytes.fromhex(n[:32]), st.st_size, st.st_mtime)
+        eviction and scrubs; tree.py walk_blocks)."""
+        return walk_blocks(self.dir)
 
     def sweep_temp(self, max_age_s: float = 600.0) -> int:
         """Remove ``.tmp`` files older than ``max_age_s`` (writers that died); returns count.
@@ -1018,38 +1010,3 @@ def _sio_error(it) -> BaseException:
     return OSError(it.err, os.strerror(it.err))
 
 
-_HEX = frozenset("0123456789abcdef")
-
-
-def _fan(path: str) -> list[os.DirEntry]:
-    """The two-hex-digit subdirectories of ``path`` (symlinks are not followed)."""
-    try:
-        with os.scandir(path) as it:
-            return [e for e in it if len(e.name) == 2 and set(e.name) <= _HEX and
-                    e.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def leaf_entries(ns_dir: str | os.PathLike) -> Iterator[tuple[str, os.DirEntry]]:
-    """Every entry of a namespace's fan-out leaves (``ab/cd/*``), with its leaf's four
-    hex digits ("abcd"), in no order; a leaf that goes away meanwhile is skipped. What
-    :meth:`BlockStore.walk` and ``dualpath store`` list files from."""
-    for top in _fan(os.fspath(ns_dir)):
-        for sub in _fan(top.path):
-            try:
-                with os.scandir(sub.path) as it:
-                    entries = list(it)
-            except FileNotFoundError:
-                continue
-            fan = top.name + sub.name
-            for e in entries:
-                yield fan, e
-
-
-def _parts(key: bytes) -> tuple[str, str, str]:
-    """The two fan-out directories and the file name of block ``key``."""
-    if len(key) != 16:
-        raise UsageError(f"block keys are 16 bytes, got {len(key)}")
-    h = key.hex()
-    return h[:2], h[2:4], h + SUFFIX

@@ -13,7 +13,7 @@ from dualpath.kv.synth import SyntheticKV
 from dualpath.storage import BlockStore
 from dualpath.storage.cli import parse_size
 from dualpath.storage.format import HEADER_BYTES
-from dualpath.storage.ledger import LEDGER_DIR, LedgerWriter
+from dualpath.storage.ledger import LedgerWriter
 from dualpath.storage.store import aligned_bytes
 
 PROFILE = get_profile("demo", 4)            # 64 KiB blocks
@@ -56,28 +56,34 @@ def _config(tmp_path, root, **storage):
 # --- usage ----------------------------------------------------------------------------
 def test_usage_counts_match_the_files(tmp_path, capsys):
     root = tmp_path / "kv"
-    ns_dir, paths = _write(root, KEYS[:5], start=1_000_000)
+    _, paths = _write(root, KEYS[:5], start=1_000_000)
     fan = paths[0].parent
     (fan / f".{paths[0].name}.0123456789ab.tmp").write_bytes(b"x" * 10)
     (fan / f"{'ab' * 16}.kvb.corrupt").write_bytes(b"y" * 7)
-    (ns_dir / LEDGER_DIR).mkdir(exist_ok=True)      # made by a writer's first append
-    (ns_dir / LEDGER_DIR / "usage.json").write_text(json.dumps(
+    (root / ".evictor").mkdir()                     # the store's evictor's publication
+    (root / ".evictor" / "usage.json").write_text(json.dumps(
         {"usage_bytes": 123, "capacity_bytes": 456, "writers": 1, "consumed": {},
-         "evictor": "host-1-abcd", "time": time.time() - 5}))
-    cfg = _config(tmp_path, root, capacity_gib=0.001)
+         "evictor": "host-1-abcd", "time": time.time() - 5, "namespaces": {NS: 123}}))
+    _write(root, KEYS[:3], profile=get_profile("demo", 8))    # a second namespace
+    cfg = _config(tmp_path, root, capacity_gib=0.001, namespace_quota_gib=0.0005)
 
     rc, got = run_json(capsys, "store", "usage", "-c", cfg)
     assert rc == 0 and got["dir"] == str(root)
-    [ns] = got["namespaces"]
-    assert ns["namespace"] == NS and ns["blocks"] == 5
+    ns, ns8 = got["namespaces"]
+    assert ns["namespace"] == NS and ns["blocks"] == 5 and ns8["blocks"] == 3
     assert ns["bytes"] == sum(os.path.getsize(p) for p in paths) == 5 * ON_DISK
     assert (ns["oldest_mtime"], ns["newest_mtime"]) == (1_000_000, 1_000_004)
     assert (ns["temp_files"], ns["temp_bytes"], ns["corrupt_files"], ns["corrupt_bytes"]) \
         == (1, 10, 1, 7)
-    assert ns["capacity_bytes"] == int(0.001 * 2**30)
-    assert ns["used_fraction"] == pytest.approx(5 * ON_DISK / int(0.001 * 2**30), rel=1e-5)
-    assert ns["evictor"]["evictor"] == "host-1-abcd" and ns["evictor"]["usage_bytes"] == 123
-    assert 4 <= ns["evictor"]["age_s"] < 60
+    # The bound is the store's (every namespace), the quota each namespace's.
+    assert got["capacity_bytes"] == int(0.001 * 2**30)
+    assert got["bytes"] == ns["bytes"] + ns8["bytes"]
+    assert got["used_fraction"] == pytest.approx(got["bytes"] / int(0.001 * 2**30), rel=1e-5)
+    assert ns["quota_bytes"] == int(0.0005 * 2**30)
+    assert ns["used_fraction"] == pytest.approx(5 * ON_DISK / int(0.0005 * 2**30), rel=1e-5)
+    assert got["evictor"]["evictor"] == "host-1-abcd" and got["evictor"]["usage_bytes"] == 123
+    assert got["evictor"]["namespaces"] == {NS: 123}
+    assert 4 <= got["evictor"]["age_s"] < 60
 
     rc, out, _ = run(capsys, "store", "usage", "-c", cfg)
     assert rc == 0 and NS in out and "evictor host-1-abcd" in out
@@ -94,6 +100,7 @@ def test_usage_by_tenant_account_names_those_it_knows_with_their_quotas(tmp_path
     rc, got = run_json(capsys, "store", "usage", "-c", str(path), "--tenant", "beta")
     assert rc == 0
     [ns] = got["namespaces"]
+    assert ns["tenants"] == got["tenants"]          # one namespace: the store's
     rows = {t["tenant"]: t for t in ns["tenants"]}
     assert rows["acme"]["blocks"] == 12 and rows["acme"]["bytes"] == 12 * ON_DISK
     assert rows["acme"]["quota_bytes"] == 2**29
@@ -141,6 +148,30 @@ def test_evict_removes_the_least_recently_used_first_and_tells_the_indexes(tmp_p
         other.index.refresh(force=True)        # the E records in the ledger
         assert len(other.index) == 3
     hits.close()
+
+
+def test_evict_to_a_size_is_the_stores_least_recent_first_across_namespaces(tmp_path,
+                                                                             capsys):
+    root = tmp_path / "kv"
+    t0 = time.time() - 3600
+    _, p4 = _write(root, KEYS[:4], start=t0)                    # the oldest: 4 x 68 KiB
+    p8 = get_profile("demo", 8)
+    k8 = block_keys(list(range(8 * 3)), 8)
+    _, p8s = _write(root, k8, profile=p8, start=t0 + 100)       # newer: 3 x 132 KiB
+    on_disk8 = HEADER_BYTES + 2 * 65536
+    rc, got = run_json(capsys, "store", "evict", "--dir", str(root), "--to",
+                       str(2 * on_disk8 + ON_DISK))
+    assert rc == 0
+    ns4, ns8 = got["namespaces"]
+    # The store's least recent go first: every demo-t4 block, then demo-t8's oldest.
+    assert ns4["evicted"] == 4 and ns8["keys"] == [k8[0].hex()]
+    assert got["bytes_after"] == 2 * on_disk8 <= 2 * on_disk8 + ON_DISK
+    assert not any(p.exists() for p in p4) and [p.exists() for p in p8s] == [False, True, True]
+    # --namespace: that namespace alone to the size.
+    rc, got = run_json(capsys, "store", "evict", "--dir", str(root), "--to", "0",
+                       "--namespace", "demo-t8", "--dry-run")
+    assert rc == 0 and [n["namespace"] for n in got["namespaces"]] == ["demo-t8"]
+    assert got["namespaces"][0]["evicted"] == 2
 
 
 def test_evict_to_a_size_in_units_and_the_human_report(tmp_path, capsys):

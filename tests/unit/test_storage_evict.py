@@ -1,6 +1,7 @@
 """The store bounded and indexed: LRU core, ledger, index, evictor, capacity guard, and a
 killed evictor's successor (storage/lru.py, ledger.py, index.py, evictor.py)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -155,7 +156,8 @@ def _capped(tmp_path, blocks: float, **kw) -> BlockStore:
     cap = StoreCapacity(int(blocks * ON_DISK), high=kw.pop("high", 0.9),
                         low=kw.pop("low", 0.6), lease_s=kw.pop("lease_s", 0.0),
                         interval_s=3600.0,          # ticks by hand: no timing in tests
-                        quotas=kw.pop("quotas", Quotas()))
+                        quotas=kw.pop("quotas", Quotas()),
+                        namespace_quota=kw.pop("namespace_quota", 0))
     return BlockStore(tmp_path, PROFILE, read_workers=1, fsync=False, capacity=cap, **kw)
 
 
@@ -272,10 +274,12 @@ def test_the_upkeep_survives_its_ledger_directory_vanishing(tmp_path):
     with _capped(tmp_path, 10) as s:
         s.upkeep.tick()
         shutil.rmtree(s.dir / ".ledger")              # an operator's rm, a scrub gone wrong
-        _put(s, KEYS[0], s)                           # the next round makes it again
+        shutil.rmtree(tmp_path / ".evictor")
+        _put(s, KEYS[0], s)                           # the next round makes them again
         s.upkeep.tick()
         assert s.upkeep.holds and s.upkeep.core.usage >= 0
-        assert (s.dir / ".ledger" / "usage.json").exists()
+        assert (tmp_path / ".evictor" / "usage.json").exists()
+        assert any((s.dir / ".ledger").glob("*.log"))
 
 
 def test_a_read_miss_drops_the_key_from_other_indexes_but_not_from_the_usage(tmp_path):
@@ -373,3 +377,73 @@ def test_tenant_quotas_need_a_capacity_and_name_accounts():
     q = cfg.capacity().quotas
     assert q.of(tenant_tag("acme")) == 2**29 and q.of(tenant_tag("beta")) == 2**28
     assert q.of(0) is None                          # the default tenant: no quota
+
+
+# --- one bound for the whole store ---------------------------------------------------
+PROFILE8 = get_profile("demo", 8)           # another KV format: another namespace
+KEYS8 = block_keys(list(range(8 * 20)), 8)
+ON_DISK8 = HEADER_BYTES + 2 * 65536
+
+
+def _capped8(tmp_path, total: int, **kw) -> BlockStore:
+    cap = StoreCapacity(total, high=kw.pop("high", 0.9), low=kw.pop("low", 0.6),
+                        lease_s=0.0, interval_s=3600.0,
+                        namespace_quota=kw.pop("namespace_quota", 0))
+    return BlockStore(tmp_path, PROFILE8, read_workers=1, fsync=False, capacity=cap, **kw)
+
+
+def test_one_evictor_bounds_every_namespace_of_the_store_least_recent_first(tmp_path):
+    # Issue 40: capacity_gib bounded each model namespace on its own, so a store shared
+    # by two models could hold twice its bound. Now one evictor keeps the whole store.
+    total = 40 * ON_DISK
+    with _capped(tmp_path, 40, high=0.9, low=0.5) as a, \
+            _capped8(tmp_path, total, high=0.9, low=0.5) as b:
+        a.upkeep.tick()
+        b.upkeep.tick()
+        assert a.upkeep.holds != b.upkeep.holds      # one evictor for both namespaces
+        for k in KEYS[:8]:                           # namespace demo-t4: the oldest
+            _put(a, k, a, b)
+        for k in KEYS8[:4]:                          # demo-t8: 4 x 2 blocks' bytes
+            _put(b, k, b, a)
+        assert a.leading(KEYS[:2]) == 2              # hit: demo-t4's 0, 1 most recent
+        a.upkeep.tick()
+        b.upkeep.tick()
+        # Usage plus the writers' reserve (3 writers x 2 x the largest block) passes
+        # 0.9 x the store's bound at the 5th more block of demo-t8: down to 0.5 x it.
+        ev = a if a.upkeep.holds else b
+        for k in KEYS8[4:9]:
+            _put(b, k, b, a)
+        assert ev.upkeep.stats.evictions == 6
+        on_disk = sum(x.nbytes for s in (a, b) for x in s.walk())
+        assert on_disk <= 0.5 * total and on_disk == ev.upkeep.core.usage
+        kept4 = {x.key for x in a.walk()}
+        assert kept4 == set(KEYS[:2])                # hit since: kept; the store's least
+        assert {x.key for x in b.walk()} == set(KEYS8[:9])   # recent went, not the newer
+        # The other namespace's processes hear of it through their own ledger.
+        a.index.refresh(force=True)
+        assert a.leading(KEYS[:8]) == 2
+        pub = json.loads((tmp_path / ".evictor" / "usage.json").read_text())
+        assert pub["namespaces"] == {"demo-t4": 2 * ON_DISK, "demo-t8": 9 * ON_DISK8}
+
+
+def test_a_namespace_over_its_quota_loses_its_own_blocks_first(tmp_path):
+    quota = 4 * ON_DISK8
+    # Every process of the store has the same [storage] (the evictor's rules).
+    with _capped(tmp_path, 100, high=1.0, low=0.5, namespace_quota=quota) as a, \
+            _capped8(tmp_path, 100 * ON_DISK, high=1.0, low=0.5,
+                     namespace_quota=quota) as b:
+        t0 = time.time() - 100
+        for i, k in enumerate(KEYS[:4]):
+            a.write(k, _fill(a, k))                  # demo-t4: older, no quota pressure
+            os.utime(a.path_of(k), (t0 + i, t0 + i))
+        for i, k in enumerate(KEYS8[:6]):
+            b.write(k, _fill(b, k))                  # demo-t8: 6 > 4 blocks
+            os.utime(b.path_of(k), (t0 + 10 + i, t0 + 10 + i))
+        a.upkeep.tick()                              # takes over: scans both (mtimes)
+        b.upkeep.tick()
+        assert {x.key for x in a.walk()} == set(KEYS[:4])
+        assert {x.key for x in b.walk()} == set(KEYS8[4:6])     # down to 0.5 x quota
+        with pytest.raises(StorageError, match="namespace demo-t8 is at its quota"):
+            for k in KEYS8[6:]:
+                b.write(k, _fill(b, k))
+        a.write(KEYS[4], _fill(a, KEYS[4]))   # the other namespace still writes: 4 + 3 x 1

@@ -339,7 +339,10 @@ class FrontEnd:
                 block_tokens=self.cfg.block_tokens, timeout_s=self.cfg.request_timeout_s,
                 temperature=call.temperature, top_p=call.top_p, seed=seed,
                 ignore_eos=call.ignore_eos, sampling=call.sampling, on_partial=on_partial,
-                cache_salt=call.cache_salt, tenant=call.tenant)
+                # The tenant salts vLLM's own prefix cache too: no key's holder hits
+                # another tenant's KV there either (the same salt and tenant as before
+                # API keys named tenants: docs/storage.md, "Tenants").
+                cache_salt=call.tenant, tenant=call.tenant)
         except GenerationFailed as e:
             status = _REJECT_STATUS.get(e.reason, 503)
             raise api.ApiError(status, str(e), type_="invalid_request_error"

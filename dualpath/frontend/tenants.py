@@ -12,8 +12,9 @@ separates hits within a tenant as it does in vLLM; the store charges every block
 ``acme`` and ``acme/<salt>`` to the account ``acme`` (its quota: docs/storage.md). With
 an unnamed default tenant (``""``, no keys) the salt alone is the tenant, as in vLLM:
 anyone may send any salt there, so API keys with tenants are what separates users who
-do not trust each other (:func:`check_config` refuses a shared key beside them unless
-the default tenant is named).
+do not trust each other (``FrontendConfig.validate`` refuses a shared key beside them
+unless the default tenant is named). The tenant is also the ``cache_salt`` the vLLM
+instances get, so their own prefix caches are split the same way.
 
 Keys are compared by their SHA-256 digests (a dict lookup of a digest leaks nothing
 usable about a key); a key shorter than 16 characters is refused at start-up.

@@ -44,13 +44,7 @@ from dataclasses import dataclass, field
 
 from dualpath.storage.ledger import EVICTED, HIT, LEDGER_DIR, WROTE, LedgerTail, LedgerWriter
 from dualpath.storage.lru import LruCore, Quotas
-from dualpath.storage.publication import (  # noqa: F401 (CapacityGuard: the writers' side)
-    EVICTOR_DIR,
-    LOCK_FILE,
-    USAGE_FILE,
-    CapacityGuard,
-    write_publication,
-)
+from dualpath.storage.publication import EVICTOR_DIR, LOCK_FILE, write_publication
 from dualpath.storage.tree import namespace_dirs, unlink_block, walk_blocks
 
 log = logging.getLogger("dualpath.storage")
@@ -59,6 +53,7 @@ HIT_AGE_BUCKETS = (1.0, 10.0, 60.0, 600.0, 3600.0, 86400.0, float("inf"))
 PRUNE_EVERY_S = 60.0
 SWEEP_EVERY_S = 300.0
 ACTIVE_WRITER_S = 30.0
+RESCAN_S = 600.0
 MAX_NAMESPACES = 1 << 16
 
 _held: set[str] = set()             # lock files this process holds (POSIX locks are per
@@ -129,6 +124,8 @@ class Upkeep:
         self._lock_fd = -1
         self._spaces: dict[str, _Space] = {}
         self._by_prefix: dict[bytes, _Space] = {}
+        self._unscannable: set[str] = set()
+        self._next_rescan = time.monotonic() + RESCAN_S
         # A process not marked alive for this long is gone (it marks every round).
         self._alive_s = max(ACTIVE_WRITER_S, 10 * interval_s)
         self._rate = 0.0          # most bytes one writer wrote in a round (decaying)
@@ -171,14 +168,15 @@ class Upkeep:
                 self._sweep()
                 return
             now = time.time()
-            self._discover()
+            self._discover(now)
             own = self._spaces.get(self.namespace)
             while self._forgotten:
                 key = self._forgotten.popleft()
                 if own is not None:
                     self.core.removed(own.prefix + key)
             self._apply(now)
-            victims = self.core.victims(now, self.reserve(now))
+            victims = self.core.victims(now, self.reserve(now),
+                                        self.writers(now) * self._block)
             if victims:
                 self._evict(victims, now)
             self._publish(now)
@@ -245,10 +243,18 @@ class Upkeep:
         self.core.clear()
         self._discover()
 
-    def _discover(self) -> None:
+    def _discover(self, now: float | None = None) -> None:
         """Namespaces new since the last round are scanned into the core; one that was
-        removed is forgotten."""
-        found = namespace_dirs(self.root)
+        removed is forgotten; one nobody writes with a capacity (no W records reach the
+        ledger) is scanned again every :data:`RESCAN_S`. A namespace that cannot be
+        listed or scanned (permissions, I/O) is left out this round and tried again
+        the next: never the whole store's eviction stopped for it."""
+        try:
+            found = namespace_dirs(self.root)
+        except OSError as e:
+            log.warning("store %s: cannot list its namespaces (%s); evicting from those "
+                        "known", self.root, e)
+            return
         names = {e.name for e in found}
         for name in [n for n in self._spaces if n not in names]:
             space = self._spaces.pop(name)
@@ -256,23 +262,54 @@ class Upkeep:
             self.core.forget_prefix(space.prefix)
             if space.writer is not None and not space.borrowed:
                 space.writer.close()
+        if now is not None and time.monotonic() >= self._next_rescan:
+            self._next_rescan = time.monotonic() + RESCAN_S
+            self._rescan_unwritten(now)
         for e in found:
             if e.name in self._spaces:
                 continue
             if len(self._by_prefix) >= MAX_NAMESPACES:
-                log.warning("store %s: more than %d namespaces; %s is not evicted from",
-                            self.root, MAX_NAMESPACES, e.name)
                 continue
             sid = next(i for i in range(len(self._by_prefix) + 1)
                        if i.to_bytes(2, "big") not in self._by_prefix)
             own = e.name == self.namespace
             space = _Space(e.name, e.path, sid, self.ledger if own else None)
-            space.tail.skip_to_end()
-            for b in sorted(walk_blocks(e.path), key=lambda b: b.mtime):
+            try:
+                space.tail.skip_to_end()
+                blocks = sorted(walk_blocks(e.path), key=lambda b: b.mtime)
+            except OSError as err:
+                if e.name not in self._unscannable:
+                    self._unscannable.add(e.name)
+                    log.warning("store %s: cannot scan namespace %s (%s); it is not "
+                                "evicted from until it can be", self.root, e.name, err)
+                continue
+            self._unscannable.discard(e.name)
+            for b in blocks:
                 self.core.wrote(space.prefix + b.key, b.nbytes, b.mtime)
                 self._block = max(self._block, b.nbytes)
             self._spaces[e.name] = space
             self._by_prefix[space.prefix] = space
+
+    def _rescan_unwritten(self, now: float) -> None:
+        """Namespaces with no live writer of the ledger (written, if at all, by
+        processes without a capacity, whose writes it never hears of): what is on disk
+        now, the blocks the core does not know added at their mtimes, those gone
+        forgotten."""
+        alive = self._alive(now)
+        for space in list(self._spaces.values()):
+            if any(n.split(".", 1)[0] in alive for n in space.tail.mtimes):
+                continue
+            try:
+                on_disk = {space.prefix + b.key: b for b in walk_blocks(space.dir)}
+            except OSError:
+                continue
+            known = [k for k in self.core.all_keys() if k[:2] == space.prefix]
+            for k in known:
+                if k not in on_disk:
+                    self.core.removed(k)
+            for k, b in on_disk.items():
+                if k not in self.core:
+                    self.core.wrote(k, b.nbytes, b.mtime)
 
     def _close_spaces(self) -> None:
         for space in self._spaces.values():
@@ -313,10 +350,13 @@ class Upkeep:
 
     def _alive(self, now: float) -> set[str]:
         """The writer ids of the processes that have a namespace of the store open (each
-        marks its files alive every round: ledger.py)."""
+        marks its files alive every round: ledger.py); not this evictor's own records
+        of evictions in other namespaces."""
+        evictions = {s.writer.id for s in self._spaces.values()
+                     if s.writer is not None and not s.borrowed}
         return {name.split(".", 1)[0] for s in self._spaces.values()
                 for name, t in s.tail.mtimes.items()
-                if name.endswith(".log") and now - t < self._alive_s}
+                if name.endswith(".log") and now - t < self._alive_s} - evictions
 
     def _prune(self, now: float) -> None:
         # Never a live writer's files, however long since it last wrote; never ours.
@@ -376,6 +416,8 @@ class Upkeep:
             space = self._by_prefix[prefix]
             if space.writer is None:
                 space.writer = LedgerWriter(space.dir, sync=self.ledger.sync)
+            elif not space.borrowed:
+                space.writer.reopen_if_removed()
             space.writer.evicted(keys, now=True)
 
     def _publish(self, now: float) -> None:
@@ -386,11 +428,15 @@ class Upkeep:
                 "consumed": {f"{s.name}/{n}": o for s in self._spaces.values()
                              for n, o in s.tail.offsets.items() if n.endswith(".log")},
                 "evictor": self.ledger.id, "time": now,
-                "tenants": {str(t): n for t, n in core.tenant_usage.items()},
                 "namespaces": {names[p]: n for p, n in core.space_usage.items()
                                if p in names}}
-        if core.quotas is not None:
-            body["quotas"] = core.quotas.to_json()
+        quotas = core.quotas
+        if quotas is not None:
+            # The accounts near their quota only: as many as capacity / quota at most,
+            # however many accounts there are (a caller's salt can make one).
+            body["quotas"] = quotas.to_json()
+            body["tenants"] = {str(t): n for t, n in core.tenant_usage.items()
+                               if (q := quotas.of(t)) is not None and 4 * n >= q}
         if core.spaces.quotas is not None:
             body["namespace_quota_bytes"] = core.spaces.quotas.default
         try:

@@ -164,6 +164,14 @@ class LedgerWriter:
                 [(n, t) for _, n, t in self._marks]
             return sum(n for n, t in rest if tag is None or t == tag)
 
+    def reopen_if_removed(self) -> None:
+        """Start new files if this writer's were removed (an operator's rm, a prune):
+        what it appends then reaches the readers. :meth:`flush` with ``alive`` does
+        this too, for the writers that mark themselves alive."""
+        with self._io:
+            if any(_unlinked(fd) for fd in self._fds.values()):
+                self._next_segment()
+
     def flush(self, alive: bool = False) -> None:
         """Append what is buffered; with ``alive``, also mark this writer alive (its
         files' mtimes now, made if need be): the evictor counts the writers it shares
@@ -206,7 +214,10 @@ class LedgerWriter:
         try:
             fd = self._fds.get(name)
             if fd is None:
-                os.makedirs(self.dir, mode=0o755, exist_ok=True)
+                # The ledger directory only, never its namespace: a namespace removed
+                # meanwhile stays removed (this append fails and is counted).
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(self.dir, 0o755)
                 fd = os.open(os.path.join(self.dir, name), os.O_WRONLY | os.O_CREAT |
                              os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
                 self._fds[name] = fd

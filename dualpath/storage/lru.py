@@ -17,10 +17,12 @@ the store's scan, and unlinks what it picks). Time is passed in, never read.
   leased blocks are left.
 - Groups with quotas: a block is its tenant account's (the tag its key carries:
   dualpath/kv/prefix.py key_tag) and its namespace's (the evictor prefixes each key with
-  its namespace's id: :func:`space_of`). A group over ``high`` x its quota loses its own
-  least recent unleased blocks down to ``low`` x its quota first, whatever the rest of
-  the store holds (one tenant's or one model's working set never pushes another's out
-  past its quota).
+  its namespace's id: :func:`space_of`). A group whose usage plus a reserve (what the
+  writers may add to it in a round, at most half its quota) passes ``high`` x its quota
+  loses its own least recent unleased blocks down to ``low`` x its quota (or the quota
+  less the reserve) first, whatever the rest of the store holds: one tenant's or one
+  model's working set never pushes another's out past its quota, and a group at its
+  quota keeps turning over (its writers are never refused for good).
 """
 
 from __future__ import annotations
@@ -61,20 +63,23 @@ class Quotas:
 
 
 class _Group:
-    """Blocks by a function of their key: bytes per group, and with quotas each group's
-    blocks least recent first."""
+    """Blocks by a function of their key: bytes and blocks per group, and with quotas
+    each group's blocks least recent first."""
 
     def __init__(self, of: Callable[[bytes], Hashable], quotas: Quotas | None):
         self.of = of
         self.quotas = quotas if quotas else None
         self.usage: dict[Hashable, int] = {}
+        self.blocks: dict[Hashable, int] = {}
         self.order: dict[Hashable, OrderedDict[bytes, None]] = {}
 
     def add(self, key: bytes, delta: int, new: bool) -> None:
         g = self.of(key)
         self.usage[g] = self.usage.get(g, 0) + delta
-        if new and self.quotas is not None:
-            self.order.setdefault(g, OrderedDict())[key] = None
+        if new:
+            self.blocks[g] = self.blocks.get(g, 0) + 1
+            if self.quotas is not None:
+                self.order.setdefault(g, OrderedDict())[key] = None
 
     def touch(self, key: bytes) -> None:
         if self.quotas is not None:
@@ -82,10 +87,12 @@ class _Group:
 
     def remove(self, key: bytes, n: int) -> None:
         g = self.of(key)
-        left = self.usage[g] - n
+        left = self.blocks[g] - 1         # by blocks, not bytes: a block may be 0 bytes
         if left:
-            self.usage[g] = left
+            self.blocks[g] = left
+            self.usage[g] -= n
         else:
+            del self.blocks[g]
             del self.usage[g]
         if self.quotas is not None:
             mine = self.order[g]
@@ -93,18 +100,25 @@ class _Group:
             if not mine:
                 del self.order[g]
 
-    def over(self, high: float) -> list[tuple[Hashable, int]]:
+    def over(self, high: float, low: float, reserve: int) -> list[tuple[Hashable, float]]:
+        """[(group, goal)] of the groups whose usage plus ``reserve`` (at most half their
+        quota) is over ``high`` x their quota; the goal is ``low`` x it, or the quota
+        less the reserve when that is lower."""
         if self.quotas is None:
             return []
         out = []
         for g, used in self.usage.items():
             q = self.quotas.of(g)
-            if q is not None and used > high * q:
-                out.append((g, q))
+            if q is None:
+                continue
+            r = min(reserve, q / 2)
+            if used + r > high * q:
+                out.append((g, max(0.0, min(low * q, q - r))))
         return out
 
     def clear(self) -> None:
         self.usage.clear()
+        self.blocks.clear()
         self.order.clear()
 
 
@@ -198,6 +212,9 @@ class LruCore:
         self._leases.pop(key, None)
         return n
 
+    def all_keys(self) -> list[bytes]:
+        return list(self._blocks)
+
     def forget_prefix(self, prefix: bytes) -> int:
         """Forget every block of the namespace ``prefix`` (its directory is gone); the
         bytes forgotten."""
@@ -207,21 +224,25 @@ class LruCore:
     def over(self, reserve: int = 0) -> bool:
         return self.usage + reserve > self.high * self.capacity
 
-    def over_quota(self) -> list[tuple[_Group, Hashable, int]]:
-        """[(group kind, group, quota)] of the groups over ``high`` x their quota."""
-        return [(g, name, q) for g in self._groups for name, q in g.over(self.high)]
+    def over_quota(self, reserve: int = 0) -> list[tuple[_Group, Hashable, float]]:
+        """[(group kind, group, goal)] of the groups over their quota's high watermark,
+        ``reserve`` (what one round of every writer adds to one group) counted."""
+        return [(g, name, goal) for g in self._groups
+                for name, goal in g.over(self.high, self.low, reserve)]
 
-    def victims(self, now: float, reserve: int = 0) -> list[tuple[bytes, int]]:
+    def victims(self, now: float, reserve: int = 0,
+                group_reserve: int = 0) -> list[tuple[bytes, int]]:
         """The blocks to evict now, least recent first, each forgotten here (the caller
         removes them); [] while usage plus ``reserve`` (what writers may add before the
-        next round) is under the high watermark and every group under its quota's."""
+        next round) is under the high watermark and every group under its quota's
+        (``group_reserve`` counted: lru.py's module docstring)."""
         out = []
-        for group, name, quota in self.over_quota():
+        for group, name, goal in self.over_quota(group_reserve):
             mine = group.order.get(name)
             if mine is None:            # emptied by an earlier group's picks this round
                 continue
             out += self._pick(((k, self._blocks[k]) for k in mine),
-                              group.usage.get(name, 0), self.low * quota, now)
+                              group.usage.get(name, 0), goal, now)
         if self.over(reserve):
             goal = max(0.0, min(self.low * self.capacity, self.capacity - reserve))
             out += self._pick(iter(self._blocks.items()), self.usage, goal, now)

@@ -36,7 +36,7 @@ class Published:
     capacity: int
     writers: int
     consumed: dict[str, int]                                  # "<namespace>/<file>" -> offset
-    tenants: dict[int, int] = field(default_factory=dict)     # tag -> bytes
+    tenants: dict[int, int] = field(default_factory=dict)     # tag -> bytes, near quota
     quotas: Quotas | None = None                              # of tenant accounts
     spaces: dict[str, int] = field(default_factory=dict)      # namespace -> bytes
     space_quota: int = 0                                      # of each namespace; 0 none
@@ -59,14 +59,20 @@ class Published:
     def refusal(self, namespace: str, mine: int, tag: int, mine_tag: int) -> str | None:
         """Why a write into ``namespace`` is refused when this writer has ``mine`` bytes
         the evictor has not counted yet (``mine_tag`` of them tenant ``tag``'s, the write
-        included); None when it may go ahead."""
+        included); None when it may go ahead.
+
+        The store's bound is hard: every live writer may add as much as this one before
+        the next round. A quota is soft: each writer checks its own share only (the
+        evictor keeps room for a block of every writer in a group at its quota, so it
+        keeps turning over), and a round of every writer's writes may pass it until the
+        evictor's next round. A tenant whose usage is not published is under a quarter
+        of its quota."""
         if self.usage + self.writers * mine > self.capacity:
             return "the store is at its bound (storage.capacity_gib)"
-        if self.space_quota and \
-                self.spaces.get(namespace, 0) + self.writers * mine > self.space_quota:
+        if self.space_quota and self.spaces.get(namespace, 0) + mine > self.space_quota:
             return f"namespace {namespace} is at its quota (storage.namespace_quota_gib)"
         q = self.quotas.of(tag) if self.quotas is not None else None
-        if q is not None and self.tenants.get(tag, 0) + self.writers * mine_tag > q:
+        if q is not None and self.tenants.get(tag, 0) + mine_tag > q:
             who = "the default tenant" if tag == DEFAULT_TAG else f"tenant tag {tag:06x}"
             return f"{who} is at its quota (storage.tenant_quota_gib / tenant_quotas)"
         return None
@@ -120,11 +126,11 @@ class CapacityGuard:
         if time.time() - st.st_mtime > self.stale_s:
             return None
         if self._seen != (st.st_ino, st.st_mtime_ns):
+            self._seen = (st.st_ino, st.st_mtime_ns)    # read once, parsed or not
             try:
                 self._pub = Published.parse(read_publication(self.path))
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                return None
-            self._seen = (st.st_ino, st.st_mtime_ns)
+                self._pub = None
         return self._pub
 
     def refusal(self, nbytes: int, tag: int = DEFAULT_TAG) -> str | None:

@@ -74,7 +74,7 @@ from dualpath.kv.prefix import key_tag
 from dualpath.kv.profiles import ModelProfile
 from dualpath.storage.backend import StoredBlock
 from dualpath.storage.errors import StorageError
-from dualpath.storage.evictor import CapacityGuard, StoreCapacity, Upkeep
+from dualpath.storage.evictor import StoreCapacity, Upkeep
 from dualpath.storage.format import (
     HEADER_BYTES,
     MIN_KEY_BYTES,
@@ -85,6 +85,7 @@ from dualpath.storage.format import (
 )
 from dualpath.storage.index import KeyIndex
 from dualpath.storage.ledger import LedgerTail, LedgerWriter
+from dualpath.storage.publication import CapacityGuard, usage_path
 from dualpath.storage.ring import ALIGN, RingReader, aligned_bytes, direct_cut
 from dualpath.storage.tree import (  # noqa: F401 (SUFFIX, leaf_entries: the store's names)
     SUFFIX,
@@ -213,6 +214,12 @@ class BlockStore:
         if capacity is not None and capacity.bytes > 0:
             self._guard = CapacityGuard(self.root, self.dir.name, self.ledger)
             self.upkeep = capacity.start(self, self.ledger)
+        elif CapacityGuard(self.root, self.dir.name, self.ledger).published() is not None:
+            log.warning("block store %s: other processes bound this store (an evictor "
+                        "publishes %s) but this one opens it without "
+                        "storage.capacity_gib: its writes escape the bound until the "
+                        "evictor's next rescan; give every process the same [storage]",
+                        self.dir, usage_path(self.root))
         log.info("block store %s: profile %s, %d-byte full blocks, direct_io=%s, %d read "
                  "workers, integrity tags %s, index %s, capacity %s", self.dir, profile.name,
                  self.layout.full_bytes, direct_io, read_workers,

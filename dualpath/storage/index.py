@@ -9,9 +9,9 @@ What keeps it true, in the process that answers the lookups (each node and vLLM
 engine process: no service on the path of a lookup):
 - its own writes, deletes and quarantines, at once;
 - every other process's evictions, deletes and read misses, read from the store's
-  ledger (ledger.py;
-  its ``.log`` files) at most every ``refresh_s``, the first lookup after that polling
-  it (one ``stat`` per writer's file);
+  ledger (ledger.py; its ``.log`` files) every ``refresh_s`` by a thread of its own
+  (one ``stat`` per writer's file), so a lookup on an event loop never waits for that
+  I/O (without the thread, the first lookup after ``refresh_s`` polls);
 - a read that finds a key's file gone drops it (the read is a miss: recomputed).
 A restart starts empty and learns keys as lookups stat them; it never reports a key
 the store did not hold when it was stat'ed. The index is advisory like the lookups
@@ -23,17 +23,20 @@ Memory is bounded by ``max_keys`` (~100 bytes each): past it the index starts ov
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Container, Sequence
 
 from dualpath.storage.ledger import EVICTED, MISSED, WROTE, LedgerTail
 
+log = logging.getLogger("dualpath.storage")
+
 
 class KeyIndex:
     def __init__(self, tail: LedgerTail, exists: Callable[[bytes], bool], *,
                  max_keys: int = 1_000_000, refresh_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, background: bool = False):
         self._tail = tail
         self._tail.skip_to_end()
         self._exists = exists
@@ -44,6 +47,31 @@ class KeyIndex:
         self._keys: set[bytes] = set()
         self._poll = threading.Lock()
         self.stats = {"index_stat_calls": 0, "index_resets": 0, "index_ledger_polls": 0}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="dp-store-index",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        failing = 0
+        while not self._stop.wait(self.refresh_s):
+            try:
+                self.refresh(force=True)
+                failing = 0
+            except Exception:
+                failing += 1
+                if failing == 1 or failing % 100 == 0:
+                    log.exception("store index: polling the ledger (%d rounds failing)",
+                                  failing)
+
+    def close(self) -> None:
+        """Stop the polling thread (idempotent)."""
+        self._stop.set()
+        t, self._thread = self._thread, None
+        if t is not None:
+            t.join()
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -68,7 +96,8 @@ class KeyIndex:
 
     def leading(self, keys: Sequence[bytes], held: Container[bytes] = ()) -> int:
         """How many leading ``keys`` are known here, found by a stat, or in ``held``."""
-        self.refresh()
+        if self._thread is None:
+            self.refresh()
         n = 0
         known = self._keys
         for key in keys:
@@ -79,11 +108,12 @@ class KeyIndex:
         return n
 
     def refresh(self, force: bool = False) -> None:
-        """Apply the ledger's new W and E records, when ``refresh_s`` has passed."""
+        """Apply the ledger's new W and E records, when ``refresh_s`` has passed (with
+        ``force``, now: after a poll under way, if one is)."""
         now = self._clock()
         if not force and now < self._next:
             return
-        if not self._poll.acquire(blocking=False):
+        if not self._poll.acquire(blocking=force):
             return                      # another thread is polling: use what we know
         try:
             self._next = now + self.refresh_s

@@ -210,7 +210,7 @@ class BlockStore:
                                self.dir) from None
         if index_max_keys > 0:
             self.index = KeyIndex(LedgerTail.of(self.dir, "log"), self._file_exists,
-                                  max_keys=index_max_keys)
+                                  max_keys=index_max_keys, background=True)
         if capacity is not None and capacity.bytes > 0:
             self._guard = CapacityGuard(self.root, self.dir.name, self.ledger)
             self.upkeep = capacity.start(self, self.ledger)
@@ -244,6 +244,8 @@ class BlockStore:
         self._write_pool.shutdown(wait=True)
         if self.upkeep is not None:
             self.upkeep.close()
+        if self.index is not None:
+            self.index.close()
         if self.ledger is not None:
             self.ledger.close()
         if self._root_fd >= 0:

@@ -143,6 +143,30 @@ def test_a_stale_index_entry_is_a_miss_at_the_read_and_then_forgotten(tmp_path):
         assert s.leading(KEYS[:1]) == 0               # the miss dropped it
 
 
+def test_a_lookup_never_polls_the_ledger_its_own_thread_does(tmp_path):
+    # A lookup answers on an event loop (a vLLM engine's Lookup, a node's plan): the
+    # ledger's I/O (a stat per writer's file, reads) happened there once a second.
+    import threading
+    with BlockStore(tmp_path, PROFILE, read_workers=1, fsync=False) as a, \
+            BlockStore(tmp_path, PROFILE, read_workers=1, fsync=False) as b:
+        for k in KEYS[:4]:
+            a.write(k, _fill(a, k))
+        assert b.leading(KEYS[:4]) == 4               # learnt by stat, then known
+        pollers = []
+        real = b.index._tail.poll
+
+        def poll():
+            pollers.append(threading.current_thread().name)
+            return real()
+        b.index._tail.poll = poll
+        a.delete(KEYS[1])                              # an E record in a's ledger
+        deadline = time.monotonic() + 30               # liveness bound, not a timing
+        while b.leading(KEYS[:4]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.leading(KEYS[:4]) == 1               # heard of within a poll or two
+        assert pollers and set(pollers) == {"dp-store-index"}
+
+
 def test_the_index_starts_over_past_its_bound(tmp_path):
     with BlockStore(tmp_path, PROFILE, read_workers=1, index_max_keys=5) as s:
         for k in KEYS[:8]:

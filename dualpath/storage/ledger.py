@@ -108,10 +108,13 @@ class LedgerWriter:
         self._lock = threading.Lock()           # the buffers
         self._io = threading.Lock()             # the files: one flush at a time
         self._buf = {"log": bytearray(), "hits": bytearray()}
-        # W records not yet read by the evictor, with their blocks' bytes and tenant tags:
+        # W records not yet read by the evictor, with their blocks' bytes and tenant tags
+        # (buffered, then written), and their bytes in all and per tag (what a writer's
+        # capacity check asks at every write: no walk of the records).
         self._marks: list[tuple[int, int, int]] = []      # (end in the log buffer, ...)
-        self._flushing: list[tuple[int, int]] = []        # being written
         self._written: deque[tuple[str, int, int, int]] = deque()   # (file, end, ...)
+        self._unaccounted = 0
+        self._unaccounted_tag: dict[int, int] = {}
         self._fds: dict[str, int] = {}
         self._offsets: dict[str, int] = {}
         self._segment = 0
@@ -125,7 +128,18 @@ class LedgerWriter:
         with self._lock:
             buf = self._buf["log"]
             buf += RECORD.pack(WROTE, nbytes, key)
-            self._marks.append((len(buf), nbytes, key_tag(key)))
+            tag = key_tag(key)
+            self._marks.append((len(buf), nbytes, tag))
+            self._count(nbytes, tag)
+
+    def _count(self, nbytes: int, tag: int) -> None:
+        """(under ``_lock``) ``nbytes`` more (or fewer) of tag ``tag`` unaccounted."""
+        self._unaccounted += nbytes
+        left = self._unaccounted_tag.get(tag, 0) + nbytes
+        if left:
+            self._unaccounted_tag[tag] = left
+        else:
+            self._unaccounted_tag.pop(tag, None)
 
     def evicted(self, keys: Iterable[bytes], now: bool = False) -> None:
         """Blocks removed (evicted, deleted, quarantined): every index drops them, the
@@ -159,10 +173,9 @@ class LedgerWriter:
             w = self._written
             while w and (consumed.get(w[0][0], -1) >= w[0][1] or
                          int(w[0][0][len(mine):].split(".", 1)[0]) < newest):
-                w.popleft()
-            rest = [(n, t) for *_, n, t in w] + self._flushing + \
-                [(n, t) for _, n, t in self._marks]
-            return sum(n for n, t in rest if tag is None or t == tag)
+                _, _, n, t = w.popleft()
+                self._count(-n, t)
+            return self._unaccounted if tag is None else self._unaccounted_tag.get(tag, 0)
 
     def reopen_if_removed(self) -> None:
         """Start new files if this writer's were removed (an operator's rm, a prune):
@@ -187,17 +200,17 @@ class LedgerWriter:
                 for b in self._buf.values():
                     b.clear()
                 marks, self._marks = self._marks, []
-                self._flushing = [(n, t) for _, n, t in marks]
             for kind in ("log", "hits"):
                 data = batches.get(kind, b"")
                 if data or alive:
-                    written = self._append(kind, data, marks if kind == "log" else [])
+                    mine = marks if kind == "log" else []
+                    written = self._append(kind, data, mine)
                     with self._lock:
                         self._written.extend(written)
+                        for _, n, t in mine[len(written):]:   # lost with a short write:
+                            self._count(-n, t)                 # never read, not counted
                     if alive and not data:
                         self._touch(kind)
-            with self._lock:
-                self._flushing = []
 
     def _touch(self, kind: str) -> None:
         fd = self._fds.get(self.name(kind))

@@ -115,6 +115,7 @@ class CapacityGuard:
         self.stale_s = stale_s
         self._seen: tuple[int, int] | None = None
         self._pub: Published | None = None
+        self._consumed: dict[str, int] = {}
 
     def published(self) -> Published | None:
         """The evictor's last publication; None when there is none or it is older than
@@ -122,13 +123,16 @@ class CapacityGuard:
         try:
             st = os.stat(self.path)
         except OSError:
+            self._pub = None
             return None
         if time.time() - st.st_mtime > self.stale_s:
+            self._seen, self._pub = None, None
             return None
         if self._seen != (st.st_ino, st.st_mtime_ns):
             self._seen = (st.st_ino, st.st_mtime_ns)    # read once, parsed or not
             try:
                 self._pub = Published.parse(read_publication(self.path))
+                self._consumed = self._pub.consumed_of(self.namespace)
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 self._pub = None
         return self._pub
@@ -139,7 +143,7 @@ class CapacityGuard:
         pub = self.published()
         if pub is None:
             return None
-        consumed = pub.consumed_of(self.namespace)
+        consumed = self._consumed
         mine = self.ledger.unaccounted(consumed) + nbytes
         mine_tag = self.ledger.unaccounted(consumed, tag) + nbytes \
             if pub.quotas is not None else 0

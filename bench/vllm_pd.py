@@ -41,8 +41,8 @@ Method
   (I/O-bound case; all greedy, so they must agree).
 
 Prints a table and writes the same record as JSON (--json) with a ``summary``:
-io_bound_speedup_vs_basic, compute_bound_slowdown_vs_basic (a fraction),
-io_bound_snic_max_avg, tokens_mismatched.
+io_bound_speedup_vs_basic (and io_bound_speedup_vs_basic_p2d1 with --prefill-tp 2),
+compute_bound_slowdown_vs_basic (a fraction), io_bound_snic_max_avg, tokens_mismatched.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def _cluster(model: Path, snic: float, work: Path, name: str, args) -> VllmPdClu
         settings["storage"] = {"snic_gbit_per_s": snic}
     return VllmPdCluster(model, decode_nodes=2, work_dir=str(work / name), settings=settings,
                          max_model_len=8192, kv_cache_gib=args.kv_cache_gib,
-                         prefix_caching=True).start()
+                         prefix_caching=True, prefill_tp=args.prefill_tp,
+                         decode_tp=args.decode_tp).start()
 
 
 def case(args, model: Path, vocab: int, snic: float, modes: list[str], work: Path) -> dict:
@@ -235,6 +236,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="io,compute",
                     help="which cases to run: io, compute or both (comma-separated)")
     ap.add_argument("--work-dir", default="", help="keep the clusters' logs here")
+    ap.add_argument("--prefill-tp", type=int, default=1, choices=(1, 2),
+                    help="tensor parallelism of the prefill instance (its ranks share its "
+                    "cores)")
+    ap.add_argument("--decode-tp", type=int, default=1, choices=(1, 2),
+                    help="tensor parallelism of each decode instance")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     if args.json:      # before the run, not after it: a missing folder is made
@@ -273,7 +279,12 @@ def main(argv=None) -> int:
 
     def ratio(a: dict, b: dict) -> float | None:
         return a["jct_s"] / b["jct_s"] if a and b else None
+    tp = f"p{args.prefill_tp}d{args.decode_tp}"
     s = {"io_bound_speedup_vs_basic": ratio(io.get("basic"), io.get("dualpath")),
+         # The issue's name for a P TP=2 / D TP=1 run (and its like for others).
+         **({f"io_bound_speedup_vs_basic_{tp}": ratio(io.get("basic"), io.get("dualpath"))}
+            if tp != "p1d1" else {}),
+         "tensor_parallel": tp,
          "io_bound_basic_over_oracle": ratio(io.get("basic"), io.get("oracle")),
          "compute_bound_slowdown_vs_basic": (ratio(cb["dualpath"], cb["basic"]) - 1.0)
          if cb else None,

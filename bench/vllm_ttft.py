@@ -32,6 +32,15 @@ Method
   second, and all engines share the cores here, so without the wait a turn measured
   right after another engine's prefill ran ~500 ms slower (4K context: 1.2-1.35 s
   against 0.6-0.8 s).
+  TP=2 rows (--tp2): the same turns at tensor parallelism 2 (VLLM_CPU_OMP_THREADS_BIND
+  "0|1", a node of its own): vLLM's prefix-cache hit at TP=2 and DualPath at TP=2 (each
+  rank loads its half of the KV heads from the same Full Blocks), alternated likewise;
+  limit = max(read bound, vLLM's hit at TP=2).
+  MLA rows (--mla): the tiny seeded DeepSeek-V2-style model (a 576-wide latent per token
+  and layer, 2 layers: 4,608 KV bytes per token; vLLM's CPU MLA backend forces prefix
+  caching off and 16-token blocks), DualPath against vLLM's recompute; the limit is the
+  read bound alone (issue 39), which at 4.6 KB per token is milliseconds: the row shows
+  what a turn costs besides its reads.
   The store's read bandwidth is fio's (libaio, O_DIRECT, depth 8, bs = the block file)
   over the very block files the dualpath rows read, in the same run.
   Correctness: the dualpath turn's token and logprob against the prefix-cache turn's.
@@ -58,11 +67,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from storage import run_fio  # bench/storage.py: the same fio method
 
 from dualpath.cluster.vllm_node import ENGINE_ENV, NodeProcess, engine_args
+from dualpath.storage.tree import namespace_dirs
 from dualpath.vllm import models
 from dualpath.vllm.driver import EngineDied, EngineProcess
 
 T = 128
 KV_BYTES_PER_TOKEN = 46080
+MLA_KV_BYTES_PER_TOKEN = (models.MLA["num_hidden_layers"] * 4 *
+                          (models.MLA["kv_lora_rank"] + models.MLA["qk_rope_head_dim"]))
 MAX_LEN = 8192
 
 
@@ -101,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the record here")
     ap.add_argument("--skip-probes", action="store_true",
                     help="do not try the connectors that do not run on CPU")
+    ap.add_argument("--tp2", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the TP=2 rows")
+    ap.add_argument("--mla", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the MLA rows")
     args = ap.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
     if any(not 2 * T < q < MAX_LEN for q in contexts) or args.reps < 1:
@@ -162,9 +178,20 @@ def main(argv: list[str] | None = None) -> int:
         for e in engines.values():
             e.close()
         node.stop()
+    extra = {}
+    if args.tp2:
+        extra["tp2"] = measure_pair(
+            "tp2", model, contexts, args.reps, work,
+            {"tensor_parallel_size": 2}, {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            oracle_prefix_caching=True)
+    if args.mla:
+        mla = models.prepare(models.default_dir(), ("mla",))["mla"]
+        extra["mla"] = measure_pair("mla", mla, contexts, args.reps, work,
+                                    dict(models.MLA_ENGINE_ARGS), ENGINE_ENV,
+                                    oracle_prefix_caching=False)
     fio = fio_bandwidth(node)
 
-    record = report(rows, contexts, fio, not_run, args, work)
+    record = report(rows, contexts, fio, not_run, args, work, extra)
     if args.json:
         args.json.write_text(json.dumps(record, indent=2) + "\n")
     if args.work is None:
@@ -277,9 +304,53 @@ def measure(engines: dict[str, EngineProcess], contexts: list[int], reps: int,
     return out
 
 
+def measure_pair(name: str, model: Path, contexts: list[int], reps: int, work: Path,
+                 extra: dict, env: dict, *, oracle_prefix_caching: bool) -> list[dict]:
+    """DualPath against vLLM on the same turns, both engines made with ``extra`` (TP=2,
+    MLA), a node of their own: vLLM's hit turn (its prefix cache; without one, its
+    recompute: ``oracle_prefix_caching`` False) and DualPath's, alternated."""
+    node = NodeProcess(work / f"node-{name}",
+                       settings={"buffers": {"pe_buffer_mib": 1024}}).start()
+    engines: dict[str, EngineProcess] = {}
+    out = []
+    try:
+        engines["oracle"] = EngineProcess(
+            engine_args(model, prefix_caching=oracle_prefix_caching, max_model_len=MAX_LEN,
+                        **extra), work / f"oracle-{name}.log", env=env)
+        engines["dualpath"] = EngineProcess(
+            engine_args(model, node=node, prefix_caching=False, max_model_len=MAX_LEN,
+                        **extra), work / f"dualpath-{name}.log", env=env)
+        oracle, dp = engines["oracle"], engines["dualpath"]
+        for rep in range(reps):
+            for q in contexts:
+                prompt, w = conversation(7000 + 1000 * rep + q, q)
+                r: dict = {"rep": rep, "context": q, "hit_tokens": w}
+                if oracle_prefix_caching:
+                    oracle.reset_prefix_cache()
+                    oracle.generate(prompt[:w], 1)
+                settle(node, work / "none", engines)
+                hit = oracle.generate(prompt, 1)
+                r["vllm"] = hit["wall_s"]
+                dp.generate(prompt[:w], 1)
+                settle(node, work / "none", engines)
+                got = dp.generate(prompt, 1)
+                r["dualpath"] = got["wall_s"]
+                r["tokens_mismatched"] = int(got["token_ids"] != hit["token_ids"])
+                r["logprob_abs_diff"] = abs(got["logprobs"][0] - hit["logprobs"][0])
+                r["loaded_bytes"] = node.metric("dualpath_node_connector_loaded_bytes_total")
+                out.append(r)
+                print(f"{name} rep {rep} context {q}: vLLM {r['vllm'] * 1e3:.0f} ms, "
+                      f"DualPath {r['dualpath'] * 1e3:.0f} ms", flush=True)
+    finally:
+        for e in engines.values():
+            e.close()
+        node.stop()
+    return out
+
+
 def fio_bandwidth(node: NodeProcess) -> dict:
     """fio over the block files DualPath read (the namespace directory of the store)."""
-    (ns,) = [p for p in node.store_dir.iterdir() if p.is_dir()]
+    (ns,) = [Path(e.path) for e in namespace_dirs(node.store_dir)]   # not .evictor/
     files = sorted(ns.rglob("*.kvb"))
     size = files[0].stat().st_size
     bs = size // 4096 * 4096
@@ -288,8 +359,28 @@ def fio_bandwidth(node: NodeProcess) -> dict:
             "file_bytes": size, "bs": bs, "cmd": r["cmd"]}
 
 
-def report(rows: list[dict], contexts: list[int], fio: dict, not_run: dict, args, work
-           ) -> dict:
+def pair_table(rows: list[dict], contexts: list[int], bw: float, kv_per_token: int,
+               against_vllm: bool) -> list[dict]:
+    """Medians of :func:`measure_pair`'s rows per context, against the limit: the read
+    bound, or (``against_vllm``) the larger of it and vLLM's hit."""
+    table = []
+    for q in contexts:
+        mine = [r for r in rows if r["context"] == q]
+        if not mine:
+            continue
+        w = mine[0]["hit_tokens"]
+        vllm = statistics.median(r["vllm"] for r in mine)
+        dp = statistics.median(r["dualpath"] for r in mine)
+        read_bound = w * kv_per_token / bw
+        limit = max(read_bound, vllm) if against_vllm else read_bound
+        table.append({"context": q, "hit_tokens": w, "read_bound_s": read_bound,
+                      "vllm_s": vllm, "dualpath_s": dp, "limit_s": limit,
+                      "dualpath_vs_limit": dp / limit})
+    return table
+
+
+def report(rows: list[dict], contexts: list[int], fio: dict, not_run: dict, args, work,
+           extra: dict | None = None) -> dict:
     modes = ("recompute", "prefix_cache", "dualpath", "example_agentic", "example_repeat",
              "prefix_cache_repeat", "dualpath_repeat")
     med = {q: {m: statistics.median(vals) if (vals := [r[m] for r in rows
@@ -309,6 +400,12 @@ def report(rows: list[dict], contexts: list[int], fio: dict, not_run: dict, args
                       "speedup_vs_example_repeat": m["example_repeat"] / m["dualpath_repeat"],
                       "speedup_vs_example_agentic": m["example_agentic"] / m["dualpath"],
                       "load_vs_recompute": m["dualpath"] / m["recompute"]})
+    extra = extra or {}
+    pairs = {}
+    if "tp2" in extra:
+        pairs["tp2"] = pair_table(extra["tp2"], contexts, bw, KV_BYTES_PER_TOKEN, True)
+    if "mla" in extra:
+        pairs["mla"] = pair_table(extra["mla"], contexts, bw, MLA_KV_BYTES_PER_TOKEN, False)
     big = max(contexts)
     measured = [t for t in table if not math.isnan(t["speedup_vs_example_repeat"])]
     summary = {
@@ -321,7 +418,12 @@ def report(rows: list[dict], contexts: list[int], fio: dict, not_run: dict, args
         "load_vs_recompute_8k": round(next(t["load_vs_recompute"] for t in table
                                            if t["context"] == big), 3),
         "max_logprob_abs_diff_vs_prefix_cache": max(r["logprob_abs_diff"] for r in rows),
-        "tokens_mismatched": sum(r["tokens_mismatched"] for r in rows),
+        "tokens_mismatched": sum(r["tokens_mismatched"] for rs in [rows, *extra.values()]
+                                 for r in rs),
+        **{f"ttft_vs_limit_{k}_max": round(max(t["dualpath_vs_limit"] for t in v), 3)
+           for k, v in pairs.items() if v},
+        "max_logprob_abs_diff_tp2_mla": max(
+            (r["logprob_abs_diff"] for rs in extra.values() for r in rs), default=None),
         "fio_read_gbytes_per_s": round(fio["gbytes_per_s"], 3),
         "shipped_connectors_run": ["example"],
         "shipped_connectors_not_run": not_run,
@@ -343,6 +445,16 @@ def report(rows: list[dict], contexts: list[int], fio: dict, not_run: dict, args
           + ", ".join(f"{t['example_agentic_s'] * 1e3:.0f} ms" for t in table))
     for k, v in not_run.items():
         print(f"  not run: {k}: {v}")
+    for name, t2 in pairs.items():
+        what = ("vLLM hit at TP=2" if name == "tp2" else
+                "vLLM recompute (MLA: no prefix cache on CPU); limit = read bound alone")
+        print(f"\n{name} rows ({what}):")
+        print(("{:>8} " + "{:>11} " * 5).format("context", "vLLM", "read bound", "DualPath",
+                                                 "limit", "x limit"))
+        for t in t2:
+            print(f"{t['context']:>8} {t['vllm_s'] * 1e3:>9.0f}ms "
+                  f"{t['read_bound_s'] * 1e3:>9.1f}ms {t['dualpath_s'] * 1e3:>9.0f}ms "
+                  f"{t['limit_s'] * 1e3:>9.1f}ms {t['dualpath_vs_limit']:>11.2f}")
     print("summary: " + json.dumps({k: v for k, v in summary.items()
                                     if not isinstance(v, dict | list)}))
     return {"bench": "vllm_ttft", "method": __doc__.split("Method\n")[1].split("\n\nPrints")[0],
@@ -351,7 +463,8 @@ def report(rows: list[dict], contexts: list[int], fio: dict, not_run: dict, args
                        "cpus": os.cpu_count(), "kernel": platform.release(),
                        "load_avg_1m": os.getloadavg()[0], "work": str(work),
                        "fio": fio},
-            "rows": rows, "table": table, "summary": summary}
+            "rows": rows, "table": table, "extra_rows": extra, "extra_tables": pairs,
+            "summary": summary}
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ an in-flight request's blocks is the lease its lookup recorded (lru.py).
 
 from __future__ import annotations
 
+import bisect
 import errno as _errno
 import fcntl
 import logging
@@ -54,6 +55,7 @@ PRUNE_EVERY_S = 60.0
 SWEEP_EVERY_S = 300.0
 ACTIVE_WRITER_S = 30.0
 RESCAN_S = 600.0
+DISCOVER_S = 1.0               # new or removed namespaces are looked for this often
 MAX_NAMESPACES = 1 << 16
 
 _held: set[str] = set()             # lock files this process holds (POSIX locks are per
@@ -125,6 +127,7 @@ class Upkeep:
         self._spaces: dict[str, _Space] = {}
         self._by_prefix: dict[bytes, _Space] = {}
         self._unscannable: set[str] = set()
+        self._next_discover = 0.0
         self._next_rescan = time.monotonic() + RESCAN_S
         # A process not marked alive for this long is gone (it marks every round).
         self._alive_s = max(ACTIVE_WRITER_S, 10 * interval_s)
@@ -175,11 +178,12 @@ class Upkeep:
                 if own is not None:
                     self.core.removed(own.prefix + key)
             self._apply(now)
-            victims = self.core.victims(now, self.reserve(now),
-                                        self.writers(now) * self._block)
+            writers = self.writers(now)
+            victims = self.core.victims(now, self.reserve(now, writers),
+                                        writers * self._block)
             if victims:
                 self._evict(victims, now)
-            self._publish(now)
+            self._publish(now, writers)
             if time.monotonic() >= self._next_prune:
                 self._next_prune = time.monotonic() + PRUNE_EVERY_S
                 self._prune(now)
@@ -249,6 +253,9 @@ class Upkeep:
         ledger) is scanned again every :data:`RESCAN_S`. A namespace that cannot be
         listed or scanned (permissions, I/O) is left out this round and tried again
         the next: never the whole store's eviction stopped for it."""
+        if now is not None and self._spaces and time.monotonic() < self._next_discover:
+            return
+        self._next_discover = time.monotonic() + DISCOVER_S
         try:
             found = namespace_dirs(self.root)
         except OSError as e:
@@ -333,6 +340,10 @@ class Upkeep:
             # needs the block known first.
             polled = sorted(space.tail.poll(), key=lambda nr: nr[0].endswith(".hits"))
             for name, records in polled:
+                if name.endswith(".hits"):          # H records only: one batch
+                    self._count_ages(core.hit_many([p + key for op, _, key in records
+                                                    if op == HIT], now))
+                    continue
                 writer = name.split(".", 1)[0]
                 ours = writer in mine       # our own E records were applied when made
                 for op, size, key in records:
@@ -341,9 +352,7 @@ class Upkeep:
                         wrote[writer] = wrote.get(writer, 0) + size
                         self._block = max(self._block, size)
                     elif op == HIT:
-                        age = core.hit(p + key, now)
-                        if age is not None:
-                            self._count_age(age)
+                        self._count_ages(core.hit_many([p + key], now))
                     elif op == EVICTED and not ours:
                         core.removed(p + key)
         self._rate = max(0.9 * self._rate, max(wrote.values(), default=0))
@@ -372,12 +381,14 @@ class Upkeep:
         now."""
         return 1 + len(self._alive(now))
 
-    def reserve(self, now: float) -> int:
+    def reserve(self, now: float, writers: int | None = None) -> int:
         """What the writers may add before the next round, with a margin: the space
         eviction keeps free so that :class:`CapacityGuard` seldom refuses a write; at
         most (1 - low watermark) of the capacity (a small store with fast writers would
         otherwise be emptied each round: its writers are refused a little instead)."""
-        want = 2 * self.writers(now) * max(self._rate, self._block)
+        if writers is None:
+            writers = self.writers(now)
+        want = 2 * writers * max(self._rate, self._block)
         core = self.core          # never so much that eviction would empty the store
         return int(min(want, (1.0 - core.low) * core.capacity, core.high * core.capacity / 2))
 
@@ -386,13 +397,12 @@ class Upkeep:
         round; never waits for a round under way)."""
         self._forgotten.append(key)
 
-    def _count_age(self, age: float) -> None:
+    def _count_ages(self, ages: list[float]) -> None:
         s = self.stats
-        s.hit_age_sum += age
-        for i, bound in enumerate(HIT_AGE_BUCKETS):
-            if age <= bound:
-                s.hit_age_counts[i] += 1
-                break
+        s.hit_age_sum += sum(ages)
+        counts, bounds = s.hit_age_counts, HIT_AGE_BUCKETS
+        for age in ages:
+            counts[bisect.bisect_left(bounds, age)] += 1
 
     def _evict(self, victims: list[tuple[bytes, int]], now: float) -> None:
         gone: dict[bytes, list[bytes]] = {}
@@ -420,11 +430,11 @@ class Upkeep:
                 space.writer.reopen_if_removed()
             space.writer.evicted(keys, now=True)
 
-    def _publish(self, now: float) -> None:
+    def _publish(self, now: float, writers: int) -> None:
         core = self.core
         names = {s.prefix: s.name for s in self._spaces.values()}
         body = {"usage_bytes": core.usage, "capacity_bytes": core.capacity,
-                "writers": self.writers(now),
+                "writers": writers,
                 "consumed": {f"{s.name}/{n}": o for s in self._spaces.values()
                              for n, o in s.tail.offsets.items() if n.endswith(".log")},
                 "evictor": self.ledger.id, "time": now,

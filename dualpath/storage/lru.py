@@ -194,6 +194,24 @@ class LruCore:
         self._leases[key] = now + self.lease_s
         return age
 
+    def hit_many(self, keys, now: float) -> list[float]:
+        """:meth:`hit` of each of ``keys``; the hit ages of those known here (one call
+        for a ledger file's batch of H records: the evictor's hot loop)."""
+        blocks, touched, leases = self._blocks, self._touched, self._leases
+        until = now + self.lease_s
+        grouped = [g for g in self._groups if g.quotas is not None]
+        ages = []
+        for key in keys:
+            if key not in blocks:
+                continue
+            ages.append(max(0.0, now - touched[key]))
+            blocks.move_to_end(key)
+            touched[key] = now
+            leases[key] = until
+            for g in grouped:
+                g.touch(key)
+        return ages
+
     def _touch(self, key: bytes, now: float) -> None:
         self._blocks.move_to_end(key)
         self._touched[key] = now

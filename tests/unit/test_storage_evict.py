@@ -503,6 +503,7 @@ def test_a_namespace_that_cannot_be_scanned_does_not_stop_the_stores_eviction(
         for k in KEYS8[:2]:
             b.write(k, _fill(b, k))
     monkeypatch.setattr(ev_mod, "walk_blocks", walk)
+    monkeypatch.setattr(ev_mod, "DISCOVER_S", 0.0)     # look for namespaces every tick
     with _capped(tmp_path, 10, high=0.9, low=0.5) as a:
         for k in KEYS[:9]:
             a.write(k, _fill(a, k))
@@ -536,6 +537,7 @@ def test_a_removed_namespace_is_forgotten_and_never_made_again(tmp_path):
 def test_a_namespace_written_without_a_capacity_is_rescanned(tmp_path, monkeypatch):
     from dualpath.storage import evictor as ev_mod
     monkeypatch.setattr(ev_mod, "RESCAN_S", 0.0)
+    monkeypatch.setattr(ev_mod, "DISCOVER_S", 0.0)
     with _capped(tmp_path, 100) as a:
         a.upkeep.tick()
         with BlockStore(tmp_path, PROFILE8, read_workers=1, fsync=False) as plain:

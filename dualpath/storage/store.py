@@ -91,6 +91,7 @@ from dualpath.storage.tree import (  # noqa: F401 (SUFFIX, leaf_entries: the sto
     SUFFIX,
     block_parts,
     leaf_entries,
+    unlink_block,
     walk_blocks,
 )
 
@@ -356,17 +357,7 @@ class BlockStore:
         """Unlink block ``key``'s file only (the evictor records its E itself)."""
         if self.index is not None:
             self.index.discard(key)
-        try:
-            dfd, name = self._block_dir(key)
-        except OSError:
-            return False
-        try:
-            os.unlink(name, dir_fd=dfd)
-            return True
-        except (FileNotFoundError, IsADirectoryError):
-            return False
-        finally:
-            os.close(dfd)
+        return unlink_block(self._root_fd, key)
 
     # --- writes -------------------------------------------------------------------------
     def write(self, key: bytes, data, *, overwrite: bool = False) -> bool:

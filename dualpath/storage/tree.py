@@ -88,20 +88,22 @@ def block_parts(key: bytes) -> tuple[str, str, str]:
     return h[:2], h[2:4], h + SUFFIX
 
 
-def unlink_block(ns_dir: str | os.PathLike, key: bytes) -> bool:
-    """Remove block ``key``'s file from the namespace at ``ns_dir`` (not following a
-    symlink in its path); False when it was not there. Another namespace's blocks are
-    removed this way by the store's evictor."""
+def unlink_block(ns: str | os.PathLike | int, key: bytes) -> bool:
+    """Remove block ``key``'s file from the namespace ``ns`` (its path, or a descriptor
+    of its directory), not following a symlink in its path; False when it was not there
+    (or a symlink or a file stands where its directories would). Another namespace's
+    blocks are removed this way by the store's evictor."""
     top, sub, name = block_parts(key)
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(os.path.join(os.fspath(ns_dir), top), flags)
-    except (FileNotFoundError, NotADirectoryError):
+        fd = os.open(top, flags, dir_fd=ns) if isinstance(ns, int) else \
+            os.open(os.path.join(os.fspath(ns), top), flags)
+    except OSError:
         return False
     try:
         try:
             dfd = os.open(sub, flags, dir_fd=fd)
-        except (FileNotFoundError, NotADirectoryError):
+        except OSError:
             return False
         try:
             os.unlink(name, dir_fd=dfd)

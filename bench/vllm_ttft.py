@@ -73,9 +73,15 @@ from dualpath.vllm.driver import EngineDied, EngineProcess
 
 T = 128
 KV_BYTES_PER_TOKEN = 46080
+TINY2_KV_BYTES_PER_TOKEN = (models.TINY2["num_hidden_layers"] * 2 * 4 *
+                            models.TINY2["num_key_value_heads"] * models.TINY2["head_dim"])
 MLA_KV_BYTES_PER_TOKEN = (models.MLA["num_hidden_layers"] * 4 *
                           (models.MLA["kv_lora_rank"] + models.MLA["qk_rope_head_dim"]))
 MAX_LEN = 8192
+
+
+class _Skip(Exception):
+    """--rows without main."""
 
 
 def conversation(seed: int, q: int) -> tuple[list[int], int]:
@@ -113,12 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the record here")
     ap.add_argument("--skip-probes", action="store_true",
                     help="do not try the connectors that do not run on CPU")
-    ap.add_argument("--tp2", action=argparse.BooleanOptionalAction, default=True,
-                    help="also the TP=2 rows")
-    ap.add_argument("--mla", action=argparse.BooleanOptionalAction, default=True,
-                    help="also the MLA rows")
+    ap.add_argument("--rows", default="main,tp2,mla",
+                    help="which rows: main (SmolLM2 at TP=1 against vLLM and its "
+                    "connectors), tp2, mla; comma-separated")
     args = ap.parse_args(argv)
     contexts = [int(x) for x in args.contexts.split(",")]
+    which = set(args.rows.split(","))
+    if not which or which - {"main", "tp2", "mla"}:
+        ap.error(f"--rows: main, tp2 and/or mla, not {args.rows!r}")
     if any(not 2 * T < q < MAX_LEN for q in contexts) or args.reps < 1:
         ap.error(f"contexts must be in ({2 * T}, {MAX_LEN}) tokens and --reps >= 1")
     if args.json is not None and not args.json.parent.is_dir():
@@ -130,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
 
     not_run: dict[str, str] = {}
-    if not args.skip_probes:
+    if not args.skip_probes and "main" in which:
         why = probe("offloading", engine_args(
             model, prefix_caching=False, max_model_len=MAX_LEN,
             kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -153,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     # A DRAM buffer for the largest hit (8K tokens: 63 blocks of 5.9 MB) and the saves.
     node = NodeProcess(work / "node", settings={"buffers": {"pe_buffer_mib": 1024}}).start()
     engines: dict[str, EngineProcess] = {}
+    rows: list[dict] = []
     try:
+        if "main" not in which:
+            raise _Skip
         engines["oracle"] = EngineProcess(engine_args(model, prefix_caching=True,
                                                       max_model_len=MAX_LEN),
                                           work / "oracle.log", env=ENGINE_ENV)
@@ -174,22 +185,28 @@ def main(argv: list[str] | None = None) -> int:
                                       "shared_storage_path": str(work / "example")}}),
             work / "example.log", env=ENGINE_ENV)
         rows = measure(engines, contexts, args.reps, node, work / "example", not_run)
+    except _Skip:
+        pass
     finally:
         for e in engines.values():
             e.close()
         node.stop()
     extra = {}
-    if args.tp2:
-        extra["tp2"] = measure_pair(
-            "tp2", model, contexts, args.reps, work,
-            {"tensor_parallel_size": 2}, {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-            oracle_prefix_caching=True)
-    if args.mla:
-        mla = models.prepare(models.default_dir(), ("mla",))["mla"]
-        extra["mla"] = measure_pair("mla", mla, contexts, args.reps, work,
-                                    dict(models.MLA_ENGINE_ARGS), ENGINE_ENV,
-                                    oracle_prefix_caching=False)
-    fio = fio_bandwidth(node)
+    # SmolLM2's 9 attention heads do not divide by 2: the TP=2 rows run the tiny Llama
+    # with 4 query heads over 2 KV heads (tests/vllm/test_connector_tp.py's model).
+    pairs = {"tp2": ("tiny2", {"tensor_parallel_size": 2},
+                     {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, True),
+             "mla": ("mla", dict(models.MLA_ENGINE_ARGS), ENGINE_ENV, False)}
+    for name, (mname, eargs, env, pc) in pairs.items():
+        if name not in which:
+            continue
+        m = models.prepare(models.default_dir(), (mname,))[mname]
+        try:
+            extra[name] = measure_pair(name, m, contexts, args.reps, work, eargs, env,
+                                       oracle_prefix_caching=pc, store=node.store_dir)
+        except (EngineDied, RuntimeError) as e:
+            not_run[f"{name} rows"] = str(e)[-300:]
+    fio = fio_bandwidth(node, extra)
 
     record = report(rows, contexts, fio, not_run, args, work, extra)
     if args.json:
@@ -305,7 +322,8 @@ def measure(engines: dict[str, EngineProcess], contexts: list[int], reps: int,
 
 
 def measure_pair(name: str, model: Path, contexts: list[int], reps: int, work: Path,
-                 extra: dict, env: dict, *, oracle_prefix_caching: bool) -> list[dict]:
+                 extra: dict, env: dict, *, oracle_prefix_caching: bool,
+                 store: Path | None = None) -> list[dict]:
     """DualPath against vLLM on the same turns, both engines made with ``extra`` (TP=2,
     MLA), a node of their own: vLLM's hit turn (its prefix cache; without one, its
     recompute: ``oracle_prefix_caching`` False) and DualPath's, alternated."""
@@ -348,9 +366,12 @@ def measure_pair(name: str, model: Path, contexts: list[int], reps: int, work: P
     return out
 
 
-def fio_bandwidth(node: NodeProcess) -> dict:
-    """fio over the block files DualPath read (the namespace directory of the store)."""
-    (ns,) = [Path(e.path) for e in namespace_dirs(node.store_dir)]   # not .evictor/
+def fio_bandwidth(node: NodeProcess, extra: dict | None = None) -> dict:
+    """fio over the block files DualPath read (the namespace directory of the store;
+    without the main rows, the first of the other rows' stores)."""
+    stores = [node.store_dir, *(node.dir.parent / f"node-{n}" / "kv" for n in extra or {})]
+    ns = next(Path(e.path) for d in stores for e in namespace_dirs(d)   # not .evictor/
+              if any(Path(e.path).rglob("*.kvb")))
     files = sorted(ns.rglob("*.kvb"))
     size = files[0].stat().st_size
     bs = size // 4096 * 4096
@@ -388,7 +409,7 @@ def report(rows: list[dict], contexts: list[int], fio: dict, not_run: dict, args
                    else float("nan") for m in modes} for q in contexts}
     bw = fio["gbytes_per_s"] * 1e9
     table = []
-    for q in contexts:
+    for q in contexts if rows else []:          # --rows without main: none
         m = med[q]
         w = next(r["hit_tokens"] for r in rows if r["context"] == q)
         read_bound = w * KV_BYTES_PER_TOKEN / bw
@@ -403,12 +424,12 @@ def report(rows: list[dict], contexts: list[int], fio: dict, not_run: dict, args
     extra = extra or {}
     pairs = {}
     if "tp2" in extra:
-        pairs["tp2"] = pair_table(extra["tp2"], contexts, bw, KV_BYTES_PER_TOKEN, True)
+        pairs["tp2"] = pair_table(extra["tp2"], contexts, bw, TINY2_KV_BYTES_PER_TOKEN, True)
     if "mla" in extra:
         pairs["mla"] = pair_table(extra["mla"], contexts, bw, MLA_KV_BYTES_PER_TOKEN, False)
     big = max(contexts)
     measured = [t for t in table if not math.isnan(t["speedup_vs_example_repeat"])]
-    summary = {
+    main = {
         "ttft_vs_limit_max": round(max(t["dualpath_vs_limit"] for t in table), 3),
         # over the contexts where a shipped connector ran (NaN-free rows)
         "speedup_vs_best_shipped_connector_min": round(
@@ -418,6 +439,9 @@ def report(rows: list[dict], contexts: list[int], fio: dict, not_run: dict, args
         "load_vs_recompute_8k": round(next(t["load_vs_recompute"] for t in table
                                            if t["context"] == big), 3),
         "max_logprob_abs_diff_vs_prefix_cache": max(r["logprob_abs_diff"] for r in rows),
+    } if table else {}
+    summary = {
+        **main,
         "tokens_mismatched": sum(r["tokens_mismatched"] for rs in [rows, *extra.values()]
                                  for r in rs),
         **{f"ttft_vs_limit_{k}_max": round(max(t["dualpath_vs_limit"] for t in v), 3)
@@ -425,7 +449,7 @@ def report(rows: list[dict], contexts: list[int], fio: dict, not_run: dict, args
         "max_logprob_abs_diff_tp2_mla": max(
             (r["logprob_abs_diff"] for rs in extra.values() for r in rs), default=None),
         "fio_read_gbytes_per_s": round(fio["gbytes_per_s"], 3),
-        "shipped_connectors_run": ["example"],
+        "shipped_connectors_run": ["example"] if table else [],
         "shipped_connectors_not_run": not_run,
     }
     print(f"\nvLLM TTFT bench: SmolLM2-135M fp32, vllm-cpu, medians of {args.reps} "

@@ -248,11 +248,12 @@ class Upkeep:
         self._discover()
 
     def _discover(self, now: float | None = None) -> None:
-        """Namespaces new since the last round are scanned into the core; one that was
-        removed is forgotten; one nobody writes with a capacity (no W records reach the
-        ledger) is scanned again every :data:`RESCAN_S`. A namespace that cannot be
-        listed or scanned (permissions, I/O) is left out this round and tried again
-        the next: never the whole store's eviction stopped for it."""
+        """Namespaces new since it last looked (at most every :data:`DISCOVER_S`) are
+        scanned into the core; one that was removed is forgotten; one nobody writes with
+        a capacity (no W records reach the ledger) is scanned again every
+        :data:`RESCAN_S`. A namespace that cannot be listed or scanned (permissions,
+        I/O) is left out and tried again when it next looks: never the whole store's
+        eviction stopped for it."""
         if now is not None and self._spaces and time.monotonic() < self._next_discover:
             return
         self._next_discover = time.monotonic() + DISCOVER_S
@@ -411,7 +412,7 @@ class Upkeep:
             key = pkey[2:]
             try:
                 if space.name == self.namespace:
-                    self.store.remove_file(key)      # this process's index entry too
+                    self.store.remove_file(key, strict=True)   # its index entry too
                 else:
                     unlink_block(space.dir, key)
             except OSError as e:        # still there: counted again, tried next round

@@ -50,6 +50,11 @@ class KeyIndex:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if background:
+            self.start()
+
+    def start(self) -> None:
+        """Poll the ledger on a thread of its own from now on (lookups then never do)."""
+        if self._thread is None and not self._stop.is_set():
             self._thread = threading.Thread(target=self._run, name="dp-store-index",
                                             daemon=True)
             self._thread.start()

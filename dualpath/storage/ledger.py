@@ -254,7 +254,8 @@ class LedgerWriter:
 
     def _next_segment(self) -> None:
         for fd in self._fds.values():
-            os.close(fd)
+            with contextlib.suppress(OSError):   # a deferred EIO on close: still closed
+                os.close(fd)
         self._fds.clear()
         self._segment += 1
 

@@ -114,36 +114,41 @@ class CapacityGuard:
         self.ledger = ledger
         self.stale_s = stale_s
         self._seen: tuple[int, int] | None = None
-        self._pub: Published | None = None
-        self._consumed: dict[str, int] = {}
+        # The last publication and its consumed offsets of this namespace, one pair
+        # (writer threads read it while another replaces it).
+        self._last: tuple[Published, dict[str, int]] | None = None
 
     def published(self) -> Published | None:
         """The evictor's last publication; None when there is none or it is older than
         ``stale_s`` (no evictor now: writes are not held back)."""
+        last = self._current()
+        return last[0] if last is not None else None
+
+    def _current(self) -> tuple[Published, dict[str, int]] | None:
         try:
             st = os.stat(self.path)
         except OSError:
-            self._pub = None
+            self._seen = self._last = None
             return None
         if time.time() - st.st_mtime > self.stale_s:
-            self._seen, self._pub = None, None
+            self._seen = self._last = None
             return None
         if self._seen != (st.st_ino, st.st_mtime_ns):
             self._seen = (st.st_ino, st.st_mtime_ns)    # read once, parsed or not
             try:
-                self._pub = Published.parse(read_publication(self.path))
-                self._consumed = self._pub.consumed_of(self.namespace)
+                pub = Published.parse(read_publication(self.path))
+                self._last = (pub, pub.consumed_of(self.namespace))
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                self._pub = None
-        return self._pub
+                self._last = None
+        return self._last
 
     def refusal(self, nbytes: int, tag: int = DEFAULT_TAG) -> str | None:
         """Why a write of ``nbytes`` of tenant ``tag``'s is refused now (None: it may
         go ahead)."""
-        pub = self.published()
-        if pub is None:
+        last = self._current()
+        if last is None:
             return None
-        consumed = self._consumed
+        pub, consumed = last
         mine = self.ledger.unaccounted(consumed) + nbytes
         mine_tag = self.ledger.unaccounted(consumed, tag) + nbytes \
             if pub.quotas is not None else 0

@@ -211,7 +211,7 @@ class BlockStore:
                                self.dir) from None
         if index_max_keys > 0:
             self.index = KeyIndex(LedgerTail.of(self.dir, "log"), self._file_exists,
-                                  max_keys=index_max_keys, background=True)
+                                  max_keys=index_max_keys)
         if capacity is not None and capacity.bytes > 0:
             self._guard = CapacityGuard(self.root, self.dir.name, self.ledger)
             self.upkeep = capacity.start(self, self.ledger)
@@ -221,6 +221,8 @@ class BlockStore:
                         "storage.capacity_gib: its writes escape the bound until the "
                         "evictor's next rescan; give every process the same [storage]",
                         self.dir, usage_path(self.root))
+        if self.index is not None:
+            self.index.start()            # its polling thread, once nothing above can fail
         log.info("block store %s: profile %s, %d-byte full blocks, direct_io=%s, %d read "
                  "workers, integrity tags %s, index %s, capacity %s", self.dir, profile.name,
                  self.layout.full_bytes, direct_io, read_workers,
@@ -353,11 +355,19 @@ class BlockStore:
             self.ledger.evicted([key], now=True)
         return gone
 
-    def remove_file(self, key: bytes) -> bool:
-        """Unlink block ``key``'s file only (the evictor records its E itself)."""
+    def remove_file(self, key: bytes, strict: bool = False) -> bool:
+        """Unlink block ``key``'s file only (the evictor records its E itself); False
+        when it was not there. A directory that cannot be reached (permissions, I/O) is
+        False too, or with ``strict`` (the evictor: the block may still be there, and
+        must stay counted) the OSError."""
         if self.index is not None:
             self.index.discard(key)
-        return unlink_block(self._root_fd, key)
+        try:
+            return unlink_block(self._root_fd, key)
+        except OSError:
+            if strict:
+                raise
+            return False
 
     # --- writes -------------------------------------------------------------------------
     def write(self, key: bytes, data, *, overwrite: bool = False) -> bool:

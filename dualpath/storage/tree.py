@@ -12,6 +12,7 @@ What :class:`~dualpath.storage.store.BlockStore` (one namespace), the store's ev
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -24,6 +25,7 @@ SUFFIX = ".kvb"
 NAMESPACE = re.compile(r"^(?P<name>.+)-t(?P<tokens>[1-9][0-9]*)$")
 HEX = frozenset("0123456789abcdef")
 BLOCK_NAME_LEN = 32 + len(SUFFIX)
+_ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)   # not there, or not ours to follow
 
 
 def namespace_dirs(root: str | os.PathLike) -> list[os.DirEntry]:
@@ -91,20 +93,25 @@ def block_parts(key: bytes) -> tuple[str, str, str]:
 def unlink_block(ns: str | os.PathLike | int, key: bytes) -> bool:
     """Remove block ``key``'s file from the namespace ``ns`` (its path, or a descriptor
     of its directory), not following a symlink in its path; False when it was not there
-    (or a symlink or a file stands where its directories would). Another namespace's
-    blocks are removed this way by the store's evictor."""
+    (or a symlink or a file stands where its directories would); OSError when it could
+    not be reached (permissions, I/O: it may still be there). Another namespace's blocks
+    are removed this way by the store's evictor."""
     top, sub, name = block_parts(key)
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(top, flags, dir_fd=ns) if isinstance(ns, int) else \
             os.open(os.path.join(os.fspath(ns), top), flags)
-    except OSError:
-        return False
+    except OSError as e:
+        if e.errno in _ABSENT:
+            return False
+        raise                     # EACCES, EIO, ESTALE...: the block may still be there
     try:
         try:
             dfd = os.open(sub, flags, dir_fd=fd)
-        except OSError:
-            return False
+        except OSError as e:
+            if e.errno in _ABSENT:
+                return False
+            raise
         try:
             os.unlink(name, dir_fd=dfd)
             return True

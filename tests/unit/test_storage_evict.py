@@ -546,3 +546,28 @@ def test_a_namespace_written_without_a_capacity_is_rescanned(tmp_path, monkeypat
         a.upkeep.tick()                              # found at its next rescan
         assert a.upkeep.core.space_usage[a.upkeep._spaces["demo-t8"].prefix] == \
             3 * ON_DISK8
+
+
+def test_a_block_the_evictor_cannot_reach_stays_counted(tmp_path, monkeypatch):
+    # A review found: an EACCES or EIO opening another namespace's fan-out directory
+    # read as "not there", so the evictor forgot a block still on disk (usage under-
+    # counted, the bound slipping) with no warning.
+    real = os.open
+    with _capped8(tmp_path, 10 * ON_DISK) as b:
+        t0 = time.time() - 100
+        for i, k in enumerate(KEYS8[:4]):           # demo-t8's blocks: the oldest
+            b.write(k, _fill(b, k))
+            os.utime(b.path_of(k), (t0 + i, t0 + i))
+    with _capped(tmp_path, 10, high=0.9, low=0.5) as a:
+        def denied(path, flags, *args, **kw):      # demo-t8's fan-out: EACCES
+            if isinstance(path, str) and "/demo-t8/" in path and flags & os.O_DIRECTORY:
+                raise PermissionError(13, "Permission denied", path)
+            return real(path, flags, *args, **kw)
+        monkeypatch.setattr(os, "open", denied)
+        a.upkeep.tick()                  # over: picks demo-t8's, cannot remove them
+        monkeypatch.setattr(os, "open", real)
+        assert a.upkeep.stats.evictions == 0
+        assert a.upkeep.core.usage == sum(x.nbytes for x in b.walk()) == 4 * ON_DISK8
+        a.upkeep.tick()                  # reachable again: evicted and uncounted
+        assert a.upkeep.stats.evictions > 0
+        assert a.upkeep.core.usage == sum(x.nbytes for x in b.walk())

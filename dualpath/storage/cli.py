@@ -45,7 +45,14 @@ from dualpath.storage.ledger import HIT, LedgerTail
 from dualpath.storage.lru import LruCore
 from dualpath.storage.publication import read_publication, usage_path
 from dualpath.storage.store import BlockStore, aligned_bytes
-from dualpath.storage.tree import BLOCK_NAME_LEN, HEX, NAMESPACE, SUFFIX, leaf_entries
+from dualpath.storage.tree import (
+    BLOCK_NAME_LEN,
+    HEX,
+    NAMESPACE,
+    SUFFIX,
+    leaf_entries,
+    regular_stat,
+)
 
 # The block header's profile name and layout (format.py: offsets 16..60); what it says
 # is trusted only once format.check_header accepts the header with it.
@@ -173,11 +180,8 @@ def _extras(ns_dir: Path) -> dict[str, int]:
             "corrupt" if n.endswith(SUFFIX + ".corrupt") else None
         if kind is None:
             continue
-        try:
-            st = e.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(st.st_mode):
+        st = regular_stat(e)
+        if st is not None:
             out[f"{kind}_files"] += 1
             out[f"{kind}_bytes"] += st.st_size
     return out

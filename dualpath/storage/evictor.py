@@ -104,6 +104,11 @@ class _Space:
         self.writer = writer        # the E records of its evictions (made when needed)
         self.borrowed = writer is not None      # the store's own ledger: not closed here
 
+    def close(self) -> None:
+        """Close the ledger writer made for it (not the store's own)."""
+        if self.writer is not None and not self.borrowed:
+            self.writer.close()
+
 
 class Upkeep:
     """See the module docstring. ``store`` is the BlockStore it keeps (its ``root``,
@@ -268,8 +273,7 @@ class Upkeep:
             space = self._spaces.pop(name)
             del self._by_prefix[space.prefix]
             self.core.forget_prefix(space.prefix)
-            if space.writer is not None and not space.borrowed:
-                space.writer.close()
+            space.close()
         if now is not None and time.monotonic() >= self._next_rescan:
             self._next_rescan = time.monotonic() + RESCAN_S
             self._rescan_unwritten(now)
@@ -321,8 +325,7 @@ class Upkeep:
 
     def _close_spaces(self) -> None:
         for space in self._spaces.values():
-            if space.writer is not None and not space.borrowed:
-                space.writer.close()
+            space.close()
         self._spaces.clear()
         self._by_prefix.clear()
 

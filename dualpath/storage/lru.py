@@ -58,8 +58,8 @@ class Quotas:
         return {"default": self.default, "named": {str(t): q for t, q in self.named.items()}}
 
     @classmethod
-    def from_json(cls, d: dict, kind: Callable = int) -> Quotas:
-        return cls(int(d["default"]), {kind(t): int(q) for t, q in d["named"].items()})
+    def from_json(cls, d: dict) -> Quotas:
+        return cls(int(d["default"]), {int(t): int(q) for t, q in d["named"].items()})
 
 
 class _Group:
@@ -187,12 +187,8 @@ class LruCore:
     def hit(self, key: bytes, now: float) -> float | None:
         """A hit on ``key``: most recent now, leased; the seconds since its last touch
         (its hit age), or None for a block not known here."""
-        if key not in self._blocks:
-            return None
-        age = max(0.0, now - self._touched[key])
-        self._touch(key, now)
-        self._leases[key] = now + self.lease_s
-        return age
+        ages = self.hit_many((key,), now)
+        return ages[0] if ages else None
 
     def hit_many(self, keys, now: float) -> list[float]:
         """:meth:`hit` of each of ``keys``; the hit ages of those known here (one call

@@ -65,6 +65,16 @@ def leaf_entries(ns_dir: str | os.PathLike) -> Iterator[tuple[str, os.DirEntry]]
                 yield fan, e
 
 
+def regular_stat(entry: os.DirEntry) -> os.stat_result | None:
+    """``entry``'s stat when it is a regular file still there (not following a
+    symlink); None otherwise."""
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
 def walk_blocks(ns_dir: str | os.PathLike) -> Iterator[StoredBlock]:
     """Every block file of a namespace, in no order: its key, size and mtime. Only the
     fan-out layout's own names are listed; temp and quarantined files are skipped, and
@@ -74,11 +84,8 @@ def walk_blocks(ns_dir: str | os.PathLike) -> Iterator[StoredBlock]:
         if len(n) != BLOCK_NAME_LEN or not n.endswith(SUFFIX) or \
                 not set(n[:32]) <= HEX or n[:4] != fan:
             continue
-        try:
-            st = e.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(st.st_mode):
+        st = regular_stat(e)
+        if st is not None:
             yield StoredBlock(bytes.fromhex(n[:32]), st.st_size, st.st_mtime)
 
 
